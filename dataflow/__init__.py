@@ -1,0 +1,1 @@
+"""dataflow: the CLI and the small public API that ties graph_ir -> lowering -> runtime together."""

@@ -1,0 +1,254 @@
+"""What a model IS: the typed, validated description of an MoE architecture.
+
+A `ModelSpec` is loaded from YAML (`load_spec`), built in Python (`graph_ir.builder`), or imported
+from a Hugging Face checkpoint directory (`models.checkpoint`). Every other layer of the system reads
+only this object, never a raw config dict. All models forbid unknown fields so a typo in a YAML is an
+error naming the field, not a silently ignored setting.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from graph_ir.errors import UserError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+
+
+class RopeSpec(_Strict):
+    """Rotary position embedding. `scaling` picks how positions past the trained length are handled."""
+
+    theta: float = Field(10000.0, gt=0)
+    scaling: Literal["none", "linear", "yarn"] = "none"
+    factor: float = Field(1.0, gt=0)
+    original_max_position: Optional[int] = Field(None, gt=0)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # YaRN attention-temperature knobs as DeepSeek-V2 uses them (None: the plain YaRN 0.1*ln(s)+1).
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    # GPT-OSS keeps the YaRN correction range un-rounded (HF `truncate: false`).
+    truncate: bool = True
+    # Fraction of head_dim that is rotated (GLM-4.5: 0.5); the rest passes through.
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    # Pair layout: False = rotate halves (Llama/Mixtral/GPT-OSS), True = adjacent pairs
+    # (the DeepSeek-V2 checkpoint layout, which HF de-interleaves before rotate-half).
+    interleaved: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "RopeSpec":
+        if self.scaling == "yarn" and self.original_max_position is None:
+            raise ValueError("yarn scaling needs original_max_position")
+        return self
+
+
+class AttentionSpec(_Strict):
+    """Self-attention of every layer. `gqa` covers MHA/MQA/GQA; `mla` is DeepSeek-V2's latent attention."""
+
+    kind: Literal["gqa", "mla"] = "gqa"
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # "head": RMSNorm over head_dim per head (Qwen3); "full": over all heads' q / k (OLMoE).
+    qk_norm: Literal["none", "head", "full"] = "none"
+    sinks: bool = False  # GPT-OSS: a learned per-head logit that absorbs attention mass
+    sliding_window: Optional[int] = Field(None, gt=0)
+    # Per-layer kind when some layers slide (GPT-OSS alternates). None: all layers use
+    # `sliding_window` if it is set, else full attention.
+    layer_types: Optional[list[Literal["full", "sliding"]]] = None
+    softmax_scale: Optional[float] = Field(None, gt=0)  # None: 1/sqrt(qk head dim)
+    rope: RopeSpec = Field(default_factory=RopeSpec)
+    # MLA only.
+    q_lora_rank: Optional[int] = Field(None, gt=0)
+    kv_lora_rank: Optional[int] = Field(None, gt=0)
+    qk_nope_head_dim: Optional[int] = Field(None, gt=0)
+    qk_rope_head_dim: Optional[int] = Field(None, gt=0)
+    v_head_dim: Optional[int] = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AttentionSpec":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        if self.kind == "mla":
+            missing = [f for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                       if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"mla attention needs {', '.join(missing)}")
+            if self.num_kv_heads != self.num_heads:
+                raise ValueError("mla attention has num_kv_heads == num_heads")
+        if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has 'sliding' layers but sliding_window is not set")
+        return self
+
+    @property
+    def qk_head_dim(self) -> int:
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim) if self.kind == "mla" else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.kind == "mla" else self.head_dim
+
+    def window(self, layer: int) -> Optional[int]:
+        """Sliding window of `layer` in tokens, None for full attention."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+
+
+class RouterSpec(_Strict):
+    """How a token picks its experts and their weights.
+
+    scoring:
+      softmax       softmax over all experts, then top-k (Mixtral, Qwen, OLMoE, DeepSeek-V2)
+      topk_softmax  top-k on raw logits, softmax over those k (GPT-OSS)
+      sigmoid       sigmoid scores; selection adds `correction_bias` (GLM-4.5, DeepSeek-V3)
+    """
+
+    scoring: Literal["softmax", "topk_softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True  # divide the k weights by their sum
+    bias: bool = False  # router linear has a bias (GPT-OSS)
+    correction_bias: bool = False  # per-expert bias added for selection only
+    n_group: int = Field(1, gt=0)  # group-limited top-k: experts split into n_group groups...
+    topk_group: int = Field(1, gt=0)  # ...and only the best topk_group groups are eligible
+    routed_scaling: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RouterSpec":
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+        return self
+
+
+class ExpertSpec(_Strict):
+    """Routed experts (all the same shape) and the optional shared expert of each MoE layer."""
+
+    num_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    activation: Literal["silu_glu", "gptoss_glu"] = "silu_glu"
+    # GPT-OSS clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], out = (up+1)*gate*sigmoid(alpha*gate)
+    glu_alpha: float = 1.702
+    glu_limit: float = 7.0
+    bias: bool = False
+    # Shared expert: one dense SwiGLU MLP on every token of the home rank (0 = none).
+    shared_intermediate_size: int = Field(0, ge=0)
+    shared_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w) scales the shared output
+
+    @model_validator(mode="after")
+    def _check(self) -> "ExpertSpec":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise ValueError("shared_gate needs shared_intermediate_size > 0")
+        return self
+
+
+class WeightsSpec(_Strict):
+    source: Literal["random", "checkpoint"] = "random"
+    seed: int = 0
+    path: Optional[str] = None  # checkpoint directory (config.json + *.safetensors)
+    init_std: float = Field(0.02, gt=0)  # random weights only
+
+    @model_validator(mode="after")
+    def _check(self) -> "WeightsSpec":
+        if self.source == "checkpoint" and not self.path:
+            raise ValueError("source 'checkpoint' needs path")
+        return self
+
+
+class ModelSpec(_Strict):
+    name: str
+    # Which reference implementation the math follows; `custom` for user-declared models.
+    family: Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe",
+                    "deepseek_v2", "custom"] = "custom"
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    max_position: int = Field(4096, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    tie_embeddings: bool = False
+    attention: AttentionSpec
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    experts: ExpertSpec
+    # Layers with one dense MLP instead of experts (e.g. DeepSeek/GLM "first k dense").
+    dense_layers: list[int] = Field(default_factory=list)
+    dense_intermediate_size: Optional[int] = Field(None, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    eos_token_ids: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        bad = [l for l in self.dense_layers if not 0 <= l < self.num_layers]
+        if bad:
+            raise ValueError(f"dense_layers {bad} outside 0..{self.num_layers - 1}")
+        if self.dense_layers and self.dense_intermediate_size is None:
+            raise ValueError("dense_layers needs dense_intermediate_size")
+        if len(set(self.dense_layers)) == self.num_layers:
+            raise ValueError("every layer is dense: an MoE model needs at least one expert layer")
+        lt = self.attention.layer_types
+        if lt is not None and len(lt) != self.num_layers:
+            raise ValueError(f"attention.layer_types has {len(lt)} entries, num_layers is {self.num_layers}")
+        if self.router.n_group > 1 and self.experts.num_experts % self.router.n_group:
+            raise ValueError(f"router.n_group ({self.router.n_group}) must divide "
+                             f"experts.num_experts ({self.experts.num_experts})")
+        bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad_eos:
+            raise ValueError(f"eos_token_ids {bad_eos} outside the vocabulary 0..{self.vocab_size - 1}")
+        return self
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [l for l in range(self.num_layers) if self.is_moe_layer(l)]
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per problem: file, dotted field path, the bad value and what pydantic says is valid."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        value = e.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        lines.append(f"{source}: field '{loc}': {msg} (got {shown})")
+    return "\n".join(lines)
+
+
+def spec_from_dict(data: dict, source: str = "<spec>") -> ModelSpec:
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a mapping of model fields at the top level, got {type(data).__name__}")
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as err:
+        raise UserError(format_validation_error(err, source)) from None
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Read a model YAML. Every problem becomes a `UserError` naming the file and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such model file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML: {err}") from None
+    return spec_from_dict(data, str(path))
+
+
+def dump_spec(spec: ModelSpec, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False))

@@ -1,0 +1,1 @@
+"""lowering: passes from (dataflow graph, cluster shape) to a per-rank plan."""

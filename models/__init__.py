@@ -1,0 +1,1 @@
+"""models: the math of each architecture family, weight loading, and the shipped model YAMLs."""
