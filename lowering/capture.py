@@ -1,0 +1,55 @@
+"""Capture pass: CUDA graph bucket lists per stage kind, which layers share a pool, graph memory.
+
+A batch is padded up to the smallest bucket that holds it and replays the graph captured for
+that (stage, bucket). Graphs of every layer at one (kind, bucket) run one at a time on a rank, so
+they share one memory pool and one set of static input/output buffers: graph memory then grows
+with the number of buckets, not with layers x buckets (the StreamEP trick).
+The plan is computed on every device so `inspect` can show it; only cuda captures.
+"""
+from __future__ import annotations
+
+from graph_ir.spec import ModelSpec
+from lowering import sizes
+from lowering.plan import (PUBLISHED_ATTN_BUCKETS, PUBLISHED_EXPERT_BUCKETS, BatchCaps, CapturePlan,
+                           CapturePool, Cluster, Placement, Stage)
+
+# Fixed device cost of one captured graph (graph exec object, kernel nodes, allocator metadata).
+# An estimate: the point is that it multiplies with graph count while the buffers do not.
+GRAPH_OVERHEAD_BYTES = 256 * 1024
+
+
+def buckets_for(published: list[int], cap: int) -> list[int]:
+    """Published buckets up to the cap, with the cap itself as the last bucket so any batch fits."""
+    out = [b for b in published if b < cap]
+    return out + [cap]
+
+
+def plan_capture(spec: ModelSpec, stages: list[Stage], placement: Placement, caps: BatchCaps,
+                 cluster: Cluster) -> CapturePlan:
+    buckets = {"attn": buckets_for(PUBLISHED_ATTN_BUCKETS, caps.attn_tokens),
+               "expert": buckets_for(PUBLISHED_EXPERT_BUCKETS, caps.expert_rows),
+               "sample": buckets_for(PUBLISHED_ATTN_BUCKETS, caps.attn_tokens)}
+    b = sizes.dtype_bytes(spec)
+    attn_layers = list(range(spec.num_layers))
+    pools: list[CapturePool] = []
+    for t in buckets["attn"]:
+        per_row = max(sizes.attn_row_elems(spec, l) for l in attn_layers) * b
+        pools.append(CapturePool(kind="attn", bucket=t, layers=attn_layers, static_buffer_bytes=t * per_row))
+    for n in buckets["expert"]:
+        pools.append(CapturePool(kind="expert", bucket=n, layers=spec.moe_layers,
+                                 static_buffer_bytes=n * sizes.expert_row_elems(spec) * b))
+    for t in buckets["sample"]:
+        pools.append(CapturePool(kind="sample", bucket=t, layers=[spec.num_layers],
+                                 static_buffer_bytes=t * sizes.sample_row_bytes(spec)))
+
+    graphs, memory = [], []
+    for r in range(cluster.ranks):
+        # A rank captures expert graphs only for layers where it holds experts.
+        expert_layers = [l for l in spec.moe_layers if placement.experts_on(l, r)]
+        n = len(attn_layers) * len(buckets["attn"]) + len(expert_layers) * len(buckets["expert"]) \
+            + len(buckets["sample"])
+        pool_bytes = sum(p.static_buffer_bytes for p in pools if p.kind != "expert" or expert_layers)
+        graphs.append(n)
+        memory.append(pool_bytes + n * GRAPH_OVERHEAD_BYTES if cluster.device == "cuda" else 0)
+    return CapturePlan(enabled=cluster.device == "cuda", buckets=buckets, pools=pools,
+                       graphs_per_rank=graphs, graph_memory_bytes=memory)

@@ -1,0 +1,85 @@
+"""Plan invariants. `compile_plan` runs this on every plan it returns; a failure here is a
+compiler bug (AssertionError-like `PlanInvariantError`), never a user mistake."""
+from __future__ import annotations
+
+from lowering.plan import Plan
+
+
+class PlanInvariantError(AssertionError):
+    pass
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise PlanInvariantError(what)
+
+
+def check_plan(plan: Plan) -> None:
+    spec, R = plan.spec, plan.cluster.ranks
+    E = spec.experts.num_experts
+    stages = plan.stages
+    # Chain: ids are indices, it visits attn(0..L-1) in order with an expert stage after each MoE
+    # layer, ends in sample, and sample wraps to attn(0).
+    _require([s.id for s in stages] == list(range(len(stages))), "stage ids are not 0..n-1")
+    _require(all(s.next == (s.id + 1) % len(stages) for s in stages), "stage chain is not a single cycle")
+    expected = []
+    for l in range(spec.num_layers):
+        expected.append(("attn", l))
+        if spec.is_moe_layer(l):
+            expected.append(("expert", l))
+    expected.append(("sample", spec.num_layers))
+    _require([(s.kind, s.layer) for s in stages] == expected, "stage chain does not match the model layers")
+    _require(stages[-1].next == stages[0].id and stages[0].kind == "attn" and stages[0].layer == 0,
+             "sample does not feed attn(0)")
+
+    # Placement: every expert of every MoE layer on exactly one valid rank; dense layers empty.
+    _require(len(plan.placement.expert_rank) == spec.num_layers, "placement has the wrong number of layers")
+    for l, owners in enumerate(plan.placement.expert_rank):
+        if spec.is_moe_layer(l):
+            _require(len(owners) == E, f"layer {l}: {len(owners)} experts placed, expected {E}")
+            _require(all(0 <= r < R for r in owners), f"layer {l}: expert placed on a rank outside 0..{R - 1}")
+        else:
+            _require(owners == [], f"dense layer {l} has experts placed")
+
+    # Queues: one per stage per rank, mirroring the chain; expert lists partition the experts.
+    _require([rp.rank for rp in plan.ranks] == list(range(R)), "rank plans are not 0..R-1")
+    for rp in plan.ranks:
+        _require(len(rp.queues) == len(stages), f"rank {rp.rank}: queue count != stage count")
+        for q, s in zip(rp.queues, stages):
+            _require((q.stage_id, q.kind, q.layer, q.next_stage) == (s.id, s.kind, s.layer, s.next),
+                     f"rank {rp.rank}: queue {q.stage_id} does not match stage {s.id}")
+            cap = plan.caps.expert_rows if s.kind == "expert" else plan.caps.attn_tokens
+            _require(q.batch_cap == cap, f"rank {rp.rank}: queue {q.stage_id} cap {q.batch_cap} != {cap}")
+            want = plan.placement.experts_on(s.layer, rp.rank) if s.kind == "expert" else []
+            _require(q.experts == want, f"rank {rp.rank}: queue {q.stage_id} experts disagree with placement")
+
+    # Routes: exactly one per chain edge; cross-rank edges reach every holder / every home.
+    _require([(r.src_stage, r.dst_stage) for r in plan.routes] == [(s.id, s.next) for s in stages],
+             "routes do not cover the stage chain edge by edge")
+    for route in plan.routes:
+        s = stages[route.src_stage]
+        if route.kind == "dispatch":
+            layer_holders = plan.placement.holders(s.layer)
+            _require(route.dst_ranks == layer_holders and route.src_ranks == list(range(R)),
+                     f"dispatch route of stage {s.id} misses ranks")
+            _require(stages[route.dst_stage].kind == "expert", f"dispatch from stage {s.id} not into experts")
+        elif route.kind == "combine":
+            layer_holders = plan.placement.holders(s.layer)
+            _require(route.src_ranks == layer_holders and route.dst_ranks == list(range(R)),
+                     f"combine route of stage {s.id} misses ranks")
+        _require(route.max_message_bytes == (0 if route.kind == "local" else route.max_rows * route.row_bytes),
+                 f"route {route.src_stage}->{route.dst_stage}: message bytes disagree with rows")
+
+    # Memory: the parts add up and never exceed the device.
+    _require(len(plan.memory) == R and plan.kv.num_blocks == [m.kv_blocks for m in plan.memory],
+             "memory/KV tables do not cover every rank")
+    for m in plan.memory:
+        _require(m.weight_bytes == m.replicated_weight_bytes + m.expert_weight_bytes, f"rank {m.rank}: weights do not sum")
+        _require(m.kv_capacity_tokens == m.kv_blocks * plan.kv.block_size, f"rank {m.rank}: KV tokens != blocks x block size")
+        _require(m.kv_bytes == m.kv_capacity_tokens * plan.kv.bytes_per_token, f"rank {m.rank}: KV bytes disagree")
+        used = m.weight_bytes + m.graph_bytes + m.workspace_bytes + m.kv_bytes
+        _require(used + m.free_bytes == m.device_bytes and m.free_bytes >= 0, f"rank {m.rank}: memory does not sum")
+    _require(len(plan.capture.graph_memory_bytes) == R, "capture plan does not cover every rank")
+    for kind, bks in plan.capture.buckets.items():
+        cap = plan.caps.expert_rows if kind == "expert" else plan.caps.attn_tokens
+        _require(bks == sorted(set(bks)) and bks[-1] == cap, f"{kind} buckets are not ascending up to the cap")

@@ -1,0 +1,79 @@
+"""Memory pass: per-rank budget (weights, graphs, workspace, KV cache) and the KV page count.
+
+Every rank holds the replicated part (embedding, head, attention, routers, shared/dense MLPs:
+attention is data-parallel) plus only the experts placed on it. What is left after weights, CUDA
+graph memory and a batch workspace becomes KV cache, in pages of `block_size` tokens. A rank that
+cannot hold the KV of `min_kv_tokens` tokens cannot serve a request, so the plan is refused with
+the rank, the bytes needed and the bytes available.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from graph_ir.errors import UserError
+from graph_ir.spec import ModelSpec
+from lowering import sizes
+from lowering.plan import BatchCaps, CapturePlan, Cluster, KVPlan, Placement, RankMemory
+
+GIB = 1024 ** 3
+
+
+def workspace_bytes(spec: ModelSpec, caps: BatchCaps) -> int:
+    """Activations of the largest batch of any stage, twice (the batch running plus the next one
+    being assembled), plus receive buffers of one full batch per stage kind."""
+    b = sizes.dtype_bytes(spec)
+    attn = caps.attn_tokens * max(sizes.attn_row_elems(spec, l) for l in range(spec.num_layers)) * b
+    expert = caps.expert_rows * sizes.expert_row_elems(spec) * b
+    sample = caps.attn_tokens * sizes.sample_row_bytes(spec)
+    recv = (caps.attn_tokens * spec.experts.top_k + caps.expert_rows) * spec.hidden_size * b
+    return 2 * max(attn, expert, sample) + recv
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def plan_memory(spec: ModelSpec, placement: Placement, caps: BatchCaps, cluster: Cluster,
+                capture: CapturePlan, block_size: int, min_kv_tokens: int,
+                max_kv_tokens: Optional[int] = None) -> tuple[KVPlan, list[RankMemory]]:
+    """`max_kv_tokens` caps the pages per rank (e.g. a CPU run that should not reserve the whole
+    budget); None fills what is left."""
+    b = sizes.dtype_bytes(spec)
+    device = int(cluster.device_memory_gib * GIB)
+    replicated = sizes.replicated_params(spec) * b
+    one_expert = sizes.expert_params(spec) * b
+    kv_layer = sizes.kv_bytes_per_token_layer(spec)
+    kv_token = kv_layer * spec.num_layers
+    work = workspace_bytes(spec, caps)
+    # Round the minimum up to whole pages: the runtime allocates KV in pages.
+    min_tokens = -(-min_kv_tokens // block_size) * block_size
+
+    out: list[RankMemory] = []
+    short: list[str] = []
+    for r in range(cluster.ranks):
+        experts = sum(len(placement.experts_on(l, r)) for l in spec.moe_layers) * one_expert
+        weights = replicated + experts
+        graph = capture.graph_memory_bytes[r]
+        left = device - weights - graph - work
+        blocks = max(left, 0) // (kv_token * block_size)
+        if max_kv_tokens is not None:
+            blocks = min(blocks, -(-max_kv_tokens // block_size))
+        if blocks * block_size < min_tokens:
+            need = weights + graph + work + min_tokens * kv_token
+            short.append(f"rank {r} needs {need} bytes ({_gib(need)}: weights {_gib(weights)}, "
+                         f"CUDA graphs {_gib(graph)}, workspace {_gib(work)}, KV for {min_tokens} tokens "
+                         f"{_gib(min_tokens * kv_token)}) but has {device} bytes ({_gib(device)})")
+        kv = blocks * block_size * kv_token
+        out.append(RankMemory(rank=r, device_bytes=device, replicated_weight_bytes=replicated,
+                              expert_weight_bytes=experts, weight_bytes=weights, graph_bytes=graph,
+                              workspace_bytes=work, kv_bytes=kv, kv_capacity_tokens=blocks * block_size,
+                              kv_blocks=blocks, free_bytes=left - kv if left > 0 else 0))
+    if short:
+        shown = "; ".join(short[:3]) + (f"; and {len(short) - 3} more ranks" if len(short) > 3 else "")
+        raise UserError(f"model '{spec.name}' does not fit {cluster.ranks} x {cluster.device} "
+                        f"({cluster.device_memory_gib:g} GiB each): {shown}. "
+                        f"Use more ranks (--ranks) to spread the experts, or give more memory (--device-memory GiB).")
+    kv = KVPlan(block_size=block_size, dtype=spec.dtype, bytes_per_token=kv_token,
+                bytes_per_token_per_layer=[kv_layer] * spec.num_layers,
+                num_blocks=[m.kv_blocks for m in out])
+    return kv, out

@@ -1,0 +1,292 @@
+"""The Plan: the versioned JSON contract between `dataflow compile` and `dataflow run`.
+
+`compile_plan(spec, ranks, ...)` runs the lowering passes in order (each pass is one function in
+its own module) and returns a `Plan`; `save_plan` writes it as PLAN_DIR/plan.json with the
+ModelSpec embedded, so a plan directory alone is enough to run. `load_plan` refuses files written
+by another plan version rather than guessing, because the runtime trusts every field.
+
+Conventions the runtime relies on:
+- `plan.stages` is the stage chain attn(0), expert(0), attn(1), ..., sample; stage ids are list
+  indices, identical on every rank; dense layers have no expert stage; `sample.next` is attn(0).
+- the sample stage has `layer == spec.num_layers` (it comes after the last layer).
+- `plan.placement.expert_rank[layer][e]` is the rank that holds expert e of that layer
+  (`[]` for dense layers).
+- `plan.ranks[r].queues[s]` is rank r's mu-queue for stage s (one per stage on every rank, even
+  when r holds no expert of that layer: its `experts` list is then empty).
+- `plan.kv.num_blocks[r]` is the number of KV pages of `plan.kv.block_size` tokens on rank r.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from graph_ir.errors import UserError
+from graph_ir.spec import ModelSpec
+
+PLAN_VERSION = 1
+PLAN_FILE = "plan.json"
+SUMMARY_FILE = "plan.txt"
+
+# Published StreamEP numbers (see shared/docs/streamep.md): caps of one batch and CUDA graph buckets.
+DEFAULT_ATTN_CAP = 256
+DEFAULT_EXPERT_CAP = 1024
+PUBLISHED_ATTN_BUCKETS = [1, 8, 40, 72, 104, 128, 192, 256]
+PUBLISHED_EXPERT_BUCKETS = [128, 256, 512, 1024]
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_DEVICE_MEMORY_GIB = {"cpu": 16.0, "cuda": 140.0}
+# Every rank must hold the KV of at least one request this long (the paper's contexts are <= 2048),
+# otherwise the plan "fits" but cannot serve anything.
+DEFAULT_MIN_KV_TOKENS = 2048
+# The queue tables and routes grow with ranks; beyond this a plan is not something we can test.
+MAX_RANKS = 1024
+
+StageKind = Literal["attn", "expert", "sample"]
+PlacementPolicy = Literal["contiguous", "round_robin", "profile"]
+HomePolicy = Literal["most_free_kv", "round_robin"]
+Device = Literal["cpu", "cuda"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Cluster(_Model):
+    ranks: int = Field(gt=0)
+    device: Device = "cpu"
+    device_memory_gib: float = Field(gt=0)
+
+
+class Stage(_Model):
+    """One link of the stage chain. `layer` is the model layer (num_layers for the sampler)."""
+
+    id: int
+    kind: StageKind
+    layer: int
+    next: int
+
+
+class BatchCaps(_Model):
+    attn_tokens: int = Field(DEFAULT_ATTN_CAP, gt=0)  # tokens per attention / sample batch
+    expert_rows: int = Field(DEFAULT_EXPERT_CAP, gt=0)  # routed (token, expert) rows per expert batch
+
+
+class Placement(_Model):
+    policy: PlacementPolicy = "contiguous"
+    home_policy: HomePolicy = "most_free_kv"
+    # expert_rank[layer][e] = rank holding expert e of that layer; [] for dense layers.
+    expert_rank: list[list[int]]
+    # Per-expert load used by `profile` placement (None for the other policies), per layer.
+    load: Optional[list[list[float]]] = None
+
+    def experts_on(self, layer: int, rank: int) -> list[int]:
+        return [e for e, r in enumerate(self.expert_rank[layer]) if r == rank]
+
+    def holders(self, layer: int) -> list[int]:
+        """Ranks that hold at least one expert of `layer`, ascending."""
+        return sorted(set(self.expert_rank[layer]))
+
+
+class QueueEntry(_Model):
+    """One mu-queue of a rank: where tokens of one stage wait, and where they go next."""
+
+    stage_id: int
+    kind: StageKind
+    layer: int
+    next_stage: int
+    batch_cap: int  # tokens (attn/sample) or routed rows (expert)
+    experts: list[int] = Field(default_factory=list)  # expert ids of `layer` held by this rank
+
+
+class RankPlan(_Model):
+    rank: int
+    queues: list[QueueEntry]
+
+
+class KVPlan(_Model):
+    block_size: int = Field(gt=0)
+    dtype: str
+    bytes_per_token: int  # all layers together
+    bytes_per_token_per_layer: list[int]
+    num_blocks: list[int]  # per rank
+
+
+class CapturePool(_Model):
+    """One memory pool / set of static buffers shared by the graphs of every listed layer at one bucket."""
+
+    kind: StageKind
+    bucket: int
+    layers: list[int]
+    static_buffer_bytes: int
+
+
+class CapturePlan(_Model):
+    enabled: bool  # CUDA graphs are captured only on cuda; the plan is still computed for inspection
+    buckets: dict[str, list[int]]  # per stage kind, ascending, last one == that kind's batch cap
+    pools: list[CapturePool]
+    graphs_per_rank: list[int]
+    graph_memory_bytes: list[int]  # per rank, estimate (0 when not enabled)
+
+
+RoutePattern = Literal["all_to_holders", "holders_to_all", "self"]
+
+
+class Route(_Model):
+    """What crosses the wire on one stage edge.
+
+    pattern: all_to_holders  every rank (a home) -> each rank holding an expert of the layer
+             holders_to_all  each expert holder -> every home rank
+             self            stays on the home rank (no message; max_message_bytes == 0)
+    Pairs with src == dst are delivered locally by the runtime, never through the transport.
+    """
+
+    src_stage: int
+    dst_stage: int
+    kind: Literal["dispatch", "combine", "local"]
+    pattern: RoutePattern
+    src_ranks: list[int]
+    dst_ranks: list[int]
+    carries: str
+    row_bytes: int  # one hidden-state row
+    max_rows: int
+    max_message_bytes: int
+
+    def pairs(self) -> list[tuple[int, int]]:
+        if self.pattern == "self":
+            return [(r, r) for r in self.src_ranks]
+        return [(s, d) for s in self.src_ranks for d in self.dst_ranks]
+
+
+class RankMemory(_Model):
+    rank: int
+    device_bytes: int
+    replicated_weight_bytes: int  # embed, head, attention, routers, shared/dense MLPs: on every rank
+    expert_weight_bytes: int  # only the experts placed here
+    weight_bytes: int
+    graph_bytes: int
+    workspace_bytes: int
+    kv_bytes: int
+    kv_capacity_tokens: int
+    kv_blocks: int
+    free_bytes: int  # what is left after all of the above
+
+
+class Plan(_Model):
+    version: int = PLAN_VERSION
+    spec: ModelSpec
+    source: str = ""  # where the spec came from (file, shipped name, checkpoint dir)
+    cluster: Cluster
+    caps: BatchCaps
+    stages: list[Stage]
+    placement: Placement
+    ranks: list[RankPlan]
+    kv: KVPlan
+    capture: CapturePlan
+    routes: list[Route]
+    memory: list[RankMemory]
+
+    def stage_of(self, kind: StageKind, layer: int) -> Stage:
+        for s in self.stages:
+            if s.kind == kind and s.layer == layer:
+                return s
+        raise KeyError((kind, layer))
+
+
+def _options_error(name: str, value: Any, valid: str) -> UserError:
+    return UserError(f"option '{name}': got {value!r}; valid: {valid}")
+
+
+def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
+                 device_memory_gib: Optional[float] = None,
+                 placement: str = "contiguous",
+                 load_profile: Optional[str | Path | list | dict] = None,
+                 home_policy: str = "most_free_kv",
+                 block_size: int = DEFAULT_BLOCK_SIZE,
+                 attn_cap: int = DEFAULT_ATTN_CAP,
+                 expert_cap: int = DEFAULT_EXPERT_CAP,
+                 min_kv_tokens: int = DEFAULT_MIN_KV_TOKENS,
+                 max_kv_tokens: Optional[int] = None,
+                 source: str = "") -> Plan:
+    """Lower `spec` onto `ranks` ranks of `device`. User mistakes raise UserError; the result is
+    validated by `check_plan` before it is returned."""
+    # Imported here so each pass module can import the plan models without a cycle.
+    from lowering.capture import plan_capture
+    from lowering.check import check_plan
+    from lowering.memory import plan_memory
+    from lowering.placement import place_experts
+    from lowering.queues import build_queues, build_stages
+    from lowering.routes import plan_routes
+
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise _options_error("ranks", ranks, f"an integer 1..{MAX_RANKS}")
+    if device not in DEFAULT_DEVICE_MEMORY_GIB:
+        raise _options_error("device", device, "cpu, cuda")
+    if home_policy not in ("most_free_kv", "round_robin"):
+        raise _options_error("home_policy", home_policy, "most_free_kv, round_robin")
+    for name, value in (("block_size", block_size), ("attn_cap", attn_cap), ("expert_cap", expert_cap),
+                        ("min_kv_tokens", min_kv_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise _options_error(name, value, "a positive integer")
+    if max_kv_tokens is not None and (isinstance(max_kv_tokens, bool) or not isinstance(max_kv_tokens, int)
+                                      or max_kv_tokens < min_kv_tokens):
+        raise _options_error("max_kv_tokens", max_kv_tokens, f"an integer >= min_kv_tokens ({min_kv_tokens})")
+    if device_memory_gib is None:
+        device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB[device]
+    if not isinstance(device_memory_gib, (int, float)) or not device_memory_gib > 0:
+        raise _options_error("device_memory_gib", device_memory_gib, "a positive number of GiB")
+
+    cluster = Cluster(ranks=ranks, device=device, device_memory_gib=float(device_memory_gib))
+    caps = BatchCaps(attn_tokens=attn_cap, expert_rows=expert_cap)
+    stages = build_stages(spec)
+    place = place_experts(spec, ranks, placement, load_profile, home_policy)
+    rank_plans = build_queues(spec, stages, place, caps, ranks)
+    capture = plan_capture(spec, stages, place, caps, cluster)
+    routes = plan_routes(spec, stages, place, caps, ranks)
+    kv, memory = plan_memory(spec, place, caps, cluster, capture, block_size, min_kv_tokens,
+                             max_kv_tokens)
+    plan = Plan(spec=spec, source=source, cluster=cluster, caps=caps, stages=stages, placement=place,
+                ranks=rank_plans, kv=kv, capture=capture, routes=routes, memory=memory)
+    check_plan(plan)
+    return plan
+
+
+def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
+    """Write PLAN_DIR/plan.json (the contract) and PLAN_DIR/plan.txt (a human summary)."""
+    from lowering.summary import plan_summary
+
+    plan_dir = Path(plan_dir)
+    if plan_dir.exists() and not plan_dir.is_dir():
+        raise UserError(f"{plan_dir}: exists and is not a directory; pick another -o PLAN_DIR")
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    path = plan_dir / PLAN_FILE
+    # Write then rename so a reader never sees half a plan.
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(plan.model_dump_json(indent=1))
+    tmp.replace(path)
+    (plan_dir / SUMMARY_FILE).write_text(plan_summary(plan))
+    return path
+
+
+def load_plan(plan_dir: str | Path) -> Plan:
+    """Read PLAN_DIR/plan.json (or a plan.json path). Missing, unreadable or other-version plans are UserErrors."""
+    plan_dir = Path(plan_dir)
+    path = plan_dir if plan_dir.suffix == ".json" else plan_dir / PLAN_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: no plan here; run `dataflow compile MODEL --ranks N -o {plan_dir}` first")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a readable plan JSON ({err}); compile it again") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a plan (top level is {type(data).__name__}); compile it again")
+    version = data.get("version")
+    if version != PLAN_VERSION:
+        raise UserError(f"{path}: field 'version': plan version {version!r} is not supported "
+                        f"(this dataflow reads version {PLAN_VERSION}); compile the model again")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as err:
+        from graph_ir.spec import format_validation_error
+        raise UserError(format_validation_error(err, str(path))) from None

@@ -1,0 +1,49 @@
+"""Routes pass: for each edge of the stage chain, which rank pairs exchange what, and the
+largest message the transport must be ready for (it sizes receive buffers from this).
+
+attn(l) -> expert(l)        dispatch: home ranks send rows of the post-attention normed hidden state,
+                            one row per (token, chosen expert), to the ranks holding those experts.
+                            One attention batch (<= attn cap tokens) sends a rank at most
+                            min(top_k, experts held there) rows per token.
+expert(l) -> attn(l+1)/sample  combine: expert outputs go back to each row's home rank, where the
+                            top-k merge waits for all k. One expert batch is <= expert cap rows.
+dense attn(l) -> next, sample -> attn(0): stays on the home rank; nothing crosses the wire.
+Routing weights, request ids and positions travel in the metadata message, not in these bytes.
+"""
+from __future__ import annotations
+
+from graph_ir.spec import ModelSpec
+from lowering import sizes
+from lowering.plan import BatchCaps, Placement, Route, Stage
+
+
+def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps: BatchCaps,
+                ranks: int) -> list[Route]:
+    row = spec.hidden_size * sizes.dtype_bytes(spec)
+    everyone = list(range(ranks))
+    k = spec.experts.top_k
+    routes = []
+    for s in stages:
+        dst = stages[s.next]
+        if s.kind == "attn" and dst.kind == "expert":
+            holders = placement.holders(s.layer)
+            most_held = max(len(placement.experts_on(s.layer, r)) for r in holders)
+            rows = caps.attn_tokens * min(k, most_held)
+            routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="dispatch", pattern="all_to_holders",
+                                src_ranks=everyone, dst_ranks=holders,
+                                carries=f"normed hidden rows of layer {s.layer}, one per (token, expert)",
+                                row_bytes=row, max_rows=rows, max_message_bytes=rows * row))
+        elif s.kind == "expert":
+            rows = caps.expert_rows
+            routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="combine", pattern="holders_to_all",
+                                src_ranks=placement.holders(s.layer), dst_ranks=everyone,
+                                carries=f"expert outputs of layer {s.layer} back to their home rank's top-k merge",
+                                row_bytes=row, max_rows=rows, max_message_bytes=rows * row))
+        else:
+            what = "next decode token to layer 0" if s.kind == "sample" else \
+                (f"hidden state of layer {s.layer} to " + ("the sampler" if dst.kind == "sample"
+                                                            else f"layer {dst.layer}"))
+            routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="local", pattern="self",
+                                src_ranks=everyone, dst_ranks=everyone, carries=what,
+                                row_bytes=row, max_rows=caps.attn_tokens, max_message_bytes=0))
+    return routes

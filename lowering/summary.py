@@ -1,0 +1,43 @@
+"""Human-readable plan summary (PLAN_DIR/plan.txt and the first lines `compile` prints)."""
+from __future__ import annotations
+
+from lowering.plan import Plan
+
+GIB = 1024 ** 3
+
+
+def _compress(ids: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8': expert lists stay readable for 128 experts."""
+    if not ids:
+        return "-"
+    parts, start, prev = [], ids[0], ids[0]
+    for x in ids[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(parts)
+
+
+def plan_summary(plan: Plan) -> str:
+    s, c = plan.spec, plan.cluster
+    moe = s.moe_layers
+    lines = [
+        f"dataflow plan v{plan.version}: {s.name} ({s.family}) from {plan.source or '<spec>'}",
+        f"cluster: {c.ranks} x {c.device}, {c.device_memory_gib:g} GiB each",
+        f"model: {s.num_layers} layers ({len(moe)} MoE, dense {s.dense_layers or 'none'}), hidden {s.hidden_size}, "
+        f"{s.experts.num_experts} experts top-{s.experts.top_k}, attention {s.attention.kind}, {s.dtype}",
+        f"stages: {len(plan.stages)} (attn x {s.num_layers}, expert x {len(moe)}, sample); "
+        f"caps: attn {plan.caps.attn_tokens} tokens, expert {plan.caps.expert_rows} rows",
+        f"placement: {plan.placement.policy}, home policy {plan.placement.home_policy}",
+        f"KV: block {plan.kv.block_size} tokens, {plan.kv.bytes_per_token} bytes/token",
+        "per rank: experts (first MoE layer) | weights GiB | KV tokens | KV blocks | graphs",
+    ]
+    first = moe[0]
+    for m in plan.memory:
+        lines.append(f"  rank {m.rank}: {_compress(plan.placement.experts_on(first, m.rank))} | "
+                     f"{m.weight_bytes / GIB:.3f} | {m.kv_capacity_tokens} | {m.kv_blocks} | "
+                     f"{plan.capture.graphs_per_rank[m.rank]}")
+    return "\n".join(lines) + "\n"
