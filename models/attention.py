@@ -1,0 +1,230 @@
+"""Self-attention of every family as plain functions over canonical weights, plus the KV store protocol.
+
+GQA covers Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / GPT-OSS / GLM-4.5 (biases, qk-norm per head or
+over all heads, sinks, per-layer sliding window, partial rotary). MLA is DeepSeek-V2's latent
+attention; it caches the *decompressed* per-head K [nope+rope] and V, so the KV store and the
+attention kernel are the same for both kinds.
+
+The score math follows HF's eager attention: scores = (q @ k^T) * scale in the activation dtype,
+masked, softmax in fp32 (sinks: softmax in the activation dtype after subtracting the row max,
+as GPT-OSS does), then probs @ v.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from graph_ir.spec import AttentionSpec, ModelSpec
+from models.rope import apply_rope, cos_sin, rotary_dim, yarn_get_mscale
+
+# HF builds DeepSeek-V2's q_a_layernorm / kv_a_layernorm without passing rms_norm_eps, so they
+# always use the RMSNorm default.
+MLA_LATENT_NORM_EPS = 1e-6
+
+Segment = tuple[int, int, int]  # (seq_id, start_row, n_rows)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_in_fp32: bool = False) -> Tensor:
+    """RMSNorm over the last dim with fp32 statistics.
+
+    Llama-style families cast the normalized value back to the input dtype before multiplying by
+    the weight; GPT-OSS multiplies in fp32 and casts after (`weight_in_fp32=True`). Identical in fp32.
+    """
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        return (weight.to(torch.float32) * xf).to(dtype)
+    return weight * xf.to(dtype)
+
+
+def norm_in_fp32(spec: ModelSpec) -> bool:
+    """Whether this family multiplies the RMSNorm weight in fp32 (see `rms_norm`)."""
+    return spec.family == "gpt_oss"
+
+
+class KVStore(Protocol):
+    """Per (layer, sequence) key/value history. Positions of one sequence are written in order."""
+
+    def write(self, layer: int, seq_id: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k [n, nkv, dk] and v [n, nkv, dv] at `positions` [n] of sequence `seq_id`."""
+        ...
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[Tensor, Tensor]:
+        """K [length, nkv, dk], V [length, nkv, dv] for positions 0..length-1."""
+        ...
+
+
+class DenseKVStore:
+    """Contiguous in-memory KV store: one growable buffer per (layer, seq). For the reference decoder."""
+
+    def __init__(self, initial_capacity: int = 64) -> None:
+        self._initial = max(1, initial_capacity)
+        self._k: dict[tuple[int, int], Tensor] = {}
+        self._v: dict[tuple[int, int], Tensor] = {}
+        self._len: dict[tuple[int, int], int] = {}
+
+    def write(self, layer: int, seq_id: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        key = (layer, seq_id)
+        pos = positions.tolist()
+        if not pos:
+            return
+        need = max(pos) + 1
+        if key not in self._k:
+            cap = max(self._initial, need)
+            self._k[key] = k.new_zeros((cap, *k.shape[1:]))
+            self._v[key] = v.new_zeros((cap, *v.shape[1:]))
+            self._len[key] = 0
+        if need > self._k[key].shape[0]:
+            cap = max(need, 2 * self._k[key].shape[0])
+            for buf in (self._k, self._v):
+                old = buf[key]
+                new = old.new_zeros((cap, *old.shape[1:]))
+                new[: old.shape[0]] = old
+                buf[key] = new
+        if pos[0] > self._len[key]:
+            raise ValueError(f"KV write for seq {seq_id} layer {layer} at position {pos[0]} leaves a gap "
+                             f"(have {self._len[key]} positions)")
+        idx = positions.to(self._k[key].device, torch.long)
+        self._k[key][idx] = k
+        self._v[key][idx] = v
+        self._len[key] = max(self._len[key], need)
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[Tensor, Tensor]:
+        key = (layer, seq_id)
+        have = self._len.get(key, 0)
+        if length > have:
+            raise ValueError(f"KV read of {length} positions for seq {seq_id} layer {layer}, only {have} written")
+        return self._k[key][:length], self._v[key][:length]
+
+    def length(self, layer: int, seq_id: int) -> int:
+        return self._len.get((layer, seq_id), 0)
+
+    def free(self, seq_id: int) -> None:
+        for key in [k for k in self._k if k[1] == seq_id]:
+            del self._k[key], self._v[key], self._len[key]
+
+
+def softmax_scale(a: AttentionSpec) -> float:
+    """1/sqrt(qk head dim), times DeepSeek's YaRN mscale(factor, mscale_all_dim)^2 for MLA."""
+    if a.softmax_scale is not None:
+        return a.softmax_scale
+    scale = a.qk_head_dim ** -0.5
+    # HF applies this temperature only in DeepSeek-V2's attention (yarn_apply_mscale), for any
+    # non-default rope type with mscale_all_dim set.
+    if a.kind == "mla" and a.rope.scaling != "none" and a.rope.mscale_all_dim:
+        m = yarn_get_mscale(a.rope.factor, a.rope.mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+def window_mask(q_pos: Tensor, k_pos: Tensor, window: Optional[int]) -> Tensor:
+    """allowed[i, j]: causal, and with a window W key j is within the last W positions of query i
+    (itself included), i.e. k > q - W: HF's `sliding_window_overlay`. GPT-OSS W=128 sees 127
+    previous tokens plus itself."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > (q_pos[:, None] - window)
+    return allowed
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: Optional[int] = None,
+           sinks: Optional[Tensor] = None) -> Tensor:
+    """Attention of queries q [n, nh, dk] at positions q_pos over keys/values k [L, nkv, dk],
+    v [L, nkv, dv] at positions 0..L-1. Query head h uses kv head h // (nh/nkv) (HF repeat_kv).
+    Returns [n, nh, dv]."""
+    nh, nkv = q.shape[1], k.shape[1]
+    rep = nh // nkv
+    qh = q.transpose(0, 1)  # [nh, n, dk]
+    kh = k.transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, L, dk]
+    vh = v.transpose(0, 1).repeat_interleave(rep, dim=0)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [nh, n, L]
+    allowed = window_mask(q_pos, torch.arange(k.shape[0], device=q.device), window)
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    if sinks is not None:
+        # GPT-OSS: one extra logit per head competes in the softmax and is then dropped, so the
+        # real keys' weights sum to < 1.
+        sink_col = sinks.to(scores.dtype).view(nh, 1, 1).expand(nh, scores.shape[1], 1)
+        combined = torch.cat([scores, sink_col], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(vh.dtype)
+    else:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vh).transpose(0, 1)  # [n, nh, dv]
+
+
+def _linear(x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
+    return F.linear(x, w[f"{name}.w"], w.get(f"{name}.b"))
+
+
+def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tensor, k: Tensor, v: Tensor,
+                     positions: Tensor, segments: Sequence[Segment], kv: KVStore) -> Tensor:
+    """Write each segment's K/V, then attend its queries over its whole context. Returns [T, nh, dv]."""
+    a = spec.attention
+    scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    for seq_id, start, n in segments:
+        rows = slice(start, start + n)
+        pos = positions[rows]
+        kv.write(layer, seq_id, pos, k[rows], v[rows])
+        K, V = kv.read(layer, seq_id, int(pos[-1]) + 1)
+        out[rows] = attend(q[rows], K, V, pos, scale, window, sinks)
+    return out
+
+
+def gqa_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
+                  segments: Sequence[Segment], kv: KVStore) -> Tensor:
+    """Grouped-query attention of normed input x [T, H] -> [T, H] (after the output projection)."""
+    a = spec.attention
+    T, nh, nkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
+    eps = spec.rms_norm_eps
+    q, k, v = _linear(x, w, "q"), _linear(x, w, "k"), _linear(x, w, "v")
+    if a.qk_norm == "full":  # OLMoE: one norm over all heads' channels, before the head split
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+    if a.qk_norm == "head":  # Qwen3 / GLM: per head over head_dim, before RoPE
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    cos, sin = cos_sin(a.rope, rotary_dim(a.rope, hd), positions)
+    q = apply_rope(q, cos, sin, a.rope.interleaved)
+    k = apply_rope(k, cos, sin, a.rope.interleaved)
+    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
+    return F.linear(out.reshape(T, nh * hd), w["o.w"], w.get("o.b"))
+
+
+def mla_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
+                  segments: Sequence[Segment], kv: KVStore) -> Tensor:
+    """DeepSeek-V2 multi-head latent attention of normed input x [T, H] -> [T, H].
+
+    K/V are decompressed from the latent right away (kv_b) and cached per head; this costs more
+    KV memory than caching the latent but keeps one KV/attention path for every family.
+    """
+    a = spec.attention
+    T, nh = x.shape[0], a.num_heads
+    nope, rope_d, vd, kvr = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+    if a.q_lora_rank is None:
+        q = _linear(x, w, "q")
+    else:
+        q = F.linear(rms_norm(_linear(x, w, "q_a"), w["q_a_norm"], MLA_LATENT_NORM_EPS), w["q_b.w"])
+    q = q.view(T, nh, nope + rope_d)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    ckv = _linear(x, w, "kv_a")
+    latent, k_pe = ckv[:, :kvr], ckv[:, kvr:].reshape(T, 1, rope_d)
+    latent = rms_norm(latent, w["kv_a_norm"], MLA_LATENT_NORM_EPS)
+    cos, sin = cos_sin(a.rope, rope_d, positions)
+    q_pe = apply_rope(q_pe, cos, sin, a.rope.interleaved)
+    k_pe = apply_rope(k_pe, cos, sin, a.rope.interleaved)
+    kvb = F.linear(latent, w["kv_b.w"]).view(T, nh, nope + vd)
+    k = torch.cat([kvb[..., :nope], k_pe.expand(T, nh, rope_d)], dim=-1)
+    v = kvb[..., nope:].contiguous()
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
+    return F.linear(out.reshape(T, nh * vd), w["o.w"], w.get("o.b"))
+
+
+def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
+              segments: Sequence[Segment], kv: KVStore) -> Tensor:
+    fn = mla_attention if spec.attention.kind == "mla" else gqa_attention
+    return fn(spec, w, layer, x, positions, segments, kv)

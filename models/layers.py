@@ -1,0 +1,67 @@
+"""The stage functions: the only model math the reference decoder and the runtime call.
+
+Signatures are the contract in ARCHITECTURE.md. Each takes the ModelSpec and the ModelWeights so
+a caller never needs to know which family it runs. Activations stay in the weights' dtype; the
+places where HF accumulates in fp32 (norm statistics, softmax, router, MoE combine) do too.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from graph_ir.spec import ModelSpec
+from models.attention import KVStore, Segment, attention, norm_in_fp32, rms_norm
+from models.moe import combine, dense_mlp_out, experts_rows, route_tokens, shared_expert_out
+from models.weights import ModelWeights
+
+__all__ = ["embed", "attention_stage", "dense_mlp", "route", "experts_forward", "shared_expert",
+           "moe_combine", "final_logits", "Segment"]
+
+
+def embed(w: ModelWeights, token_ids: Tensor) -> Tensor:
+    """h [T, H] = embedding rows of token_ids [T]."""
+    return w.embed[token_ids.to(device=w.embed.device, dtype=torch.long)]
+
+
+def attention_stage(spec: ModelSpec, w: ModelWeights, layer: int, h: Tensor, positions: Tensor,
+                    segments: Sequence[Segment], kv: KVStore) -> tuple[Tensor, Tensor]:
+    """(h_res, x): h_res = h + attn(norm(h)) (writes this batch's K/V to kv), x = post-attention norm of h_res."""
+    lw = w.layers[layer]
+    fp32w = norm_in_fp32(spec)
+    a = attention(spec, lw, layer, rms_norm(h, lw["attn_norm"], spec.rms_norm_eps, fp32w), positions, segments, kv)
+    h_res = h + a
+    return h_res, rms_norm(h_res, lw["mlp_norm"], spec.rms_norm_eps, fp32w)
+
+
+def dense_mlp(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Tensor:
+    """MLP of a dense layer; the caller adds the residual: h_next = h_res + y."""
+    return dense_mlp_out(spec, w.layers[layer], x)
+
+
+def route(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(expert_ids [T, k] int64, weights [T, k] fp32), routed scaling included."""
+    return route_tokens(spec, w.layers[layer], x)
+
+
+def experts_forward(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor, expert_of_row: Tensor) -> Tensor:
+    """y [N, H]: row i through expert expert_of_row[i], unweighted. Rows may come in any order."""
+    return experts_rows(spec, w.layers[layer], x, expert_of_row)
+
+
+def shared_expert(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Optional[Tensor]:
+    """Shared-expert output [T, H] (gated for Qwen2-MoE), or None if the model has none."""
+    return shared_expert_out(spec, w.layers[layer], x)
+
+
+def moe_combine(h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
+    """h_next = h_res + sum_j weights[:, j] * y[:, j] (+ shared): fp32, slot order j = 0..k-1."""
+    return combine(h_res, shared, y, weights)
+
+
+def final_logits(spec: ModelSpec, w: ModelWeights, h: Tensor) -> Tensor:
+    """logits [T, V] = LM head(final norm(h)); the head is the embedding when tied."""
+    x = rms_norm(h, w.final_norm, spec.rms_norm_eps, norm_in_fp32(spec))
+    return F.linear(x, w.head)

@@ -1,0 +1,89 @@
+"""Single-process dense reference decoder: the oracle the distributed runtime is tested against.
+
+It runs one request at a time through exactly the stage functions of models/layers.py (the same
+ones the runtime calls), with experts applied row by row in slot order and combined by
+`moe_combine`, so any difference from the runtime is a runtime bug, not a math drift.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from graph_ir.spec import ModelSpec
+from models.attention import DenseKVStore
+from models.layers import (attention_stage, dense_mlp, embed, experts_forward, final_logits, moe_combine, route,
+                           shared_expert)
+from models.sampling import SamplingParams, sample
+from models.weights import ModelWeights
+
+_SEQ = 0  # the reference runs one sequence at a time
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated tokens (the prompt excluded)
+    logits: list[Tensor] = field(default_factory=list)  # [V] fp32 per generated token (step 0 = end of prefill)
+    finish_reason: Literal["eos", "length"] = "length"
+
+
+class ReferenceDecoder:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+        self.spec = spec
+        self.w = weights
+        self.device = weights.embed.device
+
+    @torch.no_grad()
+    def forward(self, token_ids: Tensor, start_pos: int, kv: DenseKVStore) -> Tensor:
+        """Run tokens at positions start_pos.. of the sequence in `kv` through the model; logits [T, V]."""
+        spec, w = self.spec, self.w
+        T = token_ids.shape[0]
+        positions = torch.arange(start_pos, start_pos + T, device=self.device)
+        segments = [(_SEQ, 0, T)]
+        h = embed(w, token_ids)
+        for layer in range(spec.num_layers):
+            h_res, x = attention_stage(spec, w, layer, h, positions, segments, kv)
+            if not spec.is_moe_layer(layer):
+                h = h_res + dense_mlp(spec, w, layer, x)
+                continue
+            ids, weights = route(spec, w, layer, x)
+            k = ids.shape[1]
+            # One row per (token, slot), in slot order, as the runtime hands rows to moe_combine.
+            y = experts_forward(spec, w, layer, x.repeat_interleave(k, dim=0), ids.reshape(-1))
+            h = moe_combine(h_res, shared_expert(spec, w, layer, x), y.view(T, k, -1), weights)
+        return final_logits(spec, w, h)
+
+    def forward_logits(self, prompt_ids: Sequence[int] | Tensor) -> Tensor:
+        """Logits [T, V] for every prompt position from a fresh cache (one prefill segment)."""
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.device)
+        return self.forward(ids, 0, DenseKVStore())
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                 sampling: Optional[SamplingParams] = None, eos_ids: Optional[Sequence[int]] = None,
+                 ignore_eos: bool = False) -> GenerationResult:
+        """Prefill the prompt as one segment, then decode one token per step.
+
+        Step s samples with `sample(logits, sampling, s)`. Stops after max_new_tokens or on a
+        token in eos_ids (spec.eos_token_ids when None) unless ignore_eos; the eos token is kept.
+        """
+        if len(prompt_ids) == 0:
+            raise ValueError("generate needs a non-empty prompt")
+        sampling = sampling or SamplingParams()
+        eos = set(self.spec.eos_token_ids if eos_ids is None else eos_ids)
+        kv = DenseKVStore(initial_capacity=len(prompt_ids) + max_new_tokens)
+        result = GenerationResult(tokens=[])
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.device)
+        pos = 0
+        for step in range(max_new_tokens):
+            logits = self.forward(ids, pos, kv)[-1].float().cpu()
+            pos += ids.shape[0]
+            tok = sample(logits, sampling, step)
+            result.tokens.append(tok)
+            result.logits.append(logits)
+            if tok in eos and not ignore_eos:
+                result.finish_reason = "eos"
+                break
+            ids = torch.tensor([tok], dtype=torch.long, device=self.device)
+        return result
