@@ -221,8 +221,15 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
+        if msg.startswith("Value error, "):
+            # Our own cross-field checks already name the values involved.
+            msg = msg[len("Value error, "):]
         value = e.get("input")
-        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        if isinstance(value, dict):
+            # A whole mapping tells the reader nothing; the message names the offending fields.
+            lines.append(f"{source}: field '{loc}': {msg}")
+            continue
+        shown = repr(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
         lines.append(f"{source}: field '{loc}': {msg} (got {shown})")
