@@ -1,0 +1,479 @@
+"""Hugging Face `config.json` -> `ModelSpec`, for the MoE families we implement.
+
+Every default here was read off the installed transformers (5.x) `configuration_*.py` and
+`modeling_*.py` of each family, because published checkpoints omit keys whose value is the
+default: an absent key must mean exactly what transformers would do with it. transformers itself is
+deliberately not imported (it is a test-only dependency); the tests compare against it.
+
+Both config dialects are read:
+- older keys written by published checkpoints: `rope_theta`, `rope_scaling` with `type` or
+  `rope_type`, top-level `partial_rotary_factor`, `torch_dtype`;
+- transformers 5 keys: `rope_parameters` (theta and partial factor inside), `dtype`.
+
+A setting we cannot represent (a rope type we do not implement, OLMoE's `clip_qkv`, biases on MLA
+projections, ...) that is set to a non-default value is a `UserError` naming config.json and the
+key, never silently dropped: a silently wrong model is worse than one that refuses to load.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from graph_ir.errors import UserError
+from graph_ir.spec import ModelSpec, spec_from_dict
+
+# `architectures[0]` -> our family name. model_type is the fallback when `architectures` is absent.
+ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+}
+MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
+
+# `default_theta` of each config class (RotaryEmbeddingConfigMixin default is 10000).
+_DEFAULT_THETA = {"mixtral": 1.0e6, "gpt_oss": 150000.0}
+
+# What transformers' rope validation accepts as keys of a rope dict; anything else inside the rope
+# dict would be a setting we do not know how to honour.
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"},
+}
+_ROPE_COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
+
+
+class _Cfg:
+    """config.json as a dict, with getters that name the file and key in every error."""
+
+    def __init__(self, data: dict, source: str):
+        self.data = data
+        self.source = source
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        if self.data.get(key) is None:
+            raise UserError(f"{self.source}: missing required key '{key}'")
+        return self.data[key]
+
+    def int(self, key: str, default: Any = None, *, required: bool = False) -> Optional[int]:
+        value = self.require(key) if required else self.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{self.source}: '{key}' must be an integer, got {value!r}")
+        return value
+
+    def float(self, key: str, default: Any = None) -> Optional[float]:
+        value = self.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{self.source}: '{key}' must be a number, got {value!r}")
+        return float(value)
+
+    def alias(self, keys: tuple[str, ...], default: Any) -> Any:
+        """An integer stored under any of `keys`: transformers' config `attribute_map` lets the same
+        setting be written under two names (e.g. Qwen3-MoE saves `num_local_experts` while published
+        configs say `num_experts`). The first key present wins."""
+        for k in keys:
+            if self.has(k):
+                return self.int(k)
+        return default
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise UserError(f"{self.source}: '{key}' must be true or false, got {value!r}")
+        return value
+
+    def fail(self, msg: str) -> UserError:
+        return UserError(f"{self.source}: {msg}")
+
+    def unsupported(self, key: str, value: Any, why: str = "") -> UserError:
+        extra = f" ({why})" if why else ""
+        return UserError(f"{self.source}: '{key}' = {value!r} is not supported by dataflow{extra}")
+
+
+def read_config(path: str | Path) -> tuple[dict, Path]:
+    """Load `<dir>/config.json` (or a config.json path). Returns (dict, the config file path)."""
+    path = Path(path)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        raise UserError(f"{path}: no such checkpoint directory")
+    if not cfg_path.is_file():
+        raise UserError(f"{cfg_path}: not found; a Hugging Face checkpoint directory needs a config.json")
+    try:
+        data = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{cfg_path}: not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object at the top level")
+    return data, cfg_path
+
+
+def detect_family(cfg: _Cfg) -> str:
+    supported = ", ".join(sorted(ARCHITECTURES))
+    archs = cfg.get("architectures")
+    if archs is not None:
+        if isinstance(archs, str):
+            archs = [archs]
+        for arch in archs:
+            if arch in ARCHITECTURES:
+                return ARCHITECTURES[arch]
+        raise cfg.fail(f"architectures {archs!r} (model_type {cfg.get('model_type')!r}) is not supported; "
+                       f"supported architectures: {supported}")
+    mt = cfg.get("model_type")
+    if mt in MODEL_TYPES:
+        return MODEL_TYPES[mt]
+    raise cfg.fail(f"no supported 'architectures' entry and model_type {mt!r} is not supported; "
+                   f"supported architectures: {supported}")
+
+
+def _dtype(cfg: _Cfg, fallback: Optional[Callable[[], Optional[str]]]) -> str:
+    # transformers 5 writes `dtype`; older checkpoints `torch_dtype`.
+    for key in ("dtype", "torch_dtype"):
+        raw = cfg.get(key)
+        if raw is None or raw == "auto":
+            continue
+        name = str(raw).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise cfg.unsupported(key, raw, "supported: float32, bfloat16, float16")
+        return _DTYPES[name]
+    found = fallback() if fallback else None
+    return found or "float32"
+
+
+def _eos(cfg: _Cfg) -> list[int]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise cfg.fail(f"'eos_token_id' must be an integer or a list of integers, got {eos!r}")
+    # Deduplicate, keep order: some configs repeat ids.
+    return list(dict.fromkeys(ids))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
+    """The rope dict of the spec, following transformers' `convert_rope_params_to_dict` +
+    `standardize_rope_params` precedence: a `rope_scaling` dict wins over `rope_parameters`; keys
+    inside the dict win over the top-level `rope_theta` / `partial_rotary_factor`; then the class
+    default (`default_theta`, GLM's partial factor 0.5)."""
+    key = "rope_scaling" if cfg.has("rope_scaling") else "rope_parameters"
+    rp = cfg.get(key)
+    if rp is None and family == "gpt_oss":
+        # GptOssConfig.__post_init__ installs this when no rope dict is given.
+        rp = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+              "truncate": False, "original_max_position_embeddings": 4096}
+    rp = dict(rp or {})
+    if not isinstance(rp, dict):
+        raise cfg.fail(f"'{key}' must be an object, got {rp!r}")
+
+    # Per-layer-type rope dicts (transformers 5 nests them under layer type names). We have one
+    # rope per model, so accept nesting only when every entry is the same.
+    nested = {k: v for k, v in rp.items() if isinstance(v, dict)}
+    if nested:
+        values = list(nested.values())
+        if any(v != values[0] for v in values[1:]) or len(nested) != len(rp):
+            raise cfg.unsupported(key, rp, "different rope settings per layer type")
+        rp = dict(values[0])
+
+    rope_type = rp.get("rope_type") or rp.get("type") or "default"
+    if rope_type not in _ROPE_KEYS:
+        raise cfg.unsupported(f"{key}.rope_type", rope_type,
+                              f"supported rope types: {', '.join(sorted(_ROPE_KEYS))}")
+    unknown = set(rp) - _ROPE_COMMON_KEYS - _ROPE_KEYS[rope_type]
+    if unknown:
+        raise cfg.fail(f"'{key}' has keys {sorted(unknown)} that rope type '{rope_type}' does not use; "
+                       f"dataflow cannot honour them")
+
+    theta = rp.get("rope_theta")
+    if theta is None:
+        theta = cfg.float("rope_theta", _DEFAULT_THETA.get(family, 10000.0))
+    partial = rp.get("partial_rotary_factor")
+    if partial is None:
+        partial = cfg.float("partial_rotary_factor", 0.5 if family == "glm4_moe" else 1.0)
+    if not 0 < float(partial) <= 1:
+        raise cfg.fail(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
+    rot_dim = int(head_dim * float(partial))
+    if rot_dim % 2 or rot_dim == 0:
+        raise cfg.fail(f"partial_rotary_factor {partial} of head dim {head_dim} gives an odd or empty "
+                       f"rotary dimension ({rot_dim})")
+
+    out: dict[str, Any] = {"theta": float(theta), "partial_rotary_factor": float(partial)}
+    if family == "deepseek_v2":
+        # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves.
+        out["interleaved"] = True
+    if rope_type == "default":
+        return out
+    factor = rp.get("factor")
+    if rope_type == "linear":
+        if factor is None:
+            raise cfg.fail(f"'{key}' of type linear needs 'factor'")
+        out.update(scaling="linear", factor=float(factor))
+        return out
+
+    # yarn. transformers: original_max_position_embeddings defaults to max_position_embeddings
+    # (a top-level key of that name wins, as for Phi-3); factor None -> the implicit ratio.
+    orig = cfg.int("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or max_position
+    if factor is None:
+        factor = max_position / orig
+    mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+    # transformers uses the mscale ratio only when both are non-zero; otherwise plain 0.1*ln(s)+1.
+    # Store them only in that case, so the spec's fields mean the same thing as HF's computation.
+    both = bool(mscale) and bool(mscale_all_dim)
+    out.update(
+        scaling="yarn", factor=float(factor), original_max_position=int(orig),
+        # HF: `rope_parameters.get("beta_fast") or 32` -- a 0 also means the default.
+        beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
+        mscale=float(mscale) if both else None, mscale_all_dim=float(mscale_all_dim) if both else None,
+        truncate=bool(rp.get("truncate", True)),
+    )
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is not None:
+        implied = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)) if both \
+            else _yarn_mscale(factor)
+        if not math.isclose(float(attention_factor), implied, rel_tol=1e-6):
+            raise cfg.unsupported(f"{key}.attention_factor", attention_factor,
+                                  f"only the value implied by factor/mscale ({implied:.6g}) is supported")
+    return out
+
+
+def _silu(cfg: _Cfg) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise cfg.unsupported("hidden_act", act, "experts and MLPs are SwiGLU (silu) only")
+
+
+def _reject_set(cfg: _Cfg, key: str, default: Any, why: str = "") -> None:
+    """Fail when `key` is present with a value other than the one we implement."""
+    value = cfg.get(key, default)
+    if value != default:
+        raise cfg.unsupported(key, value, why)
+
+
+def _decoder_sparse_dense_layers(cfg: _Cfg, n_layers: int) -> list[int]:
+    # Qwen2/3-MoE decoder layer: MoE iff not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.
+    only = cfg.get("mlp_only_layers", [])
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise cfg.fail(f"'mlp_only_layers' must be a list of layer indices, got {only!r}")
+    step = cfg.int("decoder_sparse_step", 1)
+    if step < 1:
+        raise cfg.fail(f"'decoder_sparse_step' must be >= 1, got {step}")
+    return [i for i in range(n_layers) if i in only or (i + 1) % step != 0]
+
+
+def _layer_types(cfg: _Cfg, n_layers: int) -> Optional[list[str]]:
+    lt = cfg.get("layer_types")
+    if lt is None:
+        return None
+    names = {"full_attention": "full", "sliding_attention": "sliding"}
+    if not isinstance(lt, list) or any(t not in names for t in lt):
+        raise cfg.unsupported("layer_types", lt, "entries must be full_attention or sliding_attention")
+    if len(lt) != n_layers:
+        raise cfg.fail(f"'layer_types' has {len(lt)} entries, num_hidden_layers is {n_layers}")
+    return [names[t] for t in lt]
+
+
+def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
+                          dtype_fallback: Optional[Callable[[], Optional[str]]] = None) -> dict:
+    """config.json dict -> ModelSpec field dict (not yet validated). `source` names the file in errors."""
+    cfg = _Cfg(data, source)
+    family = detect_family(cfg)
+
+    qc = cfg.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        # GPT-OSS ships its routed experts as MXFP4, which hf_weights dequantizes; nothing else is.
+        if not (family == "gpt_oss" and method == "mxfp4"):
+            raise cfg.unsupported("quantization_config.quant_method", method,
+                                  "only GPT-OSS MXFP4 experts are dequantized; use an unquantized checkpoint")
+
+    n_layers = cfg.int("num_hidden_layers", required=True)
+    hidden = cfg.int("hidden_size", required=True)
+    n_heads = cfg.int("num_attention_heads", required=True)
+    n_kv = cfg.int("num_key_value_heads") or n_heads
+    max_pos = cfg.int("max_position_embeddings", required=True)
+    if family == "gpt_oss":
+        # GptOssConfig: an absent head_dim is 64; an explicit null means hidden // heads.
+        head_dim = hidden // n_heads if ("head_dim" in data and data["head_dim"] is None) \
+            else cfg.int("head_dim", 64)
+    else:
+        head_dim = cfg.int("head_dim") or hidden // n_heads
+
+    attn: dict[str, Any] = {"kind": "gqa", "num_heads": n_heads, "num_kv_heads": n_kv, "head_dim": head_dim}
+    router: dict[str, Any] = {}
+    experts: dict[str, Any] = {}
+    spec: dict[str, Any] = {"name": name, "family": family, "num_layers": n_layers, "hidden_size": hidden,
+                            "vocab_size": cfg.int("vocab_size", required=True), "max_position": max_pos,
+                            "tie_embeddings": cfg.bool("tie_word_embeddings", False)}
+    eps_default = {"mixtral": 1e-5, "olmoe": 1e-5, "gpt_oss": 1e-5, "glm4_moe": 1e-5}.get(family, 1e-6)
+    spec["rms_norm_eps"] = cfg.float("rms_norm_eps", eps_default)
+
+    if family == "mixtral":
+        _silu(cfg)
+        # MixtralTopKRouter always renormalizes the top-k softmax weights (no norm_topk_prob).
+        router.update(scoring="softmax", renormalize=True)
+        experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 8), top_k=cfg.int("num_experts_per_tok", 2),
+                       intermediate_size=cfg.int("intermediate_size", 14336))
+        if cfg.has("sliding_window"):
+            attn["sliding_window"] = cfg.int("sliding_window")
+
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        _silu(cfg)
+        router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
+        experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 60 if family == "qwen2_moe" else 128),
+                       top_k=cfg.int("num_experts_per_tok", 4 if family == "qwen2_moe" else 8),
+                       intermediate_size=cfg.int("moe_intermediate_size", 1408 if family == "qwen2_moe" else 768))
+        dense = _decoder_sparse_dense_layers(cfg, n_layers)
+        if dense:
+            spec["dense_layers"] = dense
+            spec["dense_intermediate_size"] = cfg.int("intermediate_size", 5632 if family == "qwen2_moe" else 6144)
+        if family == "qwen2_moe":
+            attn["qkv_bias"] = cfg.bool("qkv_bias", True)
+            shared = cfg.int("shared_expert_intermediate_size", 5632)
+            if shared:
+                experts.update(shared_intermediate_size=shared, shared_gate=True)
+            if cfg.bool("use_sliding_window", False):
+                # Qwen2MoeConfig: sliding on odd-numbered (1-based) layers below max_window_layers,
+                # unless layer_types is given.
+                lt = _layer_types(cfg, n_layers) or [
+                    "sliding" if (i + 1) % 2 and i < cfg.int("max_window_layers", 28) else "full"
+                    for i in range(n_layers)]
+                if "sliding" in lt:
+                    attn["layer_types"] = lt
+                    attn["sliding_window"] = cfg.int("sliding_window", 4096)
+        else:
+            attn["qk_norm"] = "head"  # Qwen3MoeAttention: RMSNorm over head_dim, per head
+            bias = cfg.bool("attention_bias", False)
+            attn.update(qkv_bias=bias, o_bias=bias)
+            if cfg.bool("use_sliding_window", False):
+                # Qwen3MoeAttention applies config.sliding_window on every layer.
+                attn["sliding_window"] = cfg.int("sliding_window", 4096)
+
+    elif family == "olmoe":
+        _silu(cfg)
+        _reject_set(cfg, "clip_qkv", None, "q/k/v clipping is not implemented")
+        if head_dim * n_heads != hidden:
+            raise cfg.fail(f"OLMoE needs head_dim * num_attention_heads == hidden_size "
+                           f"({head_dim} * {n_heads} != {hidden}): its q/k norms span the full projection")
+        bias = cfg.bool("attention_bias", False)
+        attn.update(qk_norm="full", qkv_bias=bias, o_bias=bias)
+        router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
+        experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 64), top_k=cfg.int("num_experts_per_tok", 8),
+                       intermediate_size=cfg.int("intermediate_size", 2048))
+
+    elif family == "gpt_oss":
+        bias = cfg.bool("attention_bias", True)
+        attn.update(qkv_bias=bias, o_bias=bias, sinks=True)
+        lt = _layer_types(cfg, n_layers) or ["sliding" if (i + 1) % 2 else "full" for i in range(n_layers)]
+        window = cfg.int("sliding_window", 128)
+        if "sliding" in lt:
+            if not window:
+                raise cfg.fail("layer_types has sliding_attention layers but sliding_window is not set")
+            attn.update(layer_types=lt, sliding_window=window)
+        # GptOssTopKRouter: top-k of the raw (biased) logits, softmax over those k.
+        router.update(scoring="topk_softmax", renormalize=False, bias=True)
+        experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 128), top_k=cfg.int("num_experts_per_tok", 4),
+                       intermediate_size=cfg.int("intermediate_size", 2880), activation="gptoss_glu",
+                       glu_alpha=cfg.float("swiglu_alpha", 1.702), glu_limit=cfg.float("swiglu_limit", 7.0),
+                       bias=True)
+
+    elif family == "glm4_moe":
+        _silu(cfg)
+        # q/k/v take attention_bias; Glm4MoeAttention's o_proj never has a bias.
+        attn["qkv_bias"] = cfg.bool("attention_bias", False)
+        if cfg.bool("use_qk_norm", False):
+            attn["qk_norm"] = "head"
+        router.update(scoring="sigmoid", correction_bias=True, renormalize=cfg.bool("norm_topk_prob", True),
+                      n_group=cfg.int("n_group", 1), topk_group=cfg.int("topk_group", 1),
+                      routed_scaling=cfg.float("routed_scaling_factor", 1.0))
+        moe_i = cfg.int("moe_intermediate_size", 1408)
+        experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 128), top_k=cfg.int("num_experts_per_tok", 8),
+                       intermediate_size=moe_i,
+                       shared_intermediate_size=moe_i * cfg.int("n_shared_experts", 1))
+        k_dense = cfg.int("first_k_dense_replace", 1)
+        if k_dense:
+            spec["dense_layers"] = list(range(min(k_dense, n_layers)))
+            spec["dense_intermediate_size"] = cfg.int("intermediate_size", 10944)
+
+    elif family == "deepseek_v2":
+        _silu(cfg)
+        # attention_bias puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj (never q_b/kv_b/q_proj).
+        bias = cfg.bool("attention_bias", False)
+        attn_bias = {"qkv_bias": bias, "o_bias": bias}
+        _reject_set(cfg, "mlp_bias", False, "MLP biases are not implemented")
+        _reject_set(cfg, "moe_layer_freq", 1, "transformers' DeepseekV2 ignores it; only 1 is supported")
+        # transformers' DeepseekV2TopkRouter never renormalizes, while the original DeepSeek code
+        # renormalizes *instead of* applying routed_scaling_factor. Rather than pick one silently:
+        _reject_set(cfg, "norm_topk_prob", False,
+                    "transformers ignores it and the original DeepSeek code differs; refusing to guess")
+        nope, rope_hd = cfg.int("qk_nope_head_dim", 128), cfg.int("qk_rope_head_dim", 64)
+        attn.update(kind="mla", num_kv_heads=n_heads, head_dim=nope + rope_hd,
+                    q_lora_rank=cfg.int("q_lora_rank", 1536) if "q_lora_rank" not in data else cfg.int("q_lora_rank"),
+                    kv_lora_rank=cfg.int("kv_lora_rank", 512), qk_nope_head_dim=nope, qk_rope_head_dim=rope_hd,
+                    v_head_dim=cfg.int("v_head_dim", 128), **attn_bias)
+        method = cfg.get("topk_method", "greedy")
+        router.update(scoring="softmax", renormalize=False,
+                      routed_scaling=cfg.float("routed_scaling_factor", 1.0))
+        if method == "group_limited_greedy":
+            if not (cfg.has("n_group") and cfg.has("topk_group")):
+                raise cfg.fail("topk_method group_limited_greedy needs 'n_group' and 'topk_group'")
+            router.update(n_group=cfg.int("n_group"), topk_group=cfg.int("topk_group"))
+        elif method != "greedy":
+            raise cfg.unsupported("topk_method", method, "supported: greedy, group_limited_greedy")
+        top_k = cfg.int("num_experts_per_tok")
+        if top_k is None:
+            raise cfg.fail("missing required key 'num_experts_per_tok'")
+        moe_i = cfg.int("moe_intermediate_size", 1407)
+        experts.update(num_experts=cfg.alias(("n_routed_experts", "num_experts"), 64), top_k=top_k, intermediate_size=moe_i,
+                       shared_intermediate_size=moe_i * (cfg.int("n_shared_experts") or 0))
+        k_dense = cfg.int("first_k_dense_replace", 0)
+        if k_dense:
+            spec["dense_layers"] = list(range(min(k_dense, n_layers)))
+            spec["dense_intermediate_size"] = cfg.int("intermediate_size", 11008)
+
+    # Rope: for MLA only the qk_rope_head_dim part rotates (DeepseekV2Config sets head_dim to it).
+    rope_head_dim = attn["qk_rope_head_dim"] if attn["kind"] == "mla" else head_dim
+    attn["rope"] = _rope(cfg, family, rope_head_dim, max_pos)
+    if family == "deepseek_v2" and attn["rope"].get("scaling", "none") != "none":
+        # DeepseekV2Attention: softmax scale = qk_head_dim**-0.5 * yarn_mscale(factor, mscale_all_dim)**2
+        # whenever the rope type is not default (this is on top of the cos/sin attention factor).
+        rp_raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        mad = rp_raw.get("mscale_all_dim") or 0
+        if mad:
+            m = _yarn_mscale(attn["rope"]["factor"], float(mad))
+            attn["softmax_scale"] = (nope + rope_hd) ** -0.5 * m * m
+
+    spec.update(attention=attn, router=router, experts=experts, eos_token_ids=_eos(cfg),
+                dtype=_dtype(cfg, dtype_fallback))
+    return spec
+
+
+def spec_from_config(data: dict, source: str, *, name: str = "model", path: Optional[str] = None,
+                     dtype_fallback: Optional[Callable[[], Optional[str]]] = None) -> ModelSpec:
+    spec = spec_dict_from_config(data, source, name=name, dtype_fallback=dtype_fallback)
+    if path is not None:
+        spec["weights"] = {"source": "checkpoint", "path": path}
+    return spec_from_dict(spec, source)

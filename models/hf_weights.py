@@ -1,0 +1,307 @@
+"""Hugging Face safetensors tensors -> canonical `ModelWeights` names and layouts.
+
+Layouts accepted for the routed experts (all checked against what transformers 5.24 reads/writes):
+- per-expert (published checkpoints, and what `save_pretrained` writes back for every family but
+  GPT-OSS, because transformers reverses its load-time fusion on save):
+  `{moe}.experts.{e}.gate_proj/up_proj/down_proj.weight`; Mixtral uses `block_sparse_moe.experts.{e}.w1/w3/w2`.
+- fused, as transformers 5 holds them in memory (`model.state_dict()`):
+  `mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first, then up: `.chunk(2, dim=-1)` of the
+  output) and `mlp.experts.down_proj [E, H, I]`.
+- GPT-OSS: `mlp.experts.gate_up_proj [E, H, 2I]` -- transposed relative to a Linear, used as
+  `x @ W`, gate and up *interleaved* along the last dim (gate = [..., ::2], up = [..., 1::2]) --
+  with `gate_up_proj_bias [E, 2I]` (same interleave), `down_proj [E, I, H]`, `down_proj_bias [E, H]`;
+  or the published MXFP4 form `*_blocks [E, out, in/32, 16] uint8` + `*_scales [E, out, in/32] uint8`,
+  whose rows are already in Linear `[out, in]` order (transformers transposes after dequantizing).
+
+Every source tensor is shape-checked *before* it is transformed, so a wrong checkpoint fails with
+the file, the HF tensor name, the canonical name and expected vs found shape, never with a torch
+error from a stack or a slice.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from graph_ir.errors import UserError
+from graph_ir.spec import ModelSpec
+from models.weights import ModelWeights, expected_shapes, torch_dtype, validate_weights
+
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+# Tensors a checkpoint may carry that the model never reads (HF ignores them on load too).
+_IGNORABLE = [
+    re.compile(r".*\.rotary_emb\.inv_freq$"),  # buffers some older checkpoints saved
+]
+
+# MXFP4 (OCP microscaling FP4 E2M1): a nibble indexes this table; the scale byte is a biased exponent.
+_FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes) without reading tensor data."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise UserError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise UserError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            return json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{path}: not a safetensors file (bad header)") from None
+
+
+class SafetensorsDir:
+    """All tensors of a checkpoint directory: one file, several, or sharded with an index."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        index = self.root / "model.safetensors.index.json"
+        self.file_of: dict[str, Path] = {}
+        self.shape_of: dict[str, tuple[int, ...]] = {}
+        self.dtype_of: dict[str, str] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"{index}: not a safetensors index (needs a 'weight_map' object)") from None
+            files = sorted(set(weight_map.values()))
+            for fname in files:
+                if not (self.root / fname).is_file():
+                    raise UserError(f"{index}: lists shard '{fname}', which is not in {self.root}")
+        else:
+            files = sorted(p.name for p in self.root.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"{self.root}: no *.safetensors files (and no model.safetensors.index.json); "
+                                f"only safetensors checkpoints are supported")
+        for fname in files:
+            path = self.root / fname
+            for name, info in _read_header(path).items():
+                if name == "__metadata__":
+                    continue
+                if name in self.file_of:
+                    raise UserError(f"{self.root}: tensor '{name}' is in both {self.file_of[name].name} and {fname}")
+                self.file_of[name] = path
+                self.shape_of[name] = tuple(info["shape"])
+                self.dtype_of[name] = info["dtype"]
+        self._handles: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def float_dtype(self) -> Optional[str]:
+        """The dtype most floating tensors are stored in (for configs that do not say)."""
+        counts: dict[str, int] = {}
+        for dt in self.dtype_of.values():
+            if dt in _ST_DTYPES:
+                counts[_ST_DTYPES[dt]] = counts.get(_ST_DTYPES[dt], 0) + 1
+        return max(counts, key=counts.get) if counts else None
+
+    def get(self, name: str) -> Tensor:
+        from safetensors import safe_open
+
+        path = self.file_of[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(name)
+
+
+class _Loader:
+    """Fetches HF tensors for one spec, checking each source shape and recording what was used."""
+
+    def __init__(self, spec: ModelSpec, st: SafetensorsDir):
+        self.spec, self.st = spec, st
+        self.want = expected_shapes(spec)
+        self.used: set[str] = set()
+        self.out: dict[str, Tensor] = {}
+
+    def where(self, name: str) -> str:
+        return str(self.st.file_of.get(name, self.st.root))
+
+    def has(self, name: str) -> bool:
+        return name in self.st
+
+    def take(self, hf: str, shape: tuple[int, ...], canon: str) -> Tensor:
+        if hf not in self.st:
+            raise UserError(f"{self.st.root}: missing tensor '{hf}' (for '{canon}', expected shape {list(shape)})")
+        found = self.st.shape_of[hf]
+        if tuple(found) != tuple(shape):
+            raise UserError(f"{self.where(hf)}: tensor '{hf}' (for '{canon}') has shape {list(found)}, "
+                            f"expected {list(shape)}")
+        self.used.add(hf)
+        return self.st.get(hf)
+
+    def direct(self, hf: str, canon: str) -> None:
+        """Copy one HF tensor to `canon` unchanged (same [out, in] layout)."""
+        self.out[canon] = self.take(hf, self.want[canon], canon)
+
+
+def _dequant_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    """[..., G, 16] uint8 blocks + [..., G] uint8 scales -> [..., G*32] fp32, same math as
+    transformers' `convert_moe_packed_tensors` (low nibble first; value * 2**(scale - 127)).
+    Exact: FP4 values times powers of two fit fp32 (and bf16) without rounding."""
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    lo = lut[(blocks & 0x0F).long()]
+    hi = lut[(blocks >> 4).long()]
+    vals = torch.stack([lo, hi], dim=-1).flatten(-2)  # [..., G, 32], low nibble first
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127).unsqueeze(-1))
+    return vals.flatten(-2)
+
+
+def _experts(ld: _Loader, layer: int, moe: str, names: tuple[str, str, str]) -> None:
+    """Routed experts of `layer` under prefix `moe` (e.g. `model.layers.3.mlp`), per-expert or fused.
+    `names`: the per-expert (gate, up, down) module names, e.g. ("gate_proj", "up_proj", "down_proj")."""
+    c = f"layers.{layer}."
+    E, I, H = ld.want[c + "experts.gate"]
+    fused = f"{moe}.experts.gate_up_proj"
+    if ld.has(fused):
+        gu = ld.take(fused, (E, 2 * I, H), c + "experts.gate/up")
+        ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, :I], gu[:, I:]
+        ld.out[c + "experts.down"] = ld.take(f"{moe}.experts.down_proj", (E, H, I), c + "experts.down")
+        return
+    for canon, mod in zip(("gate", "up", "down"), names):
+        shape = ld.want[c + f"experts.{canon}"][1:]
+        ld.out[c + f"experts.{canon}"] = torch.stack(
+            [ld.take(f"{moe}.experts.{e}.{mod}.weight", shape, c + f"experts.{canon}[{e}]") for e in range(E)])
+
+
+def _gpt_oss_experts(ld: _Loader, layer: int, moe: str) -> None:
+    c = f"layers.{layer}."
+    E, I, H = ld.want[c + "experts.gate"]
+    gu_name, down_name = f"{moe}.experts.gate_up_proj", f"{moe}.experts.down_proj"
+    if ld.has(gu_name + "_blocks") or ld.has(down_name + "_blocks"):
+        # MXFP4: dequantize to Linear layout [E, out, in]; the fused rows interleave gate/up.
+        def mx(base: str, out_dim: int, in_dim: int, canon: str) -> Tensor:
+            if in_dim % 32:
+                raise UserError(f"{ld.where(base + '_blocks')}: MXFP4 tensor '{base}_blocks' needs an input dim "
+                                f"divisible by 32, the spec gives {in_dim}")
+            blocks = ld.take(base + "_blocks", (E, out_dim, in_dim // 32, 16), canon)
+            scales = ld.take(base + "_scales", (E, out_dim, in_dim // 32), canon)
+            return _dequant_mxfp4(blocks, scales)
+
+        gu = mx(gu_name, 2 * I, H, c + "experts.gate/up")  # [E, 2I, H]
+        ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, 0::2], gu[:, 1::2]
+        ld.out[c + "experts.down"] = mx(down_name, H, I, c + "experts.down")  # [E, H, I]
+    else:
+        gu = ld.take(gu_name, (E, H, 2 * I), c + "experts.gate/up")  # x @ W layout
+        ld.out[c + "experts.gate"] = gu[..., 0::2].transpose(1, 2)
+        ld.out[c + "experts.up"] = gu[..., 1::2].transpose(1, 2)
+        ld.out[c + "experts.down"] = ld.take(down_name, (E, I, H), c + "experts.down").transpose(1, 2)
+    gub = ld.take(gu_name + "_bias", (E, 2 * I), c + "experts.gate_b/up_b")
+    ld.out[c + "experts.gate_b"], ld.out[c + "experts.up_b"] = gub[:, 0::2], gub[:, 1::2]
+    ld.direct(down_name + "_bias", c + "experts.down_b")
+
+
+def _attention(ld: _Loader, layer: int, p: str) -> None:
+    c, a = f"layers.{layer}.", ld.spec.attention
+    want = ld.want
+    if a.kind == "gqa":
+        for proj in ("q", "k", "v", "o"):
+            ld.direct(f"{p}.self_attn.{proj}_proj.weight", c + f"{proj}.w")
+            if c + f"{proj}.b" in want:
+                ld.direct(f"{p}.self_attn.{proj}_proj.bias", c + f"{proj}.b")
+        if c + "q_norm" in want:
+            ld.direct(f"{p}.self_attn.q_norm.weight", c + "q_norm")
+            ld.direct(f"{p}.self_attn.k_norm.weight", c + "k_norm")
+        if c + "sinks" in want:
+            ld.direct(f"{p}.self_attn.sinks", c + "sinks")
+        return
+    mla = {"q.w": "q_proj.weight", "q_a.w": "q_a_proj.weight", "q_a.b": "q_a_proj.bias",
+           "q_a_norm": "q_a_layernorm.weight", "q_b.w": "q_b_proj.weight",
+           "kv_a.w": "kv_a_proj_with_mqa.weight", "kv_a.b": "kv_a_proj_with_mqa.bias",
+           "kv_a_norm": "kv_a_layernorm.weight", "kv_b.w": "kv_b_proj.weight",
+           "o.w": "o_proj.weight", "o.b": "o_proj.bias"}
+    for canon, hf in mla.items():
+        if c + canon in want:
+            ld.direct(f"{p}.self_attn.{hf}", c + canon)
+
+
+def _mlp(ld: _Loader, layer: int, p: str) -> None:
+    fam, c = ld.spec.family, f"layers.{layer}."
+    if not ld.spec.is_moe_layer(layer):
+        for canon in ("gate", "up", "down"):
+            ld.direct(f"{p}.mlp.{canon}_proj.weight", c + f"mlp.{canon}")
+        return
+    if fam == "gpt_oss":
+        ld.direct(f"{p}.mlp.router.weight", c + "router.w")
+        ld.direct(f"{p}.mlp.router.bias", c + "router.b")
+        _gpt_oss_experts(ld, layer, f"{p}.mlp")
+        return
+    if fam == "mixtral":
+        # Published Mixtral: block_sparse_moe.{gate, experts.e.w1/w3/w2}; transformers 5 renames it to
+        # mlp.{gate, experts.gate_up_proj/down_proj} in memory. w1 = gate, w3 = up, w2 = down.
+        moe = f"{p}.block_sparse_moe" if ld.has(f"{p}.block_sparse_moe.gate.weight") else f"{p}.mlp"
+        ld.direct(f"{moe}.gate.weight", c + "router.w")
+        _experts(ld, layer, moe, ("w1", "w3", "w2"))
+        return
+    moe = f"{p}.mlp"
+    ld.direct(f"{moe}.gate.weight", c + "router.w")
+    if c + "router.correction_bias" in ld.want:
+        ld.direct(f"{moe}.gate.e_score_correction_bias", c + "router.correction_bias")
+    _experts(ld, layer, moe, ("gate_proj", "up_proj", "down_proj"))
+    if c + "shared.gate" in ld.want:
+        shared = "shared_expert" if fam == "qwen2_moe" else "shared_experts"
+        for canon in ("gate", "up", "down"):
+            ld.direct(f"{moe}.{shared}.{canon}_proj.weight", c + f"shared.{canon}")
+    if c + "shared_gate.w" in ld.want:
+        ld.direct(f"{moe}.shared_expert_gate.weight", c + "shared_gate.w")
+
+
+def _ignorable(spec: ModelSpec, name: str, tied: bool) -> bool:
+    if any(p.match(name) for p in _IGNORABLE):
+        return True
+    if tied and name == "lm_head.weight":
+        return True  # transformers ties and ignores a saved copy
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m and int(m.group(1)) >= spec.num_layers and spec.family == "glm4_moe":
+        # GLM-4.5's multi-token-prediction layers (num_nextn_predict_layers) follow the decoder
+        # layers; transformers ignores them for causal LM and so do we.
+        return True
+    return False
+
+
+def load_tensors(spec: ModelSpec, st: SafetensorsDir) -> ModelWeights:
+    """Map the checkpoint's tensors onto `spec`'s canonical names, cast to `spec.dtype`."""
+    ld = _Loader(spec, st)
+    ld.direct("model.embed_tokens.weight", "embed")
+    ld.direct("model.norm.weight", "final_norm")
+    if "lm_head" in ld.want:
+        ld.direct("lm_head.weight", "lm_head")
+    for layer in range(spec.num_layers):
+        p, c = f"model.layers.{layer}", f"layers.{layer}."
+        ld.direct(f"{p}.input_layernorm.weight", c + "attn_norm")
+        ld.direct(f"{p}.post_attention_layernorm.weight", c + "mlp_norm")
+        _attention(ld, layer, p)
+        _mlp(ld, layer, p)
+
+    unused = sorted(n for n in st.names() if n not in ld.used and not _ignorable(spec, n, spec.tie_embeddings))
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise UserError(f"{ld.where(unused[0])}: unexpected tensor '{unused[0]}'{more} for a {spec.family} model "
+                        f"as config.json describes it; the config and the weights disagree")
+
+    dtype = torch_dtype(spec.dtype)
+    # contiguous(): slices/transposes above are views; callers expect plain dense tensors.
+    ts = {k: v.contiguous() for k, v in ld.out.items()}
+    layers: list[dict[str, Tensor]] = [{} for _ in range(spec.num_layers)]
+    for name, t in ts.items():
+        if name.startswith("layers."):
+            _, idx, short = name.split(".", 2)
+            layers[int(idx)][short] = t
+    w = ModelWeights(embed=ts["embed"], final_norm=ts["final_norm"], lm_head=ts.get("lm_head"), layers=layers)
+    # ModelWeights.to keeps the fp32-always tensors (router correction bias) in fp32.
+    w = w.to(dtype=dtype)
+    validate_weights(spec, w, source=str(st.root))
+    return w
