@@ -200,6 +200,13 @@ class ModelSpec(_Strict):
         if self.router.n_group > 1 and self.experts.num_experts % self.router.n_group:
             raise ValueError(f"router.n_group ({self.router.n_group}) must divide "
                              f"experts.num_experts ({self.experts.num_experts})")
+        if self.router.n_group > 1:
+            # Group-limited routing only lets top-k pick inside the best topk_group groups.
+            eligible = self.router.topk_group * (self.experts.num_experts // self.router.n_group)
+            if self.experts.top_k > eligible:
+                raise ValueError(f"experts.top_k ({self.experts.top_k}) exceeds the {eligible} experts that "
+                                 f"router.topk_group ({self.router.topk_group}) of router.n_group "
+                                 f"({self.router.n_group}) groups leave eligible")
         bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
         if bad_eos:
             raise ValueError(f"eos_token_ids {bad_eos} outside the vocabulary 0..{self.vocab_size - 1}")
