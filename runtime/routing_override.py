@@ -1,0 +1,239 @@
+"""Routing decisions that replace the model's router: replayed traces and synthetic skew.
+
+A random-weight model routes almost uniformly, which hides exactly the effect under study (hot
+experts make some ranks stragglers). The paper replays routing recorded from the real model; for
+random weights we also offer seeded synthetic skew. Every router here has one signature,
+
+    router(layer, x[T,H], seq_ids[T], positions[T]) -> (expert_ids[T,k] int64, weights[T,k] float32)
+
+the same contract as `models.layers.route` plus the token keys, and its answer for a token depends
+only on (request, position, layer) (and the seed), never on which other tokens share the batch. That
+is what makes the streaming engine and the barrier baselines, which batch tokens differently, see
+identical routing, and lets their output tokens be compared.
+
+- `ModelRouter`: the model's own router (models.layers.route) behind this signature.
+- `ZipfRouting`: per layer, expert popularity follows Zipf(s) over a seeded permutation of experts;
+  every `drift_every` steps the popularity ranking rotates by `drift_stride`, so the hot experts move
+  and no static placement can be tuned to them. Top-k experts are drawn without replacement
+  (Gumbel-top-k with hashed per-token noise), weights are a softmax over the chosen scores.
+- `RoutingTrace` / `RoutingRecorder`: replay a recorded trace keyed by (request, position, layer);
+  record one from any router, as JSONL (readable) or .npz (compact).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from graph_ir.errors import UserError
+
+Router = Callable[[int, Optional[torch.Tensor], Sequence[Hashable], Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ModelRouter:
+    """The model's learned router, adapted to the keyed signature (keys are ignored)."""
+
+    def __init__(self, spec: Any, weights: Any):
+        self.spec, self.weights = spec, weights
+
+    def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable], positions: Sequence[int]):
+        from models.layers import route  # imported here: models is optional for synthetic routing
+        if x is None:
+            raise ValueError("the model router needs the hidden states x")
+        return route(self.spec, self.weights, layer, x)
+
+
+# ---- synthetic skew ------------------------------------------------------------------------------
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64 finalizer, vectorised: a cheap, well-mixed hash of 64-bit keys (wraps mod 2^64)."""
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _key64(value: Hashable) -> int:
+    # Python's hash() of a str changes between processes (PYTHONHASHSEED); ranks in different
+    # processes must agree, so hash the repr with a fixed function instead.
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little")
+
+
+@dataclass
+class ZipfRouting:
+    """Seeded Zipf-skewed routing with drifting hot experts (see the module docstring)."""
+
+    num_experts: int
+    top_k: int
+    s: float = 1.0
+    drift_every: int = 0          # steps between rotations of the popularity ranking; 0 = never
+    drift_stride: int = 1         # how many ranks the ranking moves per rotation
+    seed: int = 0
+    _req_keys: dict = field(default_factory=dict, init=False, repr=False)
+    _orders: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise UserError(f"top_k must be in 1..num_experts ({self.num_experts}), got {self.top_k}")
+        if self.s < 0:
+            raise UserError(f"Zipf exponent s must be >= 0 (0 = uniform), got {self.s}")
+        if self.drift_every < 0:
+            raise UserError(f"drift_every must be >= 0 (0 disables drift), got {self.drift_every}")
+        ranks = np.arange(1, self.num_experts + 1, dtype=np.float64)
+        self._log_zipf = -self.s * np.log(ranks)          # log-popularity of rank r (unnormalised)
+
+    def _order(self, layer: int) -> np.ndarray:
+        """Experts sorted from hottest to coldest on `layer` before any drift (seeded per layer)."""
+        if layer not in self._orders:
+            rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(1, layer)))
+            self._orders[layer] = rng.permutation(self.num_experts)
+        return self._orders[layer]
+
+    def popularity(self, layer: int, step: int = 0) -> np.ndarray:
+        """Probability that one draw picks each expert, at `step` (for tests and plots)."""
+        logp = self._log_popularity(layer, np.array([step]))[0]
+        p = np.exp(logp - logp.max())
+        return p / p.sum()
+
+    def _log_popularity(self, layer: int, steps: np.ndarray) -> np.ndarray:
+        order = self._order(layer)
+        E = self.num_experts
+        epoch = steps // self.drift_every if self.drift_every else np.zeros_like(steps)
+        shift = (epoch * self.drift_stride) % E                       # [T]
+        # Expert order[(r + shift) % E] has popularity rank r; invert that to index by expert.
+        rank_of_slot = (np.arange(E)[None, :] - shift[:, None]) % E   # slot j holds rank (j - shift)
+        logp = np.empty((len(steps), E))
+        logp[np.arange(len(steps))[:, None], order[None, :]] = self._log_zipf[rank_of_slot]
+        return logp
+
+    def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
+                 positions: Sequence[int], steps: Optional[Sequence[int]] = None):
+        T, E = len(seq_ids), self.num_experts
+        pos = np.asarray(positions, dtype=np.int64).reshape(T)
+        step = pos if steps is None else np.asarray(steps, dtype=np.int64).reshape(T)
+        req = np.array([self._req_keys.setdefault(r, _key64(r)) for r in seq_ids], dtype=np.uint64).reshape(T)
+        # One 64-bit key per (token, expert), then uniforms in (0, 1) from its hash.
+        with np.errstate(over="ignore"):
+            base = _splitmix64(req ^ np.uint64(self.seed & 0xFFFFFFFFFFFFFFFF))
+            base = _splitmix64(base ^ pos.astype(np.uint64))
+            base = _splitmix64(base ^ np.uint64(layer))
+            h = _splitmix64(base[:, None] ^ np.arange(E, dtype=np.uint64)[None, :])
+        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+        score = self._log_popularity(layer, step) - np.log(-np.log(u))   # Gumbel-top-k
+        idx = np.argsort(-score, axis=1, kind="stable")[:, : self.top_k]
+        chosen = np.take_along_axis(score, idx, axis=1)
+        w = np.exp(chosen - chosen.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+        return torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(w.astype(np.float32))
+
+
+# ---- replay and record ---------------------------------------------------------------------------
+
+Key = tuple[str, int, int]  # (request id as str, position, layer)
+
+
+def _key(req: Hashable, pos: int, layer: int) -> Key:
+    # Request ids are compared as strings so a trace written with int ids replays for str ids too.
+    return (str(req), int(pos), int(layer))
+
+
+class RoutingTrace:
+    """A recorded routing trace, replayed as a router. Missing keys are an error (or fall back)."""
+
+    def __init__(self, entries: dict[Key, tuple[np.ndarray, np.ndarray]], fallback: Optional[Router] = None):
+        self.entries = entries
+        self.fallback = fallback
+        ks = {len(ids) for ids, _ in entries.values()}
+        if len(ks) > 1:
+            raise UserError(f"routing trace mixes top-k widths {sorted(ks)}")
+        self.top_k = ks.pop() if ks else 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable], positions: Sequence[int]):
+        rows = [self.entries.get(_key(r, p, layer)) for r, p in zip(seq_ids, positions)]
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            if self.fallback is None:
+                i = missing[0]
+                raise UserError(f"routing trace has no entry for request {seq_ids[i]!r}, position {positions[i]}, "
+                                f"layer {layer} ({len(missing)} of {len(rows)} tokens missing); record the trace with "
+                                "the same workload and seed, or allow the model router as fallback")
+            sub_x = x[missing] if x is not None else None
+            ids_f, w_f = self.fallback(layer, sub_x, [seq_ids[i] for i in missing], [positions[i] for i in missing])
+            for j, i in enumerate(missing):
+                rows[i] = (ids_f[j].numpy(), w_f[j].numpy())
+        ids = torch.from_numpy(np.stack([r[0] for r in rows]).astype(np.int64)) if rows else torch.empty(0, self.top_k, dtype=torch.int64)
+        w = torch.from_numpy(np.stack([r[1] for r in rows]).astype(np.float32)) if rows else torch.empty(0, self.top_k)
+        return ids, w
+
+    @classmethod
+    def load(cls, path: str | Path, fallback: Optional[Router] = None) -> "RoutingTrace":
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"routing trace {path} does not exist")
+        entries: dict[Key, tuple[np.ndarray, np.ndarray]] = {}
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                for r, p, l, ids, w in zip(z["request"], z["position"], z["layer"], z["experts"], z["weights"]):
+                    entries[_key(r, p, l)] = (ids.astype(np.int64), w.astype(np.float32))
+        else:
+            with path.open() as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        d = json.loads(line)
+                        entries[_key(d["request"], d["position"], d["layer"])] = (
+                            np.asarray(d["experts"], dtype=np.int64), np.asarray(d["weights"], dtype=np.float32))
+                    except (json.JSONDecodeError, KeyError, TypeError) as err:
+                        raise UserError(f"{path}:{n}: not a routing record ({err}); expected "
+                                        '{"request", "position", "layer", "experts", "weights"}') from None
+        return cls(entries, fallback)
+
+
+class RoutingRecorder:
+    """Wraps a router and remembers every decision it makes; `save` writes a replayable trace."""
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.entries: dict[Key, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable], positions: Sequence[int]):
+        ids, w = self.router(layer, x, seq_ids, positions)
+        for r, p, i_row, w_row in zip(seq_ids, positions, ids.numpy(), w.numpy()):
+            self.entries[_key(r, p, layer)] = (i_row.copy(), w_row.copy())
+        return ids, w
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keys = sorted(self.entries)  # sorted: the same decisions always produce the same file
+        if path.suffix == ".npz":
+            k = max((len(self.entries[key][0]) for key in keys), default=0)
+            np.savez_compressed(
+                path,
+                request=np.array([key[0] for key in keys], dtype=str),
+                position=np.array([key[1] for key in keys], dtype=np.int64),
+                layer=np.array([key[2] for key in keys], dtype=np.int32),
+                experts=np.stack([self.entries[key][0] for key in keys]) if keys else np.zeros((0, k), np.int64),
+                weights=np.stack([self.entries[key][1] for key in keys]) if keys else np.zeros((0, k), np.float32))
+        else:
+            with path.open("w") as f:
+                for key in keys:
+                    ids, w = self.entries[key]
+                    # float32 -> Python float is exact, and json writes the shortest repr that
+                    # round-trips, so a replayed weight equals the recorded one bit for bit.
+                    f.write(json.dumps({"request": key[0], "position": key[1], "layer": key[2],
+                                        "experts": ids.tolist(), "weights": [float(v) for v in w]}) + "\n")
+        return path

@@ -1,0 +1,65 @@
+"""Report metrics from hand-made timestamps, and the report files."""
+import json
+
+import numpy as np
+import pytest
+
+from runtime.report import (BatchRecord, QueueSample, RequestRecord, RunRecord, compare, environment,
+                            peak_window_rate, queue_depth_grid, summarize, write_report)
+
+
+def _run(system, scenario, gap, policy="-", n_req=4, n_tok=10):
+    reqs = [RequestRecord(f"r{i}", arrival=0.1 * i, token_times=[0.1 * i + 0.5 + gap * j for j in range(n_tok)])
+            for i in range(n_req)]
+    batches = [BatchRecord(0, "attn", 0, 4, 0.0, 0.01), BatchRecord(1, "attn", 0, 2, 0.0, 0.01),
+               BatchRecord(0, "expert", 0, 8, 0.01, 0.02)]
+    qs = [QueueSample(t=0.01 * i, rank=i % 2, stage=i % 4, depth=i % 5) for i in range(200)]
+    return RunRecord(system, policy, scenario, reqs, batches, qs, {"0->1": 100, "1->0": 50}, max_queue_delay_s=0.003)
+
+
+def test_summary_metrics_from_known_timestamps():
+    s = summarize(_run("ep", "clean", gap=0.2), peak_window_s=60)
+    assert s["output_tokens"] == 40 and s["finished_requests"] == 4
+    # first arrival 0.0, last token 0.3 + 0.5 + 9 * 0.2 = 2.6
+    assert s["duration_s"] == pytest.approx(2.6) and s["tokens_per_s"] == pytest.approx(40 / 2.6)
+    assert s["itl_mean_ms"] == pytest.approx(200) and s["itl_p99_ms"] == pytest.approx(200)
+    assert s["ttft_p50_ms"] == pytest.approx(500)
+    assert s["latency_mean_s"] == pytest.approx(0.5 + 1.8)
+    assert s["batches"]["attn"] == {"count": 2, "mean_size": 3.0, "max_size": 4}
+    assert s["total_link_bytes"] == 150 and s["max_queue_delay_ms"] == pytest.approx(3.0)
+
+
+def test_peak_window():
+    times = list(np.arange(0, 10, 1.0)) + list(10 + np.arange(0, 1, 0.01))   # a 1 s burst of 100 tokens
+    assert peak_window_rate(times, 1.0) == pytest.approx(100.0)
+    assert peak_window_rate([0.0, 1.0], 60.0) == pytest.approx(2.0)          # shorter than a window
+
+
+def test_ratios_vs_baseline_and_clean():
+    runs = [_run("ag-ep", "clean", 0.2), _run("ag-ep", "bursts", 0.4),
+            _run("streaming", "clean", 0.1, "defrag"), _run("streaming", "bursts", 0.1, "defrag")]
+    sums = compare([summarize(r) for r in runs], baseline="ag-ep")
+    by = {(s["label"], s["scenario"]): s for s in sums}
+    assert by["ag-ep", "clean"]["ratio_vs_baseline"] == pytest.approx(1.0)
+    # durations: ag-ep bursts 0.3 + 0.5 + 9 * 0.4 = 4.4 s, streaming 0.3 + 0.5 + 9 * 0.1 = 1.7 s
+    assert by["streaming/defrag", "bursts"]["ratio_vs_baseline"] == pytest.approx(4.4 / 1.7)
+    assert by["ag-ep", "bursts"]["loss_vs_clean"] == pytest.approx(1 - 2.6 / 4.4)
+    assert by["streaming/defrag", "bursts"]["loss_vs_clean"] == pytest.approx(0.0)
+
+
+def test_queue_grid_sums_ranks():
+    run = RunRecord("s", "p", "c", [], queue_samples=[QueueSample(0.0, 0, 1, 3), QueueSample(0.0, 1, 1, 4),
+                                                        QueueSample(1.0, 0, 0, 2)])
+    grid, edges = queue_depth_grid(run, bins=2)
+    assert grid.shape == (2, 2) and grid[1, 0] == 7 and grid[0, 1] == 2
+
+
+def test_write_report_files(tmp_path):
+    runs = [_run("ag-ep", "clean", 0.2), _run("streaming", "clean", 0.1, "defrag")]
+    doc = write_report(tmp_path, runs, baseline="ag-ep", env=environment(), config={"x": 1})
+    for name in ("report.json", "report.md", "throughput.png", "itl_cdf.png", "queue_heatmap.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "report.json").read_text())["results"][1]["ratio_vs_baseline"] == pytest.approx(
+        doc["results"][1]["ratio_vs_baseline"])
+    md = (tmp_path / "report.md").read_text()
+    assert "streaming/defrag" in md and "cores" in md and "1.53" in md   # 2.6 s / 1.7 s
