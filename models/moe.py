@@ -28,10 +28,10 @@ def _router_logits_fp32(spec: ModelSpec) -> bool:
 
 
 def router_logits(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> Tensor:
+    b = w["router.b"] if spec.router.bias else None
     if _router_logits_fp32(spec):
-        b = w.get("router.b")
         return F.linear(x.float(), w["router.w"].float(), None if b is None else b.float())
-    return F.linear(x, w["router.w"], w.get("router.b"))
+    return F.linear(x, w["router.w"], b)
 
 
 def _group_mask(choice: Tensor, n_group: int, topk_group: int, by_top2_sum: bool) -> Tensor:
