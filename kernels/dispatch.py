@@ -95,13 +95,16 @@ class LazyJit:
     """A Triton kernel that is only `triton.jit`-ed at its first launch (see module docstring).
 
     Use exactly like a jitted kernel: `KERNEL[grid](*args, **meta)`. The wrapped function must be
-    a module-level function whose body is Triton code referring to `tl` (triton.language), and
-    calling no other non-jitted functions. Its module must not import triton itself: `tl` is
+    a module-level function whose body is Triton code referring to `tl` (triton.language); any
+    device function it calls must be listed in `helpers`. Its module must not import triton itself: `tl` is
     bound into the module's globals here, at the first launch.
     """
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], helpers: tuple[Callable[..., Any], ...] = ()):
+        # helpers: module-level Triton device functions the kernel calls; they are jitted and
+        # bound under their own names in their module before the kernel is jitted.
         self.fn = fn
+        self.helpers = helpers
         self._jitted: Any = None
         functools.update_wrapper(self, fn)
 
@@ -110,6 +113,10 @@ class LazyJit:
             import triton
             import triton.language as tl
 
+            for helper in self.helpers:
+                helper.__globals__["tl"] = tl
+                if helper.__globals__.get(helper.__name__) is helper:  # not yet jitted
+                    helper.__globals__[helper.__name__] = triton.jit(helper)
             self.fn.__globals__["tl"] = tl
             self._jitted = triton.jit(self.fn)
         return self._jitted
