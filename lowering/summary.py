@@ -6,7 +6,7 @@ from lowering.plan import Plan
 GIB = 1024 ** 3
 
 
-def _compress(ids: list[int]) -> str:
+def compress_ids(ids: list[int]) -> str:
     """[0,1,2,5,7,8] -> '0-2,5,7-8': expert lists stay readable for 128 experts."""
     if not ids:
         return "-"
@@ -37,7 +37,7 @@ def plan_summary(plan: Plan) -> str:
     ]
     first = moe[0]
     for m in plan.memory:
-        lines.append(f"  rank {m.rank}: {_compress(plan.placement.experts_on(first, m.rank))} | "
+        lines.append(f"  rank {m.rank}: {compress_ids(plan.placement.experts_on(first, m.rank))} | "
                      f"{m.weight_bytes / GIB:.3f} | {m.kv_capacity_tokens} | {m.kv_blocks} | "
                      f"{plan.capture.graphs_per_rank[m.rank]}")
     return "\n".join(lines) + "\n"

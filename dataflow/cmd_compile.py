@@ -1,0 +1,111 @@
+"""`dataflow compile MODEL`: lower a model onto a cluster shape and write PLAN_DIR/plan.json.
+
+MODEL is a YAML spec path, a shipped model name (`tiny`, `gpt-oss-120b`, ... from models/specs),
+or a Hugging Face checkpoint directory (a folder with config.json).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from graph_ir.errors import UserError
+from graph_ir.spec import ModelSpec, load_spec
+
+GIB = 1024 ** 3
+
+
+def shipped_specs_dir() -> Path:
+    import models
+    return Path(models.__file__).resolve().parent / "specs"
+
+
+def shipped_models() -> list[str]:
+    return sorted(p.stem for p in shipped_specs_dir().glob("*.yaml"))
+
+
+def resolve_model(model: str) -> tuple[ModelSpec, str]:
+    """MODEL argument -> (spec, description of where it came from). Paths win over shipped names."""
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path}: a directory without config.json; MODEL must be a model YAML, a shipped "
+                            f"model name ({', '.join(shipped_models())}) or a Hugging Face checkpoint directory")
+        try:
+            # Lazy: checkpoint import pulls in safetensors/torch and lives in the model-math layer.
+            from models.checkpoint import import_spec
+        except ModuleNotFoundError as err:
+            if err.name != "models.checkpoint":
+                raise
+            raise UserError(f"{path}: importing Hugging Face checkpoints is not available in this build "
+                            f"(models/checkpoint.py missing)") from None
+        return import_spec(path), f"checkpoint {path}"
+    if path.is_file():
+        return load_spec(path), str(path)
+    shipped = shipped_specs_dir() / f"{model}.yaml"
+    if "/" not in model and shipped.is_file():
+        return load_spec(shipped), f"shipped model '{model}'"
+    raise UserError(f"MODEL {model!r}: no such file, directory or shipped model; valid shipped models: "
+                    f"{', '.join(shipped_models())}")
+
+
+def register(app: typer.Typer) -> None:
+    from dataflow.cli import DEFAULT_PLAN_DIR
+
+    @app.command()
+    def compile(
+        model: str = typer.Argument(..., help="model YAML, shipped model name (e.g. tiny), or HF checkpoint dir"),
+        out: Path = typer.Option(Path(DEFAULT_PLAN_DIR), "-o", "--out", help="plan directory to write"),
+        ranks: int = typer.Option(2, "--ranks", "-n", help="number of ranks (one device each)"),
+        device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+        placement: str = typer.Option("contiguous", "--placement", help="contiguous, round_robin or profile"),
+        load_profile: Optional[Path] = typer.Option(None, "--load-profile",
+                                                    help="per-expert load (JSON/YAML) for --placement profile"),
+        device_memory: Optional[float] = typer.Option(None, "--device-memory",
+                                                      help="GiB per device (default cpu 16, cuda 140)"),
+        block_size: int = typer.Option(16, "--block-size", help="KV cache page size in tokens"),
+        attn_cap: int = typer.Option(256, "--attn-cap", help="max tokens per attention batch"),
+        expert_cap: int = typer.Option(1024, "--expert-cap", help="max routed rows per expert batch"),
+        home_policy: str = typer.Option("most_free_kv", "--home-policy", help="most_free_kv or round_robin"),
+        min_kv_tokens: int = typer.Option(2048, "--min-kv-tokens",
+                                          help="refuse plans whose ranks cannot cache this many tokens"),
+        max_kv_tokens: Optional[int] = typer.Option(None, "--max-kv-tokens",
+                                                    help="cap KV tokens per rank (default: all memory left)"),
+    ) -> None:
+        """Compile MODEL for a cluster of RANKS devices and write PLAN_DIR/plan.json."""
+        from lowering.plan import compile_plan, save_plan
+
+        spec, source = resolve_model(model)
+        plan = compile_plan(spec, ranks, device, device_memory_gib=device_memory, placement=placement,
+                            load_profile=load_profile, home_policy=home_policy, block_size=block_size,
+                            attn_cap=attn_cap, expert_cap=expert_cap, min_kv_tokens=min_kv_tokens,
+                            max_kv_tokens=max_kv_tokens, source=source)
+        path = save_plan(plan, out)
+        _print_summary(plan, path)
+
+
+def _print_summary(plan, path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lowering.summary import compress_ids
+
+    s, c = plan.spec, plan.cluster
+    console = Console()
+    console.print(f"[bold]{s.name}[/] ({s.family}): {s.num_layers} layers, {s.experts.num_experts} experts "
+                  f"top-{s.experts.top_k}, {s.dtype} -> {c.ranks} x {c.device} ({c.device_memory_gib:g} GiB), "
+                  f"{len(plan.stages)} stages, placement {plan.placement.policy}")
+    table = Table(show_edge=False)
+    for col in ("rank", "experts/layer", "weights GiB", "KV tokens", "KV blocks", "graphs GiB"):
+        table.add_column(col, justify="right" if col != "experts/layer" else "left")
+    first = s.moe_layers[0]
+    shown = plan.memory if c.ranks <= 16 else plan.memory[:8] + plan.memory[-4:]
+    for m in shown:
+        table.add_row(str(m.rank), compress_ids(plan.placement.experts_on(first, m.rank)),
+                      f"{m.weight_bytes / GIB:.3f}", str(m.kv_capacity_tokens), str(m.kv_blocks),
+                      f"{m.graph_bytes / GIB:.3f}")
+    console.print(table)
+    if c.ranks > 16:
+        console.print(f"({c.ranks - len(shown)} ranks not shown; `dataflow inspect {path.parent}` has all)")
+    console.print(f"wrote {path} (summary in {path.parent / 'plan.txt'})")

@@ -1,0 +1,247 @@
+"""`dataflow inspect [PLAN_DIR]`: read what the compiler decided, as tables, JSON or a DOT graph.
+
+Sections: placement (experts per rank), queues (a rank's mu-queue table along the stage chain),
+graphs (CUDA graph buckets, shared pools, graph memory), routes (rank pairs and message bytes per
+stage edge), memory (per-rank budget).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from graph_ir.errors import UserError
+
+SECTIONS = ("placement", "queues", "graphs", "routes", "memory")
+GIB = 1024 ** 3
+# A DOT file beyond this many nodes is not readable by a person nor renderable in reasonable time.
+MAX_DOT_NODES = 20000
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def stage_name(plan, stage_id: int) -> str:
+    s = plan.stages[stage_id]
+    return "sample" if s.kind == "sample" else f"{s.kind}({s.layer})"
+
+
+def _section_data(plan, section: str, rank: Optional[int]) -> Any:
+    """The JSON-able content of one section (filtered to `rank` where that makes sense)."""
+    ranks = [rank] if rank is not None else list(range(plan.cluster.ranks))
+    if section == "placement":
+        data = plan.placement.model_dump(mode="json")
+        if rank is not None:
+            data["experts_on_rank"] = {str(l): plan.placement.experts_on(l, rank) for l in plan.spec.moe_layers}
+        return data
+    if section == "queues":
+        return {"stages": [s.model_dump(mode="json") for s in plan.stages],
+                "ranks": [plan.ranks[r].model_dump(mode="json") for r in ranks]}
+    if section == "graphs":
+        return plan.capture.model_dump(mode="json")
+    if section == "routes":
+        out = []
+        for route in plan.routes:
+            d = route.model_dump(mode="json")
+            d["pairs"] = [list(p) for p in route.pairs() if rank is None or rank in p]
+            out.append(d)
+        return out
+    if section == "memory":
+        return {"kv": plan.kv.model_dump(mode="json"),
+                "ranks": [plan.memory[r].model_dump(mode="json") for r in ranks]}
+    raise UserError(f"option '--section': got {section!r}; valid: {', '.join(SECTIONS)}")
+
+
+def _group_layers(plan) -> list[tuple[list[int], list[int]]]:
+    """MoE layers grouped by identical expert->rank rows (usually one group for all layers)."""
+    groups: list[tuple[list[int], list[int]]] = []
+    for layer in plan.spec.moe_layers:
+        row = plan.placement.expert_rank[layer]
+        for layers, r in groups:
+            if r == row:
+                layers.append(layer)
+                break
+        else:
+            groups.append(([layer], row))
+    return groups
+
+
+def _print_placement(console, plan, rank: Optional[int]) -> None:
+    from rich.table import Table
+
+    from lowering.summary import compress_ids
+
+    p = plan.placement
+    console.print(f"[bold]placement[/]: {p.policy}; home-rank policy {p.home_policy}; "
+                  f"dense layers {plan.spec.dense_layers or 'none'}")
+    for layers, row in _group_layers(plan):
+        table = Table(title=f"MoE layers {compress_ids(layers)}", show_edge=False)
+        table.add_column("rank", justify="right")
+        table.add_column("experts")
+        table.add_column("count", justify="right")
+        if p.load is not None:
+            table.add_column("load", justify="right")
+        for r in ([rank] if rank is not None else range(plan.cluster.ranks)):
+            held = [e for e, owner in enumerate(row) if owner == r]
+            cells = [str(r), compress_ids(held), str(len(held))]
+            if p.load is not None:
+                cells.append(f"{sum(p.load[layers[0]][e] for e in held):.3g}")
+            table.add_row(*cells)
+        console.print(table)
+
+
+def _print_queues(console, plan, rank: Optional[int]) -> None:
+    from rich.table import Table
+
+    from lowering.summary import compress_ids
+
+    r = 0 if rank is None else rank
+    chain = " -> ".join(stage_name(plan, s.id) for s in plan.stages) + " -> (wraps to attn(0))"
+    console.print(f"[bold]stage chain[/] ({len(plan.stages)} stages, same ids on every rank): {chain}")
+    table = Table(title=f"mu-queues of rank {r}" + ("" if rank is not None else " (use --rank R for others)"),
+                  show_edge=False)
+    for col in ("stage", "name", "kind", "layer", "next", "batch cap", "experts held"):
+        table.add_column(col, justify="left" if col in ("name", "kind", "next", "experts held") else "right")
+    for q in plan.ranks[r].queues:
+        unit = "rows" if q.kind == "expert" else "tokens"
+        held = compress_ids(q.experts) if q.kind == "expert" else ""
+        table.add_row(str(q.stage_id), stage_name(plan, q.stage_id), q.kind, str(q.layer),
+                      f"{q.next_stage} {stage_name(plan, q.next_stage)}", f"{q.batch_cap} {unit}", held)
+    console.print(table)
+
+
+def _print_graphs(console, plan, rank: Optional[int]) -> None:
+    from rich.table import Table
+
+    from lowering.summary import compress_ids
+
+    c = plan.capture
+    state = "captured" if c.enabled else "planned only (CUDA graphs are captured on cuda)"
+    console.print(f"[bold]CUDA graph capture[/]: {state}")
+    for kind, bks in c.buckets.items():
+        console.print(f"  {kind} buckets: {bks}")
+    table = Table(title="memory pools (all listed layers share one pool and static buffers per bucket)",
+                  show_edge=False)
+    for col in ("kind", "bucket", "layers sharing", "static buffers"):
+        table.add_column(col, justify="right" if col in ("bucket", "static buffers") else "left")
+    for p in c.pools:
+        table.add_row(p.kind, str(p.bucket), compress_ids(p.layers), _bytes(p.static_buffer_bytes))
+    console.print(table)
+    ranks = [rank] if rank is not None else range(plan.cluster.ranks)
+    per_rank = Table(show_edge=False)
+    for col in ("rank", "graphs", "graph memory"):
+        per_rank.add_column(col, justify="right")
+    for r in ranks:
+        per_rank.add_row(str(r), str(c.graphs_per_rank[r]), _bytes(c.graph_memory_bytes[r]))
+    console.print(per_rank)
+
+
+def _print_routes(console, plan, rank: Optional[int]) -> None:
+    from rich.table import Table
+
+    from lowering.summary import compress_ids
+
+    console.print("[bold]routes[/]: dispatch = home ranks send normed hidden rows, one per (token, expert), "
+                  "to the expert holders; combine = expert outputs go back to the home rank's top-k merge; "
+                  "local = stays on the home rank. Metadata (ids, weights, positions) travels separately.")
+    table = Table(title="per stage edge" + (f" (pairs involving rank {rank})" if rank is not None else ""),
+                  show_edge=False)
+    for col in ("edge", "kind", "from", "to", "remote pairs", "max rows", "max message"):
+        table.add_column(col, justify="right" if col in ("remote pairs", "max rows", "max message") else "left",
+                         no_wrap=True)
+    for route in plan.routes:
+        pairs = [p for p in route.pairs() if p[0] != p[1] and (rank is None or rank in p)]
+        src, dst = route.src_ranks, route.dst_ranks
+        if rank is not None and route.kind != "local":
+            src = sorted({p[0] for p in pairs})
+            dst = sorted({p[1] for p in pairs})
+        edge = f"{stage_name(plan, route.src_stage)}->{stage_name(plan, route.dst_stage)}"
+        table.add_row(edge, route.kind, compress_ids(src), compress_ids(dst) if route.kind != "local" else "same",
+                      str(len(pairs)), str(route.max_rows),
+                      _bytes(route.max_message_bytes) if route.max_message_bytes else "-")
+    console.print(table)
+
+
+def _print_memory(console, plan, rank: Optional[int]) -> None:
+    from rich.table import Table
+
+    kv = plan.kv
+    console.print(f"[bold]memory[/]: {plan.cluster.ranks} x {plan.cluster.device} "
+                  f"{plan.cluster.device_memory_gib:g} GiB; KV {kv.bytes_per_token} bytes/token "
+                  f"({kv.dtype}), pages of {kv.block_size} tokens")
+    table = Table(show_edge=False)
+    for col in ("rank", "replicated", "experts", "graphs", "workspace", "KV", "KV tokens", "KV blocks", "free"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for m in (plan.memory if rank is None else [plan.memory[rank]]):
+        table.add_row(str(m.rank), _bytes(m.replicated_weight_bytes), _bytes(m.expert_weight_bytes),
+                      _bytes(m.graph_bytes), _bytes(m.workspace_bytes), _bytes(m.kv_bytes),
+                      str(m.kv_capacity_tokens), str(m.kv_blocks), _bytes(m.free_bytes))
+    console.print(table)
+
+
+PRINTERS = {"placement": _print_placement, "queues": _print_queues, "graphs": _print_graphs,
+            "routes": _print_routes, "memory": _print_memory}
+
+
+def write_dot(plan, path: Path, rank: Optional[int]) -> int:
+    """Write the dataflow graph of home `rank` (default: every home) as DOT; returns the node count."""
+    from graph_ir.graph import build_graph, to_dot
+
+    homes = [rank] if rank is not None else list(range(plan.cluster.ranks))
+    per_home = sum(2 + plan.spec.experts.num_experts for _ in plan.spec.moe_layers) + \
+        len(plan.spec.dense_layers) + 1
+    if per_home * len(homes) > MAX_DOT_NODES:
+        raise UserError(f"option '--dot': the graph would have {per_home * len(homes)} nodes (more than "
+                        f"{MAX_DOT_NODES}); pick one home rank with --rank R" if rank is None else
+                        f"option '--dot': one home's graph has {per_home} nodes (more than {MAX_DOT_NODES}); "
+                        f"too large to draw")
+    g = build_graph(plan.spec, plan.cluster.ranks, plan.placement.expert_rank, homes=homes)
+    path.write_text(to_dot(g))
+    return g.number_of_nodes()
+
+
+def register(app: typer.Typer) -> None:
+    from dataflow.cli import DEFAULT_PLAN_DIR
+
+    @app.command()
+    def inspect(
+        plan_dir: Path = typer.Argument(Path(DEFAULT_PLAN_DIR), help="plan directory written by `dataflow compile`"),
+        rank: Optional[int] = typer.Option(None, "--rank", "-r", help="show only this rank"),
+        section: Optional[str] = typer.Option(None, "--section", "-s", help=" | ".join(SECTIONS)),
+        as_json: bool = typer.Option(False, "--json", help="print the section (or the whole plan) as JSON"),
+        dot: Optional[Path] = typer.Option(None, "--dot", help="write the dataflow graph as Graphviz DOT here"),
+    ) -> None:
+        """Show a compiled plan: placement, mu-queue tables, CUDA graph plans, routes, memory."""
+        from rich.console import Console
+
+        from lowering.plan import load_plan
+
+        plan = load_plan(plan_dir)
+        if rank is not None and not 0 <= rank < plan.cluster.ranks:
+            raise UserError(f"option '--rank': got {rank}; valid: 0..{plan.cluster.ranks - 1} "
+                            f"(the plan in {plan_dir} has {plan.cluster.ranks} ranks)")
+        if section is not None and section not in SECTIONS:
+            raise UserError(f"option '--section': got {section!r}; valid: {', '.join(SECTIONS)}")
+        if dot is not None:
+            n = write_dot(plan, dot, rank)
+            typer.echo(f"wrote {dot} ({n} nodes)", err=True)
+            if section is None and not as_json:
+                return
+        if as_json:
+            data = _section_data(plan, section, rank) if section else plan.model_dump(mode="json")
+            typer.echo(json.dumps(data, indent=1))
+            return
+        console = Console()
+        s, c = plan.spec, plan.cluster
+        console.print(f"[bold]{s.name}[/] ({s.family}) plan v{plan.version} from {plan.source or '?'}: "
+                      f"{c.ranks} x {c.device}, caps attn {plan.caps.attn_tokens} tokens / "
+                      f"expert {plan.caps.expert_rows} rows")
+        for name in ([section] if section else SECTIONS):
+            console.print()
+            PRINTERS[name](console, plan, rank)
