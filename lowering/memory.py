@@ -49,7 +49,7 @@ def plan_memory(spec: ModelSpec, placement: Placement, caps: BatchCaps, cluster:
     min_tokens = -(-min_kv_tokens // block_size) * block_size
 
     out: list[RankMemory] = []
-    short: list[str] = []
+    short: list[tuple[int, int, str]] = []  # (need, rank, breakdown) of ranks that do not fit
     for r in range(cluster.ranks):
         experts = sum(len(placement.experts_on(l, r)) for l in spec.moe_layers) * one_expert
         weights = replicated + experts
@@ -60,19 +60,28 @@ def plan_memory(spec: ModelSpec, placement: Placement, caps: BatchCaps, cluster:
             blocks = min(blocks, -(-max_kv_tokens // block_size))
         if blocks * block_size < min_tokens:
             need = weights + graph + work + min_tokens * kv_token
-            short.append(f"rank {r} needs {need} bytes ({_gib(need)}: weights {_gib(weights)}, "
-                         f"CUDA graphs {_gib(graph)}, workspace {_gib(work)}, KV for {min_tokens} tokens "
-                         f"{_gib(min_tokens * kv_token)}) but has {device} bytes ({_gib(device)})")
+            short.append((need, r, f"weights {_gib(weights)} (replicated {_gib(replicated)} + experts "
+                                   f"{_gib(experts)}), CUDA graphs {_gib(graph)}, workspace {_gib(work)}, "
+                                   f"KV for {min_tokens} tokens {_gib(min_tokens * kv_token)}"))
         kv = blocks * block_size * kv_token
         out.append(RankMemory(rank=r, device_bytes=device, replicated_weight_bytes=replicated,
                               expert_weight_bytes=experts, weight_bytes=weights, graph_bytes=graph,
                               workspace_bytes=work, kv_bytes=kv, kv_capacity_tokens=blocks * block_size,
                               kv_blocks=blocks, free_bytes=left - kv if left > 0 else 0))
     if short:
-        shown = "; ".join(short[:3]) + (f"; and {len(short) - 3} more ranks" if len(short) > 3 else "")
+        need, r, breakdown = max(short)
+        others = sorted(x[1] for x in short if x[1] != r)
+        also = f" (ranks {', '.join(map(str, others[:8]))}{', ...' if len(others) > 8 else ''} are short too)" \
+            if others else ""
+        # Only experts are spread over ranks: if the replicated part alone does not fit, ranks cannot help.
+        fixed = replicated + work + min_tokens * kv_token + max(capture.graph_memory_bytes)
+        hint = ("Use more ranks (--ranks) to spread the experts, or give more memory (--device-memory GiB)."
+                if fixed < device else
+                f"More ranks cannot help: the part every rank holds (attention, embeddings, KV, workspace) "
+                f"already needs {_gib(fixed)}; give more memory (--device-memory GiB) or lower --min-kv-tokens.")
         raise UserError(f"model '{spec.name}' does not fit {cluster.ranks} x {cluster.device} "
-                        f"({cluster.device_memory_gib:g} GiB each): {shown}. "
-                        f"Use more ranks (--ranks) to spread the experts, or give more memory (--device-memory GiB).")
+                        f"({cluster.device_memory_gib:g} GiB each): rank {r} needs {need} bytes ({_gib(need)}: "
+                        f"{breakdown}) but has {device} bytes ({_gib(device)}){also}. {hint}")
     kv = KVPlan(block_size=block_size, dtype=spec.dtype, bytes_per_token=kv_token,
                 bytes_per_token_per_layer=[kv_layer] * spec.num_layers,
                 num_blocks=[m.kv_blocks for m in out])
