@@ -1,0 +1,227 @@
+"""In-process N-rank driver: N engines in one process, connected by the in-process transport.
+
+Two loops over the same engines:
+- wall clock: every rank in turn receives, picks and runs one batch (execute + complete back to
+  back); real time, real tensors. This is what `dataflow run --in-process` uses.
+- virtual clock: an event heap in all but name. A batch starts when its rank is idle, its math runs
+  at once, and it completes at start + cost-model duration; messages arrive at send time + the
+  transport's (seeded) link delay. Deterministic to the bit, so scheduler studies and the failure
+  mode tests are reproducible, and exactness tests can stress message orders.
+
+`run_workload(plan, requests, options, transport_factory)` is the one entry point the CLI (and the
+multi-process launcher, for its own ranks) calls.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from runtime.clock import VirtualClock, WallClock
+from runtime.cost_model import CostModel
+from runtime.engine import Batch, Engine, config_from_plan
+from runtime.metrics import summarize
+from runtime.requests import Admission, Request
+from runtime.scheduler import make_policy
+from runtime.trace import TraceRecorder
+from runtime.transport.inproc import DelayFn, InprocHub
+
+# transport_factory(world_size, clock) -> one transport per rank
+TransportFactory = Callable[[int, object], list]
+
+
+@dataclass
+class RunOptions:
+    policy: str = "defrag"
+    policy_params: dict = field(default_factory=dict)
+    clock: str = "wall"  # wall | virtual
+    executor: str = "torch"  # torch | sim (no model: cost-model studies)
+    cost_model: CostModel = field(default_factory=CostModel)  # batch durations on the virtual clock
+    delay: Optional[DelayFn] = None  # in-process link delay hook (seconds), seeded by delay_seed
+    delay_seed: int = 0
+    trace: bool = False
+    kv_blocks: Optional[int] = None  # per-rank KV pool override (None: the plan's)
+    home_policy: Optional[str] = None  # None: the plan's
+    until: Optional[float] = None  # stop at this clock time; unfinished requests are reported so
+    stall_timeout_s: float = 60.0  # wall clock: no progress for this long is a bug, not a wait
+    progress: Optional[Callable[[int, int, int], None]] = None  # (finished, total, tokens)
+
+
+@dataclass
+class RunResult:
+    requests: list[Request]  # in submission order
+    metrics: dict
+    trace: Optional[TraceRecorder]
+    world_size: int
+
+    def outputs(self) -> list[dict]:
+        return [r.result() for r in self.requests]
+
+
+def inproc_factory(delay: Optional[DelayFn] = None, seed: int = 0) -> TransportFactory:
+    def make(world_size: int, clock) -> list:
+        return InprocHub(world_size, clock, delay, seed).transports()
+    return make
+
+
+class Cluster:
+    def __init__(self, plan, executor, options: RunOptions, transport_factory: Optional[TransportFactory] = None):
+        self.plan = plan
+        self.options = options
+        self.world_size = plan.cluster.ranks
+        self.clock = VirtualClock() if options.clock == "virtual" else WallClock()
+        if options.clock not in ("wall", "virtual"):
+            raise ValueError(f"clock {options.clock!r}; valid: wall, virtual")
+        factory = transport_factory or inproc_factory(options.delay, options.delay_seed)
+        self.transports = factory(self.world_size, self.clock)
+        self.hub = getattr(self.transports[0], "hub", None)  # in-process: knows delivery times
+        if options.clock == "virtual" and self.hub is None:
+            raise ValueError("the virtual clock needs the in-process transport (it must know delivery times)")
+        self.trace = TraceRecorder() if options.trace else None
+        self.engines = [Engine(config_from_plan(plan, r, options.kv_blocks), executor, self.transports[r],
+                               self.clock, make_policy(options.policy, **options.policy_params), self.trace)
+                        for r in range(self.world_size)]
+        self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
+                                   options.home_policy or plan.placement.home_policy)
+
+    def set_policy(self, name: str, **params) -> None:
+        for e in self.engines:
+            e.set_policy(name, **params)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _release(self, pending: list[Request], now: float) -> None:
+        while pending and pending[-1].arrival <= now:
+            self.admission.submit(pending.pop())
+        free = [e.free_blocks() for e in self.engines]
+        for req, home in self.admission.admit(free):
+            if not self.engines[home].admit(req):
+                raise RuntimeError(f"rank {home} refused request {req.name!r} after admission placed it there")
+
+    def _collect(self, done: list[Request], total: int) -> bool:
+        got = False
+        for e in self.engines:
+            f = e.take_finished()
+            if f:
+                done.extend(f)
+                got = True
+        if got and self.options.progress:
+            self.options.progress(len(done), total, sum(e.metrics.tokens for e in self.engines))
+        return got
+
+    def _stalled(self, why: str) -> RuntimeError:
+        states = "\n  ".join(e.state() for e in self.engines)
+        return RuntimeError(f"run stalled ({why}) at t={self.clock.now():.6f}; admission waiting="
+                            f"{self.admission.waiting}\n  {states}")
+
+    # ------------------------------------------------------------------ run
+    def run(self, requests: list[Request]) -> RunResult:
+        rids = [r.rid for r in requests]
+        if len(set(rids)) != len(rids):
+            raise ValueError("request ids (rid) must be unique")
+        # Latest arrival first so the next due request is pop()-ed from the end.
+        pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)
+        done: list[Request] = []
+        t0 = self.clock.now()
+        if self.options.clock == "virtual":
+            self._run_virtual(pending, done, len(requests))
+        else:
+            self._run_wall(pending, done, len(requests))
+        elapsed = self.clock.now() - t0
+        if requests:
+            first = min(r.arrival for r in requests)
+            ends = [r.t_finish for r in requests if r.done]
+            elapsed = (max(ends) if ends and len(ends) == len(requests) else self.clock.now()) - first
+        metrics = summarize(requests, [e.metrics for e in self.engines], elapsed)
+        metrics["messages"] = self.hub.messages if self.hub else None
+        metrics["policy"] = self.options.policy
+        metrics["ranks"] = self.world_size
+        return RunResult(list(requests), metrics, self.trace, self.world_size)
+
+    def _run_wall(self, pending: list[Request], done: list[Request], total: int) -> None:
+        clock, engines, until = self.clock, self.engines, self.options.until
+        last_progress = clock.now()
+        while len(done) < total:
+            now = clock.now()
+            if until is not None and now >= until:
+                return
+            self._release(pending, now)
+            ran = False
+            for e in engines:
+                ran |= e.poll() > 0
+                batch = e.next_batch()
+                if batch is not None:
+                    e.execute(batch)
+                    e.complete(batch)
+                    ran = True
+            if self._collect(done, total):
+                ran = True
+            if ran:
+                last_progress = clock.now()
+                continue
+            if clock.now() - last_progress > self.options.stall_timeout_s:
+                raise self._stalled(f"no progress for {self.options.stall_timeout_s} s")
+            # Nothing runnable: wait for the next arrival or delivery, in bounded slices, so a
+            # message from an out-of-process peer is never waited on past 1 ms.
+            wake = [pending[-1].arrival] if pending else []
+            if self.hub is not None and self.hub.next_delivery() is not None:
+                wake.append(self.hub.next_delivery())
+            if not wake and self.hub is not None and not self.admission.waiting:
+                raise self._stalled("nothing queued, nothing in flight, requests unfinished")
+            gap = min(wake) - clock.now() if wake else 0.001
+            time.sleep(min(max(gap, 0.0), 0.001))
+
+    def _run_virtual(self, pending: list[Request], done: list[Request], total: int) -> None:
+        clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
+        until = self.options.until
+        busy: list[Optional[tuple[float, Batch]]] = [None] * self.world_size
+        while True:
+            now = clock.now()
+            # 1. batches ending now complete (rank order: deterministic)
+            for r, b in enumerate(busy):
+                if b is not None and b[0] <= now:
+                    engines[r].complete(b[1])
+                    busy[r] = None
+            self._collect(done, total)
+            if len(done) == total:
+                return
+            # 2. arrivals due now are admitted (KV freed by step 1 is visible)
+            self._release(pending, now)
+            # 3. idle ranks receive and start their next batch
+            for r, e in enumerate(engines):
+                if busy[r] is None:
+                    e.poll()
+                    batch = e.next_batch()
+                    if batch is not None:
+                        e.execute(batch)
+                        busy[r] = (now + cost.duration(batch.stage.kind, batch.rows), batch)
+            # 4. jump to the next event: a batch end, a delivery to an idle rank, or an arrival
+            events = [b[0] for b in busy if b is not None]
+            events += [t for r, t in enumerate(hub.next_delivery_per_rank()) if t is not None and busy[r] is None]
+            if pending:
+                events.append(pending[-1].arrival)
+            if not events:
+                raise self._stalled("no batch running, nothing in flight, no arrival due")
+            t_next = min(events)
+            if until is not None and t_next > until:
+                return
+            clock.advance_to(max(t_next, now))
+
+
+def build_executor(plan, options: RunOptions, weights=None):
+    """The executor for a run: the torch one over the plan's weights, or the simulated one."""
+    if options.executor == "sim":
+        from runtime.executor_sim import SimExecutor
+        return SimExecutor.for_spec(plan.spec)
+    if options.executor != "torch":
+        raise ValueError(f"executor {options.executor!r}; valid: torch, sim")
+    from models.weights import load_weights
+    from runtime.executor import TorchExecutor
+    return TorchExecutor(plan.spec, weights if weights is not None else load_weights(plan.spec))
+
+
+def run_workload(plan, requests: list[Request], options: Optional[RunOptions] = None,
+                 transport_factory: Optional[TransportFactory] = None, weights=None) -> RunResult:
+    """Serve `requests` on `plan` with all ranks in this process and return outputs + metrics."""
+    options = options or RunOptions()
+    cluster = Cluster(plan, build_executor(plan, options, weights), options, transport_factory)
+    return cluster.run(requests)

@@ -1,0 +1,69 @@
+"""Torch executor: the engine's tensor adapter, calling the stage functions of models/layers.py.
+
+The engine never touches model math directly; it hands batches (already assembled as contiguous
+tensors) to an executor. This one runs the shared stage functions eagerly on whatever device the
+weights live on, so the runtime and the reference decoder execute literally the same code. The
+simulated executor (runtime/executor_sim.py) has the same methods and no real model; a CUDA-graph
+twin can replace this one without the engine noticing.
+
+The executor holds no per-rank state (the KV store is passed in), so in-process ranks share one
+executor and one copy of the weights.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from graph_ir.spec import ModelSpec
+from models import layers
+from models.sampling import SamplingParams, sample
+from models.weights import ModelWeights
+
+_GREEDY = SamplingParams()
+
+
+class TorchExecutor:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+        self.spec = spec
+        self.w = weights
+        self.device = weights.embed.device
+
+    @torch.no_grad()
+    def embed(self, token_ids: list[int]) -> Tensor:
+        return layers.embed(self.w, torch.tensor(token_ids, dtype=torch.long, device=self.device))
+
+    @torch.no_grad()
+    def attention(self, layer: int, h: Tensor, positions: list[int], segments: list[tuple[int, int, int]],
+                  kv) -> tuple[Tensor, Tensor]:
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return layers.attention_stage(self.spec, self.w, layer, h, pos, segments, kv)
+
+    @torch.no_grad()
+    def dense_mlp(self, layer: int, x: Tensor) -> Tensor:
+        return layers.dense_mlp(self.spec, self.w, layer, x)
+
+    @torch.no_grad()
+    def route(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        return layers.route(self.spec, self.w, layer, x)
+
+    @torch.no_grad()
+    def shared_expert(self, layer: int, x: Tensor) -> Optional[Tensor]:
+        return layers.shared_expert(self.spec, self.w, layer, x)
+
+    @torch.no_grad()
+    def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
+        ids = torch.tensor(expert_ids, dtype=torch.long, device=self.device)
+        return layers.experts_forward(self.spec, self.w, layer, x, ids)
+
+    @torch.no_grad()
+    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
+        return layers.moe_combine(h_res, shared, y, weights)
+
+    @torch.no_grad()
+    def logits(self, h: Tensor) -> Tensor:
+        return layers.final_logits(self.spec, self.w, h)
+
+    def sample(self, logits: Tensor, params: Optional[SamplingParams], step: int) -> int:
+        return sample(logits, params or _GREEDY, step)

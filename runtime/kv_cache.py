@@ -1,0 +1,144 @@
+"""Paged KV cache of the home rank: a block allocator plus a KV store over fixed-size pages.
+
+`BlockAllocator` hands out page ids, lowest first (a heap), so a run is deterministic and the pages
+in use stay packed at the low end of the pool; `PagedKVStore` keeps each request's page table and
+implements the `write`/`read` protocol that `models.attention` uses for its contiguous store, so the
+same stage functions run on both.
+
+Admission reserves every page a request can ever need (prompt + max new tokens - 1 positions) up
+front. That is conservative, but it means a running request can never hit a full cache: when the
+pool is short, new requests wait in the admission queue instead of anything crashing.
+
+Storage is allocated lazily per layer on the first write (shape and dtype come from that write,
+so GQA and MLA caches need no special casing here) and grows by doubling up to `num_blocks`, so a
+plan sized for a 140 GB GPU does not allocate its whole pool on a laptop.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Optional
+
+import torch
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Freed pages in a heap, plus a high-water mark below which every page has been handed out
+        # once: O(pages in use) memory even for a plan with a million pages.
+        self._freed: list[int] = []
+        self._fresh = 0
+        self._used: set[int] = set()
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_blocks - len(self._used)
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self._used)
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(max(tokens, 0) / self.block_size)
+
+    def allocate(self, n: int) -> Optional[list[int]]:
+        """`n` page ids, or None (and no change) when fewer are free."""
+        if n > self.free_blocks:
+            return None
+        out = []
+        for _ in range(n):
+            # Freed pages are all below the high-water mark, so the heap first = lowest id first.
+            if self._freed:
+                out.append(heapq.heappop(self._freed))
+            else:
+                out.append(self._fresh)
+                self._fresh += 1
+        self._used.update(out)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self._used:
+                raise ValueError(f"block {b} freed twice or never allocated")
+            self._used.remove(b)
+            heapq.heappush(self._freed, b)
+
+
+class PagedKVStore:
+    """KV pages of all layers of one rank; `seq_id` is the request id."""
+
+    def __init__(self, num_layers: int, allocator: BlockAllocator) -> None:
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self._tables: dict[int, list[int]] = {}
+        self._capacity: dict[int, int] = {}  # seq_id -> tokens it may hold
+        self._k: list[Optional[torch.Tensor]] = [None] * num_layers  # [blocks_allocated, block, ...]
+        self._v: list[Optional[torch.Tensor]] = [None] * num_layers
+
+    # -- page tables -------------------------------------------------------------------------
+    def reserve(self, seq_id: int, tokens: int) -> bool:
+        """Reserve pages for `tokens` positions of a new sequence. False (no change) when full."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already has pages")
+        blocks = self.allocator.allocate(self.allocator.blocks_for(tokens))
+        if blocks is None:
+            return False
+        self._tables[seq_id] = blocks
+        self._capacity[seq_id] = len(blocks) * self.block_size
+        return True
+
+    def release(self, seq_id: int) -> None:
+        self.allocator.free(self._tables.pop(seq_id))
+        del self._capacity[seq_id]
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    @property
+    def sequences(self) -> int:
+        return len(self._tables)
+
+    # -- the KVStore protocol of models.attention --------------------------------------------
+    def _storage(self, which: list, layer: int, like: torch.Tensor, upto_block: int) -> torch.Tensor:
+        t = which[layer]
+        if t is None or t.shape[0] <= upto_block:
+            size = max(1, t.shape[0] if t is not None else 1)
+            while size <= upto_block:
+                size *= 2
+            size = min(size, self.allocator.num_blocks)
+            grown = torch.zeros((size, self.block_size) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device)
+            if t is not None:
+                grown[: t.shape[0]] = t
+            which[layer] = t = grown
+        return t
+
+    def _slots(self, seq_id: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables[seq_id]
+        pos = positions.to(torch.int64).tolist() if isinstance(positions, torch.Tensor) else list(positions)
+        cap = self._capacity[seq_id]
+        if pos and (min(pos) < 0 or max(pos) >= cap):
+            raise IndexError(f"sequence {seq_id}: positions {min(pos)}..{max(pos)} outside its {cap} reserved slots")
+        blocks = torch.tensor([table[p // self.block_size] for p in pos], dtype=torch.int64)
+        offs = torch.tensor([p % self.block_size for p in pos], dtype=torch.int64)
+        return blocks, offs
+
+    def write(self, layer: int, seq_id: int, positions, k: torch.Tensor, v: torch.Tensor) -> None:
+        blocks, offs = self._slots(seq_id, positions)
+        if blocks.numel() == 0:
+            return
+        top = int(blocks.max())
+        kk = self._storage(self._k, layer, k, top)
+        vv = self._storage(self._v, layer, v, top)
+        kk[blocks, offs] = k.to(kk.dtype)
+        vv[blocks, offs] = v.to(vv.dtype)
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, offs = self._slots(seq_id, torch.arange(length))
+        kk, vv = self._k[layer], self._v[layer]
+        if kk is None:
+            raise KeyError(f"layer {layer}: nothing written yet, cannot read {length} positions of {seq_id}")
+        return kk[blocks, offs], vv[blocks, offs]

@@ -1,0 +1,107 @@
+"""Requests: their life-cycle state, and admission to a home rank.
+
+A request is bound to one home rank for its whole life (its KV cache lives there). `Admission`
+keeps the arrived-but-not-admitted requests in FIFO order and places the head on a rank with room
+for all the KV it can ever need; when no rank has room it waits (head-of-line on purpose: letting
+small requests overtake would starve big ones). It only reads free-block counts, so an in-process
+cluster can pass the engines' real counts and a multi-process coordinator can pass its mirror of
+them (exact, because pages are reserved at admission and freed at finish, both of which it sees).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+HOME_POLICIES = ("most_free_kv", "round_robin")
+
+
+@dataclass
+class Request:
+    rid: int  # unique over the whole run, assigned by the driver
+    name: str  # the user's id (from the prompts file)
+    prompt: list[int]
+    max_new_tokens: int
+    params: Any = None  # models.sampling.SamplingParams (None: greedy)
+    ignore_eos: bool = False
+    arrival: float = 0.0
+    # -- state, owned by the home engine --
+    home: int = -1
+    output: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None  # "stop" (EOS) | "length"
+    t_admit: float = -1.0
+    t_finish: float = -1.0
+    token_times: list[float] = field(default_factory=list)
+    # kv_next[layer]: first position whose K/V that layer has not written yet. A segment may enter
+    # attention of a layer only at this position, so prefill chunks attend to complete context even
+    # when an earlier chunk was held up in a slower merge.
+    kv_next: list[int] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        # The last sampled token is never fed back, so it never needs a KV slot.
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def result(self) -> dict:
+        return {"id": self.name, "prompt_token_ids": list(self.prompt), "output_token_ids": list(self.output),
+                "finish_reason": self.finish_reason}
+
+
+class Admission:
+    """FIFO admission queue with a home-rank policy."""
+
+    def __init__(self, block_size: int, capacity_blocks: list[int], policy: str = "most_free_kv") -> None:
+        if policy not in HOME_POLICIES:
+            raise ValueError(f"home policy {policy!r}; valid: {', '.join(HOME_POLICIES)}")
+        self.block_size = block_size
+        self.capacity = list(capacity_blocks)
+        self.policy = policy
+        self._waiting: deque[Request] = deque()
+        self._rr = 0
+
+    def blocks_needed(self, req: Request) -> int:
+        return -(-req.kv_tokens // self.block_size)
+
+    def submit(self, req: Request) -> None:
+        need = self.blocks_needed(req)
+        if need > max(self.capacity):
+            # Could never be admitted: refuse now instead of waiting forever.
+            raise ValueError(f"request {req.name!r} needs {need} KV blocks ({req.kv_tokens} tokens) but the "
+                             f"largest rank holds {max(self.capacity)}")
+        self._waiting.append(req)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def pick_home(self, need: int, free_blocks: list[int]) -> Optional[int]:
+        fits = [r for r, f in enumerate(free_blocks) if f >= need]
+        if not fits:
+            return None
+        if self.policy == "most_free_kv":
+            return max(fits, key=lambda r: (free_blocks[r], -r))  # ties: lowest rank
+        n = len(free_blocks)
+        for i in range(n):
+            r = (self._rr + i) % n
+            if r in fits:
+                self._rr = (r + 1) % n
+                return r
+        return None
+
+    def admit(self, free_blocks: list[int]) -> list[tuple[Request, int]]:
+        """Place waiting requests in order while the head fits somewhere. `free_blocks` is updated."""
+        out = []
+        while self._waiting:
+            req = self._waiting[0]
+            need = self.blocks_needed(req)
+            home = self.pick_home(need, free_blocks)
+            if home is None:
+                break
+            self._waiting.popleft()
+            free_blocks[home] -= need
+            out.append((req, home))
+        return out

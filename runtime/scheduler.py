@@ -1,0 +1,148 @@
+"""Scheduling policies: which mu-queue a rank runs next.
+
+Every policy sees the same per-stage view (depth in tokens, whether an item is runnable, how long the
+oldest item has waited) and returns a `Decision` with the score of every runnable candidate, so a
+trace shows why it chose what it chose. Policies are small objects, one per rank (the defragmenting
+ones keep a depth history), and can be swapped between decisions (`Engine.set_policy`).
+
+- flfs    first layer first: the first runnable stage in chain order.
+- mtfs    most tokens first: the deepest runnable queue.
+- defrag  score(s) = Q(s) + sum_{j=1..W} delta^j (Q(s_j) + H(s_j)), s_j the j-th stage after s on
+          the wrapping chain, H the mean of the last `history` depth snapshots.
+- aging   defrag + `aging_weight` * wait(s) / bound, and a hard rule: a stage whose oldest item has
+          waited `urgent_fraction * bound` or longer wins outright (the most overdue first). With the
+          hard rule an overdue item is served within one batch per other overdue stage, so as long
+          as the rank is not overloaded past that, no item waits longer than `bound`; defrag alone
+          has no such bound (the paper only argues forward progress).
+Ties go to the lowest stage index in every policy, so decisions are deterministic.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(slots=True)
+class StageView:
+    depth: float  # Q(s), tokens
+    runnable: bool  # at least one item can be batched now
+    wait: float  # seconds the oldest queued item has waited (0 when empty)
+
+
+@dataclass(slots=True)
+class Decision:
+    stage: int
+    scores: dict[int, float]  # runnable stage -> score
+
+
+def _best(scores: dict[int, float]) -> int:
+    # max score, ties to the lowest stage index
+    return min(scores, key=lambda s: (-scores[s], s))
+
+
+class FLFS:
+    name = "flfs"
+
+    def params(self) -> dict:
+        return {}
+
+    def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
+        for s, v in enumerate(views):
+            if v.runnable:
+                return Decision(s, {s: 1.0})
+        return None
+
+
+class MTFS:
+    name = "mtfs"
+
+    def params(self) -> dict:
+        return {}
+
+    def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
+        scores = {s: v.depth for s, v in enumerate(views) if v.runnable}
+        return Decision(_best(scores), scores) if scores else None
+
+
+class Defrag:
+    name = "defrag"
+
+    def __init__(self, delta: float = 0.8, lookahead: int = 4, history: int = 4) -> None:
+        if not 0 <= delta <= 1 or lookahead < 0 or history < 1:
+            raise ValueError(f"defrag needs 0 <= delta <= 1, lookahead >= 0, history >= 1; "
+                             f"got delta={delta}, lookahead={lookahead}, history={history}")
+        self.delta, self.lookahead, self.history = delta, lookahead, history
+        self._snapshots: deque[list[float]] = deque(maxlen=history)
+
+    def params(self) -> dict:
+        return {"delta": self.delta, "lookahead": self.lookahead, "history": self.history}
+
+    def _h(self, n: int) -> list[float]:
+        if not self._snapshots:
+            return [0.0] * n
+        return [sum(snap[s] for snap in self._snapshots) / len(self._snapshots) for s in range(n)]
+
+    def scores(self, views: list[StageView], next_of: list[int]) -> dict[int, float]:
+        q = [v.depth for v in views]
+        h = self._h(len(views))
+        out = {}
+        for s, v in enumerate(views):
+            if not v.runnable:
+                continue
+            score, t, w = q[s], s, 1.0
+            for _ in range(self.lookahead):
+                t = next_of[t]
+                w *= self.delta
+                score += w * (q[t] + h[t])
+            out[s] = score
+        # H is the *recent past*: snapshot after scoring so the current depth is not counted twice.
+        self._snapshots.append(q)
+        return out
+
+    def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
+        scores = self.scores(views, next_of)
+        return Decision(_best(scores), scores) if scores else None
+
+
+class Aging(Defrag):
+    name = "aging"
+
+    def __init__(self, bound: float = 0.05, aging_weight: float = 64.0, urgent_fraction: float = 0.5,
+                 delta: float = 0.8, lookahead: int = 4, history: int = 4) -> None:
+        super().__init__(delta, lookahead, history)
+        if bound <= 0 or aging_weight < 0 or not 0 < urgent_fraction <= 1:
+            raise ValueError(f"aging needs bound > 0, aging_weight >= 0, 0 < urgent_fraction <= 1; got "
+                             f"bound={bound}, aging_weight={aging_weight}, urgent_fraction={urgent_fraction}")
+        self.bound, self.aging_weight, self.urgent_fraction = bound, aging_weight, urgent_fraction
+
+    def params(self) -> dict:
+        return {"bound": self.bound, "aging_weight": self.aging_weight, "urgent_fraction": self.urgent_fraction,
+                **super().params()}
+
+    def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
+        scores = self.scores(views, next_of)
+        if not scores:
+            return None
+        urgent = {s: views[s].wait for s in scores if views[s].wait >= self.urgent_fraction * self.bound}
+        for s in scores:
+            scores[s] += self.aging_weight * views[s].wait / self.bound
+        if urgent:
+            return Decision(_best(urgent), scores)
+        return Decision(_best(scores), scores)
+
+
+POLICIES = {"flfs": FLFS, "mtfs": MTFS, "defrag": Defrag, "aging": Aging}
+
+
+def make_policy(name: str, **params):
+    """A fresh policy object; unknown names or parameters raise ValueError naming the valid ones."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+    try:
+        return cls(**params)
+    except TypeError:
+        import inspect
+        valid = [p for p in inspect.signature(cls).parameters]
+        raise ValueError(f"policy {name!r} takes {', '.join(valid) or 'no parameters'}; got {', '.join(params)}") from None

@@ -1,0 +1,96 @@
+"""In-process transport: N ranks in one Python process, messages through per-rank inboxes.
+
+Used by the tests, the in-process `dataflow run --in-process`, and the simulator. Delivery time is
+`clock.now()` at send + an optional delay from a seeded hook, so a virtual-clock driver can inject
+per-link latency and jitter reproducibly. Per (src, dst) FIFO order holds even with random delays:
+a message never becomes deliverable before the one sent before it on the same link.
+
+Tensors are cloned at send, as a real wire would copy them: the sender may reuse its buffers.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from typing import Callable, Optional
+
+import torch
+
+from runtime.transport.base import Arrival
+
+# delay(src, dst, meta, nbytes, rng) -> seconds
+DelayFn = Callable[[int, int, dict, int, random.Random], float]
+
+
+class InprocHub:
+    """The shared 'network' of one in-process cluster."""
+
+    def __init__(self, world_size: int, clock, delay: Optional[DelayFn] = None, seed: int = 0) -> None:
+        self.world_size = world_size
+        self.clock = clock
+        self.delay = delay
+        self.rng = random.Random(seed)
+        self._inbox: list[list] = [[] for _ in range(world_size)]  # heaps of (t, seq, src, meta, tensor)
+        self._last: dict[tuple[int, int], float] = {}
+        self._seq = 0
+        self._in_flight = [0] * world_size  # per source
+        self.messages = 0
+        self.bytes = 0
+
+    def transports(self) -> list["InprocTransport"]:
+        return [InprocTransport(self, r) for r in range(self.world_size)]
+
+    def _send(self, src: int, dst: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"rank {src} sent to rank {dst}, world size is {self.world_size}")
+        nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
+        t = self.clock.now()
+        if self.delay is not None:
+            d = float(self.delay(src, dst, meta, nbytes, self.rng))
+            if d < 0:
+                raise ValueError(f"delay hook returned {d} < 0 for {src}->{dst}")
+            t += d
+        t = max(t, self._last.get((src, dst), t))  # per-link FIFO
+        self._last[(src, dst)] = t
+        self._seq += 1
+        heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None else None))
+        self._in_flight[src] += 1
+        self.messages += 1
+        self.bytes += nbytes
+
+    def _poll(self, dst: int) -> list[Arrival]:
+        box, now, out = self._inbox[dst], self.clock.now(), []
+        while box and box[0][0] <= now:
+            _, _, src, meta, tensor = heapq.heappop(box)
+            self._in_flight[src] -= 1
+            out.append(Arrival(src, meta, tensor))
+        return out
+
+    def next_delivery(self) -> Optional[float]:
+        """Earliest time any undelivered message becomes deliverable (None when nothing is in flight)."""
+        times = [box[0][0] for box in self._inbox if box]
+        return min(times) if times else None
+
+    def next_delivery_per_rank(self) -> list[Optional[float]]:
+        return [box[0][0] if box else None for box in self._inbox]
+
+    def in_flight(self) -> int:
+        return sum(self._in_flight)
+
+
+class InprocTransport:
+    def __init__(self, hub: InprocHub, rank: int) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+
+    def send(self, dst: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
+        self.hub._send(self.rank, dst, meta, tensor)
+
+    def poll(self) -> list[Arrival]:
+        return self.hub._poll(self.rank)
+
+    def pending(self) -> int:
+        return self.hub._in_flight[self.rank]
+
+    def close(self) -> None:
+        pass
