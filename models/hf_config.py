@@ -186,9 +186,9 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
         # GptOssConfig.__post_init__ installs this when no rope dict is given.
         rp = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
               "truncate": False, "original_max_position_embeddings": 4096}
-    rp = dict(rp or {})
-    if not isinstance(rp, dict):
+    if rp is not None and not isinstance(rp, dict):
         raise cfg.fail(f"'{key}' must be an object, got {rp!r}")
+    rp = dict(rp or {})
 
     # Per-layer-type rope dicts (transformers 5 nests them under layer type names). We have one
     # rope per model, so accept nesting only when every entry is the same.
@@ -222,6 +222,9 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
                        f"rotary dimension ({rot_dim})")
 
     out: dict[str, Any] = {"theta": float(theta), "partial_rotary_factor": float(partial)}
+    # Not a RopeSpec field: DeepSeek-V2's softmax scale needs mscale_all_dim even when mscale is
+    # absent (then the rope spec itself stores neither). Popped by the caller.
+    out["_mscale_all_dim"] = rp.get("mscale_all_dim") or 0
     if family == "deepseek_v2":
         # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves.
         out["interleaved"] = True
@@ -457,11 +460,11 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
     # Rope: for MLA only the qk_rope_head_dim part rotates (DeepseekV2Config sets head_dim to it).
     rope_head_dim = attn["qk_rope_head_dim"] if attn["kind"] == "mla" else head_dim
     attn["rope"] = _rope(cfg, family, rope_head_dim, max_pos)
+    mad = attn["rope"].pop("_mscale_all_dim")
     if family == "deepseek_v2" and attn["rope"].get("scaling", "none") != "none":
         # DeepseekV2Attention: softmax scale = qk_head_dim**-0.5 * yarn_mscale(factor, mscale_all_dim)**2
         # whenever the rope type is not default (this is on top of the cos/sin attention factor).
-        rp_raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        mad = rp_raw.get("mscale_all_dim") or 0
+        # Written out explicitly so the spec says the scale rather than leaving it to be re-derived.
         if mad:
             m = _yarn_mscale(attn["rope"]["factor"], float(mad))
             attn["softmax_scale"] = (nope + rope_hd) ** -0.5 * m * m
