@@ -1,0 +1,241 @@
+"""Decode attention over a paged KV cache: one new query token per sequence.
+
+Cache layout: k_cache [num_blocks, block_size, nkv, dk], v_cache [num_blocks, block_size, nkv, dv].
+Position p of sequence b lives in physical block block_table[b, p // block_size], slot
+p % block_size. The query of sequence b sits at position context_lens[b] - 1 (its own K/V already
+written) and attends positions 0..context_lens[b]-1, except:
+- window W: only keys with q_pos - k_pos < W, i.e. the last W positions (transformers'
+  `sliding_window_overlay`, used by GPT-OSS's sliding layers);
+- sinks [nh]: one extra logit per head that joins the softmax denominator but has no value
+  (GPT-OSS), so the real keys' weights sum to less than one.
+Query head h reads kv head h // (nh // nkv) (transformers' repeat_kv). A sequence with
+context_len 0 (a padding slot of a captured batch) yields zeros.
+
+Scores, softmax and the weighted sum are computed in fp32 (the models' eager attention rounds
+scores to the activation dtype first, so bf16 results differ from it by rounding only).
+
+The Triton version is flash-decoding: the context of one (sequence, kv head) is cut into
+`num_splits` chunks processed by separate programs (enough programs to fill the GPU even with a
+few sequences), each an online softmax over BLOCK_T-token tiles gathered through the block
+table; a second small kernel merges the chunks and adds the sink. All query heads of one kv head
+share a program, so each K/V tile is read once per group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
+
+tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
+
+
+def _check(q, k_cache, v_cache, block_table, context_lens, sinks) -> None:
+    B, nh, dk = q.shape
+    if k_cache.dim() != 4 or k_cache.shape[3] != dk or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if nh % k_cache.shape[2]:
+        raise ValueError(f"{nh} query heads are not a multiple of {k_cache.shape[2]} kv heads")
+    if block_table.dim() != 2 or block_table.shape[0] != B or context_lens.shape != (B,):
+        raise ValueError(f"block_table {tuple(block_table.shape)} / context_lens {tuple(context_lens.shape)}: expected [{B}, max_blocks] / [{B}]")
+    if sinks is not None and sinks.shape != (nh,):
+        raise ValueError(f"sinks {tuple(sinks.shape)}: expected [{nh}]")
+
+
+def paged_decode_attention_torch(
+    q, k_cache, v_cache, block_table, context_lens, scale: float, sinks=None, window: int | None = None,
+) -> torch.Tensor:
+    """Reference: gather each sequence's visible positions, plain fp32 softmax attention."""
+    _check(q, k_cache, v_cache, block_table, context_lens, sinks)
+    B, nh, _ = q.shape
+    block_size, nkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    group = nh // nkv
+    out = torch.zeros((B, nh, dv), dtype=q.dtype, device=q.device)
+    for b, length in enumerate(context_lens.tolist()):
+        start = max(0, length - window) if window is not None else 0
+        pos = torch.arange(start, length, device=q.device)
+        blocks = block_table[b, pos // block_size].long()
+        slots = pos % block_size
+        K = k_cache[blocks, slots].float().repeat_interleave(group, dim=1)  # [n, nh, dk]
+        V = v_cache[blocks, slots].float().repeat_interleave(group, dim=1)  # [n, nh, dv]
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), K) * scale
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+        probs = torch.softmax(scores, dim=1)[:, : pos.numel()]
+        out[b] = torch.einsum("hn,nhd->hd", probs, V).to(q.dtype)
+    return out
+
+
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale, window, block_size, stride_table,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    NH, GROUP, DK, DV, SPLITS,
+    HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # Program (sequence b, kv head, split s): online softmax over its chunk of the visible
+    # positions, for all GROUP query heads of this kv head. Writes unnormalized partials
+    # (running max m, denominator l, weighted sum acc) for the merge kernel.
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + b).to(tl.int32)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(length - window, 0)
+    # Chunk size rounded up to whole tiles so chunks start on tile boundaries.
+    chunk = tl.cdiv(tl.cdiv(length - start, SPLITS), BLOCK_T) * BLOCK_T
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, length)
+
+    g = tl.arange(0, BLOCK_G)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dk[None, :],
+                mask=hmask[:, None] & (dk[None, :] < DK), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # -1e30 rather than -inf: keeps exp(m_old - m_new) finite when a whole tile is masked.
+    m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    for t0 in range(lo, hi, BLOCK_T):
+        pos = t0 + tl.arange(0, BLOCK_T)
+        tmask = pos < hi
+        block = tl.load(table_ptr + b * stride_table + pos // block_size, mask=tmask, other=0).to(tl.int64)
+        slot = (pos % block_size).to(tl.int64)
+        k_rows = block * stride_kb + slot * stride_kt + kvh * stride_kh
+        kt = tl.load(k_ptr + k_rows[None, :] + dk[:, None], mask=tmask[None, :] & (dk[:, None] < DK), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)  # [BLOCK_G, BLOCK_T]
+        s = tl.where(tmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v_rows = block * stride_vb + slot * stride_vt + kvh * stride_vh
+        v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    part = (b * NH + heads) * SPLITS + split
+    tl.store(part_m_ptr + part, m, mask=hmask)
+    tl.store(part_l_ptr + part, l, mask=hmask)
+    tl.store(part_acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=hmask[:, None] & (dv[None, :] < DV))
+
+
+def _decode_merge_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh,
+    NH, DV, SPLITS,
+    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # Program (sequence, head): rescale the splits' partials to a common max, add the sink's
+    # exp to the denominator only, normalize.
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    smask = s < SPLITS
+    dv = tl.arange(0, BLOCK_DV)
+    part = (b * NH + h) * SPLITS + s
+    m = tl.load(part_m_ptr + part, mask=smask, other=-1.0e30)
+    l = tl.load(part_l_ptr + part, mask=smask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * DV + dv[None, :], mask=smask[:, None] & (dv[None, :] < DV), other=0.0)
+    m_all = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
+    w = tl.exp(m - m_all)
+    denom = tl.sum(l * w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m_all)
+    num = tl.sum(acc * w[:, None], axis=0)
+    # Empty context without sinks: denom 0, output 0 (not NaN).
+    o = tl.where(denom > 0, num / tl.where(denom > 0, denom, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+_SPLIT = LazyJit(_decode_split_kernel)
+_MERGE = LazyJit(_decode_merge_kernel)
+
+
+def default_num_splits(batch: int, nkv: int, max_context: int, device: torch.device) -> int:
+    """Context splits per (sequence, kv head): enough programs for ~2 waves over the SMs, but each
+    split at least 256 positions long. Uses shapes only (no host sync, CUDA-graph safe)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = cdiv(2 * sms, max(batch * nkv, 1))
+    return max(1, min(want, cdiv(max_context, 256), 64))
+
+
+def paged_decode_attention_triton(
+    q, k_cache, v_cache, block_table, context_lens, scale: float, sinks=None, window: int | None = None,
+    *, num_splits: int | None = None, block_t: int = 32, num_warps: int = 4,
+) -> torch.Tensor:
+    """Triton flash-decoding version (split count and tile are keyword-only knobs)."""
+    _check(q, k_cache, v_cache, block_table, context_lens, sinks)
+    B, nh, dk = q.shape
+    block_size, nkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache / v_cache must be contiguous in the head dimension")  # never copy a cache
+    out = torch.empty((B, nh, dv), dtype=kernel_store_dtype(q.dtype), device=q.device)
+    if B == 0:
+        return out.to(q.dtype)
+    out_dtype = q.dtype
+    # tl.dot wants both operands in one dtype: bring the query to the cache's.
+    q = q.to(k_cache.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_table = block_table.contiguous()
+    context_lens = context_lens.contiguous()
+    group = nh // nkv
+    max_context = block_table.shape[1] * block_size
+    if window is not None:
+        max_context = min(max_context, window)
+    splits = num_splits or default_num_splits(B, nkv, max_context, q.device)
+    part_m = torch.empty((B, nh, splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((B, nh, splits, dv), dtype=torch.float32, device=q.device)
+    # tl.dot needs every dimension >= 16: the head group and the head dims are padded (masked).
+    block_g = max(16, next_power_of_2(group))
+    block_dk, block_dv = max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))
+    _SPLIT[(B, nkv, splits)](
+        q, k_cache, v_cache, block_table, context_lens, part_m, part_l, part_acc,
+        float(scale), int(window or 0), block_size, block_table.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        nh, group, dk, dv, splits,
+        HAS_WINDOW=window is not None, UPCAST=interpreting(),
+        IEEE=q.dtype == torch.float32 and not interpreting(),
+        BLOCK_G=block_g, BLOCK_T=max(16, block_t), BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        num_warps=num_warps,
+    )
+    _MERGE[(B, nh)](
+        part_m, part_l, part_acc, sinks if sinks is not None else part_m, out, out.stride(0), out.stride(1),
+        nh, dv, splits, HAS_SINKS=sinks is not None, BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=block_dv,
+        num_warps=1,
+    )
+    return out.to(out_dtype)
+
+
+def paged_decode_attention(
+    q, k_cache, v_cache, block_table, context_lens, scale: float, sinks=None, window: int | None = None,
+) -> torch.Tensor:
+    """out [B, nh, dv]: decode attention of q [B, nh, dk] over a paged cache (module docstring).
+
+    block_table [B, max_blocks] int32, context_lens [B] int32, sinks [nh] or None, window W or
+    None. `kernels.dispatch.backend_for` picks Triton or torch.
+    """
+    if backend_for(q, k_cache, v_cache, block_table, context_lens, sinks) == "triton":
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_table, context_lens, scale, sinks, window)
+    return paged_decode_attention_torch(q, k_cache, v_cache, block_table, context_lens, scale, sinks, window)
