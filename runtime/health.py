@@ -1,0 +1,139 @@
+"""Failure detection between ranks: heartbeats, silence timeouts and abort notices -> PeerFailure.
+
+A distributed run must never hang when one rank dies or wedges. Every rank sends a heartbeat to every
+peer at a fixed interval (on its own thread, so a rank busy in a long kernel still beats). Each rank
+remembers when it last heard anything from each peer; a peer silent for longer than `timeout_s`, or
+one that sent an explicit abort, turns into a `PeerFailure` the next time the engine polls its
+transport. The engine lets it propagate, the rank broadcasts its own abort (`abort_all`) so the other
+ranks do not have to wait for their own timeouts, and the process exits non-zero.
+
+This module knows nothing about sockets: the transport feeds it (`saw`, `closed`, `aborted`) and
+gives the heartbeat thread a function that sends one beat. It imports no torch so the launcher can
+use `abort_all` cheaply.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Callable, Optional
+
+DEFAULT_HEARTBEAT_S = 0.5
+DEFAULT_PEER_TIMEOUT_S = 10.0
+
+
+class PeerFailure(RuntimeError):
+    """A peer died, wedged or aborted. `rank` is the rank at fault (the root cause when another rank
+    reported it), `waiting_for` what this rank still expected from it, `reason` how it was noticed."""
+
+    def __init__(self, rank: int, waiting_for: str, reason: str, reported_by: Optional[int] = None):
+        self.rank = rank
+        self.waiting_for = waiting_for
+        self.reason = reason
+        self.reported_by = reported_by
+        via = f" (reported by rank {reported_by})" if reported_by is not None else ""
+        super().__init__(f"rank {rank} failed{via}: {reason}; this rank was waiting for: {waiting_for}")
+
+
+class PeerHealth:
+    """What this rank knows about the liveness of each peer. `saw` is called from the receiving
+    thread for every message (heartbeats included); `check` from the engine thread in poll()."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float = DEFAULT_PEER_TIMEOUT_S):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        now = time.monotonic()
+        # Start every clock at construction: the transport is built after the rendezvous, so every
+        # peer is known to be alive at this moment.
+        self._last_seen = [now] * world_size
+        self._closed: set[int] = set()
+        self._abort: Optional[tuple[int, Optional[int], str]] = None  # (sender, culprit, reason)
+        self._lock = threading.Lock()
+
+    def saw(self, src: int) -> None:
+        self._last_seen[src] = time.monotonic()  # one list store: atomic under the GIL
+
+    def closed(self, src: int) -> None:
+        """`src` shut down cleanly: its silence from now on is not a failure."""
+        with self._lock:
+            self._closed.add(src)
+
+    def is_closed(self, src: int) -> bool:
+        return src in self._closed
+
+    def aborted(self, src: int, culprit: Optional[int], reason: str) -> None:
+        with self._lock:
+            if self._abort is None:  # the first notice is the closest to the root cause
+                self._abort = (src, culprit, reason)
+
+    def silence(self, peer: int) -> float:
+        return time.monotonic() - self._last_seen[peer]
+
+    def check(self, waiting_for: Callable[[int], str]) -> None:
+        """Raise PeerFailure if a peer aborted or has been silent for longer than the timeout."""
+        if self._abort is not None:
+            src, culprit, reason = self._abort
+            if culprit is None or culprit == src:
+                raise PeerFailure(src, waiting_for(src), f"rank {src} aborted: {reason}")
+            raise PeerFailure(culprit, waiting_for(culprit), reason, reported_by=src)
+        now = time.monotonic()
+        for peer in range(self.world_size):
+            if peer == self.rank or peer in self._closed:
+                continue
+            quiet = now - self._last_seen[peer]
+            if quiet > self.timeout_s:
+                raise PeerFailure(peer, waiting_for(peer),
+                                  f"no message or heartbeat from rank {peer} for {quiet:.1f} s "
+                                  f"(timeout {self.timeout_s:g} s): dead or wedged")
+
+
+class Heartbeat:
+    """Calls `beat()` every `interval_s` on its own daemon thread until `stop()`. `beat` runs on that
+    thread only (it may own sockets that are not thread-safe); `on_exit` runs there last, to close
+    them. Errors in `beat` are remembered, not raised: the peers' timeouts are the failure signal."""
+
+    def __init__(self, interval_s: float, beat: Callable[[], None], on_exit: Callable[[], None] = lambda: None,
+                 name: str = "heartbeat"):
+        self.interval_s = interval_s
+        self._beat = beat
+        self._on_exit = on_exit
+        self._stop = threading.Event()
+        self.last_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._beat()
+                except Exception as err:  # keep beating: one failed send is not a dead rank
+                    self.last_error = err
+                self._stop.wait(self.interval_s)
+        finally:
+            self._on_exit()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+
+# Abort broadcast. Transports register a callback here; a rank that fails (uncaught exception in its
+# target, see runtime/launch.py) calls abort_all so every peer learns at once instead of after its
+# heartbeat timeout. Weak references: a closed and dropped transport must not be kept alive.
+_abort_hooks: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_abort_hook(obj) -> None:
+    """`obj.abort(reason: str, culprit: int | None)` will be called by abort_all."""
+    _abort_hooks.add(obj)
+
+
+def abort_all(reason: str, culprit: Optional[int] = None) -> None:
+    for obj in list(_abort_hooks):
+        try:
+            obj.abort(reason, culprit)
+        except Exception:  # best effort: we are already failing
+            pass

@@ -1,0 +1,351 @@
+"""One process per rank: start them on this machine, or pick up torchrun's, and leave no orphans.
+
+A run target is an importable function `target(env: RankEnv, *args) -> result` (named "pkg.mod:fn"
+or passed as a module-level function). `launch_local` starts `python -m runtime.launch` once per rank
+with the torchrun variables set (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE), so the target cannot tell the two apart; under torchrun the entry
+point calls `run_rank(target, from_torchrun_env(), args)` in its own process instead.
+
+Failure handling, because a distributed run must end, not hang:
+- a rank whose target raises prints the traceback, records a one-line message, broadcasts an abort
+  to its peers (runtime/health.py) and exits 1 (130 for Ctrl-C, 143 for SIGTERM);
+- when any rank exits non-zero, the launcher gives the others `grace_s` to notice and exit on their
+  own (so their own messages name the dead rank), then SIGTERMs and, 2 s later, SIGKILLs the rest;
+- Ctrl-C / SIGTERM to the launcher are forwarded to every rank (a second one kills them outright);
+- children die with the launcher: PR_SET_PDEATHSIG (Linux) or a ppid watchdog thread elsewhere.
+Children run in their own sessions so a terminal's Ctrl-C reaches only the launcher, which forwards it
+once, in order, instead of every rank being interrupted at a random point.
+
+This module imports no torch: children that do not need it start fast.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from importlib import import_module
+from typing import Any, Callable, Optional, Union
+
+KILL_AFTER_TERM_S = 2.0
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def from_torchrun_env(environ: Optional[dict] = None) -> Optional[RankEnv]:
+    """The rank's identity from torchrun-style variables, or None when not launched that way."""
+    environ = os.environ if environ is None else environ
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return None
+    rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return RankEnv(rank=rank, world_size=world, local_rank=int(environ.get("LOCAL_RANK", rank)),
+                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                   master_port=int(environ.get("MASTER_PORT", "29500")))
+
+
+@dataclass
+class LaunchResult:
+    exit_codes: list[int]            # per rank; negative = killed by that signal (subprocess convention)
+    first_error: Optional[str]       # message of the first rank that failed, prefixed with its rank
+    first_failed_rank: Optional[int]
+    errors: dict[int, str] = field(default_factory=dict)  # every failed rank's one-line message
+    results: list[Any] = field(default_factory=list)      # targets' return values (None if it failed)
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(code == 0 for code in self.exit_codes)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def target_name(target: Union[str, Callable]) -> str:
+    if isinstance(target, str):
+        if ":" not in target:
+            raise ValueError(f"target {target!r} must be 'package.module:function'")
+        return target
+    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        raise ValueError(f"target {target!r} must be a module-level function importable by the rank processes")
+    return f"{module}:{qualname}"
+
+
+def resolve_target(name: str) -> Callable:
+    module, _, attr = name.partition(":")
+    obj: Any = import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def run_rank(target: Union[str, Callable], env: RankEnv, args: tuple = ()) -> Any:
+    """Run one rank's target in this process. On failure, tell the peers before re-raising."""
+    fn = resolve_target(target) if isinstance(target, str) else target
+    try:
+        return fn(env, *args)
+    except BaseException as err:
+        from runtime.health import abort_all
+        abort_all(_one_line(err), getattr(err, "rank", env.rank))
+        raise
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted (SIGINT)"
+    text = str(err).strip().replace("\n", " | ")
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _forward_lines(stream, sink, prefix: bytes) -> None:
+    """Copy a child's output line by line with a rank prefix (whole lines: ranks don't interleave mid-line)."""
+    for line in iter(stream.readline, b""):
+        try:
+            sink.write((prefix + line).decode(errors="replace"))
+            sink.flush()
+        except (ValueError, OSError):  # the sink was closed (interpreter shutting down)
+            break
+    stream.close()
+
+
+def launch_local(world_size: int, target: Union[str, Callable], args: tuple = (), timeout: Optional[float] = None, *,
+                 grace_s: float = 5.0, env: Optional[dict] = None, prefix_output: bool = True,
+                 stdout=None, stderr=None) -> LaunchResult:
+    """Run `target(RankEnv, *args)` in `world_size` processes on this machine and wait for all.
+
+    `timeout`: seconds for the whole run (None: no limit); on expiry every rank is terminated and
+    the result's first_error says so. `grace_s`: how long the others may take to exit on their own
+    after one rank failed. Ctrl-C/SIGTERM (main thread only) are forwarded to the ranks, and after
+    cleanup re-raised as KeyboardInterrupt / SystemExit(143). Never returns with a child alive.
+    """
+    name = target_name(target)
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    run_dir = tempfile.mkdtemp(prefix="dataflow-launch-")
+    with open(os.path.join(run_dir, "args.pkl"), "wb") as f:
+        pickle.dump((name, tuple(args)), f)
+    base = dict(os.environ)
+    base.update(env or {})
+    root = _repo_root()
+    base["PYTHONPATH"] = root + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else "")
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size), DATAFLOW_LAUNCH_DIR=run_dir,
+                DATAFLOW_LAUNCH_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
+    # Like torchrun: without this every rank starts one intra-op thread per core and they thrash.
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    received: list[int] = []  # signals received by the launcher while running
+    old_handlers = {}
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        sig = signal.SIGKILL if len(received) > 1 else signum
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old_handlers[sig] = signal.signal(sig, on_signal)
+
+    start = time.monotonic()
+    codes: list[Optional[int]] = [None] * world_size
+    first_failed: Optional[int] = None
+    timed_out = False
+    try:
+        for rank in range(world_size):
+            child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            pipe = subprocess.PIPE if prefix_output else None
+            p = subprocess.Popen([sys.executable, "-m", "runtime.launch"], env=child_env, cwd=os.getcwd(),
+                                 stdout=pipe, stderr=pipe, start_new_session=True)
+            procs.append(p)
+            if prefix_output:
+                for stream, sink in ((p.stdout, stdout), (p.stderr, stderr)):
+                    t = threading.Thread(target=_forward_lines, args=(stream, sink, f"[rank {rank}] ".encode()),
+                                         daemon=True)
+                    t.start()
+                    readers.append(t)
+
+        fail_at: Optional[float] = None
+        term_at: Optional[float] = None
+        killed = False
+        while any(c is None for c in codes):
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if codes[rank] is None and (rc := p.poll()) is not None:
+                    codes[rank] = rc
+                    if rc != 0 and first_failed is None:
+                        first_failed, fail_at = rank, now
+            if received and fail_at is None:
+                fail_at = now  # interrupted: the forwarded signal gets the same grace as a failure
+            if timeout is not None and not timed_out and now - start > timeout:
+                timed_out = True
+                term_at = now
+                _signal_all(procs, signal.SIGTERM)
+            if fail_at is not None and term_at is None and now - fail_at > grace_s:
+                term_at = now
+                _signal_all(procs, signal.SIGTERM)
+            if term_at is not None and not killed and now - term_at > KILL_AFTER_TERM_S:
+                killed = True
+                _signal_all(procs, signal.SIGKILL)
+            time.sleep(_POLL_S)
+    finally:
+        # Whatever happened above (an exception in this loop included), no child outlives us.
+        _signal_all(procs, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        for t in readers:
+            t.join(1.0)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+
+    exit_codes = [p.returncode for p in procs]
+    errors: dict[int, str] = {}
+    results: list[Any] = []
+    for rank, rc in enumerate(exit_codes):
+        msg = _read_text(os.path.join(run_dir, f"error.{rank}"))
+        if rc != 0:
+            if msg is None:
+                msg = (f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}")
+            errors[rank] = msg
+        results.append(_read_pickle(os.path.join(run_dir, f"result.{rank}.pkl")))
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+    first_error = None
+    if timed_out:
+        running = [r for r, c in enumerate(codes) if c is None]
+        first_error = f"timed out after {timeout:g} s; rank(s) {running} still running were terminated"
+        if first_failed is not None:
+            first_error += f"; earlier, rank {first_failed}: {errors.get(first_failed)}"
+    elif first_failed is not None:
+        first_error = f"rank {first_failed}: {errors[first_failed]}"
+    result = LaunchResult(exit_codes, first_error, first_failed, errors, results, time.monotonic() - start)
+    if received:
+        if received[0] == signal.SIGINT:
+            raise KeyboardInterrupt(f"interrupted; ranks exited with {exit_codes}")
+        raise SystemExit(128 + received[0])
+    return result
+
+
+def _signal_all(procs: list, sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _read_pickle(path: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- child side
+def _die_with_parent(parent_pid: int) -> None:
+    """Make sure this rank cannot outlive the launcher (even a SIGKILLed one)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The parent may have died between fork and prctl: then we were already re-parented.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name="ppid-watchdog", daemon=True).start()
+
+
+def _sigterm_to_exit(_signum, _frame):
+    raise SystemExit(143)  # unwinds the target, so it can broadcast an abort (see run_rank)
+
+
+def _child_main() -> int:
+    _die_with_parent(int(os.environ["DATAFLOW_LAUNCH_PARENT"]))
+    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    run_dir = os.environ["DATAFLOW_LAUNCH_DIR"]
+    env = from_torchrun_env()
+    assert env is not None, "RANK/WORLD_SIZE missing: runtime.launch is started by launch_local"
+    code, message = 0, None
+    try:
+        with open(os.path.join(run_dir, "args.pkl"), "rb") as f:
+            name, args = pickle.load(f)
+        result = run_rank(name, env, args)
+        tmp = os.path.join(run_dir, f"result.{env.rank}.pkl.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(result, f)
+        os.replace(tmp, os.path.join(run_dir, f"result.{env.rank}.pkl"))
+    except KeyboardInterrupt as err:
+        code, message = 130, _one_line(err)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        if code:
+            message = "terminated (SIGTERM)" if code == 143 else f"SystemExit({err.code})"
+    except BaseException as err:
+        traceback.print_exc()
+        code, message = 1, _one_line(err)
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr)
+        with open(os.path.join(run_dir, f"error.{env.rank}"), "w") as f:
+            f.write(message)
+    # Exit without interpreter teardown: threads blocked in gloo waits or sockets to dead peers can
+    # hang a normal exit. atexit handlers still run; output is flushed first.
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    # Run through the imported module, not this __main__ copy, so RankEnv is one class everywhere.
+    import runtime.launch as _launch
+    _launch._child_main()

@@ -1,0 +1,26 @@
+"""Seeded random per-message delays for chaos tests: timing changes, content and per-peer order don't.
+
+Each lane (direction and peer) draws from its own RNG seeded by (seed, direction, peer), so a run is
+reproducible message by message regardless of how threads interleave. The transports apply the delay
+after the message completed and before it is handed on, inside the lane, so FIFO per peer holds.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+
+class ChaosDelays:
+    def __init__(self, seed: int, max_delay_s: float = 0.005, probability: float = 0.5):
+        self.seed = seed
+        self.max_delay_s = max_delay_s
+        self.probability = probability
+
+    def lane(self, direction: str, me: int, peer: int) -> Callable[[], float]:
+        rng = random.Random(f"{self.seed}/{direction}/{me}/{peer}")
+
+        def draw() -> float:
+            if rng.random() >= self.probability:
+                return 0.0
+            return rng.uniform(0.0, self.max_delay_s)
+        return draw

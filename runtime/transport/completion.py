@@ -1,0 +1,139 @@
+"""Completion lanes: turn posted torch.distributed operations into ordered "done" notices.
+
+One lane per peer direction (sends to rank d, receives from rank s). Items leave a lane in the order
+they entered it, so per-peer FIFO survives completion, and one slow peer's lane never holds up
+another's. Completed items go into one thread-safe queue the engine drains in `poll()`.
+
+Two kinds, one interface (`submit`, `drain`, `busy`):
+- `WaiterLane` (gloo): gloo Work objects cannot be polled (`is_completed()` stays False until
+  `wait()`, and a `wait(timeout)` that expires poisons the group), so a daemon thread per lane calls
+  the blocking `wait()` (which releases the GIL) and forwards the item.
+- `EventLane` (NCCL): the op ran on a dedicated CUDA stream and recorded an event; the engine thread
+  queries head events in `drain()`: no threads, no host blocking, as in the StreamEP design.
+
+An optional per-item `delay_s` (chaos testing, see chaos.py) holds the item back after completion:
+it changes timing only, never order.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+
+class Item:
+    """One message in a lane. `work`: a torch.distributed Work to wait on (gloo) or None; `event`: a
+    CUDA event to query (NCCL) or None; `error`: set when the operation failed."""
+    __slots__ = ("is_send", "peer", "seq", "meta", "tensor", "shape", "dtype", "work", "event",
+                 "delay_s", "error", "ready_at", "t_post")
+
+    def __init__(self, is_send: bool, peer: int, seq: int, meta: Any, tensor=None, shape=None, dtype=None):
+        self.is_send = is_send
+        self.peer = peer
+        self.seq = seq
+        self.meta = meta
+        self.tensor = tensor
+        self.shape = shape
+        self.dtype = dtype
+        self.work = None
+        self.event = None
+        self.delay_s = 0.0
+        self.error: Optional[BaseException] = None
+        self.ready_at = 0.0
+        self.t_post = 0.0
+
+
+_STOP = object()
+
+
+class WaiterLane:
+    def __init__(self, name: str, done: "queue.SimpleQueue[Item]"):
+        self._done = done
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._busy = 0  # items submitted and not yet forwarded to `done`
+        self._lock = threading.Lock()
+        self._items: "collections.deque[Item]" = collections.deque()  # for describing what is outstanding
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Item) -> None:
+        with self._lock:
+            self._busy += 1
+            self._items.append(item)
+        self._q.put(item)
+
+    def busy(self) -> int:
+        return self._busy
+
+    def oldest(self) -> Optional[Item]:
+        with self._lock:
+            return self._items[0] if self._items else None
+
+    def drain(self) -> None:
+        """Nothing to do: the waiter thread forwards items itself."""
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is _STOP:
+                return
+            try:
+                if item.work is not None:
+                    item.work.wait()
+                if item.delay_s > 0:
+                    time.sleep(item.delay_s)
+            except BaseException as err:  # peer died mid-transfer: the engine turns it into PeerFailure
+                item.error = err
+            item.work = None  # drop the Work (and its hold on the buffer) as soon as it is done
+            # Forward before un-counting: a fast-path delivery that sees busy()==0 is then known to
+            # come after this item in `done` (see ZmqDistTransport receive path).
+            self._done.put(item)
+            with self._lock:
+                self._items.popleft()
+                self._busy -= 1
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop after the items already submitted. A thread stuck in wait() on a dead peer cannot be
+        interrupted; it is a daemon and dies with the process."""
+        self._q.put(_STOP)
+        self._thread.join(timeout_s)
+
+
+class EventLane:
+    def __init__(self, name: str, done: "queue.SimpleQueue[Item]"):
+        self._done = done
+        self._items: "collections.deque[Item]" = collections.deque()
+
+    def submit(self, item: Item) -> None:
+        if item.delay_s > 0:
+            item.ready_at = time.monotonic() + item.delay_s
+        self._items.append(item)  # deque append/popleft are atomic: submit may run on the receptor thread
+
+    def busy(self) -> int:
+        return len(self._items)
+
+    def oldest(self) -> Optional[Item]:
+        try:
+            return self._items[0]
+        except IndexError:
+            return None
+
+    def drain(self) -> None:
+        """Forward the completed head items (engine thread only)."""
+        now = None
+        while self._items:
+            item = self._items[0]
+            if item.event is not None and not item.event.query():
+                return
+            if item.ready_at:
+                now = now or time.monotonic()
+                if now < item.ready_at:
+                    return
+            item.event = None
+            self._done.put(item)  # forward before removing, same reason as WaiterLane
+            self._items.popleft()
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        self._items.clear()

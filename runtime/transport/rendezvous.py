@@ -1,0 +1,103 @@
+"""Rendezvous through torch.distributed's TCPStore: process group init and ZeroMQ endpoint exchange.
+
+Like torchrun: rank 0 hosts a TCPStore at MASTER_ADDR:MASTER_PORT, every rank connects to it. We use
+the store for two things only: (1) an arrival check before `init_process_group`, so a missing rank is
+reported by number instead of as an anonymous timeout, and (2) publishing each rank's ZeroMQ PULL
+endpoint so peers can connect to it. No hand-made registry.
+
+Every wait has a deadline and names the ranks it is still missing.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+# Group timeout for torch.distributed work: liveness is the heartbeat's job (runtime/health.py), and
+# an expired gloo wait poisons the group, so this only bounds truly lost operations.
+WORK_TIMEOUT = timedelta(minutes=30)
+
+_store: Optional[dist.Store] = None
+
+
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return addr == "localhost"
+
+
+def host_address(master_addr: str, master_port: int) -> str:
+    """The address peers can reach this host on: loopback for single-host runs, otherwise the local
+    address of the route towards the master (a UDP connect sends nothing, it only picks the route)."""
+    if is_loopback(master_addr):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_addr, master_port))
+        return s.getsockname()[0]
+
+
+def make_store(rank: int, world_size: int, master_addr: Optional[str] = None, master_port: Optional[int] = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """Rank 0 hosts the store, the others connect (MASTER_ADDR/MASTER_PORT from the env by default)."""
+    addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(master_port or os.environ.get("MASTER_PORT", "29500"))
+    try:
+        return dist.TCPStore(addr, port, world_size, is_master=(rank == 0),
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as err:
+        who = "host the store on" if rank == 0 else "reach rank 0's store at"
+        raise RuntimeError(f"rendezvous: rank {rank} could not {who} {addr}:{port} within {timeout_s:g} s: {err}") from err
+
+
+def wait_keys(store: dist.Store, keys: dict[int, str], timeout_s: float, what: str) -> None:
+    """Wait until every key exists; on timeout name the ranks whose key is missing."""
+    deadline = time.monotonic() + timeout_s
+    missing = dict(keys)
+    delay = 0.001
+    while missing:
+        for rank in [r for r, k in missing.items() if store.check([k])]:
+            del missing[rank]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rendezvous: waited {timeout_s:g} s for {what} of rank(s) {sorted(missing)}; "
+                               f"they never arrived (crashed before starting, or wrong MASTER_ADDR/PORT?)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def init_distributed(rank: int, world_size: int, backend: str = "gloo", store: Optional[dist.Store] = None,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Store:
+    """Join the run: check every rank arrived (naming the missing ones), then init the default process
+    group on the same store. Returns the store; transports built later in this process reuse it."""
+    global _store
+    if store is None:
+        store = make_store(rank, world_size, timeout_s=timeout_s)
+    store.set(f"dataflow/arrived/{rank}", "1")
+    wait_keys(store, {r: f"dataflow/arrived/{r}" for r in range(world_size)}, timeout_s, "arrival")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=WORK_TIMEOUT)
+    _store = store
+    return store
+
+
+def current_store() -> dist.Store:
+    if _store is None:
+        raise RuntimeError("init_distributed() must run before a distributed transport is created")
+    return _store
+
+
+def exchange_endpoints(store: dist.Store, namespace: str, rank: int, world_size: int, endpoint: str,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Publish this rank's endpoint under `namespace` and return every rank's, in rank order."""
+    keys = {r: f"dataflow/{namespace}/endpoint/{r}" for r in range(world_size)}
+    store.set(keys[rank], endpoint)
+    wait_keys(store, keys, timeout_s, f"the {namespace} endpoint")
+    return [store.get(keys[r]).decode() for r in range(world_size)]

@@ -1,0 +1,475 @@
+"""The real transport: metadata over ZeroMQ, tensors over torch.distributed point-to-point.
+
+Two-phase exchange (StreamEP): batch sizes change every step and a point-to-point receive needs a
+buffer of the right size, so
+  phase 1: the sender pushes a small header (kind, src, per-(src,dst) sequence number, the picklable
+           meta dict, the tensor's shape and dtype) to the receiver's ZeroMQ PULL socket;
+  phase 2: it posts `isend` of the tensor; the receiver's receptor thread, on seeing the header,
+           takes a buffer of that shape from a pool and posts the matching `irecv`.
+Meta-only messages (tensor None) skip phase 2. Sends to self are handed over locally, no copy.
+
+Ordering. Each directed pair (a -> b) has its own process group, so the sends of a to b and the
+receives of a from b never share a communicator or a stream (with NCCL, one communicator for both
+directions would serialise a's send behind its receive and can deadlock). ZeroMQ keeps one
+connection's messages in order, and within one group gloo/NCCL match sends and receives in posting
+order, so the header order is the data order. Completions go through one lane per peer direction
+(completion.py), which preserves that order up to `poll()`. Sequence numbers are checked on receipt:
+loss or duplication is an error, not silent corruption.
+
+Flow control. At most `inflight_limit` tensor sends per destination are posted at once; the excess
+waits in that destination's backlog (in order, meta-only messages behind queued tensors included),
+so one slow peer never holds up sends to the others. A send keeps its tensor alive until the send
+completed. Backlogs are pumped from `poll()`.
+
+Threads. The engine thread calls send/poll/pending/close (ZeroMQ sockets are not thread-safe: the
+data PUSH sockets belong to it). A receptor thread owns the PULL socket and posts receives, so
+transfers progress while the engine computes. Gloo: one waiter thread per peer direction completes
+Work objects (they cannot be polled). NCCL: ops run on a dedicated stream per direction and record
+an event the engine thread queries; no waiter threads. A heartbeat thread with its own sockets beats
+every `heartbeat_s` (runtime/health.py); a peer silent for `peer_timeout_s`, a failed transfer or an
+abort notice makes `poll()` raise PeerFailure naming the rank and what this rank was waiting for.
+
+Receive buffers come from a size-keyed pool; give them back with `release(tensor)` when done.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from runtime.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, PeerFailure, PeerHealth,
+                            register_abort_hook)
+from runtime.transport.base import Arrival
+from runtime.transport.buffer_pool import BufferPool
+from runtime.transport.chaos import ChaosDelays
+from runtime.transport.completion import EventLane, Item, WaiterLane
+from runtime.transport.rendezvous import (DEFAULT_TIMEOUT_S, current_store, exchange_endpoints, host_address,
+                                          init_distributed)
+
+__all__ = ["ZmqDistTransport", "init_distributed", "PeerFailure", "ChaosDelays"]
+
+# Header kinds. A header is the pickled tuple (kind, src, seq, meta, shape, dtype_name).
+DATA, HEARTBEAT, BYE, ABORT = 0, 1, 2, 3
+DEFAULT_INFLIGHT_LIMIT = 16
+_HEALTH_CHECK_EVERY_S = 0.05  # poll() is called in a tight loop; checking peers each time is waste
+
+# Transports are built in the same order on every rank, so a per-process counter gives matching
+# store namespaces when a process creates more than one (tests, benchmarks).
+_instances = itertools.count()
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype in message header: {name!r}")
+    return dtype
+
+
+def _summary(meta, limit: int = 160) -> str:
+    text = repr(meta)
+    return text if len(text) <= limit else text[:limit] + "...}"
+
+
+def _pair_groups(world_size: int, backend: str) -> dict[tuple[int, int], object]:
+    """One process group per directed pair (src, dst). new_group is collective over the whole world:
+    every rank creates every group in the same order and keeps the ones it belongs to."""
+    groups = {}
+    for a in range(world_size):
+        for b in range(world_size):
+            if a != b:
+                groups[(a, b)] = dist.new_group([a, b], backend=backend)
+    return groups
+
+
+class ZmqDistTransport:
+    def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
+                 inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, chaos: Optional[ChaosDelays] = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, pool_per_size: int = 8):
+        if not dist.is_initialized():
+            raise RuntimeError("call runtime.transport.zmq_dist.init_distributed(rank, world, backend) first")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.inflight_limit = inflight_limit
+        self._nccl = self.device.type == "cuda"
+        # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
+        # words (stage, layer, request ids). Used only in failure messages.
+        self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
+        self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0}
+        peers = [p for p in range(world_size) if p != rank]
+        self._peers = peers
+
+        # Phase-1 sockets. HWM 0 (unbounded) because data volume is bounded by the in-flight cap and
+        # headers are small; a bounded HWM would make send() block or drop.
+        store = store or current_store()
+        namespace = f"zmq{next(_instances)}"
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        addr = host_address(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
+        port = self._pull.bind_to_random_port(f"tcp://{addr}")
+        self.endpoints = exchange_endpoints(store, namespace, rank, world_size, f"tcp://{addr}:{port}", timeout_s)
+        self._push: list[Optional[zmq.Socket]] = [None] * world_size
+        for p in peers:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 2000)  # let BYE/ABORT reach peers after close()
+            sock.connect(self.endpoints[p])
+            self._push[p] = sock
+
+        # Phase-2 groups and per-direction completion lanes.
+        groups = _pair_groups(world_size, "nccl" if self._nccl else "gloo")
+        self._send_group = {p: groups[(rank, p)] for p in peers}
+        self._recv_group = {p: groups[(p, rank)] for p in peers}
+        self._done: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
+        Lane = EventLane if self._nccl else WaiterLane
+        self._send_lanes = {p: Lane(f"send->{p}", self._done) for p in peers}
+        self._recv_lanes = {p: Lane(f"recv<-{p}", self._done) for p in peers}
+        if self._nccl:
+            self._send_streams = {p: torch.cuda.Stream(self.device) for p in peers}
+            self._recv_streams = {p: torch.cuda.Stream(self.device) for p in peers}
+        self._pool = BufferPool(self.device, per_key=pool_per_size)
+        self._send_delay = {p: chaos.lane("send", rank, p) for p in peers} if chaos else None
+        self._recv_delay = {p: chaos.lane("recv", rank, p) for p in peers} if chaos else None
+
+        # Engine-thread state.
+        self._send_seq = [0] * world_size
+        self._recv_seq = [0] * world_size  # receptor thread only
+        self._inflight = [0] * world_size
+        self._backlog: dict[int, list[Item]] = {p: [] for p in peers}
+        self._pending = 0
+        self._local: list[Arrival] = []
+        self._failure: Optional[PeerFailure] = None
+        self._receptor_error: Optional[tuple[int, str, BaseException]] = None
+        self._next_check = 0.0
+        self._closed = False
+        self._aborted = False
+
+        self._health = PeerHealth(rank, world_size, peer_timeout_s)
+        self._closing = threading.Event()
+        self._receptor = threading.Thread(target=self._receive_loop, name=f"receptor-{rank}", daemon=True)
+        self._receptor.start()
+        self._hb_socks: list[zmq.Socket] = []
+        self._hb_bytes = pickle.dumps((HEARTBEAT, rank, 0, None, None, None))
+        self._heartbeat = Heartbeat(heartbeat_s, self._beat, self._beat_exit, name=f"heartbeat-{rank}")
+        register_abort_hook(self)
+
+    # ------------------------------------------------------------------ engine-facing API
+    def send(self, dst: int, meta: dict, tensor: Optional[torch.Tensor] = None) -> None:
+        """Queue a message; never blocks on the network."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: send on a closed transport")
+        if dst == self.rank:
+            self._local.append(Arrival(dst, meta, tensor))  # same object: no copy, no wire
+            self.stats["local"] += 1
+            return
+        if self._health.is_closed(dst):
+            raise RuntimeError(f"rank {self.rank}: rank {dst} already closed its transport; message {_summary(meta)} "
+                               f"cannot be delivered (the engine's termination protocol is out of step)")
+        if tensor is not None and tensor.device.type != self.device.type:
+            raise ValueError(f"tensor on {tensor.device} sent through a transport for {self.device}")
+        seq = self._send_seq[dst]
+        self._send_seq[dst] = seq + 1
+        item = Item(True, dst, seq, meta, tensor)
+        self._pending += 1
+        backlog = self._backlog[dst]
+        if backlog or (tensor is not None and self._inflight[dst] >= self.inflight_limit):
+            backlog.append(item)  # FIFO per destination: anything behind a queued message queues too
+            return
+        self._post(item)
+
+    def poll(self, timeout: float = 0.0) -> list[Arrival]:
+        """Arrivals completed since the last poll, FIFO per source. With `timeout` > 0 and nothing
+        ready, block up to that long for the first one (releases the GIL to the transport's threads,
+        unlike spinning). Raises PeerFailure when a peer died, wedged or aborted."""
+        if self._failure is not None:
+            raise self._failure
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + _HEALTH_CHECK_EVERY_S
+            self._check_health()
+        if self._nccl:
+            for lane in self._send_lanes.values():
+                lane.drain()
+            for lane in self._recv_lanes.values():
+                lane.drain()
+        out = self._local
+        self._local = []
+        done = self._done
+        if not out and timeout > 0:
+            # NCCL lanes are drained only here, so block in short slices and re-drain in between.
+            slice_s = min(timeout, 0.0005) if self._nccl else timeout
+            try:
+                self._complete(done.get(timeout=slice_s), out)
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                item = done.get_nowait()
+            except queue.Empty:
+                break
+            self._complete(item, out)
+        if self._failure is not None:
+            raise self._failure
+        self._pump()
+        return out
+
+    def pending(self) -> int:
+        """Messages this rank sent to peers whose delivery has not completed yet (tensor messages in
+        flight or queued; meta-only messages count until handed to ZeroMQ)."""
+        return self._pending
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Return a received tensor's buffer to the receive pool (optional; see buffer_pool.py)."""
+        self._pool.release(tensor)
+
+    def abort(self, reason: str, culprit: Optional[int] = None) -> None:
+        """Tell every peer this run is over because of `reason` (culprit: the rank at fault, if known)
+        so they raise PeerFailure at once instead of after their heartbeat timeout."""
+        if self._aborted or self._ctx.closed:
+            return
+        self._aborted = True
+        header = pickle.dumps((ABORT, self.rank, -1, {"reason": reason, "culprit": culprit}, None, None))
+        for p in self._peers:
+            try:
+                self._push[p].send(header, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush queued and in-flight sends (up to `timeout_s`), say goodbye, stop threads. Idempotent."""
+        if self._closed:
+            return
+        if not self._aborted and self._failure is None:
+            deadline = time.monotonic() + timeout_s
+            try:
+                while self._pending and time.monotonic() < deadline:
+                    self.poll(timeout=0.01)
+            except PeerFailure:
+                pass
+            if self._pending:
+                print(f"rank {self.rank}: closing with {self._pending} undelivered message(s) after "
+                      f"{timeout_s:g} s: {self._describe_outstanding()}", file=sys.stderr)
+        self._closed = True
+        if not self._aborted:
+            bye = pickle.dumps((BYE, self.rank, -1, None, None, None))
+            for p in self._peers:
+                try:
+                    self._push[p].send(bye, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        self._heartbeat.stop()
+        self._closing.set()
+        self._receptor.join(2.0)
+        for lane in itertools.chain(self._send_lanes.values(), self._recv_lanes.values()):
+            lane.close(0.5)
+        for p in self._peers:
+            self._push[p].close(linger=1000 if not self._aborted else 200)
+        if not self._receptor.is_alive() and not self._heartbeat._thread.is_alive():
+            self._ctx.term()  # blocks until lingering BYE/ABORT messages went out (bounded by LINGER)
+
+    def __enter__(self) -> "ZmqDistTransport":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            if isinstance(exc, PeerFailure):
+                self.abort(str(exc), exc.rank)
+            else:
+                self.abort(f"{exc_type.__name__}: {exc}", self.rank)
+        self.close()
+
+    # ------------------------------------------------------------------ send side
+    def _post(self, item: Item) -> None:
+        dst = item.peer
+        t = item.tensor
+        if t is None:
+            self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, None, None), protocol=5))
+            self._pending -= 1  # ZeroMQ owns it now; nothing to complete
+            self.stats["sent"] += 1
+            return
+        if not t.is_contiguous():
+            t = item.tensor = t.contiguous()  # the copy is what we send; kept alive by the item
+        self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, tuple(t.shape),
+                                           str(t.dtype)[6:]), protocol=5))
+        self._inflight[dst] += 1
+        group = self._send_group[dst]
+        if self._nccl:
+            stream = self._send_streams[dst]
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is produced on the compute stream
+            with torch.cuda.stream(stream):
+                work = dist.isend(t, dst, group=group)
+                work.wait()  # NCCL: makes `stream` wait for the NCCL stream; the host does not block
+                item.event = torch.cuda.Event()
+                item.event.record(stream)
+        else:
+            item.work = dist.isend(t, dst, group=group)
+        if self._send_delay is not None:
+            item.delay_s = self._send_delay[dst]()
+        self.stats["sent"] += 1
+        self.stats["sent_bytes"] += t.numel() * t.element_size()
+        self._send_lanes[dst].submit(item)
+
+    def _pump(self) -> None:
+        for dst, backlog in self._backlog.items():
+            if not backlog:
+                continue
+            n = 0
+            while n < len(backlog) and (backlog[n].tensor is None or self._inflight[dst] < self.inflight_limit):
+                self._post(backlog[n])
+                n += 1
+            if n:
+                del backlog[:n]
+
+    # ------------------------------------------------------------------ completion (engine thread)
+    def _complete(self, item: Item, out: list[Arrival]) -> None:
+        if item.error is not None:
+            self._failure = PeerFailure(item.peer, self._describe_item(item),
+                                        f"transfer failed: {type(item.error).__name__}: {item.error}")
+            return
+        if item.is_send:
+            self._inflight[item.peer] -= 1
+            self._pending -= 1
+            item.tensor = None  # the send buffer may be recycled only now
+            return
+        t = item.tensor
+        if t is not None:
+            if self._nccl:
+                t.record_stream(torch.cuda.current_stream(self.device))  # it will be read on the engine's stream
+            self.stats["received_bytes"] += t.numel() * t.element_size()
+        self.stats["received"] += 1
+        out.append(Arrival(item.peer, item.meta, t))
+
+    def _check_health(self) -> None:
+        if self._receptor_error is not None:
+            src, what, err = self._receptor_error
+            self._failure = PeerFailure(src, what, f"{type(err).__name__}: {err}")
+            raise self._failure
+        try:
+            self._health.check(self._waiting_for)
+        except PeerFailure as failure:
+            self._failure = failure
+            raise
+
+    # ------------------------------------------------------------------ receptor thread
+    def _receive_loop(self) -> None:
+        pull = self._pull
+        src, seq, meta = -1, -1, None
+        try:
+            while not self._closing.is_set():
+                if not pull.poll(50):
+                    continue
+                while True:
+                    try:
+                        raw = pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    kind, src, seq, meta, shape, dtype = pickle.loads(raw)
+                    self._on_header(kind, src, seq, meta, shape, dtype)
+        except BaseException as err:  # reported by the engine thread's next poll()
+            self._receptor_error = (src, f"message #{seq} from rank {src} ({_summary(meta)})", err)
+        finally:
+            pull.close(linger=0)
+
+    def _on_header(self, kind: int, src: int, seq: int, meta, shape, dtype) -> None:
+        self._health.saw(src)
+        if kind == HEARTBEAT:
+            return
+        if kind == BYE:
+            self._health.closed(src)
+            return
+        if kind == ABORT:
+            self._health.aborted(src, meta.get("culprit"), meta["reason"])
+            return
+        expected = self._recv_seq[src]
+        if seq != expected:
+            raise RuntimeError(f"rank {self.rank} got message #{seq} from rank {src} but expected #{expected}: "
+                               f"lost or duplicated message")
+        self._recv_seq[src] = seq + 1
+        item = Item(False, src, seq, meta, shape=shape, dtype=dtype)
+        lane = self._recv_lanes[src]
+        if shape is not None:
+            group = self._recv_group[src]
+            if self._nccl:
+                stream = self._recv_streams[src]
+                with torch.cuda.stream(stream):
+                    buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
+                    work = dist.irecv(buf, src, group=group)
+                    work.wait()  # stream-level wait, see _post
+                    item.event = torch.cuda.Event()
+                    item.event.record(stream)
+            else:
+                buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
+                item.work = dist.irecv(buf, src, group=group)
+            item.tensor = buf
+        if self._recv_delay is not None:
+            item.delay_s = self._recv_delay[src]()
+        elif shape is None and lane.busy() == 0:
+            # Fast path: nothing from src is still completing, so handing the meta-only message over
+            # directly keeps FIFO and saves a thread hop.
+            self._done.put(item)
+            return
+        lane.submit(item)
+
+    # ------------------------------------------------------------------ heartbeat thread
+    def _beat(self) -> None:
+        if not self._hb_socks:  # sockets are created on the heartbeat thread, which alone uses them
+            for p in self._peers:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 16)  # a dead peer must not make beats pile up
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(self.endpoints[p])
+                self._hb_socks.append(sock)
+        for sock in self._hb_socks:
+            try:
+                sock.send(self._hb_bytes, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # that peer is not draining; its silence is its own problem
+
+    def _beat_exit(self) -> None:
+        for sock in self._hb_socks:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------------ failure descriptions
+    def _describe_item(self, item: Item) -> str:
+        if item.is_send:
+            what = f"completion of send #{item.seq} to rank {item.peer}"
+        else:
+            what = f"the tensor of message #{item.seq} from rank {item.peer}"
+        t = item.tensor
+        shape = f"{tuple(t.shape)} {str(t.dtype)[6:]}" if t is not None else "no tensor"
+        return f"{what} ({shape}, meta {_summary(item.meta)})"
+
+    def _waiting_for(self, peer: int) -> str:
+        parts = []
+        head = self._recv_lanes[peer].oldest()
+        if head is not None:
+            parts.append(f"{self._describe_item(head)}, {self._recv_lanes[peer].busy()} receive(s) outstanding")
+        head = self._send_lanes[peer].oldest()
+        if head is not None:
+            parts.append(f"{self._describe_item(head)}, {self._inflight[peer]} send(s) in flight")
+        if self._backlog[peer]:
+            parts.append(f"{len(self._backlog[peer])} queued send(s) to rank {peer}")
+        if self.describe_wait is not None:
+            extra = self.describe_wait(peer)
+            if extra:
+                parts.append(extra)
+        if not parts:
+            parts.append(f"message #{self._recv_seq[peer]} from rank {peer} (nothing outstanding with it)")
+        return "; ".join(parts)
+
+    def _describe_outstanding(self) -> str:
+        return "; ".join(f"rank {p}: {self._inflight[p]} in flight, {len(self._backlog[p])} queued"
+                         for p in self._peers if self._inflight[p] or self._backlog[p])
