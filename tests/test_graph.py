@@ -1,0 +1,97 @@
+"""The token-level dataflow graph: shape, LayerID keys, and that validation catches each broken invariant."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from graph_ir.graph import LayerID, build_graph, graph_problems, to_dot, validate_graph, GraphValidationError
+from graph_ir.spec import load_spec
+
+SPECS = Path(__file__).resolve().parents[1] / "models" / "specs"
+TINY = sorted(p.stem for p in SPECS.glob("tiny*.yaml"))
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("ranks", [1, 3, 12])
+def test_tiny_graphs_are_valid_and_have_the_expected_shape(name, ranks):
+    spec = load_spec(SPECS / f"{name}.yaml")
+    g = build_graph(spec, ranks)
+    validate_graph(g)
+    E, moe = spec.experts.num_experts, spec.moe_layers
+    per_home = spec.num_layers + len(moe) * (E + 1) + 1  # attention, experts + merge, sample
+    assert g.number_of_nodes() == ranks * per_home
+    for h in range(ranks):
+        for layer in moe:
+            merge = ("merge", LayerID(layer, h))
+            assert g.in_degree(merge) == E >= spec.experts.top_k
+            assert {p[1].expert for p in g.predecessors(merge)} == set(range(E))
+        # The chain: attention(0) reaches sample, and sample closes the loop back to attention(0).
+        assert nx.has_path(g, ("attention", LayerID(0, h)), ("sample", LayerID(spec.num_layers, h)))
+        assert g.has_edge(("sample", LayerID(spec.num_layers, h)), ("attention", LayerID(0, h)))
+
+
+def test_dense_layers_skip_experts_and_expert_nodes_run_where_placed():
+    spec = load_spec(SPECS / "tiny-deepseek-v2.yaml")  # layer 0 dense
+    g = build_graph(spec, 4)
+    assert g.has_edge(("attention", LayerID(0, 2)), ("attention", LayerID(1, 2)))
+    assert not any(n[0] == "expert" and n[1].layer == 0 for n in g)
+    placement = [[], [3] * 10, [e % 4 for e in range(10)]]
+    g = build_graph(spec, 4, placement)
+    validate_graph(g)
+    assert g.nodes[("expert", LayerID(1, 0, 7))]["rank"] == 3
+    assert g.nodes[("expert", LayerID(2, 1, 6))]["rank"] == 2
+    assert g.nodes[("attention", LayerID(2, 1))]["rank"] == 1  # attention runs on the home rank
+
+
+def test_homes_subset_builds_one_subgraph():
+    spec = load_spec(SPECS / "tiny.yaml")
+    g = build_graph(spec, 8, homes=[5])
+    validate_graph(g)
+    assert {n[1].home_rank for n in g} == {5}
+
+
+@pytest.fixture
+def graph():
+    return build_graph(load_spec(SPECS / "tiny-qwen3-moe.yaml"), 2)
+
+
+def test_missing_expert_input_to_merge_is_caught(graph):
+    graph.remove_edge(("expert", LayerID(1, 0, 3)), ("merge", LayerID(1, 0)))
+    assert any("merge fed by experts" in p for p in graph_problems(graph))
+    with pytest.raises(GraphValidationError, match="needs all 8 experts"):
+        validate_graph(graph)
+
+
+def test_open_chain_is_caught(graph):
+    graph.remove_edge(("sample", LayerID(3, 1)), ("attention", LayerID(0, 1)))
+    assert any("chain does not close" in p for p in graph_problems(graph))
+
+
+def test_orphan_and_out_of_range_expert_are_caught(graph):
+    graph.add_node(("expert", LayerID(1, 0, 99)), kind="expert", lid=LayerID(1, 0, 99), rank=0)
+    problems = graph_problems(graph)
+    assert any("orphan" in p for p in problems)
+    assert any("expert id 99 outside 0..7" in p for p in problems)
+
+
+def test_top_k_larger_than_inputs_is_caught(graph):
+    graph.graph["top_k"] = 9
+    assert any("top_k 9 > 8 inputs" in p for p in graph_problems(graph))
+
+
+def test_cross_home_edge_is_caught(graph):
+    graph.add_edge(("merge", LayerID(0, 0)), ("attention", LayerID(1, 1)))
+    assert any("crosses homes" in p for p in graph_problems(graph))
+
+
+def test_dot_output_lists_every_node_and_edge():
+    spec = load_spec(SPECS / "tiny.yaml")
+    g = build_graph(spec, 2)
+    dot = to_dot(g)
+    assert dot.startswith('digraph "tiny"') and dot.rstrip().endswith("}")
+    assert dot.count(" -> ") == g.number_of_edges()
+    assert dot.count("[label=") == g.number_of_nodes()
+    assert dot.count('label="next step"') == 2  # one closing edge per home
+    assert "cluster_home1" in dot
