@@ -7,17 +7,24 @@ after the message completed and before it is handed on, inside the lane, so FIFO
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, Optional
 
 
 class ChaosDelays:
-    def __init__(self, seed: int, max_delay_s: float = 0.005, probability: float = 0.5):
+    def __init__(self, seed: int, max_delay_s: float = 0.005, probability: float = 0.5,
+                 peers: Optional[set[int]] = None, directions: tuple[str, ...] = ("send", "recv")):
+        """`peers`/`directions` restrict the delays to some lanes (e.g. one slow link: peers={2},
+        directions=("send",)); by default every lane is delayed."""
         self.seed = seed
+        self.peers = peers
+        self.directions = directions
         self.max_delay_s = max_delay_s
         self.probability = probability
 
     def lane(self, direction: str, me: int, peer: int) -> Callable[[], float]:
         rng = random.Random(f"{self.seed}/{direction}/{me}/{peer}")
+        if direction not in self.directions or (self.peers is not None and peer not in self.peers):
+            return lambda: 0.0
 
         def draw() -> float:
             if rng.random() >= self.probability:

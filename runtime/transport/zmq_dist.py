@@ -273,8 +273,10 @@ class ZmqDistTransport:
         self._heartbeat.stop()
         self._closing.set()
         self._receptor.join(2.0)
+        # After a failure a waiter may be stuck in a gloo wait on the dead peer: don't wait for it.
+        join_s = 0.5 if self._failure is None and not self._aborted else 0.01
         for lane in itertools.chain(self._send_lanes.values(), self._recv_lanes.values()):
-            lane.close(0.5)
+            lane.close(join_s)
         for p in self._peers:
             self._push[p].close(linger=1000 if not self._aborted else 200)
         if not self._receptor.is_alive() and not self._heartbeat._thread.is_alive():
@@ -467,7 +469,8 @@ class ZmqDistTransport:
             if extra:
                 parts.append(extra)
         if not parts:
-            parts.append(f"message #{self._recv_seq[peer]} from rank {peer} (nothing outstanding with it)")
+            parts.append(f"message #{self._recv_seq[peer]} from rank {peer} (all earlier ones arrived, "
+                         f"no transfer in progress)")
         return "; ".join(parts)
 
     def _describe_outstanding(self) -> str:

@@ -1,0 +1,203 @@
+"""ZmqDistTransport between real processes over real sockets (gloo on CPU).
+
+Each test is one `launch_local` of 2-4 ranks (spawning costs ~1 s per rank on 2 cores, so every launch
+checks as much as it can). The rank functions below run inside the children; they regenerate every
+expected payload from (seed, src, dst, i) and compare exactly, so loss, duplication, reordering per
+peer or corruption all show up as errors returned to the test.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from runtime.launch import launch_local
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD_ENV = {"PYTHONPATH": HERE}  # so the ranks can import this module's rank functions
+
+
+# ------------------------------------------------------------------------------ rank functions
+def _payload(src: int, dst: int, i: int, seed: int):
+    """The i-th message src -> dst: a tensor of random shape/dtype (sometimes non-contiguous) or None."""
+    g = random.Random(f"{seed}/{src}/{dst}/{i}")
+    if g.random() < 0.2:
+        return None
+    rows, cols = g.randint(1, 48), g.choice([1, 7, 64, 184])
+    dtype = g.choice([torch.float32, torch.bfloat16, torch.int64])
+    t = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(g.getrandbits(31))) * 100).to(dtype)
+    if g.random() < 0.2:
+        t = t.t()  # non-contiguous: the transport must send a contiguous copy
+    return t
+
+
+def _checksum(t) -> float | None:
+    return None if t is None else float(t.double().sum())
+
+
+def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int) -> dict:
+    """Every rank sends n messages to every rank (itself included) in random bursts while polling."""
+    from runtime.transport.zmq_dist import ChaosDelays, ZmqDistTransport
+    rank, world = env.rank, env.world_size
+    chaos = ChaosDelays(chaos_seed, max_delay_s=0.003, probability=0.5) if chaos_seed is not None else None
+    rng = random.Random(f"{seed}/driver/{rank}")
+    got: dict[int, list[int]] = {s: [] for s in range(world)}
+    errors: list[str] = []
+    with ZmqDistTransport(rank, world, "cpu", inflight_limit=inflight_limit, chaos=chaos) as tr:
+        def absorb(arrivals):
+            for a in arrivals:
+                i = a.meta["i"]
+                want = _payload(a.src, rank, i, seed)
+                if i != len(got[a.src]):
+                    errors.append(f"from {a.src}: got #{i}, expected #{len(got[a.src])}")
+                got[a.src].append(i)
+                if a.meta["dst"] != rank or a.meta["sum"] != _checksum(a.tensor):
+                    errors.append(f"from {a.src} #{i}: wrong dst or checksum")
+                if (want is None) != (a.tensor is None) or (want is not None and not (
+                        a.tensor.dtype == want.dtype and torch.equal(a.tensor, want))):
+                    errors.append(f"from {a.src} #{i}: payload differs")
+                if a.tensor is not None and a.src != rank:
+                    tr.release(a.tensor)
+
+        order = [(d, i) for i in range(n) for d in range(world)]
+        sent = 0
+        while sent < len(order):
+            burst = rng.randint(1, 12)
+            for d, i in order[sent:sent + burst]:
+                t = _payload(rank, d, i, seed)
+                tr.send(d, {"i": i, "dst": d, "sum": _checksum(t)}, t)
+            sent += burst
+            absorb(tr.poll())
+        deadline = time.monotonic() + 60
+        while any(len(got[s]) < n for s in range(world)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} still missing messages: { {s: n - len(v) for s, v in got.items()} }")
+            absorb(tr.poll(timeout=0.01))
+        delays = None
+        if chaos is not None:
+            delays = "applied"
+        return {"counts": {s: len(v) for s, v in got.items()}, "errors": errors[:10], "stats": dict(tr.stats),
+                "pool_hits": tr._pool.hits, "chaos": delays}
+
+
+def _slow_link(env) -> dict:
+    """Rank 0's link to rank 2 is slow (every send completes 0-100 ms late); rank 1 must not notice."""
+    from runtime.transport.zmq_dist import ChaosDelays, ZmqDistTransport
+    rank = env.rank
+    chaos = ChaosDelays(7, max_delay_s=0.1, probability=1.0, peers={2}, directions=("send",)) if rank == 0 else None
+    with ZmqDistTransport(rank, env.world_size, "cpu", inflight_limit=2, chaos=chaos) as tr:
+        if rank == 0:
+            x = torch.arange(1000, dtype=torch.float32)
+            t0 = time.monotonic()
+            for i in range(20):
+                tr.send(2, {"i": i}, x)
+                tr.send(1, {"i": i}, x)
+            done: dict[int, float] = {}
+            pending_when_1_done = None
+            deadline = t0 + 30
+            while len(done) < 2 and time.monotonic() < deadline:
+                for a in tr.poll(timeout=0.01):
+                    done[a.src] = time.monotonic() - t0
+                    if a.src == 1:
+                        pending_when_1_done = tr.pending()
+            return {"done": done, "pending_when_1_done": pending_when_1_done}
+        n = 0
+        deadline = time.monotonic() + 30
+        while n < 20 and time.monotonic() < deadline:
+            n += len(tr.poll(timeout=0.01))
+        tr.send(0, {"done": n}, None)
+        return {"received": n}
+
+
+def _rank_world3(env, seed: int, n: int) -> dict:
+    from runtime.transport.zmq_dist import init_distributed
+    init_distributed(env.rank, env.world_size, "gloo")
+    return {"chaos": _exchange(env, seed, n, chaos_seed=seed + 1, inflight_limit=4), "slow": _slow_link(env)}
+
+
+def _rank_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
+    from runtime.transport.zmq_dist import init_distributed
+    init_distributed(env.rank, env.world_size, "gloo")
+    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit)
+
+
+def _rank_killed(env, victim: int, after: int) -> None:
+    """Ranks exchange tensors in lock step until `victim` SIGKILLs itself mid-run."""
+    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
+    init_distributed(env.rank, env.world_size, "gloo")
+    with ZmqDistTransport(env.rank, env.world_size, "cpu") as tr:  # default 10 s peer timeout
+        tr.describe_wait = lambda peer: f"step {step}'s partial result from rank {peer}"
+        step = 0
+        while True:
+            for d in range(env.world_size):
+                if d != env.rank:
+                    tr.send(d, {"step": step}, torch.ones(4096))
+            got = 0
+            while got < env.world_size - 1:
+                got += len(tr.poll(timeout=0.01))
+            step += 1
+            if env.rank == victim and step == after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------ tests
+def _check_exchange(result, world: int, n: int) -> None:
+    assert result.ok, result.first_error
+    for rank, r in enumerate(result.results):
+        assert r["errors"] == [], f"rank {rank}: {r['errors']}"
+        assert r["counts"] == {s: n for s in range(world)}, f"rank {rank} lost or duplicated messages"
+
+
+@pytest.mark.parametrize("world,inflight", [(2, 16), (4, 2)])
+def test_exchange_fifo_no_loss(world, inflight):
+    n = 60
+    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight), timeout=80,
+                       env=CHILD_ENV)
+    _check_exchange(res, world, n)
+    # a small in-flight cap forces the per-peer backlogs to be used
+    assert all(r["stats"]["local"] == n for r in res.results)
+    assert sum(r["pool_hits"] for r in res.results) > 0, "receive buffers were never reused"
+
+
+def test_three_ranks_chaos_delays_and_slow_link():
+    n = 60
+    res = launch_local(3, "test_transport_dist:_rank_world3", (5, n), timeout=80, env=CHILD_ENV)
+    assert res.ok, res.first_error
+    # Chaos: random per-message delays on every lane, yet every message arrives intact and in order.
+    for rank, r in enumerate(res.results):
+        assert r["chaos"]["errors"] == [], f"rank {rank}: {r['chaos']['errors']}"
+        assert r["chaos"]["counts"] == {s: n for s in range(3)}
+    # Slow link 0 -> 2: rank 1 gets all its messages while most of rank 2's are still queued.
+    slow = res.results[0]["slow"]
+    assert set(slow["done"]) == {1, 2}, slow
+    assert slow["pending_when_1_done"] >= 10, slow
+    assert slow["done"][1] * 4 < slow["done"][2], slow
+    assert res.results[1]["slow"]["received"] == 20 and res.results[2]["slow"]["received"] == 20
+
+
+def test_killed_rank_makes_every_other_rank_exit_with_a_clear_message():
+    t0 = time.monotonic()
+    # grace_s is large so the survivors must exit on their own, not by the launcher's kill.
+    res = launch_local(3, "test_transport_dist:_rank_killed", (1, 30), timeout=60, grace_s=40, env=CHILD_ENV)
+    elapsed = time.monotonic() - t0
+    assert res.exit_codes[1] == -signal.SIGKILL
+    assert res.first_failed_rank == 1 and "SIGKILL" in res.first_error
+    for rank in (0, 2):
+        assert res.exit_codes[rank] == 1, res
+        msg = res.errors[rank]
+        assert "PeerFailure: rank 1 failed" in msg, msg
+        assert "waiting for" in msg and "from rank 1" in msg, msg
+    assert elapsed < 30, f"survivors took {elapsed:.1f} s"
+
+
+def test_transport_bench_command_prints_a_table():
+    from typer.testing import CliRunner
+
+    from dataflow.cli import app
+    out = CliRunner().invoke(app, ["transport-bench", "--ranks", "2", "--sizes", "0,4K", "--messages", "50"])
+    assert out.exit_code == 0, out.output
+    assert "messages/s" in out.output and "4K" in out.output
