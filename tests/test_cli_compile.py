@@ -134,3 +134,20 @@ def test_real_console_command(tmp_path):
     res = subprocess.run([str(exe), "compile", str(bad)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "field 'hidden_size': Field required" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_compile_hugging_face_checkpoint_dir(workdir, monkeypatch, capsys):
+    """A directory with config.json is imported through models.checkpoint.import_spec."""
+    pytest.importorskip("models.checkpoint")
+    ckpt = workdir / "hf"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=48, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
+        num_experts_per_tok=2, vocab_size=300, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2, torch_dtype="float32")))
+    code, _, err = run(monkeypatch, capsys, "compile", str(ckpt), "--ranks", "4", "-o", "p")
+    assert code == 0, err
+    plan = json.loads((workdir / "p" / "plan.json").read_text())
+    assert plan["source"] == f"checkpoint {ckpt}"
+    assert plan["spec"]["experts"]["num_experts"] == 6 and len(plan["placement"]["expert_rank"]) == 2
