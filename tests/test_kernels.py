@@ -1,0 +1,387 @@
+"""kernels/: torch references against naive loops and the models' math, Triton kernels against the
+references.
+
+Shapes are odd on purpose (H=72, I=40, E=9, k=3, 6 query heads on 2 kv heads, block size 4, ragged
+contexts including 0 and 1, empty and overfull experts) so nothing passes by symmetry.
+
+Without a GPU the Triton kernels run in Triton's CPU interpreter. Triton fixes interpret mode
+when it is imported, and `kernels` only imports it at the first launch, so the `triton_device`
+fixture sets TRITON_INTERPRET=1 before that. If some earlier test already imported triton in
+compiled mode, the Triton tests are re-run in a subprocess instead (last test of this file).
+Interpreter caveats (handled in kernels/, see kernels/dispatch.py): its bf16 `tl.dot` is wrong
+(kernels upcast to fp32 under the interpreter) and its fp32->bf16 cast truncates (kernels store
+fp32 and the wrapper rounds with torch).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.dispatch import backend_for
+from kernels.grouped_ffn import (
+    grouped_ffn, grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton, grouped_mm_supported,
+)
+from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from kernels.permute import gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton
+from kernels.topk_merge import topk_merge, topk_merge_torch, topk_merge_triton
+
+H, I, E, K = 72, 40, 9, 3
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _interpreter_blocked() -> bool:
+    """True when triton was imported in compiled mode before we could ask for the interpreter."""
+    return not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@pytest.fixture(scope="module")
+def triton_device() -> str:
+    if not HAS_TRITON:
+        pytest.skip("triton is not importable: only the torch references are tested")
+    if torch.cuda.is_available():
+        return "cuda"
+    if _interpreter_blocked():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 earlier in this process; "
+                    "test_triton_kernels_in_subprocess runs these tests instead")
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (it happens at first launch)
+    return "cpu"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _skewed_ids(T: int, seed: int) -> torch.Tensor:
+    """[T, K] expert ids: expert 2 never chosen, expert 0 very hot."""
+    g = _gen(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = torch.where(ids == 2, torch.zeros_like(ids), ids)  # empty expert (kernels allow repeats)
+    ids[: T // 2, 0] = 0  # hot expert: more rows than one 16-row tile
+    return ids
+
+
+# ------------------------------------------------------------------------------------------
+# top-k merge
+
+
+def _merge_inputs(T: int, N: int, dtype, device, seed: int = 0):
+    g = _gen(seed)
+    h_res = torch.randn(T, H, generator=g).to(dtype)
+    shared = torch.randn(T, H, generator=g).to(dtype)
+    # rows as a strided view into a wider receive buffer: the kernel must honour the row stride.
+    buf = torch.randn(N, H + 8, generator=g).to(dtype)
+    rows = buf[:, 3 : 3 + H]
+    row_index = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(T)] or [torch.zeros(0, K, dtype=torch.int64)])
+    row_index = row_index.view(T, K)
+    weights = torch.rand(T, K, generator=g)
+    return [t.to(device) for t in (h_res, shared, rows, row_index, weights)]
+
+
+def _topk_merge_naive(h_res, shared, rows, row_index, weights):
+    out = torch.empty_like(h_res)
+    for t in range(h_res.shape[0]):
+        acc = torch.zeros(h_res.shape[1], dtype=torch.float32)
+        for j in range(row_index.shape[1]):
+            acc = acc + weights[t, j] * rows[row_index[t, j]].float()
+        if shared is not None:
+            acc = acc + shared[t].float()
+        out[t] = (acc + h_res[t].float()).to(h_res.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_topk_merge_reference_is_moe_combine_bitwise(dtype, with_shared):
+    layers = pytest.importorskip("models.layers")
+    h_res, shared, rows, row_index, weights = _merge_inputs(7, 25, dtype, "cpu")
+    shared = shared if with_shared else None
+    ref = topk_merge_torch(h_res, shared, rows, row_index, weights)
+    assert torch.equal(ref, layers.moe_combine(h_res, shared, rows[row_index], weights))
+    assert torch.equal(ref, _topk_merge_naive(h_res, shared, rows, row_index, weights))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_topk_merge_triton_bitwise(triton_device, dtype, with_shared):
+    h_res, shared, rows, row_index, weights = _merge_inputs(7, 25, dtype, triton_device, seed=1)
+    shared = shared if with_shared else None
+    ref = topk_merge_torch(h_res, shared, rows, row_index, weights)
+    # Same op order, no FMA contraction: bit-identical, which the runtime relies on.
+    assert torch.equal(topk_merge_triton(h_res, shared, rows, row_index, weights), ref)
+
+
+def test_topk_merge_triton_empty_batch(triton_device):
+    h_res, shared, rows, row_index, weights = _merge_inputs(0, 4, torch.float32, triton_device)
+    assert topk_merge_triton(h_res, shared, rows, row_index, weights).shape == (0, H)
+
+
+# ------------------------------------------------------------------------------------------
+# permute + gather
+
+
+def _permute_naive(expert_ids, num_experts):
+    flat = expert_ids.reshape(-1).tolist()
+    order = sorted(range(len(flat)), key=lambda r: (flat[r], r))
+    counts = [flat.count(e) for e in range(num_experts)]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    return torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("T", [0, 1, 11, 300])  # 300*3 rows: several chunks in the Triton kernel
+def test_permute_reference_is_stable_counting_sort(T):
+    ids = _skewed_ids(T, seed=T) if T else torch.zeros(0, K, dtype=torch.int64)
+    order, offsets = permute_to_experts_torch(ids, E)
+    n_order, n_offsets = _permute_naive(ids, E)
+    assert torch.equal(order, n_order) and torch.equal(offsets, n_offsets)
+    if T:
+        assert offsets[3] == offsets[2]  # expert 2 is empty
+
+
+@pytest.mark.parametrize("T", [0, 1, 11, 300])
+def test_permute_triton(triton_device, T):
+    ids = (_skewed_ids(T, seed=T) if T else torch.zeros(0, K, dtype=torch.int64)).to(triton_device)
+    order, offsets = permute_to_experts_triton(ids, E)
+    r_order, r_offsets = permute_to_experts_torch(ids, E)
+    assert torch.equal(order, r_order) and torch.equal(offsets, r_offsets)
+
+
+def test_permute_triton_many_experts(triton_device):
+    ids = torch.randint(0, 130, (50, 4), generator=_gen(3)).to(triton_device)  # E not a power of two
+    got, ref = permute_to_experts_triton(ids, 130), permute_to_experts_torch(ids, 130)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_rows_triton(triton_device, dtype):
+    x = torch.randn(11, H, generator=_gen(4)).to(dtype).to(triton_device)
+    src = torch.randint(0, 11, (33,), generator=_gen(5)).to(triton_device)
+    assert torch.equal(gather_rows_triton(x, src), gather_rows_torch(x, src))
+    assert gather_rows_triton(x, src[:0]).shape == (0, H)
+
+
+# ------------------------------------------------------------------------------------------
+# grouped expert FFN
+
+
+def _ffn_inputs(dtype, device, with_bias: bool, seed: int = 0, T: int = 13):
+    g = _gen(seed)
+    ids = _skewed_ids(T, seed)
+    order, offsets = permute_to_experts_torch(ids, E)
+    x = torch.randn(T, H, generator=g)[order // K]  # token rows in expert order
+    # Scales chosen so pre-activations reach past GPT-OSS's clamp limit (7) on both sides.
+    w_gate = torch.randn(E, I, H, generator=g) * 0.5
+    w_up = torch.randn(E, I, H, generator=g) * 0.5
+    w_down = torch.randn(E, H, I, generator=g) * 0.2
+    biases = (torch.randn(E, I, generator=g), torch.randn(E, I, generator=g), torch.randn(E, H, generator=g))
+    if not with_bias:
+        biases = (None, None, None)
+    cast = lambda t: None if t is None else t.to(dtype).to(device)  # noqa: E731
+    return [cast(x), offsets.to(device), cast(w_gate), cast(w_up), cast(w_down), *map(cast, biases)]
+
+
+def _ffn_naive(x, offsets, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha=1.702, limit=7.0):
+    """float64, one row at a time, from the formula in kernels/grouped_ffn.py's docstring."""
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for r in range(x.shape[0]):
+        e = int(torch.searchsorted(offsets[1:], torch.tensor(r), right=True))
+        xr = x[r].double()
+        gt = w_gate[e].double() @ xr + (b_gate[e].double() if b_gate is not None else 0)
+        up = w_up[e].double() @ xr + (b_up[e].double() if b_up is not None else 0)
+        if activation == "gptoss_glu":
+            gt, up = gt.clamp(max=limit), up.clamp(-limit, limit)
+            h = (up + 1) * gt * torch.sigmoid(alpha * gt)
+        else:
+            h = gt * torch.sigmoid(gt) * up
+        y[r] = w_down[e].double() @ h + (b_down[e].double() if b_down is not None else 0)
+    return y
+
+
+@pytest.mark.parametrize("activation", ["silu_glu", "gptoss_glu"])
+def test_grouped_ffn_reference(activation):
+    args = _ffn_inputs(torch.float32, "cpu", with_bias=True)
+    ref = grouped_ffn_torch(*args, activation=activation)
+    torch.testing.assert_close(ref.double(), _ffn_naive(*args, activation), rtol=1e-4, atol=1e-4)
+    moe = pytest.importorskip("models.moe")
+    # Op for op the same as the models' expert math, hence bit-equal.
+    x, offsets, w_gate, w_up, w_down, b_gate, b_up, b_down = args
+    spec = SimpleNamespace(experts=SimpleNamespace(bias=True, activation=activation, glu_alpha=1.702, glu_limit=7.0))
+    w = {"experts.gate": w_gate, "experts.up": w_up, "experts.down": w_down,
+         "experts.gate_b": b_gate, "experts.up_b": b_up, "experts.down_b": b_down}
+    expert_of_row = torch.searchsorted(offsets[1:], torch.arange(x.shape[0]), right=True)
+    assert torch.equal(ref, moe.experts_rows(spec, w, x, expert_of_row))
+
+
+def test_gptoss_glu_matches_transformers():
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    g = _gen(6)
+    gate_up = torch.randn(5, 2 * I, generator=g) * 6  # interleaved: gate = [..., ::2], up = [..., 1::2]
+    expected = modeling.GptOssExperts._apply_gate(SimpleNamespace(alpha=1.702, limit=7.0), gate_up)
+    from kernels.grouped_ffn import _act_torch
+
+    assert torch.equal(_act_torch(gate_up[:, ::2], gate_up[:, 1::2], "gptoss_glu", 1.702, 7.0), expected)
+
+
+def _ffn_tol(ref: torch.Tensor, dtype) -> dict:
+    # fp32: accumulation order only. bf16: the reference rounds g/u to bf16 before the activation
+    # and h to bf16 before the down projection; the kernel rounds h only: a few bf16 ulps.
+    scale = ref.abs().max().item()
+    return dict(rtol=1e-4, atol=1e-4 * scale) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2 * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu_glu", "gptoss_glu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_grouped_ffn_triton(triton_device, dtype, activation, with_bias):
+    args = _ffn_inputs(dtype, triton_device, with_bias, seed=7)
+    ref = grouped_ffn_torch(*args, activation=activation).float()
+    for block_m in (None, 16, 32):  # the hot expert spans several 16-row tiles
+        got = grouped_ffn_triton(*args, activation=activation, block_m=block_m).float()
+        torch.testing.assert_close(got, ref, **_ffn_tol(ref, dtype))
+
+
+def test_grouped_ffn_triton_empty_batch(triton_device):
+    x, offsets, *rest = _ffn_inputs(torch.float32, triton_device, True)
+    assert grouped_ffn_triton(x[:0], torch.zeros_like(offsets), *rest).shape == (0, H)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_ffn_grouped_mm(dtype):
+    args = _ffn_inputs(dtype, "cpu", with_bias=True, seed=8)
+    if not grouped_mm_supported(args[0], args[2]):
+        pytest.skip(f"torch._grouped_mm does not run on cpu/{dtype} in torch {torch.__version__}")
+    ref = grouped_ffn_torch(*args, activation="gptoss_glu").float()
+    got = grouped_ffn_grouped_mm(*args, activation="gptoss_glu").float()
+    torch.testing.assert_close(got, ref, **_ffn_tol(ref, dtype))
+
+
+# ------------------------------------------------------------------------------------------
+# paged decode attention
+
+NH, NKV, DK, DV, BLOCK = 6, 2, 24, 20, 4
+LENS = [1, 7, 0, 30, 13, 4]  # ragged, one empty (a padding slot), one exactly one block
+
+
+def _paged_inputs(dtype, device, seed: int = 0):
+    g = _gen(seed)
+    B, max_blocks = len(LENS), math.ceil(max(LENS) / BLOCK) + 1
+    num_blocks = B * max_blocks + 3
+    q = torch.randn(B, NH, DK, generator=g)
+    k_cache = torch.randn(num_blocks, BLOCK, NKV, DK, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK, NKV, DV, generator=g)
+    # Physical blocks scattered and out of order.
+    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    sinks = torch.randn(NH, generator=g)
+    cast = lambda t: t.to(dtype).to(device)  # noqa: E731
+    return cast(q), cast(k_cache), cast(v_cache), table.to(device), torch.tensor(LENS, dtype=torch.int32, device=device), cast(sinks)
+
+
+def _contiguous_kv(k_cache, v_cache, table, b, length):
+    pos = torch.arange(length)
+    blocks, slots = table[b, pos // BLOCK].long(), pos % BLOCK
+    return k_cache[blocks, slots], v_cache[blocks, slots]
+
+
+def _paged_naive(q, k_cache, v_cache, table, lens, scale, sinks, window):
+    out = torch.zeros(q.shape[0], NH, DV, dtype=torch.float64)
+    for b, length in enumerate(lens.tolist()):
+        Kc, Vc = _contiguous_kv(k_cache, v_cache, table, b, length)
+        for h in range(NH):
+            kvh = h // (NH // NKV)
+            keys = [p for p in range(length) if window is None or (length - 1) - p < window]
+            logits = [float(q[b, h].double() @ Kc[p, kvh].double()) * scale for p in keys]
+            extra = [float(sinks[h])] if sinks is not None else []
+            if not logits:
+                continue
+            mx = max(logits + extra)
+            den = sum(math.exp(x - mx) for x in logits + extra)
+            for p, x in zip(keys, logits):
+                out[b, h] += math.exp(x - mx) / den * Vc[p, kvh].double()
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_paged_attention_reference(window, with_sinks):
+    q, k_cache, v_cache, table, lens, sinks = _paged_inputs(torch.float32, "cpu")
+    sinks = sinks if with_sinks else None
+    ref = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3, sinks, window)
+    torch.testing.assert_close(ref.double(), _paged_naive(q, k_cache, v_cache, table, lens, 0.3, sinks, window),
+                               rtol=1e-5, atol=1e-5)
+    attention = pytest.importorskip("models.attention")
+    for b, length in enumerate(LENS):
+        if length == 0:
+            continue
+        Kc, Vc = _contiguous_kv(k_cache, v_cache, table, b, length)
+        expected = attention.attend(q[b : b + 1], Kc, Vc, torch.tensor([length - 1]), 0.3, window, sinks)
+        torch.testing.assert_close(ref[b], expected[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_paged_attention_triton(triton_device, dtype, window, with_sinks):
+    q, k_cache, v_cache, table, lens, sinks = _paged_inputs(dtype, triton_device, seed=1)
+    sinks = sinks if with_sinks else None
+    ref = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3, sinks, window).float()
+    # bf16 on the GPU: probabilities are rounded to bf16 for the P @ V tensor-core dot.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for splits in (1, 3):  # 3 splits: chunks of 16 positions, some of them empty
+        got = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.3, sinks, window,
+                                            num_splits=splits, block_t=16).float()
+        torch.testing.assert_close(got, ref, **tol)
+        assert torch.all(got[2] == 0)  # empty context
+
+
+# ------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_dispatch(monkeypatch):
+    x = torch.zeros(2, 2)
+    monkeypatch.delenv("DATAFLOW_KERNELS", raising=False)
+    assert backend_for(x, None) == "torch"  # CPU tensors, auto
+    monkeypatch.setenv("DATAFLOW_KERNELS", "torch")
+    assert backend_for(x) == "torch"
+    monkeypatch.setenv("DATAFLOW_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="DATAFLOW_KERNELS"):
+        backend_for(x)
+    if HAS_TRITON:
+        monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            backend_for(x)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert backend_for(x) == "triton"
+
+
+def test_dispatch_runs_triton_when_forced(triton_device, monkeypatch):
+    monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
+    h_res, shared, rows, row_index, weights = _merge_inputs(3, 9, torch.float32, triton_device)
+    assert torch.equal(topk_merge(h_res, shared, rows, row_index, weights),
+                       topk_merge_torch(h_res, shared, rows, row_index, weights))
+    x, offsets, *rest = _ffn_inputs(torch.float32, triton_device, False)
+    torch.testing.assert_close(grouped_ffn(x, offsets, *rest), grouped_ffn_torch(x, offsets, *rest), rtol=1e-4, atol=1e-3)
+
+
+def test_triton_kernels_in_subprocess():
+    """Fallback when triton was imported in compiled mode before this file could ask for the
+    interpreter (see module docstring): run this file's Triton tests in a fresh interpreter."""
+    if not HAS_TRITON or not _interpreter_blocked():
+        pytest.skip("not needed: the Triton tests ran in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton and not subprocess"],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
