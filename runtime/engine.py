@@ -129,6 +129,11 @@ class Engine:
         """Nothing queued and no merge waiting: only new admissions or messages can wake this rank."""
         return self.queued_items() == 0 and len(self.merge) == 0
 
+    def oldest_wait(self) -> float:
+        """How long the longest-waiting queued item has waited so far (0 when all queues are empty)."""
+        now = self.clock.now()
+        return max((now - q.oldest_enqueue() for q in self.queues if len(q)), default=0.0)
+
     def take_finished(self) -> list[Request]:
         out, self.finished = self.finished, []
         return out

@@ -1,0 +1,86 @@
+"""Scheduling policies on hand-built queue views: each rule, its tie-breaking, and its parameters."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.scheduler import Aging, Defrag, FLFS, MTFS, StageView, make_policy
+
+# chain attn0 -> exp0 -> attn1 -> exp1 -> sample -> attn0
+NEXT = [1, 2, 3, 4, 0]
+
+
+def views(depths, runnable=None, waits=None):
+    runnable = runnable or [d > 0 for d in depths]
+    waits = waits or [0.0] * len(depths)
+    return [StageView(float(d), r, w) for d, r, w in zip(depths, runnable, waits)]
+
+
+def test_nothing_runnable_is_none():
+    for name in ("flfs", "mtfs", "defrag", "aging"):
+        assert make_policy(name).choose(views([0, 0, 0, 0, 0]), NEXT) is None
+
+
+def test_flfs_first_runnable_in_chain_order():
+    assert FLFS().choose(views([0, 3, 9, 0, 1]), NEXT).stage == 1
+    # a non-runnable (e.g. prefill chunk waiting for its predecessor) queue is skipped
+    assert FLFS().choose(views([5, 3, 9, 0, 1], runnable=[False, True, True, False, True]), NEXT).stage == 1
+
+
+def test_mtfs_deepest_ties_to_lowest_index():
+    d = MTFS().choose(views([2, 7, 7, 0, 1]), NEXT)
+    assert d.stage == 1 and d.scores == {0: 2.0, 1: 7.0, 2: 7.0, 4: 1.0}
+
+
+def test_defrag_score_formula_and_history():
+    p = Defrag(delta=0.5, lookahead=2, history=2)
+    q1 = [1, 4, 0, 2, 0]
+    d1 = p.choose(views(q1), NEXT)
+    # no history yet: score(s) = Q(s) + 0.5 Q(s+1) + 0.25 Q(s+2)
+    assert d1.scores == {0: 1 + 0.5 * 4 + 0.25 * 0, 1: 4 + 0.5 * 0 + 0.25 * 2, 3: 2 + 0 + 0.25 * 1}
+    assert d1.stage == 1
+    q2 = [0, 0, 6, 0, 3]
+    d2 = p.choose(views(q2), NEXT)
+    h = [(a + b) / 2 for a, b in zip(q1, q1)]  # history holds only q1 so far
+    assert d2.scores[2] == pytest.approx(6 + 0.5 * (0 + h[3]) + 0.25 * (3 + h[4]))
+    assert d2.scores[4] == pytest.approx(3 + 0.5 * (0 + h[0]) + 0.25 * (0 + h[1]))
+
+
+def test_defrag_wraps_around_the_chain():
+    p = Defrag(delta=0.8, lookahead=1, history=1)
+    d = p.choose(views([10, 0, 0, 0, 1]), NEXT)
+    assert d.scores[4] == pytest.approx(1 + 0.8 * 10)  # sample looks ahead into attn(0)
+
+
+def test_defrag_ties_to_lowest_index():
+    d = Defrag(lookahead=0).choose(views([0, 5, 0, 5, 0]), NEXT)
+    assert d.stage == 1
+
+
+def test_aging_overdue_stage_wins_outright():
+    p = Aging(bound=0.01, urgent_fraction=0.5)
+    v = views([1, 100, 0, 50, 0], waits=[0.006, 0.0001, 0, 0.001, 0])
+    assert p.choose(v, NEXT).stage == 0  # waited 6 ms >= 5 ms: picked despite the tiny queue
+    v = views([1, 100, 0, 50, 0], waits=[0.006, 0.0001, 0, 0.009, 0])
+    assert p.choose(v, NEXT).stage == 3  # two overdue: the most overdue first
+
+
+def test_aging_below_trigger_adds_a_growing_term():
+    p, q = Aging(bound=1.0, aging_weight=10.0, urgent_fraction=1.0), Defrag()
+    v = views([1, 0, 0, 3, 0], waits=[0.4, 0, 0, 0.0, 0])
+    base = q.choose(v, NEXT).scores
+    got = p.choose(v, NEXT).scores
+    assert got[0] == pytest.approx(base[0] + 10.0 * 0.4) and got[3] == pytest.approx(base[3])
+
+
+def test_parameters_are_exposed_and_validated():
+    assert make_policy("aging", bound=0.2, delta=0.9).params() == {
+        "bound": 0.2, "aging_weight": 64.0, "urgent_fraction": 0.5, "delta": 0.9, "lookahead": 4, "history": 4}
+    assert make_policy("defrag").params() == {"delta": 0.8, "lookahead": 4, "history": 4}
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fifo")
+    with pytest.raises(ValueError, match="takes"):
+        make_policy("mtfs", delta=0.5)
+    with pytest.raises(ValueError):
+        Defrag(delta=1.5)
+    with pytest.raises(ValueError):
+        Aging(bound=0)
