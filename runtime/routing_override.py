@@ -237,3 +237,34 @@ class RoutingRecorder:
                     f.write(json.dumps({"request": key[0], "position": key[1], "layer": key[2],
                                         "experts": ids.tolist(), "weights": [float(v) for v in w]}) + "\n")
         return path
+
+
+class KeyedRoutingExecutor:
+    """An executor whose `route(layer, x)` asks a keyed router instead of the model's.
+
+    The engines call `attention(layer, h, positions, segments, kv)` and then `route(layer, x)` on the
+    rows that attention returned; this wrapper remembers the (request, position) of each row from the
+    attention call, so a replayed or synthetic router can be plugged into any engine without the
+    engine knowing. Everything else is delegated to the wrapped executor unchanged.
+    """
+
+    def __init__(self, inner: Any, router: Router):
+        self._inner = inner
+        self._router = router
+        self._keys: Optional[tuple[list, list[int]]] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def attention(self, layer: int, h, positions, segments, kv):
+        seq_ids = [None] * len(positions)
+        for seq, start, n in segments:
+            seq_ids[start:start + n] = [seq] * n
+        self._keys = (seq_ids, list(positions))
+        return self._inner.attention(layer, h, positions, segments, kv)
+
+    def route(self, layer: int, x):
+        if self._keys is None or len(self._keys[0]) != x.shape[0]:
+            raise RuntimeError("KeyedRoutingExecutor.route needs the rows of the preceding attention call")
+        seq_ids, positions = self._keys
+        return self._router(layer, x, seq_ids, positions)
