@@ -23,6 +23,8 @@ share a program, so each K/V tile is read once per group.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
@@ -171,10 +173,15 @@ _SPLIT = LazyJit(_decode_split_kernel)
 _MERGE = LazyJit(_decode_merge_kernel)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def default_num_splits(batch: int, nkv: int, max_context: int, device: torch.device) -> int:
     """Context splits per (sequence, kv head): enough programs for ~2 waves over the SMs, but each
     split at least 256 positions long. Uses shapes only (no host sync, CUDA-graph safe)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     want = cdiv(2 * sms, max(batch * nkv, 1))
     return max(1, min(want, cdiv(max_context, 256), 64))
 
