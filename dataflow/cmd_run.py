@@ -1,0 +1,156 @@
+"""`dataflow run [PLAN_DIR]`: serve a workload on a compiled plan and print what happened.
+
+With no arguments it runs the plan `dataflow compile` wrote last (./dataflow-plan) on a small seeded
+workload, so `dataflow compile tiny && dataflow run` works as written. All run logic lives in
+`runtime.cluster.run_workload(plan, requests, options, transport_factory)`; this module only turns
+flags into those arguments and results into files and tables.
+
+Ranks run in this process (`--in-process`). When a multi-process runner is installed
+(`runtime.launch.run_workload_multiprocess`, same signature minus the transport factory) it is the
+default and `--in-process` opts out of it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from graph_ir.errors import UserError
+
+
+def _parse_params(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--policy-param {item!r}: expected KEY=VALUE, e.g. delta=0.9")
+        try:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise UserError(f"--policy-param {item!r}: VALUE must be a number") from None
+    return out
+
+
+def _multi_process_runner():
+    try:
+        from runtime.launch import run_workload_multiprocess  # provided by the transport/launcher work
+    except ImportError:
+        return None
+    return run_workload_multiprocess
+
+
+def _summary_table(metrics: dict, plan, policy: str):
+    from rich.table import Table
+
+    t = Table(title=f"{plan.spec.name} on {metrics['ranks']} rank(s), policy {policy}", show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("requests finished", f"{metrics['finished']} / {metrics['requests']}")
+    t.add_row("tokens generated", str(metrics["tokens"]))
+    t.add_row("elapsed", f"{metrics['elapsed_s']:.3f} s")
+    t.add_row("tokens/s", f"{metrics['tokens_per_s']:.1f}")
+    for kind, unit in (("attn", "tokens"), ("expert", "routed rows"), ("sample", "tokens")):
+        t.add_row(f"mean {kind} batch", f"{metrics[f'{kind}_mean_batch']:.1f} {unit} ({metrics[f'{kind}_batches']} batches)")
+    t.add_row("max queueing delay", f"{metrics['max_queue_delay_s'] * 1e3:.2f} ms")
+    t.add_row("mean inter-token latency", f"{metrics['mean_itl_s'] * 1e3:.2f} ms")
+    if metrics.get("messages") is not None:
+        t.add_row("messages between ranks", str(metrics["messages"]))
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    from dataflow.cli import DEFAULT_PLAN_DIR
+
+    @app.command()
+    def run(
+        plan_dir: Path = typer.Argument(Path(DEFAULT_PLAN_DIR), help="plan directory written by `dataflow compile`"),
+        prompts: Optional[Path] = typer.Option(None, "--prompts",
+                                               help='JSONL: {"id", "prompt_token_ids", "max_new_tokens"?} per line'),
+        max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="for requests that do not set their own"),
+        num_requests: int = typer.Option(8, "--num-requests", help="size of the default workload (no --prompts)"),
+        ignore_eos: bool = typer.Option(False, "--ignore-eos", help="always generate max_new_tokens"),
+        policy: str = typer.Option("defrag", "--policy", help="scheduler: flfs, mtfs, defrag or aging"),
+        policy_param: list[str] = typer.Option([], "--policy-param",
+                                               help="policy parameter KEY=VALUE, repeatable (e.g. delta=0.9, "
+                                                    "lookahead=4, history=4, bound=0.05)"),
+        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+        top_p: float = typer.Option(1.0, "--top-p"),
+        top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+        seed: int = typer.Option(0, "--seed", help="sampling seed (request i uses seed + i) and workload seed"),
+        output: Optional[Path] = typer.Option(None, "--output", "-o", help="write one JSON line per request"),
+        trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON"),
+        in_process: bool = typer.Option(False, "--in-process", help="run all ranks in this process"),
+        clock: str = typer.Option("wall", "--clock",
+                                  help="wall, or virtual (batches timed by the cost model: a simulation)"),
+        kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="override KV pages per rank"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    ) -> None:
+        """Run a workload on PLAN_DIR and print a summary (requests, tokens, tokens/s, batch sizes)."""
+        from pydantic import ValidationError
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from lowering.plan import load_plan
+        from models.sampling import SamplingParams
+        from runtime.cluster import RunOptions, run_workload
+        from runtime.scheduler import POLICIES, make_policy
+        from runtime.workload import default_workload, load_prompts, write_outputs
+
+        console = Console(stderr=True)
+        plan = load_plan(plan_dir)
+        spec = plan.spec
+        if policy not in POLICIES:
+            raise UserError(f"--policy {policy!r}; valid: {', '.join(POLICIES)}")
+        params = _parse_params(policy_param)
+        try:
+            make_policy(policy, **params)
+        except ValueError as err:
+            raise UserError(f"--policy-param: {err}") from None
+        if clock not in ("wall", "virtual"):
+            raise UserError(f"--clock {clock!r}; valid: wall, virtual")
+        if max_new_tokens < 1 or num_requests < 1:
+            raise UserError("--max-new-tokens and --num-requests must be >= 1")
+        try:
+            sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        except ValidationError as err:
+            raise UserError(f"sampling options: {err.errors()[0]['loc'][0]}: {err.errors()[0]['msg']}") from None
+
+        if prompts is not None:
+            requests = load_prompts(prompts, spec, max_new_tokens, sampling, ignore_eos)
+        else:
+            requests = default_workload(spec, num_requests, max_new_tokens, seed, sampling, ignore_eos)
+        # One seed per request, so two requests with the same prompt do not sample the same tokens.
+        for r in requests:
+            r.params = sampling.model_copy(update={"seed": seed + r.rid})
+
+        options = RunOptions(policy=policy, policy_params=params, clock=clock, trace=trace is not None,
+                             kv_blocks=kv_blocks)
+        runner = None if in_process else _multi_process_runner()
+        if plan.cluster.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                console.print("[yellow]note:[/] plan targets cuda but no GPU is visible; running on CPU")
+
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn(), console=console,
+                      disable=quiet, transient=True) as bar:
+            task = bar.add_task("requests", total=len(requests), tokens=0)
+            options.progress = lambda done, total, tokens: bar.update(task, completed=done, tokens=tokens)
+            try:
+                if runner is not None:
+                    result = runner(plan, requests, options)
+                else:
+                    result = run_workload(plan, requests, options)
+            except ValueError as err:  # e.g. a request larger than any rank's KV pool
+                raise UserError(str(err)) from None
+
+        if output is not None:
+            write_outputs(output, result.requests)
+        if trace is not None and result.trace is not None:
+            result.trace.write(trace, result.world_size)
+        Console().print(_summary_table(result.metrics, plan, policy))
+        if output is not None:
+            console.print(f"outputs: {output}")
+        if trace is not None:
+            console.print(f"trace: {trace} (open in https://ui.perfetto.dev)")
