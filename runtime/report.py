@@ -23,7 +23,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -300,7 +300,8 @@ def plot_heatmaps(runs: list[RunRecord], path: Path) -> Optional[Path]:
 
 def write_report(out_dir: str | Path, runs: list[RunRecord], baseline: str, env: dict,
                  peak_window_s: float = 60.0, config: Optional[dict] = None, title: str = "dataflow bench",
-                 heatmap_runs: Optional[list[RunRecord]] = None) -> dict:
+                 heatmap_runs: Optional[list[RunRecord]] = None,
+                 targets: Optional[Callable[[list[dict]], list[dict]]] = None) -> dict:
     """Write report.json, report.md and the PNGs into `out_dir`; returns the JSON document."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -312,14 +313,25 @@ def write_report(out_dir: str | Path, runs: list[RunRecord], baseline: str, env:
         files["queue_heatmap"] = hm.name
     doc = {"title": title, "baseline": baseline, "environment": env, "config": config or {},
            "results": summaries, "files": files}
+    if targets is not None:
+        doc["targets"] = targets(summaries)
     (out / "report.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
     md = [f"# {title}\n", "## Results\n", markdown_table(summaries, baseline),
           "\n## Environment\n", environment_markdown(env)]
+    if doc.get("targets"):
+        md += ["\n## Targets (measured, not asserted)\n"] + [
+            f"- {'MET' if t['met'] else 'NOT MET'}: {t['target']}: {_target_value(t['value'])}\n" for t in doc["targets"]]
     if config:
         md += ["\n## Configuration\n", "```json\n" + json.dumps(config, indent=2, default=_json_default) + "\n```\n"]
     md += ["\n## Plots\n"] + [f"![{k}]({v})\n" for k, v in files.items()]
     (out / "report.md").write_text("".join(md))
     return doc
+
+
+def _target_value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return json.dumps(v, default=_json_default) if v is not None else "-"
 
 
 def _json_default(o):
