@@ -112,6 +112,9 @@ class Engine:
         self.requests: dict[int, Request] = {}  # live requests homed here
         self.finished: list[Request] = []  # done, not yet collected by the driver (take_finished)
         self.metrics = RankMetrics(cfg.rank)
+        # Messages of kinds the engine does not own (a multi-process driver's admissions, finish
+        # notices, stop) go here, so drivers share the transport instead of opening a second one.
+        self.on_control = None
         self._eligible = {sid: self._attn_eligible(s.layer) for sid, s in enumerate(cfg.stages) if s.kind == "attn"}
 
     # ------------------------------------------------------------------ policy / introspection
@@ -183,6 +186,8 @@ class Engine:
             self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], tensor)
         elif t == MSG_EXPERT_OUT:
             self._merge_rows(meta["layer"], meta["rows"], tensor)
+        elif self.on_control is not None:
+            self.on_control(src, meta, tensor)
         else:
             raise ValueError(f"rank {self.rank}: unknown message kind {t!r} from rank {src}")
 
@@ -193,16 +198,34 @@ class Engine:
             q.push(ExpertItem(rid, pos0, row, home, layer, slot, expert, weight, x[i], now))
 
     def _merge_rows(self, layer: int, rows: list, y: torch.Tensor) -> None:
+        done = []
         for i, (rid, pos0, row, slot) in enumerate(rows):
             entry = self.merge.add(rid, pos0, layer, row, slot, y[i])
             if entry is not None:
-                self._merged(entry)
+                done.append(entry)
+        if done:
+            self._merged(layer, done)
 
-    def _merged(self, e: MergeEntry) -> None:
-        """All k parts of a segment are in: combine in slot order and move to the next stage."""
-        h_next = self.executor.combine(e.h_res, e.shared, MergeTable.stacked(e), e.weights)
-        nxt = self.stages[self._expert_stage(e.layer)].next
-        self._forward(nxt, e.rid, e.positions, h_next)
+    def _merged(self, layer: int, entries: list[MergeEntry]) -> None:
+        """Segments whose k parts are all in: combine in slot order, move on to the next stage.
+
+        Segments completed by one message are combined in one call: the combine is row-wise
+        elementwise fp32, so batching changes no bits, only the number of kernel launches.
+        """
+        if len(entries) == 1:
+            e = entries[0]
+            h_next = self.executor.combine(e.h_res, e.shared, MergeTable.stacked(e), e.weights)
+        else:
+            shared = None if entries[0].shared is None else torch.cat([e.shared for e in entries])
+            h_next = self.executor.combine(torch.cat([e.h_res for e in entries]), shared,
+                                           torch.cat([MergeTable.stacked(e) for e in entries]),
+                                           torch.cat([e.weights for e in entries]))
+        nxt = self.stages[self._expert_stage(layer)].next
+        row = 0
+        for e in entries:
+            n = len(e.positions)
+            self._forward(nxt, e.rid, e.positions, h_next[row:row + n])
+            row += n
 
     def _forward(self, sid: int, rid: int, positions: list[int], h: torch.Tensor) -> None:
         """Queue rows that finished a layer for stage `sid` (next layer's attention, or sample)."""
