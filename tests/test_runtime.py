@@ -189,3 +189,11 @@ def test_trace_is_valid_chrome_json(tmp_path):
     d = decisions[0]["args"]
     assert {"t", "rank", "policy", "stage", "scores", "batch_rows"} <= set(d)
     assert {e["pid"] for e in batches} == {0, 1}
+
+
+def test_wall_clock_with_link_delays():
+    """Wall-clock driver waiting on delayed in-process deliveries (bounded sleeps, no hang)."""
+    spec, _, _ = model("tiny-mixtral")
+    reqs = make_requests(spec.vocab_size, 4, seed=31, max_new=4, max_prompt=20)
+    res = run("tiny-mixtral", 3, reqs, policy="aging", clock="wall", delay=jitter(2e-3), delay_seed=5)
+    assert assert_matches_reference("tiny-mixtral", res.requests) > 10
