@@ -92,7 +92,7 @@ class Batch:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, executor, transport, clock, policy=None,
-                 trace=None, kv_num_layers: Optional[int] = None) -> None:
+                 trace=None) -> None:
         self.cfg = cfg
         self.rank = cfg.rank
         self.executor = executor
@@ -107,7 +107,7 @@ class Engine:
                        for s in cfg.stages]
         self.attn_stage = {s.layer: s.id for s in cfg.stages if s.kind == "attn"}
         self.sample_stage = next(s.id for s in cfg.stages if s.kind == "sample")
-        self.kv = PagedKVStore(kv_num_layers or cfg.num_layers, BlockAllocator(cfg.num_blocks, cfg.block_size))
+        self.kv = PagedKVStore(cfg.num_layers, BlockAllocator(cfg.num_blocks, cfg.block_size))
         self.merge = MergeTable(k)
         self.requests: dict[int, Request] = {}  # live requests homed here
         self.finished: list[Request] = []  # done, not yet collected by the driver (take_finished)
