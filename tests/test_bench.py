@@ -63,3 +63,26 @@ def test_write_report_files(tmp_path):
         doc["results"][1]["ratio_vs_baseline"])
     md = (tmp_path / "report.md").read_text()
     assert "streaming/defrag" in md and "cores" in md and "1.53" in md   # 2.6 s / 1.7 s
+
+
+def test_run_bench_small_matrix_is_deterministic(tmp_path):
+    from graph_ir.spec import load_spec
+    from runtime.bench import BenchConfig, run_bench
+    cfg = BenchConfig.model_validate({
+        "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
+        "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
+        "routing": {"kind": "zipf", "s": 1.0},
+        "policies": ["defrag", "mtfs"],
+        "scenarios": {"clean": {"latency_us": 40},
+                      "bursts": {"latency_us": 40, "bursts": [{"period_ms": 2, "duty": 0.5, "extra_delay_us": 500,
+                                                                "links": [[0, 1]]}]}},
+    })
+    spec = load_spec("models/specs/tiny.yaml")
+    a = run_bench(cfg, spec, tmp_path / "a")
+    b = run_bench(cfg, spec, tmp_path / "b")
+    assert len(a["results"]) == 2 * 4   # scenarios x (streaming x 2 policies + ag-ep + a2a-ep)
+    assert [r["tokens_per_s"] for r in a["results"]] == [r["tokens_per_s"] for r in b["results"]]
+    assert all(r["output_tokens"] == 12 * 6 and r["unfinished"] == 0 for r in a["results"])
+    assert a["targets"] and (tmp_path / "a" / "queue_heatmap.png").exists()
+    bursts = {r["label"]: r for r in a["results"] if r["scenario"] == "bursts"}
+    assert bursts["ag-ep"]["loss_vs_clean"] > 0          # the slow link costs the barrier something
