@@ -184,6 +184,7 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
     codes: list[Optional[int]] = [None] * world_size
     first_failed: Optional[int] = None
     timed_out = False
+    running_at_timeout: list[int] = []
     try:
         for rank in range(world_size):
             child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
@@ -212,6 +213,7 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
                 fail_at = now  # interrupted: the forwarded signal gets the same grace as a failure
             if timeout is not None and not timed_out and now - start > timeout:
                 timed_out = True
+                running_at_timeout = [r for r, c in enumerate(codes) if c is None]
                 term_at = now
                 _signal_all(procs, signal.SIGTERM)
             if fail_at is not None and term_at is None and now - fail_at > grace_s:
@@ -245,8 +247,7 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
 
     first_error = None
     if timed_out:
-        running = [r for r, c in enumerate(codes) if c is None]
-        first_error = f"timed out after {timeout:g} s; rank(s) {running} still running were terminated"
+        first_error = f"timed out after {timeout:g} s; rank(s) {running_at_timeout} still running were terminated"
         if first_failed is not None:
             first_error += f"; earlier, rank {first_failed}: {errors.get(first_failed)}"
     elif first_failed is not None:

@@ -200,4 +200,4 @@ def test_transport_bench_command_prints_a_table():
     from dataflow.cli import app
     out = CliRunner().invoke(app, ["transport-bench", "--ranks", "2", "--sizes", "0,4K", "--messages", "50"])
     assert out.exit_code == 0, out.output
-    assert "messages/s" in out.output and "4K" in out.output
+    assert "msg/s" in out.output and "4K" in out.output and "meta-only" in out.output

@@ -1,0 +1,165 @@
+"""`dataflow transport-bench`: what one message costs on the real transport, by size, for design notes.
+
+Starts `--ranks` processes on this machine (runtime.launch) and, for each size:
+  latency:    rank 0 sends one message to rank 1 and waits for a meta-only ack before the next; the
+              one-way latency is rank 1's arrival time minus the send stamp in the metadata (both
+              CLOCK_MONOTONIC on one host, so comparable);
+  throughput: every rank streams `--messages` messages to its ring neighbour while receiving from
+              the other one, keeping the per-peer in-flight window full; messages/s is per stream,
+              CPU per message is the process CPU time (all threads: engine, receptor, waiters,
+              heartbeat) divided by the messages it sent, i.e. one send plus one receive.
+Size 0 means a meta-only message (ZeroMQ only, no phase 2).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import typer
+
+from graph_ir.errors import UserError
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise UserError(f"--sizes: {text!r} is not a size like 4K, 184K or 1M") from None
+    if value < 0:
+        raise UserError(f"--sizes: {text!r} is negative")
+    return value
+
+
+def _label(size: int) -> str:
+    if size == 0:
+        return "meta-only"
+    for unit, scale in (("M", 1024 ** 2), ("K", 1024)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return f"{size}B"
+
+
+def bench_rank(env, sizes: list[int], messages: int, latency_messages: int) -> dict:
+    """Runs inside each rank process (see runtime/launch.py)."""
+    import torch
+
+    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
+    init_distributed(env.rank, env.world_size, "gloo")
+    rank, world = env.rank, env.world_size
+    out: dict = {"rank": rank, "sizes": {}}
+    with ZmqDistTransport(rank, world, "cpu") as tr:
+        stash: list = []  # arrivals that belong to a later phase (a faster peer is already there)
+
+        def take(kind: str, limit: int, timeout_s: float) -> list:
+            mine = [a for a in stash if a.meta["kind"] == kind][:limit]
+            for a in mine:
+                stash.remove(a)
+            # Always poll, even with nothing left to take: completions of our own sends are only
+            # collected by poll(), and the send window waits for them.
+            for a in tr.poll(timeout=timeout_s if len(mine) < limit else 0.0):
+                (mine if a.meta["kind"] == kind and len(mine) < limit else stash).append(a)
+            return mine
+
+        def wait(n: int, kind: str, timeout_s: float = 120.0) -> list:
+            got: list = []
+            deadline = time.monotonic() + timeout_s
+            while len(got) < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank}: waited {timeout_s:g} s for {kind} messages, got {len(got)}/{n}")
+                got += take(kind, n - len(got), 0.001)
+            return got
+
+        def barrier(tag: str) -> None:
+            # meta-only all-to-all through the transport itself (no extra process group)
+            for d in range(world):
+                if d != rank:
+                    tr.send(d, {"kind": tag}, None)
+            wait(world - 1, tag)
+
+        for size in sizes:
+            payload = torch.randn(max(1, size // 4)) if size else None
+            row: dict = {}
+            barrier(f"lat{size}")
+            # -- latency, rank 0 -> rank 1, one message at a time
+            if rank == 0:
+                for i in range(latency_messages):
+                    tr.send(1, {"kind": "lat", "t": time.monotonic_ns()}, payload)
+                    wait(1, "ack")
+            elif rank == 1:
+                lat = []
+                for _ in range(latency_messages):
+                    a = wait(1, "lat")[0]
+                    lat.append((time.monotonic_ns() - a.meta["t"]) / 1000)
+                    if a.tensor is not None:
+                        tr.release(a.tensor)
+                    tr.send(0, {"kind": "ack"}, None)
+                row["latency_us"] = lat
+            barrier(f"tput{size}")
+            # -- throughput: a ring, every rank sends to rank+1 and receives from rank-1
+            nxt = (rank + 1) % world
+            window = 2 * tr.inflight_limit
+            sent = received = 0
+            send_ns = 0
+            cpu0, t0 = time.process_time(), time.monotonic()
+            while sent < messages or received < messages:
+                while sent < messages and tr.pending() < window:
+                    s0 = time.perf_counter_ns()
+                    tr.send(nxt, {"kind": "tput"}, payload)
+                    send_ns += time.perf_counter_ns() - s0
+                    sent += 1
+                for a in take("tput", messages - received, 0.0005 if received < messages else 0):
+                    received += 1
+                    if a.tensor is not None:
+                        tr.release(a.tensor)
+            while tr.pending():
+                tr.poll(timeout=0.001)
+            wall = time.monotonic() - t0
+            row.update(msgs_per_s=messages / wall, cpu_us_per_msg=(time.process_time() - cpu0) / messages * 1e6,
+                       send_call_us=send_ns / messages / 1000)
+            out["sizes"][size] = row
+        barrier("end")
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("transport-bench")
+    def transport_bench(
+        ranks: int = typer.Option(2, help="processes to start on this machine (>= 2)"),
+        sizes: str = typer.Option("4K,64K,184K,1M", help="message sizes, comma separated (0 = meta-only)"),
+        messages: int = typer.Option(1000, help="messages per rank per size in the throughput phase"),
+        latency_messages: Optional[int] = typer.Option(None, help="ping-pong messages per size (default: min(messages, 300))"),
+        timeout: float = typer.Option(600.0, help="seconds before the whole benchmark is terminated"),
+    ) -> None:
+        """Measure the ZeroMQ + torch.distributed transport: messages/s, one-way latency, CPU per message."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from runtime.launch import launch_local
+        if ranks < 2:
+            raise UserError("--ranks must be at least 2")
+        if messages < 1:
+            raise UserError("--messages must be at least 1")
+        size_list = [_parse_size(s) for s in sizes.split(",") if s.strip()]
+        n_lat = latency_messages if latency_messages is not None else min(messages, 300)
+        res = launch_local(ranks, bench_rank, (size_list, messages, n_lat), timeout=timeout)
+        if not res.ok:
+            raise UserError(f"transport benchmark failed: {res.first_error}")
+        table = Table(title=f"transport: ZeroMQ metadata + gloo p2p, {ranks} ranks on this host")
+        for col in ("size", "msg/s", "MB/s", "p50 us", "p99 us", "send() us", "CPU us/msg"):
+            table.add_column(col, justify="right")
+        for size in size_list:
+            rows = [r["sizes"][size] for r in res.results]
+            lat = sorted(res.results[1]["sizes"][size]["latency_us"])
+            rate = statistics.mean(r["msgs_per_s"] for r in rows)
+            p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
+            table.add_row(_label(size), f"{rate:,.0f}", f"{rate * size / 1e6:,.1f}", f"{p(0.5):,.0f}", f"{p(0.99):,.0f}",
+                          f"{statistics.mean(r['send_call_us'] for r in rows):.1f}",
+                          f"{statistics.mean(r['cpu_us_per_msg'] for r in rows):,.0f}")
+        Console().print(table)
+        typer.echo("msg/s: per stream (each rank streams to one neighbour); p50/p99: one-way latency rank 0 -> 1, "
+                   "one message at a time; send(): host time of the call; CPU: all threads of a rank per message "
+                   "sent + one received")
