@@ -108,8 +108,11 @@ def run_rank(target: Union[str, Callable], env: RankEnv, args: tuple = ()) -> An
     try:
         return fn(env, *args)
     except BaseException as err:
-        from runtime.health import abort_all
-        abort_all(_one_line(err), getattr(err, "rank", env.rank))
+        from runtime.health import PeerFailure, abort_all
+        if isinstance(err, PeerFailure):  # pass on the root cause; peers add what they wait for
+            abort_all(f"{err.reason} (rank {env.rank} was waiting for: {err.waiting_for})", err.rank)
+        else:
+            abort_all(_one_line(err), env.rank)
         raise
 
 

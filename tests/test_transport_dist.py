@@ -78,11 +78,8 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int) -> dict:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank} still missing messages: { {s: n - len(v) for s, v in got.items()} }")
             absorb(tr.poll(timeout=0.01))
-        delays = None
-        if chaos is not None:
-            delays = "applied"
         return {"counts": {s: len(v) for s, v in got.items()}, "errors": errors[:10], "stats": dict(tr.stats),
-                "pool_hits": tr._pool.hits, "chaos": delays}
+                "pool_hits": tr._pool.hits}
 
 
 def _slow_link(env) -> dict:
@@ -191,7 +188,10 @@ def test_killed_rank_makes_every_other_rank_exit_with_a_clear_message():
         assert res.exit_codes[rank] == 1, res
         msg = res.errors[rank]
         assert "PeerFailure: rank 1 failed" in msg, msg
-        assert "waiting for" in msg and "from rank 1" in msg, msg
+        # either its own observation (silence, or a gloo transfer reset by the dead peer) or the abort of
+        # the rank that noticed first; both say what was outstanding with rank 1
+        waiting = msg.split("this rank was waiting for:")[-1]
+        assert "rank 1" in waiting, msg
     assert elapsed < 30, f"survivors took {elapsed:.1f} s"
 
 

@@ -288,7 +288,8 @@ class ZmqDistTransport:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
             if isinstance(exc, PeerFailure):
-                self.abort(str(exc), exc.rank)
+                # Pass on the root cause, not our own "waiting for": receivers add theirs.
+                self.abort(f"{exc.reason} (rank {self.rank} was waiting for: {exc.waiting_for})", exc.rank)
             else:
                 self.abort(f"{exc_type.__name__}: {exc}", self.rank)
         self.close()
@@ -338,7 +339,9 @@ class ZmqDistTransport:
     # ------------------------------------------------------------------ completion (engine thread)
     def _complete(self, item: Item, out: list[Arrival]) -> None:
         if item.error is not None:
-            self._failure = PeerFailure(item.peer, self._describe_item(item),
+            waiting = self._describe_item(item)
+            extra = self.describe_wait(item.peer) if self.describe_wait is not None else None
+            self._failure = PeerFailure(item.peer, f"{waiting}; {extra}" if extra else waiting,
                                         f"transfer failed: {type(item.error).__name__}: {item.error}")
             return
         if item.is_send:
