@@ -140,13 +140,15 @@ def _forward_lines(stream, sink, prefix: bytes) -> None:
 
 def launch_local(world_size: int, target: Union[str, Callable], args: tuple = (), timeout: Optional[float] = None, *,
                  grace_s: float = 5.0, env: Optional[dict] = None, prefix_output: bool = True,
-                 stdout=None, stderr=None) -> LaunchResult:
+                 stdout=None, stderr=None, on_tick: Optional[Callable[[], None]] = None) -> LaunchResult:
     """Run `target(RankEnv, *args)` in `world_size` processes on this machine and wait for all.
 
     `timeout`: seconds for the whole run (None: no limit); on expiry every rank is terminated and
     the result's first_error says so. `grace_s`: how long the others may take to exit on their own
     after one rank failed. Ctrl-C/SIGTERM (main thread only) are forwarded to the ranks, and after
     cleanup re-raised as KeyboardInterrupt / SystemExit(143). Never returns with a child alive.
+    `on_tick`: called from the wait loop every ~20 ms (e.g. to show progress the ranks write to a
+    file); it must be quick and not raise.
     """
     name = target_name(target)
     stdout = stdout or sys.stdout
@@ -225,6 +227,8 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
             if term_at is not None and not killed and now - term_at > KILL_AFTER_TERM_S:
                 killed = True
                 _signal_all(procs, signal.SIGKILL)
+            if on_tick is not None:
+                on_tick()
             time.sleep(_POLL_S)
     finally:
         # Whatever happened above (an exception in this loop included), no child outlives us.
@@ -333,7 +337,9 @@ def _child_main() -> int:
         if code:
             message = "terminated (SIGTERM)" if code == 143 else f"SystemExit({err.code})"
     except BaseException as err:
-        traceback.print_exc()
+        from runtime.health import PeerFailure
+        if not isinstance(err, PeerFailure):  # a peer's failure is an expected ending: its message says it all
+            traceback.print_exc()
         code, message = 1, _one_line(err)
     if message is not None:
         print(f"error: {message}", file=sys.stderr)
@@ -347,6 +353,15 @@ def _child_main() -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def __getattr__(name: str):
+    # The multi-process `dataflow run` lives in runtime/multiproc.py (it imports this module, and torch
+    # lazily); exposed here under the name the CLI looks for.
+    if name in ("run_workload_multiprocess", "run_workloads_multiprocess", "RunFailed"):
+        from runtime import multiproc
+        return getattr(multiproc, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,552 @@
+"""`dataflow run` with one process per rank: the rank main, the coordinator protocol, the launcher side.
+
+Every rank process builds the same weights (seeded random or the checkpoint, deterministic), one
+engine per workload and one ZmqDistTransport (runtime/transport/zmq_dist.py) for the whole launch.
+Data (expert rows) and control share that transport: control messages are meta-only (no phase 2)
+and reach the driver through `engine.on_control`.
+
+Rank 0 is also the coordinator. It alone owns the request list and the arrival times; it picks each
+request's home with the plan's home policy (runtime/requests.py `Admission`) over a mirror of every
+rank's free KV blocks (exact: blocks are reserved at admission and freed at finish, and the
+coordinator sees both; the homes also report their real count in every finish notice), sends the
+admission, and collects the finished requests. Control protocol (meta["t"]):
+
+  ready  rank -> 0   weights loaded, engine built (startup barrier: a slow loader must not make the
+                     first requests look slow)
+  sync   0 -> rank   the coordinator's clock reading: every rank offsets its clock to it, so arrival,
+                     admission and finish times are on one time base (exact on one host, within one
+                     one-way latency across hosts)
+  synced rank -> 0   clock shifted; the coordinator admits nothing before every rank said so (a rank
+                     must not time-stamp expert rows from a faster peer on its old time base)
+  adm    0 -> home   a request (the Request itself, pickled in the header) for workload w
+  fin    home -> 0   a finished request: tokens, finish reason, times, home's free blocks and tokens
+  stop   0 -> rank   every request of workload w finished: report and move on
+  done   rank -> 0   this rank's metrics (and trace) of workload w; it is idle
+
+When every request of a workload finished, no data message of it can still be in flight (a request
+samples its last token only after all its expert rows came back), so `stop` is a clean cut and the
+next workload's engine can start on the same transport. Several workloads per launch (tests run
+every policy in one launch: spawning ranks is the expensive part).
+
+Failures end the run, they never hang it: a dead or wedged peer, an abort notice, or a failed
+transfer raise PeerFailure from the transport (naming the rank and what this rank was waiting for);
+the coordinator raises when no request finished for `stall_timeout_s`. runtime.launch turns either
+into an abort broadcast and a non-zero exit; `run_workloads_multiprocess` raises RunFailed with
+every rank's one-line message.
+
+Weights: every rank loads all of them (attention is needed everywhere; the executor indexes the
+stacked expert tensors by global expert id, so keeping only the local experts would need an index
+remap in the executor). On the tiny/CPU models this costs nothing worth the complexity.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from runtime.launch import RankEnv, from_torchrun_env, launch_local, run_rank
+
+CTRL_READY, CTRL_SYNC, CTRL_SYNCED = "ready", "sync", "synced"
+CTRL_ADMIT, CTRL_FIN, CTRL_STOP, CTRL_DONE = "adm", "fin", "stop", "done"
+COORDINATOR = 0
+DEFAULT_STARTUP_TIMEOUT_S = 300.0  # loading a real checkpoint can take minutes; liveness is the heartbeat's job
+_IDLE_WAIT_S = 0.002  # longest blocking poll when idle (the coordinator's next arrival may be sooner)
+_PROGRESS_EVERY_S = 0.1
+
+
+class RunFailed(RuntimeError):
+    """A multi-process run ended with failed ranks. The message names each failed rank and why."""
+
+
+@dataclass
+class RankJob:
+    """Everything a rank process needs, pickled once by the launcher (or built locally under torchrun)."""
+    plan: object  # lowering.plan.Plan
+    workloads: list  # [(requests, RunOptions without callables)]; only the coordinator uses the requests
+    peer_timeout_s: float
+    chaos: object = None  # runtime.transport.chaos.ChaosDelays: seeded per-message delays (tests)
+    progress_path: Optional[str] = None  # the coordinator writes "done total tokens" here for the launcher
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+
+
+class SyncedClock:
+    """Wall clock (perf_counter, CLOCK_MONOTONIC) shifted onto the coordinator's time base by `sync`."""
+
+    def __init__(self) -> None:
+        self._offset = -time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() + self._offset
+
+    def sync(self, coordinator_now: float) -> None:
+        self._offset = coordinator_now - time.perf_counter()
+
+
+# ------------------------------------------------------------------------------ rank process
+def _device_and_backend(plan, local_rank: int):
+    import torch
+    if plan.cluster.device == "cuda":
+        if not torch.cuda.is_available():
+            print(f"note: plan targets cuda but no GPU is visible to local rank {local_rank}; running on CPU (gloo)",
+                  file=sys.stderr)
+            return torch.device("cpu"), "gloo"
+        # NVLink SHARP (multicast) buffers are not needed for point-to-point and fail on some lent machines.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def rank_main(env: RankEnv, job: RankJob):
+    """One rank of a `dataflow run`. Returns the per-workload results on the coordinator, None elsewhere."""
+    import torch
+    # Before any torch work: every rank starting one OpenMP thread per core oversubscribes the CPU,
+    # and tiny matmuls then cost 100x more (3 us -> 300+ us per linear, measured on 2 cores).
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+    from models.weights import load_weights
+    from runtime.cluster import build_executor
+    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
+
+    plan = job.plan
+    if plan.cluster.ranks != env.world_size:
+        raise ValueError(f"the plan is compiled for {plan.cluster.ranks} ranks but {env.world_size} processes were "
+                         f"started (WORLD_SIZE)")
+    device, backend = _device_and_backend(plan, env.local_rank)
+    init_distributed(env.rank, env.world_size, backend)
+    options0 = job.workloads[0][1]
+    weights = load_weights(plan.spec).to(device) if options0.executor == "torch" else None
+    executor = build_executor(plan, options0, weights)
+    clock = SyncedClock()
+    with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
+                          chaos=job.chaos) as transport:
+        node = RankNode(env, plan, executor, transport, clock, job)
+        results = node.serve()
+    return results if env.rank == COORDINATOR else None
+
+
+class RankNode:
+    """One rank's driver loop over its engine(s); the coordinator's duties too on rank 0."""
+
+    def __init__(self, env: RankEnv, plan, executor, transport, clock: SyncedClock, job: RankJob) -> None:
+        self.env = env
+        self.rank = env.rank
+        self.world = env.world_size
+        self.plan = plan
+        self.executor = executor
+        self.transport = transport
+        self.clock = clock
+        self.job = job
+        self.is_coord = self.rank == COORDINATOR
+        self.engine = None
+        self.workload = -1
+        self.stopped = False
+        self.control_sent = 0  # control messages to other ranks (not counted as data messages)
+        self.synced = False
+        self.ready: set[int] = set()
+        self.synced_acks: set[int] = set()
+        self._stash: list = []  # arrivals polled after this workload's stop: they belong to the next one
+        self.coord: Optional[Coordinator] = None
+        self.verbose = os.environ.get("DATAFLOW_VERBOSE") == "1"
+        transport.describe_wait = self._describe_wait
+
+    # -------------------------------------------------------------- life cycle
+    def serve(self) -> list:
+        results = []
+        for w, (requests, options) in enumerate(self.job.workloads):
+            self._start_workload(w, options)
+            if w == 0:
+                self._startup()
+            if self.is_coord:
+                self.coord = Coordinator(self, w, requests, options)
+            if self.verbose:
+                print(f"rank {self.rank} (pid {os.getpid()}): serving workload {w}", file=sys.stderr, flush=True)
+            self._loop(options)
+            if self.is_coord:
+                results.append(self.coord.result())
+        return results
+
+    def _start_workload(self, w: int, options) -> None:
+        from runtime.engine import Engine, config_from_plan
+        from runtime.scheduler import make_policy
+        from runtime.trace import TraceRecorder
+        self.workload = w
+        self.stopped = False
+        self.trace = TraceRecorder() if options.trace else None
+        self.engine = Engine(config_from_plan(self.plan, self.rank, options.kv_blocks), self.executor,
+                             self.transport, self.clock, make_policy(options.policy, **options.policy_params),
+                             self.trace)
+        self.engine.on_control = self._on_control
+        self.sent_at_start = self.transport.stats["sent"]
+        self.control_at_start = self.control_sent
+
+    def _startup(self) -> None:
+        """Barrier: every rank has its weights and engine; then one time base for all."""
+        self._send(COORDINATOR, {"t": CTRL_READY})
+        deadline = time.monotonic() + self.job.startup_timeout_s
+        def started() -> bool:
+            return len(self.synced_acks) == self.world if self.is_coord else self.synced
+        while not started():
+            if time.monotonic() > deadline:
+                if not self.is_coord:
+                    what = f"the coordinator's (rank {COORDINATOR}) clock sync"
+                elif len(self.ready) < self.world:
+                    what = f"ready notices (weights loaded) of rank(s) {sorted(set(range(self.world)) - self.ready)}"
+                else:
+                    what = f"clock sync acks of rank(s) {sorted(set(range(self.world)) - self.synced_acks)}"
+                raise TimeoutError(f"rank {self.rank}: waited {self.job.startup_timeout_s:g} s at startup for {what}")
+            self._feed(self.transport.poll(timeout=0.01))
+
+    def _on_control(self, src: int, meta: dict, _tensor) -> None:
+        t = meta["t"]
+        if t == CTRL_READY:
+            self.ready.add(src)
+            if len(self.ready) == self.world:
+                now = self.clock.now()
+                for r in range(self.world):
+                    self._send(r, {"t": CTRL_SYNC, "now": now})
+        elif t == CTRL_SYNC:
+            self.clock.sync(meta["now"])
+            self.synced = True
+            self._send(COORDINATOR, {"t": CTRL_SYNCED})
+        elif t == CTRL_SYNCED:
+            self.synced_acks.add(src)
+        elif t == CTRL_ADMIT:
+            self._check_workload(src, meta)
+            req = meta["req"]
+            if not self.engine.admit(req):
+                raise RuntimeError(f"rank {self.rank} has {self.engine.free_blocks()} free KV blocks, too few for "
+                                   f"request {req.name!r} the coordinator admitted here (its free-block mirror is off)")
+        elif t == CTRL_STOP:
+            self._check_workload(src, meta)
+            e = self.engine
+            if e.requests or not e.idle():
+                raise RuntimeError(f"told to stop workload {self.workload} with work left: {e.state()}")
+            e.metrics.max_queue_delay = max(e.metrics.max_queue_delay, e.oldest_wait())
+            trace = (self.trace.events, self.trace.decisions) if self.trace is not None else None
+            data_sent = (self.transport.stats["sent"] - self.sent_at_start) - (self.control_sent - self.control_at_start)
+            self._send(COORDINATOR, {"t": CTRL_DONE, "w": self.workload, "metrics": e.metrics, "trace": trace,
+                                     "data_messages": data_sent})
+            if not self.is_coord:  # the coordinator stops when every rank's report is in
+                self.stopped = True
+        elif self.is_coord and self.coord is not None:
+            self.coord.on_control(src, meta)
+        else:
+            raise RuntimeError(f"rank {self.rank}: unexpected control message {meta.get('t')!r} from rank {src}")
+
+    def _check_workload(self, src: int, meta: dict) -> None:
+        if meta["w"] != self.workload:
+            raise RuntimeError(f"rank {self.rank}: message {meta['t']!r} of workload {meta['w']} from rank {src} "
+                               f"while in workload {self.workload}: the control protocol is out of step")
+
+    def _send(self, dst: int, meta: dict) -> None:
+        if dst != self.rank:
+            self.control_sent += 1
+        self.transport.send(dst, meta, None)
+
+    def _feed(self, arrivals) -> int:
+        if self._stash:
+            arrivals, self._stash = self._stash + list(arrivals), []
+        for i, a in enumerate(arrivals):
+            if self.stopped:  # the rest goes to the next workload's engine
+                self._stash = list(arrivals[i:])
+                return i
+            self.engine.on_message(a.src, a.meta, a.tensor)
+        return len(arrivals)
+
+    # -------------------------------------------------------------- the serving loop
+    def _loop(self, options) -> None:
+        e, tr = self.engine, self.transport
+        coord = self.coord
+        while not self.stopped:
+            ran = False
+            if coord is not None:
+                ran |= coord.tick()
+            ran |= self._feed(tr.poll()) > 0
+            batch = e.next_batch()
+            if batch is not None:
+                e.execute(batch)
+                e.complete(batch)
+                ran = True
+            for req in e.take_finished():
+                self._send(COORDINATOR, {"t": CTRL_FIN, "w": self.workload, "rid": req.rid, "output": list(req.output),
+                                         "reason": req.finish_reason, "t_admit": req.t_admit, "t_finish": req.t_finish,
+                                         "token_times": list(req.token_times), "free": e.free_blocks(),
+                                         "tokens": e.metrics.tokens})
+                ran = True
+            if ran or self.stopped:
+                continue
+            # Idle: block in the transport (releases the GIL to its threads) until a message, or the
+            # coordinator's next arrival is due. PeerFailure surfaces from here when a peer dies.
+            wait = _IDLE_WAIT_S if coord is None else coord.wait_budget(_IDLE_WAIT_S)
+            self._feed(tr.poll(timeout=wait))
+
+    def _describe_wait(self, peer: int) -> str:
+        """What this rank still expects from `peer`, in the engine's words (for failure messages)."""
+        e = self.engine
+        parts = [f"workload {self.workload}: {e.state()}" if e is not None else "startup"]
+        if e is not None and len(e.merge):
+            rids = sorted({k[0] for k in e.merge._open})
+            parts.append(f"{len(e.merge)} merge(s) waiting for expert outputs (requests {rids[:8]})")
+        if peer == COORDINATOR and not self.is_coord:
+            parts.append("the coordinator's admissions or stop")
+        if self.is_coord and self.coord is not None:
+            parts.append(self.coord.describe_wait(peer))
+        return "; ".join(p for p in parts if p)
+
+
+class Coordinator:
+    """Rank 0's view of one workload: arrivals, home placement, finished requests, the end."""
+
+    def __init__(self, node: RankNode, w: int, requests: list, options) -> None:
+        from runtime.requests import Admission
+        from runtime.engine import config_from_plan
+        rids = [r.rid for r in requests]
+        if len(set(rids)) != len(rids):
+            raise ValueError("request ids (rid) must be unique")
+        self.node = node
+        self.w = w
+        self.options = options
+        self.requests = requests
+        self.by_rid = {r.rid: r for r in requests}
+        self.pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)  # next due at the end
+        capacity = [config_from_plan(node.plan, r, options.kv_blocks).num_blocks for r in range(node.world)]
+        self.admission = Admission(node.plan.kv.block_size, capacity, options.home_policy or node.plan.placement.home_policy)
+        self.free = list(capacity)  # mirror of every rank's free KV blocks
+        self.reported_free: list[Optional[int]] = [None] * node.world
+        self.rank_tokens = [0] * node.world
+        self.finished = 0
+        self.dones: dict[int, dict] = {}
+        self.stop_sent = False
+        self.t_begin = node.clock.now()  # arrivals are relative to this
+        self.last_progress = self.t_begin
+        self.last_report = 0.0
+
+    def tick(self) -> bool:
+        """Admit what is due and fits; stop the ranks when all finished. True when it did something."""
+        node = self.node
+        now = node.clock.now()
+        did = False
+        while self.pending and self.pending[-1].arrival <= now - self.t_begin:
+            self.admission.submit(self.pending.pop())
+            did = True
+        for req, home in self.admission.admit(self.free):  # updates the mirror
+            req.home = home
+            # A fresh copy travels (sends to self are not copied): the coordinator's object gets the results.
+            node._send(home, {"t": CTRL_ADMIT, "w": self.w,
+                              "req": dataclasses.replace(req, output=[], token_times=[], kv_next=[])})
+            did = True
+        if self.finished == len(self.requests) and not self.stop_sent:
+            self.stop_sent = True
+            for r in range(node.world):
+                node._send(r, {"t": CTRL_STOP, "w": self.w})
+        if not did and now - self.last_progress > self.options.stall_timeout_s:
+            raise RuntimeError(f"run stalled: no request finished and none admitted for "
+                               f"{self.options.stall_timeout_s:g} s; {self.describe_wait(None)}")
+        if did:
+            self.last_progress = now
+        return did
+
+    def wait_budget(self, cap: float) -> float:
+        if not self.pending:
+            return cap
+        gap = self.pending[-1].arrival - (self.node.clock.now() - self.t_begin)
+        return min(cap, max(gap, 0.0))
+
+    def on_control(self, src: int, meta: dict) -> None:
+        t = meta["t"]
+        self.node._check_workload(src, meta)
+        if t == CTRL_FIN:
+            req = self.by_rid[meta["rid"]]
+            if req.done:
+                raise RuntimeError(f"request {req.name!r} reported finished twice (by rank {src})")
+            req.output = meta["output"]
+            req.finish_reason = meta["reason"]
+            req.t_admit = meta["t_admit"] - self.t_begin
+            req.t_finish = meta["t_finish"] - self.t_begin
+            req.token_times = [x - self.t_begin for x in meta["token_times"]]
+            self.free[src] += self.admission.blocks_needed(req)
+            self.reported_free[src] = meta["free"]
+            self.rank_tokens[src] = meta["tokens"]
+            self.finished += 1
+            self.last_progress = self.node.clock.now()
+            self._progress()
+        elif t == CTRL_DONE:
+            self.dones[src] = meta
+            if len(self.dones) == self.node.world:
+                self.node.stopped = True  # our own done came too: every rank reported
+        else:
+            raise RuntimeError(f"coordinator: unexpected control message {t!r} from rank {src}")
+
+    def _progress(self, final: bool = False) -> None:
+        tokens = sum(self.rank_tokens)
+        if self.options.progress is not None:
+            self.options.progress(self.finished, len(self.requests), tokens)
+        path = self.node.job.progress_path
+        now = time.monotonic()
+        if path and (final or self.finished == len(self.requests) or now - self.last_report > _PROGRESS_EVERY_S):
+            self.last_report = now
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{self.w} {self.finished} {len(self.requests)} {tokens}")
+            os.replace(tmp, path)
+
+    def describe_wait(self, peer: Optional[int]) -> str:
+        live: dict[int, list[str]] = {}
+        for r in self.requests:
+            if r.home >= 0 and not r.done:
+                live.setdefault(r.home, []).append(r.name)
+        if peer is not None:
+            names = live.get(peer, [])
+            what = f"finish notices of {len(names)} request(s) homed on rank {peer} ({', '.join(names[:6])})" \
+                if names else ""
+            if self.stop_sent and peer not in self.dones:
+                what = f"rank {peer}'s report after stop"
+            return what
+        homes = ", ".join(f"rank {h}: {len(n)} ({', '.join(n[:4])})" for h, n in sorted(live.items()))
+        return (f"coordinator: {self.finished}/{len(self.requests)} finished, {self.admission.waiting} waiting for KV, "
+                f"{len(self.pending)} not yet arrived, unfinished by home [{homes or 'none'}], "
+                f"free blocks {self.free}; {self.node.engine.state()}")
+
+    def result(self) -> dict:
+        """Outputs and metrics of this workload, shaped like runtime.cluster.RunResult's."""
+        from runtime.metrics import summarize
+        ranks = [self.dones[r]["metrics"] for r in range(self.node.world)]
+        reqs = self.requests
+        elapsed = 0.0
+        if reqs:
+            ends = [r.t_finish for r in reqs if r.done]
+            elapsed = max(ends) - min(r.arrival for r in reqs)
+        metrics = summarize(reqs, ranks, elapsed)
+        metrics["messages"] = sum(self.dones[r]["data_messages"] for r in range(self.node.world))
+        metrics["policy"] = self.options.policy
+        metrics["ranks"] = self.node.world
+        metrics["processes"] = self.node.world
+        trace = None
+        if self.options.trace:
+            shift = self.t_begin
+            events, decisions = [], []
+            for r in range(self.node.world):
+                ev, dec = self.dones[r]["trace"]
+                for x in ev:
+                    x = dict(x, ts=x["ts"] - shift * 1e6)
+                    if "t" in x.get("args", {}):
+                        x["args"] = dict(x["args"], t=x["args"]["t"] - shift)
+                    events.append(x)
+                decisions.extend(dict(d, t=d["t"] - shift) for d in dec)
+            trace = (events, decisions)
+        self._progress(final=True)
+        return {"requests": reqs, "metrics": metrics, "trace": trace}
+
+
+# ------------------------------------------------------------------------------ launcher side
+def _picklable(options):
+    """RunOptions minus what cannot cross a process boundary (callbacks); checks what is unsupported."""
+    if options.clock != "wall":
+        raise ValueError("the multi-process runner runs on the wall clock; use the in-process driver for --clock virtual")
+    if options.until is not None:
+        raise ValueError("`until` (stopping mid-run) is supported by the in-process driver only")
+    if options.delay is not None:
+        raise ValueError("`delay` is the in-process transport's hook; pass chaos=ChaosDelays(...) for real sockets")
+    return dataclasses.replace(options, progress=None)
+
+
+def _to_result(raw: dict, original: list, world: int):
+    from runtime.cluster import RunResult
+    from runtime.trace import TraceRecorder
+    # Results go back into the caller's Request objects, as with the in-process driver.
+    for mine, theirs in zip(original, raw["requests"]):
+        for f in ("home", "output", "finish_reason", "t_admit", "t_finish", "token_times"):
+            setattr(mine, f, getattr(theirs, f))
+    trace = None
+    if raw["trace"] is not None:
+        trace = TraceRecorder()
+        trace.events, trace.decisions = raw["trace"]
+    return RunResult(list(original), raw["metrics"], trace, world)
+
+
+def _failure_message(res) -> str:
+    lines = [res.first_error or "failed"]
+    for rank, msg in sorted(res.errors.items()):
+        if rank != res.first_failed_rank:
+            lines.append(f"rank {rank}: {msg}")
+    return "\n".join(lines)
+
+
+def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float = 10.0, chaos=None,
+                               timeout: Optional[float] = None, env: Optional[dict] = None,
+                               progress=None) -> Optional[list]:
+    """Serve several workloads [(requests, RunOptions)] one after the other on one launch of
+    `plan.cluster.ranks` processes (or, under torchrun, as this process's rank). Returns one
+    runtime.cluster.RunResult per workload (None on ranks other than 0 under torchrun).
+    `timeout`: seconds for the whole launch. Raises RunFailed naming the failed ranks."""
+    clean = [(list(reqs), _picklable(opts)) for reqs, opts in workloads]
+    progress = progress or (workloads[0][1].progress if len(workloads) == 1 else None)
+    job = RankJob(plan, clean, peer_timeout_s, chaos)
+    world = plan.cluster.ranks
+
+    renv = from_torchrun_env()
+    if renv is not None and "DATAFLOW_LAUNCH_DIR" not in os.environ:
+        # Started by torchrun: this process is one rank. run_rank broadcasts an abort if we fail.
+        if progress is not None:
+            for _, opts in clean:
+                opts.progress = progress
+        try:
+            raws = run_rank(rank_main, renv, (job,))
+        except Exception as err:
+            from runtime.health import PeerFailure
+            if isinstance(err, PeerFailure):
+                raise RunFailed(f"rank {renv.rank}: {err}") from None
+            raise
+        if raws is None:
+            return None
+        return [_to_result(raw, reqs, world) for raw, (reqs, _) in zip(raws, workloads)]
+
+    tmpdir = tempfile.mkdtemp(prefix="dataflow-progress-")
+    job.progress_path = os.path.join(tmpdir, "progress")
+    last = [None]
+
+    def on_tick() -> None:
+        if progress is None:
+            return
+        try:
+            with open(job.progress_path) as f:
+                text = f.read()
+        except OSError:
+            return
+        if text and text != last[0]:
+            last[0] = text
+            _w, done, total, tokens = (int(x) for x in text.split())
+            progress(done, total, tokens)
+
+    child_env = dict(env or {})
+    if plan.cluster.device == "cuda":
+        child_env.setdefault("NCCL_NVLS_ENABLE", "0")
+    try:
+        # grace_s > the peer timeout: survivors get to notice a dead rank themselves and say what
+        # they were waiting for, instead of being SIGTERMed with nothing to say.
+        res = launch_local(world, rank_main, (job,), timeout=timeout, grace_s=peer_timeout_s + 5.0, env=child_env,
+                           on_tick=on_tick)
+    finally:
+        import shutil
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    if not res.ok:
+        raise RunFailed(_failure_message(res))
+    raws = res.results[COORDINATOR]
+    if raws is None:
+        raise RunFailed("rank 0 exited 0 but returned no results")
+    return [_to_result(raw, reqs, world) for raw, (reqs, _) in zip(raws, workloads)]
+
+
+def run_workload_multiprocess(plan, requests: list, options=None, **kwargs):
+    """Same contract as runtime.cluster.run_workload, with one process per rank (see the module doc)."""
+    from runtime.cluster import RunOptions
+    options = options or RunOptions()
+    out = run_workloads_multiprocess(plan, [(requests, options)], progress=options.progress, **kwargs)
+    return None if out is None else out[0]
