@@ -26,6 +26,10 @@ def register(app: typer.Typer) -> None:
         systems: Optional[str] = typer.Option(None, help="comma list: streaming,ag-ep,a2a-ep"),
         policies: Optional[str] = typer.Option(None, help="comma list: defrag,mtfs,flfs,aging"),
         seed: Optional[int] = typer.Option(None),
+        kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pages per rank (bounds concurrency)"),
+        prompts: Optional[Path] = typer.Option(None, "--prompts", help="prompts JSONL (id, prompt_token_ids, max_new_tokens)"),
+        decode_only: Optional[bool] = typer.Option(None, "--decode-only/--with-prefill",
+                                                   help="paper's mode: random prompt KV, no prefill compute"),
     ) -> None:
         """Run the barrier-free engine against barrier EP baselines under stragglers; write a report."""
         from rich.console import Console
@@ -37,12 +41,13 @@ def register(app: typer.Typer) -> None:
 
         cfg = load_config(config) if config else BenchConfig()
         upd = {k: v for k, v in (("model", model), ("ranks", ranks), ("clock", clock), ("executor", executor),
-                                 ("seed", seed)) if v is not None}
+                                 ("seed", seed), ("kv_blocks", kv_blocks)) if v is not None}
         if systems:
             upd["systems"] = [s.strip() for s in systems.split(",") if s.strip()]
         if policies:
             upd["policies"] = [s.strip() for s in policies.split(",") if s.strip()]
-        wl = {k: v for k, v in (("requests", requests), ("rate", rate)) if v is not None}
+        wl = {k: v for k, v in (("requests", requests), ("rate", rate), ("decode_only", decode_only),
+                                ("prompts", str(prompts.resolve()) if prompts else None)) if v is not None}
         if wl:
             upd["workload"] = cfg.workload.model_copy(update=wl).model_dump()
         if upd:

@@ -67,8 +67,10 @@ class Send:
 
 @dataclass(slots=True)
 class Gather:
-    """Block until one message tagged `tag` arrived from every other rank; resumes with {src: Arrival}."""
+    """Block until one message tagged `tag` arrived from every rank in `srcs` (None: every other
+    rank); resumes with {src: Arrival}."""
     tag: tuple
+    srcs: Optional[tuple] = None
 
 
 @dataclass(slots=True)
@@ -95,6 +97,8 @@ class RankContext:
     new: list[Request] = field(default_factory=list)      # admitted here, not yet started
     finished: list[Request] = field(default_factory=list)
     more_coming: Callable[[], bool] = lambda: False
+    algo: str = "direct"            # collectives: "ring" (R-1 hops in sequence) or "direct" (one hop to all)
+    decode_only: bool = False       # paper's throughput mode: random prompt KV, no prefill compute
 
 
 def _timed(fn, *args):
@@ -120,6 +124,9 @@ def rank_loop(ctx: RankContext, mode: str) -> Generator[Op, object, None]:
         for req in live:
             if req.rid in started:
                 toks, pos0 = [req.output[-1]], len(req.prompt) + len(req.output) - 1
+            elif ctx.decode_only and len(req.prompt) > 1:
+                toks, pos0 = [req.prompt[-1]], len(req.prompt) - 1
+                ctx.kv.prefix(req.rid, pos0)
             else:
                 toks, pos0 = list(req.prompt), 0
             segments.append((req.rid, len(tokens), len(toks)))
@@ -129,10 +136,7 @@ def rank_loop(ctx: RankContext, mode: str) -> Generator[Op, object, None]:
         T = len(tokens)
         # -- step 0: agree on the global batch shape (and on stopping) -------------------------------
         more = ctx.more_coming()
-        for p in range(R):
-            if p != me:
-                yield Send(p, {"tag": ("cnt", step), "n": T, "more": more}, None)
-        got = yield Gather(("cnt", step))
+        got = yield from _allgather(ctx, ("cnt", step), {"n": T, "more": more}, None, "ag")
         counts = [T if p == me else got[p].meta["n"] for p in range(R)]
         step += 1
         if sum(counts) == 0:
@@ -207,14 +211,71 @@ def _hidden(ctx: RankContext, x: Optional[torch.Tensor]) -> torch.Tensor:
     return x if x is not None else ctx.executor.embed([])
 
 
+def _allgather(ctx: RankContext, tag: tuple, meta: dict, tensor, fixed: Optional[str]):
+    """All-gather of (meta, tensor) from every rank; returns {src: Arrival} for every other rank.
+
+    `fixed` names the collective whose fixed cost (launch/setup) the call pays first (None: it is
+    the second half of a collective that paid already). Ring: R-1 steps, each forwarding the chunk
+    received in the previous step to the next rank, so every step waits for its slowest link and a
+    slow link delays every rank R-1 times over a step's worth. Direct: one hop to every peer.
+    """
+    from runtime.transport.base import Arrival
+    R, me = ctx.world_size, ctx.rank
+    if fixed is not None:
+        yield Compute(f"coll:{fixed}", -1, 0, 0.0)
+    if R == 1:
+        return {}
+    if ctx.algo == "direct":
+        for p in range(R):
+            if p != me:
+                yield Send(p, {"tag": tag, **meta}, tensor)
+        return (yield Gather(tag))
+    nxt, prv = (me + 1) % R, (me - 1) % R
+    held = {me: (meta, tensor)}
+    for i in range(R - 1):
+        origin = (me - i) % R
+        m, t = held[origin]
+        yield Send(nxt, {**m, "tag": tag + (i,), "origin": origin}, t)
+        a = (yield Gather(tag + (i,), (prv,)))[prv]
+        held[a.meta["origin"]] = (a.meta, a.tensor)
+    return {p: Arrival(p, held[p][0], held[p][1]) for p in range(R) if p != me}
+
+
+def _reduce_scatter(ctx: RankContext, tag: tuple, partial, offsets):
+    """Sum of every rank's `partial` rows, each rank getting its own rows offsets[me]:offsets[me+1].
+    Pays the all-reduce's fixed cost. Direct: each home gets every rank's chunk and sums in rank
+    order. Ring: R-1 steps; chunk c is summed along the ring starting after c (another fp32 order)."""
+    R, me = ctx.world_size, ctx.rank
+    yield Compute("coll:ar", -1, 0, 0.0)
+    chunk = lambda c: partial[offsets[c]:offsets[c + 1]]  # noqa: E731
+    if R == 1:
+        return chunk(me).clone()
+    if ctx.algo == "direct":
+        for p in range(R):
+            if p != me:
+                yield Send(p, {"tag": tag}, chunk(p))
+        got = yield Gather(tag)
+        acc = torch.zeros_like(chunk(me))
+        for p in range(R):  # rank order: a deterministic sum
+            acc = acc + (chunk(me) if p == me else got[p].tensor)
+        return acc
+    nxt, prv = (me + 1) % R, (me - 1) % R
+    buf = None
+    for i in range(R - 1):
+        c_send = (me - i - 1) % R
+        yield Send(nxt, {"tag": tag + (i,), "chunk": c_send}, chunk(c_send) if i == 0 else buf)
+        a = (yield Gather(tag + (i,), (prv,)))[prv]
+        c_recv = (me - i - 2) % R
+        assert a.meta["chunk"] == c_recv
+        buf = a.tensor + chunk(c_recv)
+    return buf
+
+
 def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared, counts, offsets):
     """All-gather dispatch + all-reduce combine. Returns h_next of this rank's rows."""
     R, me, ex = ctx.world_size, ctx.rank, ctx.executor
     xr = _hidden(ctx, x)
-    for p in range(R):
-        if p != me:
-            yield Send(p, {"tag": ("ag",) + tag, "ids": ids.tolist(), "w": w.tolist()}, xr)
-    got = yield Gather(("ag",) + tag)
+    got = yield from _allgather(ctx, ("ag",) + tag, {"ids": ids.tolist(), "w": w.tolist()}, xr, "ag")
     xs, idss, ws = [], [], []
     for p in range(R):  # rank order: every rank assembles the same global batch
         if p == me:
@@ -234,18 +295,9 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     partial.index_add_(0, t_idx, y.float() * w_all[t_idx, s_idx, None])
     yield Compute("expert", layer, int(t_idx.numel()), time.perf_counter() - t0)
     # all-reduce, part 1: reduce-scatter to the home ranks
-    for p in range(R):
-        if p != me:
-            yield Send(p, {"tag": ("rs",) + tag}, partial[offsets[p]:offsets[p + 1]])
-    got = yield Gather(("rs",) + tag)
-    acc = torch.zeros(counts[me], x_all.shape[1], dtype=torch.float32)
-    for p in range(R):  # rank order: a deterministic sum
-        acc = acc + (partial[offsets[me]:offsets[me + 1]] if p == me else got[p].tensor)
+    acc = yield from _reduce_scatter(ctx, ("rs",) + tag, partial, offsets)
     # all-reduce, part 2: all-gather of the reduced rows (the half DP attention throws away)
-    for p in range(R):
-        if p != me:
-            yield Send(p, {"tag": ("ar",) + tag}, acc)
-    yield Gather(("ar",) + tag)
+    yield from _allgather(ctx, ("ar",) + tag, {}, acc, None)
     if not counts[me]:
         return None
     ones = torch.ones(counts[me], 1, dtype=torch.float32)
@@ -260,6 +312,7 @@ def _a2a_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, share
     own = owner[ids] if ids.numel() else torch.zeros(0, k, dtype=torch.int64)
     xr = _hidden(ctx, x)
     outgoing = {}
+    yield Compute("coll:a2a", layer, 0, 0.0)
     for p in range(R):
         pairs = (own == p).nonzero().tolist()              # (token, slot), slot order within a token
         toks = sorted({t for t, _ in pairs})
@@ -282,6 +335,7 @@ def _a2a_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, share
     y = ex.experts(layer, torch.stack(xin) if xin else xr[:0], experts)
     yield Compute("expert", layer, len(experts), time.perf_counter() - t0)
     per_home: dict[int, tuple[list, list]] = {p: ([], []) for p in range(R)}
+    yield Compute("coll:a2a", layer, 0, 0.0)
     for i, (p, t, s) in enumerate(back):
         per_home[p][0].append((t, s))
         per_home[p][1].append(i)
@@ -319,6 +373,7 @@ class _RankState:
     gen: Generator
     ready_at: float = 0.0
     waiting: Optional[tuple] = None     # tag of the collective it blocks on
+    expect: int = 0                     # how many messages of that tag it needs
     idle: bool = False
     done: bool = False
 
@@ -328,7 +383,8 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 link_delay: Optional[Callable[[int, int, int, float], float]] = None,
                 compute_scale: Optional[Callable[[int, float], float]] = None,
                 kv_blocks: Optional[int] = None, home_policy: Optional[str] = None,
-                stall_timeout_s: float = 60.0) -> BarrierResult:
+                stall_timeout_s: float = 60.0, decode_only: bool = False,
+                row_bytes: Optional[int] = None) -> BarrierResult:
     """Serve `requests` (arriving at their `arrival` times) with synchronous EP on `plan`'s ranks,
     all in this process.
 
@@ -336,6 +392,10 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     runtime/interference.py); `router(layer, x, seq_ids, positions)` replaces the model's router.
     On the virtual clock a compute costs `cost_model.duration(kind, rows) * compute_scale`; on the
     wall clock it costs what the math took, plus (scale - 1) times that as an injected stall.
+    Collectives follow `cost_model.collective_algo` (ring or direct), pay its `collective_fixed` per
+    call and `collective_send_cpu` per message on the virtual clock. `row_bytes`: bytes the link
+    model charges per tensor row (to model a model's hidden size with a small or simulated one);
+    None charges the tensor's real bytes. `decode_only`: random prompt KV, no prefill compute.
     """
     if clock not in ("virtual", "wall"):
         raise ValueError(f"clock {clock!r}; valid: virtual, wall")
@@ -345,6 +405,8 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     link_bytes: dict[str, int] = {}
 
     def delay(src, dst, meta, nbytes, rng):
+        if row_bytes is not None:
+            nbytes = meta.get("_rows", 0) * row_bytes
         key = f"{src}->{dst}"
         link_bytes[key] = link_bytes.get(key, 0) + nbytes
         return link_delay(src, dst, nbytes, clk.now()) if link_delay else 0.0
@@ -354,9 +416,13 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     route = router or (lambda layer, x, seq_ids, positions: executor.route(layer, x))
     nblocks = [kv_blocks if kv_blocks is not None else plan.kv.num_blocks[r] for r in range(R)]
     kvs = [PagedKVStore(spec.num_layers, BlockAllocator(nblocks[r], plan.kv.block_size)) for r in range(R)]
+    if decode_only:
+        from runtime.decode_only import RandomPrefixKV
+        kvs = [RandomPrefixKV(kv) for kv in kvs]
     admission = Admission(plan.kv.block_size, nblocks, home_policy or plan.placement.home_policy)
     pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)   # next due at the end
-    ctxs = [RankContext(r, R, spec, executor, route, plan.placement.expert_rank, kvs[r], clk, RankMetrics(r))
+    ctxs = [RankContext(r, R, spec, executor, route, plan.placement.expert_rank, kvs[r], clk, RankMetrics(r),
+                        algo=cost.collective_algo, decode_only=decode_only)
             for r in range(R)]
 
     def more_coming() -> bool:
@@ -384,7 +450,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
             now = clk.now()
             if st.waiting is not None:
                 box = inbox[r].get(st.waiting, {})
-                if len(box) < R - 1:
+                if len(box) < st.expect:
                     return moved
                 inbox[r].pop(st.waiting, None)
                 st.waiting, value = None, box
@@ -403,11 +469,21 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 return moved
             value = None
             if isinstance(op, Send):
+                if row_bytes is not None:
+                    op.meta["_rows"] = int(op.tensor.shape[0]) if op.tensor is not None else 0
                 transports[r].send(op.dst, op.meta, op.tensor)
+                if clock == "virtual" and cost.collective_send_cpu:
+                    st.ready_at = now + cost.collective_send_cpu   # the host issues messages one by one
             elif isinstance(op, Gather):
                 st.waiting = op.tag
+                st.expect = len(op.srcs) if op.srcs is not None else R - 1
             elif isinstance(op, Compute):
                 scale = compute_scale(r, now) if compute_scale else 1.0
+                if op.kind.startswith("coll:"):
+                    # A collective's fixed cost: the rank is busy (launch/setup), no batch is recorded.
+                    if clock == "virtual":
+                        st.ready_at = now + cost.duration(op.kind, 0)
+                    continue
                 if clock == "virtual":
                     t_start, dur = now, cost.duration(op.kind, op.rows) * scale
                 else:

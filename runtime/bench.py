@@ -46,11 +46,13 @@ class _Strict(BaseModel):
 
 
 class WorkloadConfig(_Strict):
-    lengths: str = "sharegpt"            # sharegpt | gsm8k | fixed:P:O
+    lengths: str = "sharegpt"            # sharegpt | gsm8k | fixed:P:O (ignored with `prompts`)
+    prompts: Optional[str] = None        # JSONL file (id, prompt_token_ids, max_new_tokens), as `dataflow run`
     max_context: int = Field(512, ge=2)
     max_new_tokens: Optional[int] = Field(None, gt=0)   # cap on sampled output lengths
     requests: int = Field(200, gt=0)
     rate: float = Field(200.0, gt=0)     # Poisson, requests/s
+    decode_only: bool = False            # the paper's mode: random prompt KV, no prefill compute
 
 
 class RoutingConfig(_Strict):
@@ -68,10 +70,23 @@ class CostConfig(_Strict):
     expert_per_row_us: float = 0.3
     sample_fixed_us: float = 30.0
     sample_per_row_us: float = 0.5
+    # communication (runtime/cost_model.py): defaults = free for the sender, direct collectives
+    send_cpu_us: float = 0.0
+    overlap_host: bool = True
+    collective_fixed_us: dict[str, float] = Field(default_factory=lambda: {"ag": 0.0, "ar": 0.0, "a2a": 0.0})
+    collective_send_cpu_us: float = 0.0
+    collective_algo: Literal["ring", "direct"] = "direct"
 
     def model(self) -> CostModel:
+        bad = set(self.collective_fixed_us) - {"ag", "ar", "a2a"}
+        if bad:
+            raise UserError(f"cost.collective_fixed_us: unknown collective(s) {sorted(bad)}; valid: ag, ar, a2a")
         return CostModel(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
-                         self.expert_per_row_us * 1e-6, self.sample_fixed_us * 1e-6, self.sample_per_row_us * 1e-6)
+                         self.expert_per_row_us * 1e-6, self.sample_fixed_us * 1e-6, self.sample_per_row_us * 1e-6,
+                         send_cpu=self.send_cpu_us * 1e-6, overlap_host=self.overlap_host,
+                         collective_fixed={k: v * 1e-6 for k, v in self.collective_fixed_us.items()},
+                         collective_send_cpu=self.collective_send_cpu_us * 1e-6,
+                         collective_algo=self.collective_algo)
 
 
 class BenchConfig(_Strict):
@@ -82,6 +97,9 @@ class BenchConfig(_Strict):
     executor: Literal["sim", "torch"] = "sim"
     seed: int = 0
     kv_blocks: Optional[int] = Field(None, gt=0)
+    # Bytes the link model charges per tensor row (None: the tensors' real bytes). Lets a tiny or
+    # simulated model (8-byte rows) carry a real model's rows: GPT-OSS hidden 2880 x bf16 = 5760.
+    row_bytes: Optional[int] = Field(None, gt=0)
     workload: WorkloadConfig = WorkloadConfig()
     routing: RoutingConfig = RoutingConfig()
     cost: CostConfig = CostConfig()
@@ -157,8 +175,18 @@ class _DepthRecorder:
         return self.inner.choose(views, next_of)
 
 
-def _requests(cfg: BenchConfig, spec) -> list[Request]:
+def _requests(cfg: BenchConfig, spec, base_dir: Optional[Path] = None) -> list[Request]:
     w = cfg.workload
+    if w.prompts:
+        from runtime.workload import load_prompts
+        p = Path(w.prompts)
+        p = p if p.is_absolute() or base_dir is None or p.exists() else base_dir / p
+        loaded = load_prompts(p, spec, w.max_new_tokens or 16, ignore_eos=True)
+        import numpy as np
+        gaps = np.random.default_rng(cfg.seed + 1).exponential(1.0 / w.rate, len(loaded))
+        t = np.cumsum(gaps) - gaps[0]
+        return [Request(i, q.name, q.prompt, q.max_new_tokens, ignore_eos=True, arrival=float(t[i]))
+                for i, q in enumerate(loaded)]
     sampler = length_distribution(w.lengths, w.max_context)
     specs = sample_requests(sampler, w.requests, spec.vocab_size, cfg.seed, reserved_ids=spec.eos_token_ids)
     timed = PoissonArrivals(specs, w.rate, seed=cfg.seed + 1).release(math.inf)
@@ -200,16 +228,28 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         from runtime.cluster import Cluster, RunOptions
         from runtime.transport.inproc import InprocHub
 
+        host_free = [0.0] * cfg.ranks     # when each rank's host is done issuing its previous sends
+
         def factory(world_size, clock):
             probe.clock = clock
 
             def delay(src, dst, meta, nbytes, rng):
+                if cfg.row_bytes is not None:
+                    nbytes = len(meta.get("rows", ())) * cfg.row_bytes
                 count(src, dst, nbytes)
-                return inter.delay(src, dst, nbytes, clock.now())
+                now = clock.now()
+                # A batch's messages leave one after the other, send_cpu apart (the cluster charges
+                # the same host time to the sender's rank; runtime/cost_model.py).
+                depart = now
+                if cost.send_cpu and not wall:
+                    depart = max(now, host_free[src])
+                    host_free[src] = depart + cost.send_cpu
+                return (depart - now) + inter.delay(src, dst, nbytes, depart)
             return InprocHub(world_size, clock, delay).transports()
 
         scaled = _ScaledCost(cost, inter)
-        opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks)
+        opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks,
+                          decode_only=cfg.workload.decode_only)
         cluster = Cluster(plan, executor, opts, factory)
         for e in cluster.engines:
             e.policy = _DepthRecorder(e.policy, e.rank, probe)
@@ -221,12 +261,12 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         from runtime.barrier import run_barrier
         res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[cell.system], clock=cfg.clock, cost_model=cost,
                           router=router, link_delay=inter.delay, compute_scale=inter.compute_scale,
-                          kv_blocks=cfg.kv_blocks)
+                          kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
         probe.link_bytes = res.link_bytes
         ranks = res.ranks
         max_q = None
     batches = [BatchRecord(b.rank, b.kind, b.layer, b.rows, b.t_start, b.t_end) for m in ranks for b in m.batches]
-    records = [RequestRecord(q.name, q.arrival, list(q.token_times), len(q.prompt)) for q in reqs]
+    records = [RequestRecord(q.name, q.arrival, list(q.token_times), len(q.prompt), admit=q.t_admit) for q in reqs]
     stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
     return RunRecord(cell.system, cell.policy if cell.system == STREAMING else "-", cell.scenario, records, batches,
                      probe.queue, probe.link_bytes, max_q, stage_names,
@@ -243,6 +283,9 @@ class _ScaledCost:
 
     def duration(self, kind: str, rows: int) -> float:
         return self.inner.duration(kind, rows) * self.inter.compute_scale(self.rank, self.now)
+
+    def __getattr__(self, name):   # send_cpu, with_sends, collective_*: not scaled (not compute)
+        return getattr(self.inner, name)
 
 
 def _slow_rank(engine, scaled: _ScaledCost, inter: Interference, wall: bool) -> None:
@@ -294,7 +337,7 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
         executor = KeyedRoutingExecutor(inner, router)
     else:
         executor = inner
-    requests = _requests(cfg, spec)
+    requests = _requests(cfg, spec, base_dir)
     scenarios = {name: from_config(c or {}, name, base_dir) for name, c in cfg.scenarios.items()}
     runs: list[RunRecord] = []
     todo = cells(cfg)

@@ -35,13 +35,14 @@ class RunOptions:
     policy: str = "defrag"
     policy_params: dict = field(default_factory=dict)
     clock: str = "wall"  # wall | virtual
-    executor: str = "torch"  # torch | sim (no model: cost-model studies)
+    executor: str = "torch"  # torch (CudaExecutor on a cuda plan) | cuda (its CPU twin on cpu) | sim (no model)
     cost_model: CostModel = field(default_factory=CostModel)  # batch durations on the virtual clock
     delay: Optional[DelayFn] = None  # in-process link delay hook (seconds), seeded by delay_seed
     delay_seed: int = 0
     trace: bool = False
     kv_blocks: Optional[int] = None  # per-rank KV pool override (None: the plan's)
     home_policy: Optional[str] = None  # None: the plan's
+    decode_only: bool = False  # paper's throughput mode: random prompt KV, no prefill (runtime/decode_only.py)
     until: Optional[float] = None  # stop at this clock time; unfinished requests are reported so
     stall_timeout_s: float = 60.0  # wall clock: no progress for this long is a bug, not a wait
     progress: Optional[Callable[[int, int, int], None]] = None  # (finished, total, tokens)
@@ -81,6 +82,9 @@ class Cluster:
         self.engines = [Engine(config_from_plan(plan, r, options.kv_blocks), executor, self.transports[r],
                                self.clock, make_policy(options.policy, **options.policy_params), self.trace)
                         for r in range(self.world_size)]
+        if options.decode_only:
+            for e in self.engines:
+                e.enable_decode_only()
         self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
                                    options.home_policy or plan.placement.home_policy)
 
@@ -183,8 +187,19 @@ class Cluster:
             # 1. batches ending now complete (rank order: deterministic)
             for r, b in enumerate(busy):
                 if b is not None and b[0] <= now:
-                    engines[r].complete(b[1])
                     busy[r] = None
+                    if b[1] is None:
+                        continue  # the end of a batch's send tail (below)
+                    sent = hub.messages
+                    engines[r].complete(b[1])
+                    sent = hub.messages - sent
+                    # The sender's host cost of the messages this batch issued (cost.send_cpu each):
+                    # the rank stays busy for what its device time did not hide.
+                    if sent and getattr(cost, "send_cpu", 0.0):
+                        device = b[0] - b[1].t_start
+                        tail = cost.with_sends(device, sent) - device
+                        if tail > 0:
+                            busy[r] = (now + tail, None)
             self._collect(done, total)
             if len(done) == total:
                 return
@@ -216,11 +231,17 @@ def build_executor(plan, options: RunOptions, weights=None):
     if options.executor == "sim":
         from runtime.executor_sim import SimExecutor
         return SimExecutor.for_spec(plan.spec)
-    if options.executor != "torch":
-        raise ValueError(f"executor {options.executor!r}; valid: torch, sim")
+    if options.executor not in ("torch", "cuda"):
+        raise ValueError(f"executor {options.executor!r}; valid: torch, cuda, sim")
     from models.weights import load_weights
+    w = weights if weights is not None else load_weights(plan.spec)
+    if plan.cluster.device == "cuda" or options.executor == "cuda":
+        # CUDA graphs per plan bucket + Triton kernels (runtime/executor_cuda.py). executor="cuda"
+        # on a CPU plan runs its CPU twin (same bucketing/padding code, no graphs).
+        from runtime.executor_cuda import CudaExecutor
+        return CudaExecutor(plan.spec, w, plan, device="cuda" if plan.cluster.device == "cuda" else "cpu")
     from runtime.executor import TorchExecutor
-    return TorchExecutor(plan.spec, weights if weights is not None else load_weights(plan.spec))
+    return TorchExecutor(plan.spec, w)
 
 
 def run_workload(plan, requests: list[Request], options: Optional[RunOptions] = None,

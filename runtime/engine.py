@@ -116,6 +116,14 @@ class Engine:
         # notices, stop) go here, so drivers share the transport instead of opening a second one.
         self.on_control = None
         self._eligible = {sid: self._attn_eligible(s.layer) for sid, s in enumerate(cfg.stages) if s.kind == "attn"}
+        self.decode_only = False
+
+    def enable_decode_only(self, seed: int = 0) -> None:
+        """The paper's throughput mode (runtime/decode_only.py): no prefill compute; an admitted request's
+        prompt K/V is random and it enters attn(0) at its last prompt token. Set before any admission."""
+        from runtime.decode_only import RandomPrefixKV
+        self.kv = RandomPrefixKV(self.kv, seed)
+        self.decode_only = True
 
     # ------------------------------------------------------------------ policy / introspection
     def set_policy(self, policy, **params) -> None:
@@ -166,6 +174,12 @@ class Engine:
         # The prompt is one segment, chunked by the attention cap. Later chunks wait in the queue
         # (not eligible) until the previous chunk wrote its K/V at that layer.
         sid = self.attn_stage[0]
+        if self.decode_only and len(req.prompt) > 1:
+            last = len(req.prompt) - 1
+            self.kv.prefix(req.rid, last)
+            req.kv_next = [last] * self.cfg.num_layers
+            self.queues[sid].push(AttnItem(req.rid, last, 1, [req.prompt[-1]], None, now))
+            return True
         cap = self.queues[sid].cap
         for start in range(0, len(req.prompt), cap):
             toks = req.prompt[start:start + cap]

@@ -34,6 +34,7 @@ class RequestRecord:
     arrival: float
     token_times: list[float]            # one per output token, in order
     prompt_len: int = 0
+    admit: Optional[float] = None       # when it got its KV (home rank); None if unknown
 
 
 @dataclass
@@ -120,6 +121,12 @@ def summarize(run: RunRecord, peak_window_s: float = 60.0) -> dict:
         "batches": {}, "link_bytes": dict(sorted(run.link_bytes.items())),
         "total_link_bytes": int(sum(run.link_bytes.values())),
     }
+    # Little's law: mean requests holding KV = sum of (finish - admission) / run duration.
+    held = [r.token_times[-1] - r.admit for r in reqs if r.token_times and r.admit is not None and r.admit >= 0]
+    out["mean_live_requests"] = float(sum(held) / dur) if held and dur > 0 else None
+    busy = sum(b.t_end - b.t_start for b in run.batches)
+    ranks = len({b.rank for b in run.batches})
+    out["busy_fraction"] = float(busy / (dur * ranks)) if dur > 0 and ranks else None
     kinds = sorted({b.kind for b in run.batches})
     for k in kinds:
         sizes = np.array([b.size for b in run.batches if b.kind == k], dtype=np.float64)
@@ -176,8 +183,8 @@ def _f(x: Optional[float], fmt: str = ".1f") -> str:
 
 def markdown_table(summaries: list[dict], baseline: str) -> str:
     head = ("| system | scenario | tok/s | peak tok/s | x " + baseline + " | loss vs clean | ITL mean / p50 / p99 ms "
-            "| TTFT p50 ms | mean batch (attn / expert) | max queue delay ms |")
-    lines = [head, "|" + "---|" * 10]
+            "| TTFT p50 ms | mean batch (attn / expert) | max queue delay ms | live req | busy |")
+    lines = [head, "|" + "---|" * 12]
     for s in summaries:
         b = s.get("batches", {})
         attn = b.get("attn", {}).get("mean_size")
@@ -187,7 +194,8 @@ def markdown_table(summaries: list[dict], baseline: str) -> str:
             f"| {s['label']} | {s['scenario']} | {_f(s['tokens_per_s'])} | {_f(s['peak_tokens_per_s'])} "
             f"| {_f(s.get('ratio_vs_baseline'), '.2f')} | {'-' if loss is None else f'{loss * 100:+.1f}%'} "
             f"| {_f(s['itl_mean_ms'], '.2f')} / {_f(s['itl_p50_ms'], '.2f')} / {_f(s['itl_p99_ms'], '.2f')} "
-            f"| {_f(s['ttft_p50_ms'], '.2f')} | {_f(attn)} / {_f(exp)} | {_f(s['max_queue_delay_ms'], '.2f')} |")
+            f"| {_f(s['ttft_p50_ms'], '.2f')} | {_f(attn)} / {_f(exp)} | {_f(s['max_queue_delay_ms'], '.2f')} "
+            f"| {_f(s.get('mean_live_requests'))} | {_f(s.get('busy_fraction'), '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
