@@ -179,6 +179,18 @@ def gqa_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, 
                   segments: Sequence[Segment], kv: KVStore) -> Tensor:
     """Grouped-query attention of normed input x [T, H] -> [T, H] (after the output projection)."""
     a = spec.attention
+    T, nh, hd = x.shape[0], a.num_heads, a.head_dim
+    q, k, v = gqa_qkv(spec, w, x, positions)
+    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
+    return F.linear(out.reshape(T, nh * hd), w["o.w"], w.get("o.b"))
+
+
+def gqa_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
+            rope_cs: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q [T, nh, hd], k/v [T, nkv, hd] of normed x, RoPE applied. `rope_cs` = precomputed
+    (cos, sin) for `positions` (the CUDA executor passes device-side ones so no host copy happens
+    inside a CUDA graph); None computes them with `cos_sin`."""
+    a = spec.attention
     T, nh, nkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
     eps = spec.rms_norm_eps
     q, k, v = _linear(x, w, "q"), _linear(x, w, "k"), _linear(x, w, "v")
@@ -187,11 +199,10 @@ def gqa_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, 
     q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
     if a.qk_norm == "head":  # Qwen3 / GLM: per head over head_dim, before RoPE
         q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
-    cos, sin = cos_sin(a.rope, rotary_dim(a.rope, hd), positions)
+    cos, sin = rope_cs if rope_cs is not None else cos_sin(a.rope, rotary_dim(a.rope, hd), positions)
     q = apply_rope(q, cos, sin, a.rope.interleaved)
     k = apply_rope(k, cos, sin, a.rope.interleaved)
-    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
-    return F.linear(out.reshape(T, nh * hd), w["o.w"], w.get("o.b"))
+    return q, k, v
 
 
 def mla_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
@@ -201,6 +212,16 @@ def mla_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, 
     K/V are decompressed from the latent right away (kv_b) and cached per head; this costs more
     KV memory than caching the latent but keeps one KV/attention path for every family.
     """
+    a = spec.attention
+    T, nh, vd = x.shape[0], a.num_heads, a.v_head_dim
+    q, k, v = mla_qkv(spec, w, x, positions)
+    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
+    return F.linear(out.reshape(T, nh * vd), w["o.w"], w.get("o.b"))
+
+
+def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
+            rope_cs: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q/k [T, nh, nope+rope], v [T, nh, v_hd] of normed x (see `gqa_qkv` for `rope_cs`)."""
     a = spec.attention
     T, nh = x.shape[0], a.num_heads
     nope, rope_d, vd, kvr = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
@@ -213,15 +234,14 @@ def mla_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, 
     ckv = _linear(x, w, "kv_a")
     latent, k_pe = ckv[:, :kvr], ckv[:, kvr:].reshape(T, 1, rope_d)
     latent = rms_norm(latent, w["kv_a_norm"], MLA_LATENT_NORM_EPS)
-    cos, sin = cos_sin(a.rope, rope_d, positions)
+    cos, sin = rope_cs if rope_cs is not None else cos_sin(a.rope, rope_d, positions)
     q_pe = apply_rope(q_pe, cos, sin, a.rope.interleaved)
     k_pe = apply_rope(k_pe, cos, sin, a.rope.interleaved)
     kvb = F.linear(latent, w["kv_b.w"]).view(T, nh, nope + vd)
     k = torch.cat([kvb[..., :nope], k_pe.expand(T, nh, rope_d)], dim=-1)
     v = kvb[..., nope:].contiguous()
     q = torch.cat([q_nope, q_pe], dim=-1)
-    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
-    return F.linear(out.reshape(T, nh * vd), w["o.w"], w.get("o.b"))
+    return q, k, v
 
 
 def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,

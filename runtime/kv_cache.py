@@ -78,6 +78,10 @@ class PagedKVStore:
         self._capacity: dict[int, int] = {}  # seq_id -> tokens it may hold
         self._k: list[Optional[torch.Tensor]] = [None] * num_layers  # [blocks_allocated, block, ...]
         self._v: list[Optional[torch.Tensor]] = [None] * num_layers
+        # Optional observer of page-table changes (runtime/kv_cache_paged_gpu.DeviceBlockTables keeps
+        # a device copy of every table, written once at reservation, so decode batches pass row ids
+        # instead of tables). None on the CPU path: no cost.
+        self.device_view = None
 
     # -- page tables -------------------------------------------------------------------------
     def reserve(self, seq_id: int, tokens: int) -> bool:
@@ -89,11 +93,48 @@ class PagedKVStore:
             return False
         self._tables[seq_id] = blocks
         self._capacity[seq_id] = len(blocks) * self.block_size
+        if self.device_view is not None:
+            self.device_view.on_reserve(seq_id, blocks)
         return True
 
     def release(self, seq_id: int) -> None:
+        if self.device_view is not None:
+            self.device_view.on_release(seq_id)
         self.allocator.free(self._tables.pop(seq_id))
         del self._capacity[seq_id]
+
+    def table(self, seq_id: int) -> list[int]:
+        """The page ids of a sequence (fixed from reservation to release)."""
+        return self._tables[seq_id]
+
+    def tables(self) -> dict[int, list[int]]:
+        return dict(self._tables)
+
+    def capacity(self, seq_id: int) -> int:
+        return self._capacity[seq_id]
+
+    def preallocate(self, layer: int, k_row: tuple, v_row: tuple, dtype: torch.dtype, device,
+                    extra_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate layer `layer`'s whole pool now: [num_blocks + extra_blocks, block, *row].
+
+        A CUDA graph bakes in the cache's address, so the lazily doubling storage must not move
+        once graphs exist. The `extra_blocks` pages past num_blocks are never handed out; the CUDA
+        executor points padded batch rows' KV writes there (page id num_blocks). Data already
+        written is kept. Returns (k, v) storage.
+        """
+        n = self.allocator.num_blocks + extra_blocks
+        for which, row in ((self._k, k_row), (self._v, v_row)):
+            t = which[layer]
+            if t is not None and t.shape[0] >= n and t.device == torch.device(device) and t.dtype == dtype:
+                continue
+            new = torch.zeros((n, self.block_size) + tuple(row), dtype=dtype, device=device)
+            if t is not None:
+                new[: t.shape[0]] = t.to(device=device, dtype=dtype)
+            which[layer] = new
+        return self._k[layer], self._v[layer]
+
+    def storage(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        return self._k[layer], self._v[layer]
 
     def has(self, seq_id: int) -> bool:
         return seq_id in self._tables

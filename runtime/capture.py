@@ -1,0 +1,126 @@
+"""CUDA-graph capture per plan bucket: bucket choice, static buffers, one memory pool per bucket.
+
+The plan's capture pass (lowering/capture.py) lists, per stage kind, the batch-size buckets. A
+batch of n rows runs padded to the smallest bucket >= n, by replaying the graph captured for
+(kind, layer, bucket); above the largest bucket it runs eagerly (same code, no graph).
+
+Memory: every graph of one (kind, bucket) reads its inputs from and writes its outputs to the same
+static buffers (`StaticBuffers`), and all of them are captured into one private memory pool
+(`torch.cuda.graph(pool=...)`). Graphs of one rank never run concurrently (one stream), and
+nothing inside a pool outlives a replay: the executor copies the outputs out of the static
+buffers right after each replay. So sharing is safe in any replay order and graph memory grows
+with the number of buckets, not layers x buckets.
+
+The CPU twin: `StepGraph` runs the very same body function directly when graphs are off (CPU, or
+an implementation that must synchronize with the host), so the bucketing / padding / masking code
+is exercised by CPU tests; only the capture itself is GPU-only.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Optional
+
+import torch
+
+
+def bucket_for(n: int, buckets: list[int]) -> Optional[int]:
+    """Smallest bucket >= n, or None above the largest (eager fallback). Buckets ascending."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+class StaticBuffers:
+    """Named tensors of one (kind, bucket), allocated once, shared by all layers' graphs."""
+
+    def __init__(self) -> None:
+        self._t: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype, device, fill: float | int = 0) -> torch.Tensor:
+        t = self._t.get(name)
+        if t is None:
+            t = torch.full(shape, fill, dtype=dtype, device=device)
+            self._t[name] = t
+        elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"static buffer {name}: {tuple(t.shape)} {t.dtype} requested as {shape} {dtype}")
+        return t
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._t.values())
+
+
+class StepGraph:
+    """One captured body (a function of static buffers only), or the body itself when not capturing.
+
+    `run()` replays the graph on CUDA (capturing it at the first call, after a warm-up run on a
+    side stream that compiles Triton kernels and fills the allocator), or calls the body.
+    """
+
+    def __init__(self, body: Callable[[], None], capture: bool, pool=None, device=None) -> None:
+        self.body = body
+        self.capture = capture
+        self.pool = pool
+        self.device = device
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.replays = 0
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            # Warm-up outside the capture: Triton compiles and cuBLAS picks its kernels here.
+            # The body only writes static buffers, so running it once more is harmless.
+            self.body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self.body()
+        self.graph = g
+
+    def run(self) -> None:
+        if not self.capture:
+            self.body()
+            return
+        if self.graph is None:
+            self._capture()  # the capture does not execute the work: replay below does
+        self.graph.replay()
+        self.replays += 1
+
+
+class GraphCache:
+    """Graphs keyed by (kind, layer, bucket, extra key), one pool and one StaticBuffers per (kind, bucket)."""
+
+    def __init__(self, device: torch.device, capture: bool) -> None:
+        self.device = device
+        self.capture = capture and device.type == "cuda"
+        self._graphs: dict[tuple, StepGraph] = {}
+        self._pools: dict[tuple, object] = {}
+        self._buffers: dict[tuple, StaticBuffers] = {}
+        self.captures = 0
+
+    def buffers(self, kind: str, bucket: int) -> StaticBuffers:
+        key = (kind, bucket)
+        if key not in self._buffers:
+            self._buffers[key] = StaticBuffers()
+        return self._buffers[key]
+
+    def pool(self, kind: str, bucket: int):
+        key = (kind, bucket)
+        if key not in self._pools:
+            self._pools[key] = torch.cuda.graph_pool_handle() if self.capture else None
+        return self._pools[key]
+
+    def get(self, key: tuple, kind: str, bucket: int, make_body: Callable[[], Callable[[], None]],
+            capture: bool = True) -> StepGraph:
+        g = self._graphs.get(key)
+        if g is None:
+            cap = self.capture and capture
+            g = StepGraph(make_body(), cap, self.pool(kind, bucket) if cap else None, self.device)
+            self._graphs[key] = g
+            self.captures += int(cap)
+        return g
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def static_bytes(self) -> int:
+        return sum(b.nbytes() for b in self._buffers.values())

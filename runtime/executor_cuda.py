@@ -1,0 +1,591 @@
+"""CUDA executor: the TorchExecutor interface, run through per-bucket CUDA graphs and Triton kernels.
+
+Same methods, same results up to floating point rounding, as runtime/executor.py; the engine does
+not know which one it has. What differs is how the work reaches the GPU:
+
+attention(layer, h, positions, segments, kv)
+  Decode batches (every segment one row, every sequence with a device table row) run the whole
+  layer as ONE graph replay per (layer, bucket, KV store): input norm, q/k/v + RoPE, KV write
+  into the paged cache through device page tables, `kernels.paged_attention` (Triton
+  flash-decoding), output projection, residual, post-attention norm, router, shared expert. The
+  batch is padded to the plan's bucket: padded rows have position -1 (context length 0, so the
+  kernel reads nothing), write their K/V into a trash page, and their outputs are never copied out.
+  The host per batch: fill one pinned int32 [2, bucket] array (positions, table rows), one H2D copy,
+  one D2D copy of h into the static input, one replay, one D2D copy of the outputs out of the
+  static buffers, one D2H copy of the routing ids + weights into pinned memory + an event.
+  Prefill / mixed batches (rows attend to each other) take the eager torch path: the very stage
+  function the TorchExecutor runs, over the same paged storage.
+route(layer, x) / shared_expert(layer, x)
+  Return what the attention graph already computed for that x. route() is the one host
+  synchronization of the hot path: the engine must know the experts to dispatch (it waits on the
+  event of the D2H copy; ids/weights come back as CPU tensors, which is what the engine's dispatch
+  loop indexes per row without further device round trips).
+experts(layer, x, expert_ids)
+  One graph per (layer, bucket): permute the rows into expert order (counting sort on the device),
+  gather, grouped FFN (Triton, or torch._grouped_mm), scatter back. The expert ids live in a static
+  device buffer the graph reads, so a new split of rows over experts never re-captures. Padded
+  rows get the sentinel expert E: never placed in an expert's range, never computed (for
+  torch._grouped_mm, whose bias gather cannot take the sentinel, they repeat the first row's
+  expert instead: computed, discarded).
+combine(...)  `kernels.topk_merge` (one launch; same fp32 order as models.moe.combine, bit-equal).
+logits / sample: the LM head eagerly; greedy argmax batched on the device with one D2H copy.
+
+CPU twin: on a CPU device (or with graphs=False) the very same bucket / padding / body code runs,
+without capture, with the torch reference kernels, so CPU tests cover the padding semantics.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from graph_ir.spec import ModelSpec
+from kernels.grouped_ffn import grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton
+from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from kernels.permute import permute_to_experts_triton
+from kernels.topk_merge import topk_merge
+from models import layers
+from models.attention import gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
+from models.moe import route_tokens, shared_expert_out
+from models.rope import rope_parameters, rotary_dim
+from models.sampling import SamplingParams, sample
+from models.weights import ModelWeights
+from runtime.capture import GraphCache, StaticBuffers, bucket_for
+from runtime.kv_cache_paged_gpu import DeviceBlockTables
+
+_GREEDY = SamplingParams()
+# Published StreamEP buckets, used when no plan is given (lowering/plan.py has the same lists).
+_DEFAULT_BUCKETS = {"attn": [1, 8, 40, 72, 104, 128, 192, 256], "expert": [128, 256, 512, 1024]}
+
+ATTN_IMPLS = ("triton", "torch")
+FFN_IMPLS = ("triton", "grouped_mm", "torch")
+PERMUTE_IMPLS = ("triton", "torch")
+
+
+# ---------------------------------------------------------------------------------------------
+# pinned host staging
+
+
+class HostStaging:
+    """A ring of pinned host buffers for the small metadata copies of the hot path.
+
+    A non-blocking copy from pinned memory returns before the DMA ran, so a buffer may only be
+    refilled once the copy that read it finished: each slot carries the event recorded after its
+    copy, and `acquire` waits on it (normally long complete: ~2 us query). On CPU there is no DMA
+    and no event: plain tensors.
+    """
+
+    def __init__(self, device: torch.device, slots: int = 16, nbytes: int = 1 << 16) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slots = slots
+        self._bufs = [self._alloc(nbytes) for _ in range(slots)]
+        self._events: list[Optional[torch.cuda.Event]] = [None] * slots
+        self._i = 0
+        self.wait_s = 0.0  # host time spent blocked on a slot (should stay ~0)
+
+    def _alloc(self, nbytes: int) -> Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def acquire(self, nbytes: int) -> tuple[int, Tensor]:
+        i = self._i
+        self._i = (i + 1) % self.slots
+        ev = self._events[i]
+        if ev is not None and not ev.query():
+            t = time.perf_counter()
+            ev.synchronize()
+            self.wait_s += time.perf_counter() - t
+        if self._bufs[i].numel() < nbytes:
+            self._bufs[i] = self._alloc(max(nbytes, 2 * self._bufs[i].numel()))
+        return i, self._bufs[i][:nbytes]
+
+    def mark(self, i: int) -> Optional[torch.cuda.Event]:
+        """Record (on the current stream) the event that frees slot i once the queued copy ran."""
+        if not self.cuda:
+            return None
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def h2d(self, dst: Tensor, src: Tensor) -> None:
+        """dst (device) <- src (host), through a pinned slot, non-blocking."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        src = src.contiguous()
+        i, buf = self.acquire(src.numel() * src.element_size())
+        view = buf.view(src.dtype).view(src.shape)
+        view.copy_(src)
+        dst.copy_(view, non_blocking=True)
+        self.mark(i)
+
+    def h2d_array(self, dst: Tensor, fill) -> None:
+        """dst (device, int32/int64/float32) <- an array `fill(np_view)` writes in place."""
+        n = dst.numel() * dst.element_size()
+        if not self.cuda:
+            host = torch.empty(dst.shape, dtype=dst.dtype)
+            fill(host.numpy())
+            dst.copy_(host)
+            return
+        i, buf = self.acquire(n)
+        view = buf.view(dst.dtype).view(dst.shape)
+        fill(view.numpy())
+        dst.copy_(view, non_blocking=True)
+        self.mark(i)
+
+    def d2h(self, src: Tensor) -> "PendingHost":
+        """Start a copy of src (device) into a pinned slot; the result is read after `wait()`."""
+        if not self.cuda:
+            return PendingHost(src.detach().to("cpu").clone(), None, self)
+        i, buf = self.acquire(src.numel() * src.element_size())
+        view = buf.view(src.dtype).view(src.shape)
+        view.copy_(src, non_blocking=True)
+        return PendingHost(view, self.mark(i), self)
+
+
+@dataclass
+class PendingHost:
+    view: Tensor  # pinned host tensor (valid after wait; copy out before the ring wraps)
+    event: Optional[torch.cuda.Event]
+    staging: HostStaging
+
+    def wait(self) -> Tensor:
+        if self.event is not None and not self.event.query():
+            t = time.perf_counter()
+            self.event.synchronize()
+            self.staging.wait_s += time.perf_counter() - t
+        return self.view
+
+
+# ---------------------------------------------------------------------------------------------
+# logits handed to sample()
+
+
+class DeviceLogits:
+    """logits [T, V] on the device plus the batched greedy argmax, copied to the host once."""
+
+    def __init__(self, logits: Tensor, staging: HostStaging) -> None:
+        self.tensor = logits
+        self._argmax = staging.d2h(torch.argmax(logits, dim=-1))
+        self._host: Optional[list[int]] = None
+
+    def __len__(self) -> int:
+        return self.tensor.shape[0]
+
+    @property
+    def shape(self):
+        return self.tensor.shape
+
+    def greedy(self, i: int) -> int:
+        if self._host is None:
+            self._host = self._argmax.wait().tolist()
+        return self._host[i]
+
+    def __getitem__(self, i: int) -> "LogitsRow":
+        return LogitsRow(self, i)
+
+
+@dataclass
+class LogitsRow:
+    parent: DeviceLogits
+    index: int
+
+    @property
+    def tensor(self) -> Tensor:
+        return self.parent.tensor[self.index]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    """What the last attention call computed beyond (h_res, x): served to route / shared_expert."""
+
+    x: Tensor
+    route: Optional[PendingHost]
+    shared: Optional[Tensor]
+    k: int
+
+
+@dataclass
+class ExecStats:
+    attn_graph: int = 0
+    attn_eager_decode: int = 0  # decode-shaped but over the largest bucket / no table row
+    attn_eager: int = 0  # prefill or mixed batches
+    expert_graph: int = 0
+    expert_eager: int = 0
+    route_wait_s: float = 0.0
+    eager_reasons: dict = field(default_factory=dict)
+
+    def note(self, why: str) -> None:
+        self.eager_reasons[why] = self.eager_reasons.get(why, 0) + 1
+
+
+def _env(name: str, default: str, valid: tuple) -> str:
+    v = os.environ.get(name, "").strip().lower() or default
+    if v not in valid:
+        raise ValueError(f"{name}={v!r}: expected one of {', '.join(valid)}")
+    return v
+
+
+class CudaExecutor:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
+                 graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
+                 permute_impl: Optional[str] = None, max_context: Optional[int] = None,
+                 table_rows: int = 4096, buckets: Optional[dict] = None) -> None:
+        """`plan`: its capture buckets are used (else the published ones); `device`: default the
+        weights' device. Implementation choices default to the fast ones on CUDA and the torch
+        references on CPU; env DATAFLOW_ATTN_IMPL / DATAFLOW_FFN_IMPL / DATAFLOW_PERMUTE_IMPL or
+        the arguments override. `max_context`: tokens a sequence may have for the graph path
+        (device page-table width); longer ones run eagerly."""
+        self.spec = spec
+        self.device = torch.device(device) if device is not None else weights.embed.device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.w = weights if weights.embed.device == self.device else weights.to(self.device)
+        self.dtype = self.w.embed.dtype
+        on_cuda = self.device.type == "cuda"
+        self.attn_impl = attn_impl or _env("DATAFLOW_ATTN_IMPL", "triton" if on_cuda else "torch", ATTN_IMPLS)
+        self.ffn_impl = ffn_impl or _env("DATAFLOW_FFN_IMPL", "triton" if on_cuda else "torch", FFN_IMPLS)
+        self.permute_impl = permute_impl or _env("DATAFLOW_PERMUTE_IMPL", "triton" if on_cuda else "torch",
+                                                 PERMUTE_IMPLS)
+        for name, v, valid in (("attn_impl", self.attn_impl, ATTN_IMPLS), ("ffn_impl", self.ffn_impl, FFN_IMPLS),
+                               ("permute_impl", self.permute_impl, PERMUTE_IMPLS)):
+            if v not in valid:
+                raise ValueError(f"{name}={v!r}: expected one of {valid}")
+        src = buckets or (plan.capture.buckets if plan is not None else _DEFAULT_BUCKETS)
+        self.buckets = {k: sorted(v) for k, v in src.items()}
+        graphs = on_cuda if graphs is None else (graphs and on_cuda)
+        # The torch references synchronize with the host (offsets / lengths .tolist()): not capturable.
+        self.attn_graphs = graphs and self.attn_impl != "torch"
+        self.expert_graphs = graphs and self.ffn_impl != "torch"
+        self.graphs = GraphCache(self.device, graphs)
+        self.staging = HostStaging(self.device)
+        self.stats = ExecStats()
+        a = spec.attention
+        self._mla = a.kind == "mla"
+        self._qkv = mla_qkv if self._mla else gqa_qkv
+        rdim = a.qk_rope_head_dim if self._mla else rotary_dim(a.rope, a.head_dim)
+        inv_freq, self._rope_scaling = rope_parameters(a.rope, rdim)
+        self._inv_freq = inv_freq.to(self.device)
+        if self._mla:
+            self._k_row, self._v_row = (a.num_heads, a.qk_head_dim), (a.num_heads, a.v_head_dim)
+        else:
+            self._k_row, self._v_row = (a.num_kv_heads, a.head_dim), (a.num_kv_heads, a.head_dim)
+        self._scale = softmax_scale(a)
+        self._fp32w = norm_in_fp32(spec)
+        self.max_context = max_context or min(spec.max_position, 8192)
+        self.table_rows = table_rows
+        self._views: dict[int, DeviceBlockTables] = {}  # kv serial -> device tables
+        self._serial = 0
+        self._pending: Optional[_Pending] = None
+        self._index_cache: dict[tuple[int, int], Tensor] = {}
+        ex = spec.experts
+        self.num_experts = ex.num_experts
+        self.top_k = ex.top_k
+        for l in spec.moe_layers:
+            for n in ("experts.gate", "experts.up", "experts.down"):
+                if not self.w.layers[l][n].is_contiguous():
+                    self.w.layers[l][n] = self.w.layers[l][n].contiguous()
+
+    # ------------------------------------------------------------------ KV store attachment
+    def _view(self, kv) -> DeviceBlockTables:
+        serial = getattr(kv, "_cuda_exec_serial", None)
+        dv = self._views.get(serial) if serial is not None else None
+        if dv is None:
+            for layer in range(self.spec.num_layers):
+                kv.preallocate(layer, self._k_row, self._v_row, self.dtype, self.device)
+            width = -(-self.max_context // kv.block_size)
+            self._serial += 1
+            kv._cuda_exec_serial = self._serial
+            dv = DeviceBlockTables(kv, width, self.table_rows, self.device, self.staging.h2d)
+            self._views[self._serial] = dv
+        return dv
+
+    def detach(self, kv) -> None:
+        """Forget a KV store (its graphs bake its addresses): call when a run's engines are dropped."""
+        serial = getattr(kv, "_cuda_exec_serial", None)
+        if serial is None:
+            return
+        dv = self._views.pop(serial, None)
+        if dv is not None:
+            kv.device_view = None
+        for key in [k for k in self.graphs._graphs if k[0] == "attn" and k[3] == serial]:
+            del self.graphs._graphs[key]
+        kv._cuda_exec_serial = None
+
+    # ------------------------------------------------------------------ small pieces
+    def _rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        # Same ops as models.rope.cos_sin, with inv_freq already on the device (no H2D in a graph).
+        freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        return freqs.cos() * self._rope_scaling, freqs.sin() * self._rope_scaling
+
+    def _positions(self, positions: list[int]) -> Tensor:
+        out = torch.empty(len(positions), dtype=torch.int64, device=self.device)
+        self.staging.h2d(out, torch.tensor(positions, dtype=torch.int64))
+        return out
+
+    def _to_dev(self, t: Optional[Tensor], dtype=None) -> Optional[Tensor]:
+        if t is None:
+            return None
+        if t.device == self.device:
+            return t if dtype is None else t.to(dtype)
+        out = torch.empty(t.shape, dtype=dtype or t.dtype, device=self.device)
+        self.staging.h2d(out, t.to(out.dtype))
+        return out
+
+    # ------------------------------------------------------------------ interface
+    @torch.no_grad()
+    def embed(self, token_ids: list[int]) -> Tensor:
+        ids = torch.empty(len(token_ids), dtype=torch.int64, device=self.device)
+        if token_ids:
+            self.staging.h2d(ids, torch.tensor(token_ids, dtype=torch.int64))
+        return layers.embed(self.w, ids)
+
+    @torch.no_grad()
+    def attention(self, layer: int, h: Tensor, positions: list[int], segments: list[tuple[int, int, int]],
+                  kv) -> tuple[Tensor, Tensor]:
+        self._pending = None
+        h = self._to_dev(h)
+        T = h.shape[0]
+        dv = self._view(kv)
+        decode = T > 0 and all(n == 1 for _, _, n in segments) and len(segments) == T
+        rows = [dv.row_of(sid) for sid, _, _ in segments] if decode else None
+        if decode and None not in rows and max(positions) < dv.width * kv.block_size:
+            b = bucket_for(T, self.buckets["attn"])
+            if b is None:
+                self.stats.note("attn: decode batch above the largest bucket")
+            return self._attn_decode(layer, h, positions, rows, dv, kv, b)
+        if decode:
+            self.stats.note("attn: sequence without a device table row")
+        self.stats.attn_eager += 1
+        return self._attn_eager(layer, h, positions, segments, kv)
+
+    def _attn_eager(self, layer, h, positions, segments, kv):
+        pos = self._positions(positions)
+        h_res, x = layers.attention_stage(self.spec, self.w, layer, h, pos, segments, kv)
+        if self.spec.is_moe_layer(layer):
+            lw = self.w.layers[layer]
+            ids, wts = route_tokens(self.spec, lw, x)
+            shared = shared_expert_out(self.spec, lw, x)
+            route = self.staging.d2h(torch.cat([ids.to(torch.float32), wts], dim=1))
+            self._pending = _Pending(x, route, shared, ids.shape[1])
+        return h_res, x
+
+    def _attn_bufs(self, b: int, static: bool) -> StaticBuffers:
+        bufs = self.graphs.buffers("attn", b) if static else StaticBuffers()
+        H, dev = self.spec.hidden_size, self.device
+        nout = 3 if self.spec.experts.shared_intermediate_size else 2
+        bufs.get("h", (b, H), self.dtype, dev)
+        bufs.get("meta", (2, b), torch.int32, dev)
+        bufs.get("out", (nout, b, H), self.dtype, dev)
+        bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
+        return bufs
+
+    def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv):
+        spec, lw, a = self.spec, self.w.layers[layer], self.spec.attention
+        h_in, meta, out, route_out = bufs._t["h"], bufs._t["meta"], bufs._t["out"], bufs._t["route"]
+        kc, vc = kv.storage(layer)
+        table, bs = dv.table, kv.block_size
+        window, sinks = a.window(layer), lw.get("sinks")
+        moe = spec.is_moe_layer(layer)
+        eps, fp32w, k = spec.rms_norm_eps, self._fp32w, self.top_k
+        attn_fn = paged_decode_attention_triton if self.attn_impl == "triton" else paged_decode_attention_torch
+        b = h_in.shape[0]
+
+        def body() -> None:
+            pos = meta[0].to(torch.int64)
+            posc = pos.clamp(min=0)  # padded rows: position -1 -> context 0, RoPE at 0 (discarded)
+            rows = meta[1].to(torch.int64)
+            xn = rms_norm(h_in, lw["attn_norm"], eps, fp32w)
+            q, kk, vv = self._qkv(spec, lw, xn, posc, rope_cs=self._rope(posc))
+            bt = table.index_select(0, rows)  # [b, width] int32: this batch's page tables
+            page = bt.gather(1, torch.div(posc, bs, rounding_mode="floor")[:, None]).squeeze(1).to(torch.int64)
+            slot = page * bs + posc % bs
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, slot, kk.to(kc.dtype))
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, slot, vv.to(vc.dtype))
+            ctx = (pos + 1).to(torch.int32)
+            o = attn_fn(q, kc, vc, bt, ctx, self._scale, sinks, window)
+            h_res = h_in + F.linear(o.reshape(b, -1), lw["o.w"], lw.get("o.b"))
+            x = rms_norm(h_res, lw["mlp_norm"], eps, fp32w)
+            out[0].copy_(h_res)
+            out[1].copy_(x)
+            if moe:
+                ids, wts = route_tokens(spec, lw, x)
+                route_out[:, :k].copy_(ids)
+                route_out[:, k:].copy_(wts)
+                if out.shape[0] > 2:
+                    out[2].copy_(shared_expert_out(spec, lw, x))
+        return body
+
+    def _attn_decode(self, layer, h, positions, rows, dv, kv, b):
+        T = h.shape[0]
+        static = b is not None
+        b = b if static else T
+        bufs = self._attn_bufs(b, static)
+        trash = dv.trash_row
+
+        def fill(a: np.ndarray) -> None:
+            a[0, :T] = positions
+            a[0, T:] = -1
+            a[1, :T] = rows
+            a[1, T:] = trash
+        self.staging.h2d_array(bufs._t["meta"], fill)
+        bufs._t["h"][:T].copy_(h)
+        if static:
+            key = ("attn", layer, b, kv._cuda_exec_serial)
+            g = self.graphs.get(key, "attn", b, lambda: self._attn_body(layer, bufs, dv, kv), self.attn_graphs)
+            g.run()
+            self.stats.attn_graph += int(g.capture)
+            self.stats.attn_eager_decode += int(not g.capture)
+        else:
+            self._attn_body(layer, bufs, dv, kv)()
+            self.stats.attn_eager_decode += 1
+        out = bufs._t["out"][:, :T].clone()  # one copy: the static buffers are reused by the next batch
+        h_res, x = out[0], out[1]
+        if self.spec.is_moe_layer(layer):
+            route = self.staging.d2h(bufs._t["route"][:T])
+            self._pending = _Pending(x, route, out[2] if out.shape[0] > 2 else None, self.top_k)
+        return h_res, x
+
+    @torch.no_grad()
+    def dense_mlp(self, layer: int, x: Tensor) -> Tensor:
+        return layers.dense_mlp(self.spec, self.w, layer, self._to_dev(x))
+
+    @torch.no_grad()
+    def route(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(ids [T,k] int64, weights [T,k] fp32) as CPU tensors: the engine dispatches on the host."""
+        p = self._pending
+        if p is not None and p.x is x and p.route is not None:
+            t = time.perf_counter()
+            v = p.route.wait()
+            self.stats.route_wait_s += time.perf_counter() - t
+            # Copy out of the pinned ring slot (it is reused a few batches later).
+            return v[:, : p.k].to(torch.int64), v[:, p.k:].clone()
+        self.stats.note("route: not the last attention's x (eager route + sync)")
+        ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))
+        return ids.cpu(), wts.cpu()
+
+    @torch.no_grad()
+    def shared_expert(self, layer: int, x: Tensor) -> Optional[Tensor]:
+        p = self._pending
+        if p is not None and p.x is x:
+            return p.shared
+        return layers.shared_expert(self.spec, self.w, layer, self._to_dev(x))
+
+    # ------------------------------------------------------------------ experts
+    def _expert_bufs(self, b: int, static: bool) -> StaticBuffers:
+        bufs = self.graphs.buffers("expert", b) if static else StaticBuffers()
+        H, dev = self.spec.hidden_size, self.device
+        bufs.get("x", (b, H), self.dtype, dev)
+        bufs.get("ids", (b,), torch.int32, dev)
+        bufs.get("y", (b, H), self.dtype, dev)
+        if "arange" not in bufs._t:  # filled once, outside any capture
+            bufs.get("arange", (b,), torch.int64, dev).copy_(torch.arange(b, device=dev))
+        return bufs
+
+    def _permute(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(order, offsets) of ids [b] int64 in [0, E] (E: padding sentinel). Capturable both ways."""
+        E = self.num_experts
+        if self.permute_impl == "triton":
+            return permute_to_experts_triton(ids[:, None], E)
+        # Torch, no host sync: stable argsort puts sentinel rows last; counts by scatter_add into
+        # E+1 bins (bincount would read the max on the host).
+        order = torch.argsort(ids, stable=True)
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+        offsets = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
+        offsets[1:] = torch.cumsum(counts[:E], dim=0)
+        return order, offsets
+
+    def _expert_body(self, layer: int, bufs: StaticBuffers):
+        spec, lw, ex = self.spec, self.w.layers[layer], self.spec.experts
+        x_in, ids_buf, y_out, ar = bufs._t["x"], bufs._t["ids"], bufs._t["y"], bufs._t["arange"]
+        E = self.num_experts
+        wg, wu, wd = lw["experts.gate"], lw["experts.up"], lw["experts.down"]
+        bg, bu, bd = (lw["experts.gate_b"], lw["experts.up_b"], lw["experts.down_b"]) if ex.bias else (None,) * 3
+        ffn = {"triton": grouped_ffn_triton, "grouped_mm": grouped_ffn_grouped_mm, "torch": grouped_ffn_torch}[self.ffn_impl]
+        sentinel = self.ffn_impl != "grouped_mm"
+
+        def body() -> None:
+            ids = ids_buf.to(torch.int64)
+            order, offsets = self._permute(ids)
+            if sentinel:
+                # Rows of the sentinel expert (padding) are not real: clip every expert range to
+                # the real rows and give the padded positions of `order` the padded rows
+                # themselves (the Triton sort leaves them unwritten), so order is a permutation.
+                n_real = (ids < E).sum()
+                offsets = torch.minimum(offsets, n_real)
+                order = torch.where(ar < n_real, order, ar)
+            xs = x_in.index_select(0, order)
+            ys = ffn(xs, offsets, wg, wu, wd, bg, bu, bd, ex.activation, ex.glu_alpha, ex.glu_limit)
+            y_out.index_copy_(0, order, ys)
+        return body
+
+    @torch.no_grad()
+    def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
+        x = self._to_dev(x)
+        N = x.shape[0]
+        if N == 0:
+            return x.new_zeros(x.shape)
+        b = bucket_for(N, self.buckets["expert"])
+        static = b is not None
+        if not static:
+            b = N
+            self.stats.note("expert: batch above the largest bucket")
+        bufs = self._expert_bufs(b, static)
+        pad = self.num_experts if self.ffn_impl != "grouped_mm" else expert_ids[0]
+
+        def fill(a: np.ndarray) -> None:
+            a[:N] = expert_ids
+            a[N:] = pad
+        self.staging.h2d_array(bufs._t["ids"], fill)
+        bufs._t["x"][:N].copy_(x)
+        if static:
+            g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
+                                self.expert_graphs)
+            g.run()
+            self.stats.expert_graph += int(g.capture)
+            self.stats.expert_eager += int(not g.capture)
+        else:
+            self._expert_body(layer, bufs)()
+            self.stats.expert_eager += 1
+        return bufs._t["y"][:N].clone()
+
+    # ------------------------------------------------------------------ merge, head, sampling
+    def _row_index(self, T: int, k: int) -> Tensor:
+        idx = self._index_cache.get((T, k))
+        if idx is None:
+            idx = torch.arange(T * k, dtype=torch.int64, device=self.device).view(T, k)
+            if len(self._index_cache) < 4096:
+                self._index_cache[(T, k)] = idx
+        return idx
+
+    @torch.no_grad()
+    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
+        """h_next = h_res + sum_j w_j y_j (+ shared) in one topk_merge launch (bit-equal to
+        models.moe.combine: same fp32 operations in the same order)."""
+        h_res, shared, y = self._to_dev(h_res), self._to_dev(shared), self._to_dev(y)
+        w = self._to_dev(weights, torch.float32)
+        T, k, H = y.shape
+        return topk_merge(h_res, shared, y.reshape(T * k, H), self._row_index(T, k), w)
+
+    @torch.no_grad()
+    def logits(self, h: Tensor) -> DeviceLogits:
+        return DeviceLogits(layers.final_logits(self.spec, self.w, self._to_dev(h)), self.staging)
+
+    def sample(self, logits, params: Optional[SamplingParams], step: int) -> int:
+        params = params or _GREEDY
+        if isinstance(logits, LogitsRow):
+            if params.greedy:
+                return logits.parent.greedy(logits.index)
+            logits = logits.tensor
+        return sample(logits, params, step)

@@ -1,0 +1,64 @@
+"""Device-side view of a PagedKVStore: fixed-address caches and page tables the decode graph reads.
+
+The engine owns a `PagedKVStore` (runtime/kv_cache.py): page tables on the host, K/V storage
+[pages, block, heads, dim] on the executor's device, the layout `kernels.paged_attention` reads.
+For CUDA graphs two things must not move or be rebuilt per batch:
+- the K/V storage of every layer: preallocated whole (+1 trash page, id num_blocks, where the
+  padded rows of a captured batch write their K/V), so the lazy doubling never reallocates;
+- the page tables: a sequence's pages are all reserved at admission and never change, so each
+  table is copied to a device row once (`on_reserve`, an observer hook of the store), and a
+  decode batch passes only one row id per sequence. The graph gathers the rows it needs
+  (`index_select`) and finds each token's write slot there itself.
+
+Row `rows` (the last) is the trash row: every entry is the trash page. Padded batch rows point
+at it with position -1, i.e. context length 0: the kernel reads nothing and yields zeros.
+A sequence longer than `width` pages or arriving when all rows are taken gets no row; batches
+containing it take the eager path (`row_of` returns None), which reads the host tables.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+class DeviceBlockTables:
+    def __init__(self, kv, width: int, rows: int, device: torch.device,
+                 h2d: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """`h2d(dst_device_view, src_cpu_int32)` stages a host copy (pinned, non-blocking)."""
+        # Wrappers (runtime/decode_only.RandomPrefixKV) delegate to an inner store: the hooks must
+        # sit on the store that actually reserves and releases.
+        while hasattr(kv, "inner"):
+            kv = kv.inner
+        self.kv = kv
+        self.width = width
+        self.rows = rows
+        self.device = device
+        self.trash_page = kv.allocator.num_blocks
+        self.trash_row = rows
+        self._h2d = h2d
+        self.table = torch.full((rows + 1, width), self.trash_page, dtype=torch.int32, device=device)
+        self._row: dict[int, int] = {}
+        self._free = list(range(rows - 1, -1, -1))  # pop() gives the lowest row first
+        self.overflow = 0  # sequences that got no row (too long, or no row free)
+        for seq_id, blocks in kv.tables().items():
+            self.on_reserve(seq_id, blocks)
+        kv.device_view = self
+
+    def on_reserve(self, seq_id: int, blocks: list[int]) -> None:
+        if len(blocks) > self.width or not self._free:
+            self.overflow += 1
+            return
+        r = self._free.pop()
+        self._row[seq_id] = r
+        self._h2d(self.table[r, : len(blocks)], torch.tensor(blocks, dtype=torch.int32))
+
+    def on_release(self, seq_id: int) -> None:
+        r = self._row.pop(seq_id, None)
+        if r is not None:
+            # Stale entries are harmless (a new owner overwrites the prefix it uses; context
+            # lengths bound every read), so no device write on release.
+            self._free.append(r)
+
+    def row_of(self, seq_id: int) -> Optional[int]:
+        return self._row.get(seq_id)

@@ -1,0 +1,262 @@
+"""The CUDA executor's CPU twin: bucketing, padding masks, device page tables, paged KV layout, and
+equality with the TorchExecutor, all on the CPU (the same body code the GPU captures in graphs).
+
+Attention differs from the TorchExecutor only in rounding (the paged decode kernel computes the
+softmax in fp32 over the cache, the eager path in the activation dtype over a gathered copy), so
+hidden states are compared with a tight fp32 tolerance and tokens up to near-ties; everything
+that is pure bookkeeping (bucket choice, padding, page slots, the merge, the routing ids) is exact.
+"""
+from __future__ import annotations
+
+import copy
+import random
+from functools import lru_cache
+
+import pytest
+import torch
+
+from graph_ir.spec import load_spec
+from lowering.plan import compile_plan
+from models.reference import ReferenceDecoder
+from models.weights import random_weights
+from runtime.capture import bucket_for
+from runtime.cluster import RunOptions, run_workload
+from runtime.executor import TorchExecutor
+from runtime.executor_cuda import CudaExecutor, HostStaging
+from runtime.kv_cache import BlockAllocator, PagedKVStore
+from runtime.requests import Request
+
+torch.set_num_threads(1)
+SPECS = "models/specs"
+
+
+@lru_cache(maxsize=None)
+def model(name: str):
+    spec = load_spec(f"{SPECS}/{name}.yaml")
+    return spec, random_weights(spec)
+
+
+def test_bucket_for():
+    b = [1, 8, 40, 256]
+    assert [bucket_for(n, b) for n in (1, 2, 8, 9, 40, 41, 256)] == [1, 8, 8, 40, 40, 256, 256]
+    assert bucket_for(257, b) is None
+
+
+def test_host_staging_cpu_roundtrip():
+    st = HostStaging(torch.device("cpu"), slots=2)
+    dst = torch.zeros(2, 3, dtype=torch.int32)
+
+    def fill(a):
+        a[0, :] = [1, 2, 3]
+        a[1, :] = -1
+    st.h2d_array(dst, fill)
+    assert dst.tolist() == [[1, 2, 3], [-1, -1, -1]]
+    p = st.d2h(torch.arange(4.0))
+    assert p.wait().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# experts: padding to the bucket, sentinel rows, no dependence on the split
+
+
+@pytest.mark.parametrize("ffn", ["torch", "grouped_mm"])
+def test_experts_padded_equals_unpadded_and_reference(ffn):
+    spec, w = model("tiny-gpt-oss")
+    if ffn == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("no torch._grouped_mm")
+    E = spec.experts.num_experts
+    g = torch.Generator().manual_seed(0)
+    ref = TorchExecutor(spec, w)
+    for N in (1, 5, 13):
+        x = torch.randn(N, spec.hidden_size, generator=g)
+        ids = torch.randint(0, E, (N,), generator=g).tolist()
+        want = ref.experts(1, x, ids)
+        padded = CudaExecutor(spec, w, device="cpu", ffn_impl=ffn, buckets={"attn": [8], "expert": [16]})
+        exact = CudaExecutor(spec, w, device="cpu", ffn_impl=ffn, buckets={"attn": [8], "expert": [N]})
+        got_p = padded.experts(1, x, ids)
+        got_e = exact.experts(1, x, ids)
+        # Padded rows never change real rows: per-expert GEMMs over the same real rows.
+        torch.testing.assert_close(got_p, got_e, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_p, want, rtol=1e-5, atol=1e-5)
+        assert padded.stats.expert_eager == 1 and "expert: batch above the largest bucket" not in padded.stats.eager_reasons
+
+
+def test_experts_new_split_reuses_the_same_bucket_body():
+    spec, w = model("tiny-gpt-oss")
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    ref = TorchExecutor(spec, w)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):  # different expert splits, same (layer, bucket): one graph entry
+        x = torch.randn(11, spec.hidden_size, generator=g)
+        ids = torch.randint(0, spec.experts.num_experts, (11,), generator=g).tolist()
+        torch.testing.assert_close(ex.experts(0, x, ids), ref.experts(0, x, ids), rtol=1e-5, atol=1e-5)
+    assert len(ex.graphs) == 1
+
+
+def test_experts_above_largest_bucket_runs_eagerly():
+    spec, w = model("tiny-gpt-oss")
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [4]})
+    x = torch.randn(6, spec.hidden_size)
+    ids = [0, 1, 2, 3, 4, 5]
+    torch.testing.assert_close(ex.experts(0, x, ids), TorchExecutor(spec, w).experts(0, x, ids), rtol=1e-5, atol=1e-5)
+    assert ex.stats.eager_reasons.get("expert: batch above the largest bucket") == 1
+
+
+def test_permute_torch_capturable_matches_reference():
+    from kernels.permute import permute_to_experts_torch
+    spec, w = model("tiny-gpt-oss")
+    ex = CudaExecutor(spec, w, device="cpu")
+    E = spec.experts.num_experts
+    ids = torch.tensor([3, 1, E, 3, 0, E, 1], dtype=torch.int64)
+    order, offsets = ex._permute(ids)
+    ro, roff = permute_to_experts_torch(ids[:, None], E)
+    assert order.tolist() == ro.tolist()
+    assert offsets.tolist() == roff.tolist()  # sentinel rows excluded: offsets[E] == 5 real rows
+    assert offsets[-1].item() == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: decode path over device page tables vs the eager torch path
+
+
+def _prefilled(spec, w, lens: list[int], num_blocks=64, block_size=4, seed=0):
+    """A paged store with sequences 0..n-1 prefilled (eager torch path); returns (kv, h rows, tokens)."""
+    kv = PagedKVStore(spec.num_layers, BlockAllocator(num_blocks, block_size))
+    ref = TorchExecutor(spec, w)
+    rng = random.Random(seed)
+    for sid, n in enumerate(lens):
+        assert kv.reserve(sid, n + 8)
+        toks = [rng.randrange(3, spec.vocab_size) for _ in range(n)]
+        h = ref.embed(toks)
+        for layer in range(spec.num_layers):
+            h_res, x = ref.attention(layer, h, list(range(n)), [(sid, 0, n)], kv)
+            h = h_res + x  # any rows: only the K/V history matters here
+    return kv
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-deepseek-v2", "tiny-qwen2-moe"])
+def test_decode_attention_matches_torch_executor(name):
+    spec, w = model(name)
+    lens = [3, 9, 1, 14, 6]
+    kv_a = _prefilled(spec, w, lens)
+    kv_b = copy.deepcopy(kv_a)
+    T = len(lens)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(T, spec.hidden_size, generator=g)
+    positions = list(lens)  # next position of each sequence
+    segments = [(sid, i, 1) for i, sid in enumerate(range(T))]
+    ref = TorchExecutor(spec, w)
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [64]})
+    layer = spec.num_layers - 1
+    want_res, want_x = ref.attention(layer, h, positions, segments, kv_a)
+    got_res, got_x = ex.attention(layer, h, positions, segments, kv_b)
+    assert ex.stats.attn_eager == 0 and ex.stats.attn_eager_decode == 1
+    torch.testing.assert_close(got_res, want_res, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-4, atol=1e-4)
+    if spec.is_moe_layer(layer):
+        ids, wts = ex.route(layer, got_x)
+        rids, rwts = ref.route(layer, want_x)
+        assert ids.device.type == "cpu" and ids.dtype == torch.int64 and wts.dtype == torch.float32
+        assert ids.tolist() == rids.tolist()
+        torch.testing.assert_close(wts, rwts, rtol=1e-4, atol=1e-5)
+        sh, rsh = ex.shared_expert(layer, got_x), ref.shared_expert(layer, want_x)
+        if rsh is None:
+            assert sh is None
+        else:
+            torch.testing.assert_close(sh, rsh, rtol=1e-4, atol=1e-4)
+    # Paged layout: the decode path wrote this batch's K/V where the torch path did, and the
+    # padded rows (8 - 5 of them) touched only the trash page.
+    for sid, n in enumerate(lens):
+        ka, va = kv_a.read(layer, sid, n + 1)
+        kb, vb = kv_b.read(layer, sid, n + 1)
+        torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-6)
+    ka_all, _ = kv_a.storage(layer)
+    kb_all, _ = kv_b.storage(layer)
+    na = ka_all.shape[0]  # the torch path's storage grew lazily; the rest of the pool is untouched
+    torch.testing.assert_close(kb_all[:na], ka_all, rtol=1e-5, atol=1e-6)
+    assert not kb_all[na:kv_a.allocator.num_blocks].any()
+
+
+def test_decode_padding_does_not_change_results():
+    spec, w = model("tiny-gpt-oss")
+    lens = [5, 2, 7]
+    kv_a = _prefilled(spec, w, lens)
+    kv_b = copy.deepcopy(kv_a)
+    h = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    seg = [(i, i, 1) for i in range(3)]
+    padded = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    exact = CudaExecutor(spec, w, device="cpu", buckets={"attn": [3], "expert": [16]})
+    a = padded.attention(1, h, lens, seg, kv_a)
+    b = exact.attention(1, h, lens, seg, kv_b)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+    assert padded.route(1, a[1])[0].tolist() == exact.route(1, b[1])[0].tolist()
+
+
+def test_device_tables_follow_reserve_and_release():
+    spec, w = model("tiny-gpt-oss")
+    kv = PagedKVStore(spec.num_layers, BlockAllocator(16, 4))
+    kv.reserve(7, 10)  # before attachment
+    ex = CudaExecutor(spec, w, device="cpu", max_context=16, table_rows=2)
+    dv = ex._view(kv)
+    r7 = dv.row_of(7)
+    assert dv.table[r7, :3].tolist() == kv.table(7)
+    kv.reserve(8, 4)
+    assert dv.table[dv.row_of(8), :1].tolist() == kv.table(8)
+    kv.reserve(9, 4)  # no row left: eager path for it
+    assert dv.row_of(9) is None and dv.overflow == 1
+    kv.release(7)
+    assert dv.row_of(7) is None
+    kv.reserve(10, 20)  # 5 pages > width 4: no row
+    assert dv.row_of(10) is None
+    assert dv.table[dv.trash_row].tolist() == [16] * 4  # trash row -> trash page (num_blocks)
+    ex.detach(kv)
+    assert kv.device_view is None
+
+
+def test_combine_bit_equal_and_greedy_sampling():
+    spec, w = model("tiny-gpt-oss")
+    ref, ex = TorchExecutor(spec, w), CudaExecutor(spec, w, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    T, k, H = 5, spec.experts.top_k, spec.hidden_size
+    h_res, y = torch.randn(T, H, generator=g), torch.randn(T, k, H, generator=g)
+    wts = torch.rand(T, k, generator=g)
+    assert torch.equal(ex.combine(h_res, None, y, wts), ref.combine(h_res, None, y, wts))
+    sh = torch.randn(T, H, generator=g)
+    assert torch.equal(ex.combine(h_res, sh, y, wts), ref.combine(h_res, sh, y, wts))
+    lg, rl = ex.logits(h_res), ref.logits(h_res)
+    assert [ex.sample(lg[i], None, 0) for i in range(T)] == [ref.sample(rl[i], None, 0) for i in range(T)]
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: the engine with the CPU twin produces the reference tokens
+
+
+def _margin(logits):
+    v = torch.topk(logits.float(), 2).values
+    return float(v[0] - v[1])
+
+
+@pytest.mark.parametrize("policy", ["defrag", "mtfs", "flfs"])
+def test_engine_with_twin_matches_reference(policy):
+    name = "tiny-gpt-oss"
+    spec, w = model(name)
+    ref = ReferenceDecoder(spec, w)
+    rng = random.Random(5)
+    reqs = []
+    for i in range(6):
+        n = rng.choice([1, 1, 3, 12])  # one-token prompts run the decode (bucketed) path from step 0
+        reqs.append(Request(i, f"r{i}", [rng.randrange(3, spec.vocab_size) for _ in range(n)], 6, ignore_eos=True,
+                            arrival=0.0))
+    plan = compile_plan(spec, 2)
+    res = run_workload(plan, reqs, RunOptions(policy=policy, executor="cuda", kv_blocks=64), weights=w)
+    compared = 0
+    for r in res.requests:
+        want = ref.generate(r.prompt, r.max_new_tokens, ignore_eos=True)
+        for s, tok in enumerate(want.tokens):
+            if _margin(want.logits[s]) < 1e-3:
+                break
+            assert r.output[s] == tok, f"{r.name} step {s}: {r.output} vs {want.tokens}"
+            compared += 1
+    assert compared >= 20
