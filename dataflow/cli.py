@@ -35,7 +35,12 @@ _register()
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
+        # Non-standalone mode returns (not raises) some exit codes, e.g. typer turns Ctrl-C into 130.
+        if isinstance(rc, int) and rc:
+            if rc == 130:
+                print("interrupted", file=sys.stderr)
+            sys.exit(rc)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

@@ -5,9 +5,12 @@ workload, so `dataflow compile tiny && dataflow run` works as written. All run l
 `runtime.cluster.run_workload(plan, requests, options, transport_factory)`; this module only turns
 flags into those arguments and results into files and tables.
 
-Ranks run in this process (`--in-process`). When a multi-process runner is installed
-(`runtime.launch.run_workload_multiprocess`, same signature minus the transport factory) it is the
-default and `--in-process` opts out of it.
+By default every rank is its own process (runtime/multiproc.py: `run_workload_multiprocess`, same
+contract as `run_workload`; gloo on CPU, NCCL when the plan targets cuda). Started by `torchrun`
+(RANK/WORLD_SIZE set) this process is one rank: rank 0 reads the prompts, prints and writes the
+outputs, the other ranks print nothing. `--in-process` runs all ranks in this process instead;
+`--clock virtual` (a simulation) always does. A failed rank ends the run with exit code 1 and one
+line per failed rank, no traceback.
 """
 from __future__ import annotations
 
@@ -32,12 +35,23 @@ def _parse_params(items: list[str]) -> dict:
     return out
 
 
-def _multi_process_runner():
-    try:
-        from runtime.launch import run_workload_multiprocess  # provided by the transport/launcher work
-    except ImportError:
-        return None
-    return run_workload_multiprocess
+class RunFailed(UserError):
+    """A rank died, wedged or failed: the message names it; exit 1 (not a usage mistake)."""
+    exit_code = 1
+
+
+def _multi_process_runner(procs_timeout: Optional[float], peer_timeout: float):
+    from runtime.multiproc import run_workload_multiprocess
+
+    def run(plan, requests, options):
+        return run_workload_multiprocess(plan, requests, options, timeout=procs_timeout, peer_timeout_s=peer_timeout)
+    return run
+
+
+def _under_torchrun_rank() -> Optional[int]:
+    from runtime.launch import from_torchrun_env
+    env = from_torchrun_env()
+    return None if env is None else env.rank
 
 
 def _summary_table(metrics: dict, plan, policy: str):
@@ -47,6 +61,8 @@ def _summary_table(metrics: dict, plan, policy: str):
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
     t.add_row("requests finished", f"{metrics['finished']} / {metrics['requests']}")
+    procs = metrics.get("processes")  # set by the multi-process runner only
+    t.add_row("processes", f"{procs} (one per rank)" if procs else "1 (all ranks in-process)")
     t.add_row("tokens generated", str(metrics["tokens"]))
     t.add_row("elapsed", f"{metrics['elapsed_s']:.3f} s")
     t.add_row("tokens/s", f"{metrics['tokens_per_s']:.1f}")
@@ -80,7 +96,13 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="sampling seed (request i uses seed + i) and workload seed"),
         output: Optional[Path] = typer.Option(None, "--output", "-o", help="write one JSON line per request"),
         trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON"),
-        in_process: bool = typer.Option(False, "--in-process", help="run all ranks in this process"),
+        in_process: bool = typer.Option(False, "--in-process", help="run all ranks in this process (default: one "
+                                                                   "process per rank)"),
+        procs_timeout: Optional[float] = typer.Option(None, "--procs-timeout",
+                                                      help="seconds before a multi-process run is terminated "
+                                                           "(default: no limit)"),
+        peer_timeout: float = typer.Option(10.0, "--peer-timeout",
+                                           help="seconds of silence after which a rank counts as dead or wedged"),
         clock: str = typer.Option("wall", "--clock",
                                   help="wall, or virtual (batches timed by the cost model: a simulation)"),
         kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="override KV pages per rank"),
@@ -116,7 +138,12 @@ def register(app: typer.Typer) -> None:
         except ValidationError as err:
             raise UserError(f"sampling options: {err.errors()[0]['loc'][0]}: {err.errors()[0]['msg']}") from None
 
-        if prompts is not None:
+        if peer_timeout <= 0 or (procs_timeout is not None and procs_timeout <= 0):
+            raise UserError("--peer-timeout and --procs-timeout must be > 0")
+        torchrun_rank = None if in_process or clock == "virtual" else _under_torchrun_rank()
+        if torchrun_rank not in (None, 0):
+            requests = []  # only the coordinator (rank 0) reads the prompts; the others serve what it sends
+        elif prompts is not None:
             requests = load_prompts(prompts, spec, max_new_tokens, sampling, ignore_eos)
         else:
             requests = default_workload(spec, num_requests, max_new_tokens, seed, sampling, ignore_eos)
@@ -126,7 +153,8 @@ def register(app: typer.Typer) -> None:
 
         options = RunOptions(policy=policy, policy_params=params, clock=clock, trace=trace is not None,
                              kv_blocks=kv_blocks)
-        runner = None if in_process else _multi_process_runner()
+        # The virtual clock is a simulation of the whole cluster: it needs every rank in one process.
+        runner = None if in_process or clock == "virtual" else _multi_process_runner(procs_timeout, peer_timeout)
         if plan.cluster.device == "cuda":
             import torch
             if not torch.cuda.is_available():
@@ -134,7 +162,7 @@ def register(app: typer.Typer) -> None:
 
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn(), console=console,
-                      disable=quiet, transient=True) as bar:
+                      disable=quiet or torchrun_rank not in (None, 0), transient=True) as bar:
             task = bar.add_task("requests", total=len(requests), tokens=0)
             options.progress = lambda done, total, tokens: bar.update(task, completed=done, tokens=tokens)
             try:
@@ -144,6 +172,14 @@ def register(app: typer.Typer) -> None:
                     result = run_workload(plan, requests, options)
             except ValueError as err:  # e.g. a request larger than any rank's KV pool
                 raise UserError(str(err)) from None
+            except Exception as err:
+                from runtime.multiproc import RunFailed as RanksFailed
+                if isinstance(err, RanksFailed):
+                    raise RunFailed(f"run failed: {err}") from None
+                raise
+
+        if result is None:  # a torchrun rank other than 0: rank 0 reports
+            return
 
         if output is not None:
             write_outputs(output, result.requests)

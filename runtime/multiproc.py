@@ -112,7 +112,7 @@ def rank_main(env: RankEnv, job: RankJob):
 
     from models.weights import load_weights
     from runtime.cluster import build_executor
-    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
+    from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport, init_distributed
 
     plan = job.plan
     if plan.cluster.ranks != env.world_size:
@@ -127,8 +127,32 @@ def rank_main(env: RankEnv, job: RankJob):
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           chaos=job.chaos) as transport:
         node = RankNode(env, plan, executor, transport, clock, job)
-        results = node.serve()
+        try:
+            results = node.serve()
+        except PeerFailure:
+            raise
+        except RuntimeError as err:
+            raise _peer_failure_behind(transport, err, job.peer_timeout_s + 1.0) from None
     return results if env.rank == COORDINATOR else None
+
+
+def _peer_failure_behind(transport, err: RuntimeError, within_s: float):
+    """A backend error raised synchronously (gloo fails every later post on a pair its dead peer
+    reset, e.g. "Read error ... Connection reset by peer") does not say which rank died. The
+    heartbeats do: keep polling the transport (its health check names the silent rank, or a peer's
+    abort notice arrives) for up to `within_s`. Returns that PeerFailure, or `err` if none shows up."""
+    from runtime.health import PeerFailure
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            transport.poll(timeout=0.05)
+        except PeerFailure as failure:
+            seen = (str(err).splitlines() or [type(err).__name__])[0][:200]
+            return PeerFailure(failure.rank, failure.waiting_for, f"{failure.reason} (first seen here as: {seen})",
+                               failure.reported_by)
+        except RuntimeError:
+            time.sleep(0.05)  # the same backend error again (a queued send to the dead peer)
+    return err
 
 
 class RankNode:
@@ -457,6 +481,17 @@ def _picklable(options):
     return dataclasses.replace(options, progress=None)
 
 
+def _check_fits(plan, requests: list, options) -> None:
+    """Refuse a request no rank could ever hold here, as a ValueError (a user mistake), not as a rank's
+    failure after every process started."""
+    from runtime.engine import config_from_plan
+    from runtime.requests import Admission
+    capacity = [config_from_plan(plan, r, options.kv_blocks).num_blocks for r in range(plan.cluster.ranks)]
+    adm = Admission(plan.kv.block_size, capacity, options.home_policy or plan.placement.home_policy)
+    for req in requests:
+        adm.submit(req)  # raises ValueError naming the request when it cannot fit anywhere
+
+
 def _to_result(raw: dict, original: list, world: int):
     from runtime.cluster import RunResult
     from runtime.trace import TraceRecorder
@@ -487,6 +522,8 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
     runtime.cluster.RunResult per workload (None on ranks other than 0 under torchrun).
     `timeout`: seconds for the whole launch. Raises RunFailed naming the failed ranks."""
     clean = [(list(reqs), _picklable(opts)) for reqs, opts in workloads]
+    for reqs, opts in clean:
+        _check_fits(plan, reqs, opts)
     progress = progress or (workloads[0][1].progress if len(workloads) == 1 else None)
     job = RankJob(plan, clean, peer_timeout_s, chaos)
     world = plan.cluster.ranks
