@@ -8,7 +8,9 @@ Starts `--ranks` processes on this machine (runtime.launch) and, for each size:
               the other one, keeping the per-peer in-flight window full; messages/s is per stream,
               CPU per message is the process CPU time (all threads: engine, receptor, waiters,
               heartbeat) divided by the messages it sent, i.e. one send plus one receive.
-Size 0 means a meta-only message (ZeroMQ only, no phase 2).
+Size 0 means a meta-only message (ZeroMQ only, no phase 2). `--device cuda` puts each rank on
+cuda:LOCAL_RANK and moves the tensors with NCCL (on per-direction streams, see zmq_dist.py) instead
+of gloo; latency then includes the device-side completion.
 """
 from __future__ import annotations
 
@@ -43,15 +45,25 @@ def _label(size: int) -> str:
     return f"{size}B"
 
 
-def bench_rank(env, sizes: list[int], messages: int, latency_messages: int) -> dict:
+def bench_rank(env, sizes: list[int], messages: int, latency_messages: int, device: str = "cpu") -> dict:
     """Runs inside each rank process (see runtime/launch.py)."""
+    import os
+
     import torch
 
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
-    init_distributed(env.rank, env.world_size, "gloo")
+    # Ranks share the host's cores: one intra-op thread per core per rank oversubscribes them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))))
+    if device == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # p2p needs no NVLink multicast buffers
+        torch.cuda.set_device(env.local_rank)
+        dev = torch.device("cuda", env.local_rank)
+    else:
+        dev = torch.device("cpu")
+    init_distributed(env.rank, env.world_size, "nccl" if device == "cuda" else "gloo")
     rank, world = env.rank, env.world_size
     out: dict = {"rank": rank, "sizes": {}}
-    with ZmqDistTransport(rank, world, "cpu") as tr:
+    with ZmqDistTransport(rank, world, dev) as tr:
         stash: list = []  # arrivals that belong to a later phase (a faster peer is already there)
 
         def take(kind: str, limit: int, timeout_s: float) -> list:
@@ -81,7 +93,7 @@ def bench_rank(env, sizes: list[int], messages: int, latency_messages: int) -> d
             wait(world - 1, tag)
 
         for size in sizes:
-            payload = torch.randn(max(1, size // 4)) if size else None
+            payload = torch.randn(max(1, size // 4), device=dev) if size else None
             row: dict = {}
             barrier(f"lat{size}")
             # -- latency, rank 0 -> rank 1, one message at a time
@@ -133,6 +145,7 @@ def register(app: typer.Typer) -> None:
         messages: int = typer.Option(1000, help="messages per rank per size in the throughput phase"),
         latency_messages: Optional[int] = typer.Option(None, help="ping-pong messages per size (default: min(messages, 300))"),
         timeout: float = typer.Option(600.0, help="seconds before the whole benchmark is terminated"),
+        device: str = typer.Option("cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)"),
     ) -> None:
         """Measure the ZeroMQ + torch.distributed transport: messages/s, one-way latency, CPU per message."""
         from rich.console import Console
@@ -143,12 +156,21 @@ def register(app: typer.Typer) -> None:
             raise UserError("--ranks must be at least 2")
         if messages < 1:
             raise UserError("--messages must be at least 1")
+        if device not in ("cpu", "cuda"):
+            raise UserError(f"--device {device!r}; valid: cpu, cuda")
+        if device == "cuda":
+            import torch
+            if torch.cuda.device_count() < ranks:
+                raise UserError(f"--device cuda needs one GPU per rank: {ranks} ranks, "
+                                f"{torch.cuda.device_count()} GPU(s) visible")
         size_list = [_parse_size(s) for s in sizes.split(",") if s.strip()]
         n_lat = latency_messages if latency_messages is not None else min(messages, 300)
-        res = launch_local(ranks, bench_rank, (size_list, messages, n_lat), timeout=timeout)
+        env = {"NCCL_NVLS_ENABLE": "0"} if device == "cuda" else None
+        res = launch_local(ranks, bench_rank, (size_list, messages, n_lat, device), timeout=timeout, env=env)
         if not res.ok:
             raise UserError(f"transport benchmark failed: {res.first_error}")
-        table = Table(title=f"transport: ZeroMQ metadata + gloo p2p, {ranks} ranks on this host")
+        backend = "NCCL p2p (GPU)" if device == "cuda" else "gloo p2p"
+        table = Table(title=f"transport: ZeroMQ metadata + {backend}, {ranks} ranks on this host")
         for col in ("size", "msg/s", "MB/s", "p50 us", "p99 us", "send() us", "CPU us/msg"):
             table.add_column(col, justify="right")
         for size in size_list:

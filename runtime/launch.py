@@ -189,6 +189,7 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
     codes: list[Optional[int]] = [None] * world_size
     first_failed: Optional[int] = None
     timed_out = False
+    failed_before_timeout: Optional[int] = None
     running_at_timeout: list[int] = []
     try:
         for rank in range(world_size):
@@ -218,6 +219,7 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
                 fail_at = now  # interrupted: the forwarded signal gets the same grace as a failure
             if timeout is not None and not timed_out and now - start > timeout:
                 timed_out = True
+                failed_before_timeout = first_failed  # ranks failing after our SIGTERM are not news
                 running_at_timeout = [r for r, c in enumerate(codes) if c is None]
                 term_at = now
                 _signal_all(procs, signal.SIGTERM)
@@ -255,8 +257,8 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
     first_error = None
     if timed_out:
         first_error = f"timed out after {timeout:g} s; rank(s) {running_at_timeout} still running were terminated"
-        if first_failed is not None:
-            first_error += f"; earlier, rank {first_failed}: {errors.get(first_failed)}"
+        if failed_before_timeout is not None:
+            first_error += f"; earlier, rank {failed_before_timeout}: {errors.get(failed_before_timeout)}"
     elif first_failed is not None:
         first_error = f"rank {first_failed}: {errors[first_failed]}"
     result = LaunchResult(exit_codes, first_error, first_failed, errors, results, time.monotonic() - start)

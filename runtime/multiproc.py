@@ -148,8 +148,8 @@ def _peer_failure_behind(transport, err: RuntimeError, within_s: float):
             transport.poll(timeout=0.05)
         except PeerFailure as failure:
             seen = (str(err).splitlines() or [type(err).__name__])[0][:200]
-            return PeerFailure(failure.rank, failure.waiting_for, f"{failure.reason} (first seen here as: {seen})",
-                               failure.reported_by)
+            reason = failure.reason if seen[:80] in failure.reason else f"{failure.reason} (first seen here as: {seen})"
+            return PeerFailure(failure.rank, failure.waiting_for, reason, failure.reported_by)
         except RuntimeError:
             time.sleep(0.05)  # the same backend error again (a queued send to the dead peer)
     return err
@@ -509,7 +509,8 @@ def _to_result(raw: dict, original: list, world: int):
 def _failure_message(res) -> str:
     lines = [res.first_error or "failed"]
     for rank, msg in sorted(res.errors.items()):
-        if rank != res.first_failed_rank:
+        # "terminated (SIGTERM)" is the launcher ending a rank that had not failed: not a cause.
+        if rank != res.first_failed_rank and msg != "terminated (SIGTERM)":
             lines.append(f"rank {rank}: {msg}")
     return "\n".join(lines)
 
