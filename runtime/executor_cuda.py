@@ -262,6 +262,12 @@ class CudaExecutor:
                                ("permute_impl", self.permute_impl, PERMUTE_IMPLS)):
             if v not in valid:
                 raise ValueError(f"{name}={v!r}: expected one of {valid}")
+        if self.ffn_impl == "grouped_mm":
+            from kernels.grouped_ffn import grouped_mm_supported
+            probe = torch.empty(1, spec.hidden_size, dtype=weights.embed.dtype, device=self.device)
+            wg = next((weights.layers[l]["experts.gate"] for l in spec.moe_layers), None)
+            if wg is None or not grouped_mm_supported(probe, wg):
+                raise ValueError("ffn_impl=grouped_mm: torch._grouped_mm does not support these shapes/dtype/device")
         src = buckets or (plan.capture.buckets if plan is not None else _DEFAULT_BUCKETS)
         self.buckets = {k: sorted(v) for k, v in src.items()}
         graphs = on_cuda if graphs is None else (graphs and on_cuda)
@@ -288,6 +294,9 @@ class CudaExecutor:
         self._views: dict[int, DeviceBlockTables] = {}  # kv serial -> device tables
         self._serial = 0
         self._pending: Optional[_Pending] = None
+        # When a list: (kind, start event, end event) per attention / expert call, recorded around
+        # the call's device work (benchmarks/gpu_bench.py derives GPU time per batch from it).
+        self.profile: Optional[list] = None
         self._index_cache: dict[tuple[int, int], Tensor] = {}
         ex = spec.experts
         self.num_experts = ex.num_experts
@@ -351,9 +360,62 @@ class CudaExecutor:
             self.staging.h2d(ids, torch.tensor(token_ids, dtype=torch.int64))
         return layers.embed(self.w, ids)
 
+    def _mark(self) -> Optional[torch.cuda.Event]:
+        if self.profile is None or self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _marked(self, kind: str, start) -> None:
+        if start is not None:
+            self.profile.append((kind, start, self._mark()))
+
+    @torch.no_grad()
+    def prepare(self, kv, layers_: Optional[list[int]] = None) -> int:
+        """Capture every (layer, bucket) graph for this KV store now (attention) and for the
+        executor (experts), so a timed run never captures. The warm-up pass of each capture runs
+        on padding only (positions -1, trash page; sentinel experts). Returns graphs captured."""
+        if self.device.type != "cuda":
+            return 0
+        dv = self._view(kv)
+        before = self.graphs.captures
+        lays = list(range(self.spec.num_layers)) if layers_ is None else layers_
+        for b in self.buckets["attn"]:
+            bufs = self._attn_bufs(b, True)
+
+            def fill(a: np.ndarray) -> None:
+                a[0, :] = -1
+                a[1, :] = dv.trash_row
+            self.staging.h2d_array(bufs._t["meta"], fill)
+            for layer in lays:
+                if self.attn_graphs:
+                    g = self.graphs.get(("attn", layer, b, kv._cuda_exec_serial), "attn", b,
+                                        lambda: self._attn_body(layer, bufs, dv, kv), True)
+                    if g.graph is None:
+                        g._capture()
+        for b in self.buckets["expert"]:
+            bufs = self._expert_bufs(b, True)
+            pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
+            self.staging.h2d_array(bufs._t["ids"], lambda a: a.fill(pad))
+            for layer in lays:
+                if self.expert_graphs and self.spec.is_moe_layer(layer):
+                    g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs), True)
+                    if g.graph is None:
+                        g._capture()
+        torch.cuda.synchronize(self.device)
+        return self.graphs.captures - before
+
     @torch.no_grad()
     def attention(self, layer: int, h: Tensor, positions: list[int], segments: list[tuple[int, int, int]],
                   kv) -> tuple[Tensor, Tensor]:
+        start = self._mark()
+        try:
+            return self._attention(layer, h, positions, segments, kv)
+        finally:
+            self._marked("attn", start)
+
+    def _attention(self, layer, h, positions, segments, kv):
         self._pending = None
         h = self._to_dev(h)
         T = h.shape[0]
@@ -532,6 +594,13 @@ class CudaExecutor:
 
     @torch.no_grad()
     def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
+        start = self._mark()
+        try:
+            return self._experts(layer, x, expert_ids)
+        finally:
+            self._marked("expert", start)
+
+    def _experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
         x = self._to_dev(x)
         N = x.shape[0]
         if N == 0:

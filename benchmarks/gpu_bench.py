@@ -1,0 +1,666 @@
+"""GPU checks and timings of the CUDA executor in one command (see benchmarks/NOTES.md).
+
+    python benchmarks/gpu_bench.py --out DIR                 # device box: everything, ~6-8 min on one H200
+    python benchmarks/gpu_bench.py --out DIR --smoke         # CPU: tiny shapes, the same code paths, < 60 s
+    python benchmarks/gpu_bench.py --out DIR --sections correctness,executor   # pick sections
+
+Sections (each prints progress and lands in DIR/gpu_bench.json + DIR/gpu_bench.md):
+  correctness  tiny models, all policies, 2 in-process ranks: fp32 GPU tokens vs the fp32 CPU
+               reference (near-tie margin 1e-3, the tests' rule) and bf16 GPU tokens vs the same
+               fp32 reference up to the first step whose reference top-2 margin is below
+               delta = 2 x (largest |logit error| of an independent bf16 run: the CPU reference in
+               bf16, teacher-forced on the same tokens). Past such a near-tie a bf16 run may
+               legitimately pick the other token and diverge; before it, it must not. Per
+               grouped-FFN implementation.
+  executor     GPT-OSS-20B shapes (bf16, random weights): per expert bucket and routing skew, GPU
+               time of one expert batch (graph replay) vs its bytes floor and the measured device
+               copy ceiling; per attention bucket and context, GPU time and the host microseconds
+               of attention()+route() and experts(); graphs vs eager for the same call. Outputs
+               are checked against the TorchExecutor on the same device first.
+  e2e          GPT-OSS-20B cut to --layers layers, decode-only (random prompt KV), Zipf routing,
+               all requests at t=0, --concurrency levels: streaming (per policy) vs all-gather EP
+               vs all-to-all EP (runtime/barrier.py; skipped with the reason if it cannot run on
+               the GPU), --ranks in-process ranks on one GPU. tokens/s, ITL p50/p99, CPU us per
+               attention / expert batch and the share hidden behind GPU work.
+  mp           (--mp-ranks N) the streaming engine through runtime/multiproc.py, one process per GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from graph_ir.spec import ModelSpec, load_spec  # noqa: E402
+from lowering.plan import compile_plan  # noqa: E402
+from models.reference import ReferenceDecoder  # noqa: E402
+from models.weights import ModelWeights, expected_shapes, random_weights  # noqa: E402
+from runtime.cluster import Cluster, RunOptions  # noqa: E402
+from runtime.executor import TorchExecutor  # noqa: E402
+from runtime.executor_cuda import CudaExecutor  # noqa: E402
+from runtime.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
+from runtime.requests import Request  # noqa: E402
+from runtime.scheduler import POLICIES  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+
+
+def cut_spec(name: str, layers: int | None, dtype: str | None = None) -> ModelSpec:
+    """A shipped spec, optionally cut to its first `layers` layers (layer types cut alike)."""
+    data = yaml.safe_load((ROOT / "models/specs" / f"{name}.yaml").read_text())
+    if layers is not None and layers < data["num_layers"]:
+        data["num_layers"] = layers
+        lt = data.get("attention", {}).get("layer_types")
+        if lt:
+            data["attention"]["layer_types"] = lt[:layers]
+        if data.get("dense_layers"):
+            data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
+        data["name"] = f"{data['name']}-L{layers}"
+    if dtype:
+        data["dtype"] = dtype
+    return ModelSpec.model_validate(data)
+
+
+def device_weights(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> ModelWeights:
+    """Random weights drawn on the device (a 20B model drawn on the host takes minutes).
+    Same recipe as models.weights.random_weights (std init_std; norms 1 + N(0, 0.1))."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    std = spec.weights.init_std
+    tensors = {}
+    for name, shape in expected_shapes(spec).items():
+        short = name.split(".", 2)[2] if name.startswith("layers.") else name
+        t = torch.randn(shape, generator=g, device=device, dtype=dtype)
+        if short.endswith("norm"):
+            t = 1.0 + 0.1 * t
+        elif short == "sinks":
+            t = 0.5 * t
+        else:
+            t = std * t
+        tensors[name] = t.to(torch.float32) if short == "router.correction_bias" else t
+    layers = [{} for _ in range(spec.num_layers)]
+    for name, t in tensors.items():
+        if name.startswith("layers."):
+            _, idx, short = name.split(".", 2)
+            layers[int(idx)][short] = t
+    return ModelWeights(tensors["embed"], tensors["final_norm"], tensors.get("lm_head"), layers)
+
+
+def detach_all(ex, cluster_or_kvs) -> None:
+    inner = getattr(ex, "_inner", ex)
+    kvs = [e.kv for e in cluster_or_kvs.engines] if hasattr(cluster_or_kvs, "engines") else cluster_or_kvs
+    for kv in kvs:
+        inner.detach(kv)
+
+
+# ------------------------------------------------------------------------------------------------
+# correctness
+
+
+def section_correctness(args, dev: torch.device, results: dict) -> None:
+    out = results.setdefault("correctness", [])
+    names = args.check_models.split(",")
+    for name in names:
+        spec = load_spec(ROOT / "models/specs" / f"{name}.yaml")
+        w32 = random_weights(spec)
+        ref = ReferenceDecoder(spec, w32)
+        ref16 = ReferenceDecoder(spec, w32.to(dtype=torch.bfloat16))
+        rng = random.Random(0)
+        reqs_t = []
+        for i in range(args.check_requests):
+            n = rng.choice([1, 1, 3, 12, 40])
+            reqs_t.append(([rng.randrange(3, spec.vocab_size) for _ in range(n)], args.check_new))
+        refs, err16 = [], 0.0
+        for prompt, m in reqs_t:
+            r = ref.generate(prompt, m, ignore_eos=True)
+            refs.append(r)
+            l16 = ref16.forward_logits(prompt + r.tokens[:-1])[len(prompt) - 1:].float()
+            err16 = max(err16, float((l16 - torch.stack(r.logits)).abs().max()))
+        delta = 2 * err16
+        log(f"correctness {name}: fp32 CPU reference done; bf16 CPU |logit err| max {err16:.4f} -> delta {delta:.4f}")
+        plan = compile_plan(spec, 2)
+        for dtype in (torch.float32, torch.bfloat16):
+            wdev = w32.to(device=dev, dtype=dtype)
+            tol = 1e-3 if dtype == torch.float32 else delta
+            impls = args.ffn_impls.split(",") if dev.type == "cuda" else ["torch"]
+            if dtype == torch.float32:
+                impls = [i for i in impls if i != "grouped_mm"] or ["torch"]  # grouped_mm is bf16-only
+            for impl in impls:
+                try:
+                    ex = CudaExecutor(spec, wdev, plan, dev, ffn_impl=impl)
+                except Exception as err:  # noqa: BLE001
+                    out.append(dict(model=name, dtype=str(dtype), ffn=impl, error=repr(err)))
+                    log(f"  {impl}: cannot build: {err!r}")
+                    continue
+                for policy in POLICIES:
+                    rec = dict(model=name, dtype=str(dtype).replace("torch.", ""), ffn=impl, policy=policy,
+                               tol=tol)
+                    try:
+                        reqs = [Request(i, f"r{i}", list(p), m, ignore_eos=True, arrival=0.0)
+                                for i, (p, m) in enumerate(reqs_t)]
+                        cl = Cluster(plan, ex, RunOptions(policy=policy, kv_blocks=256))
+                        cl.run(reqs)
+                        detach_all(ex, cl)
+                        compared = mism = 0
+                        first_bad = None
+                        for r, want in zip(reqs, refs):
+                            for s, tok in enumerate(want.tokens):
+                                v = torch.topk(want.logits[s].float(), 2).values
+                                if float(v[0] - v[1]) < tol:
+                                    break
+                                if s >= len(r.output) or r.output[s] != tok:
+                                    mism += 1
+                                    first_bad = first_bad or f"{r.name} step {s}: {r.output} vs {want.tokens}"
+                                    break
+                                compared += 1
+                        # compared == 0 (every first step a near-tie at this margin) is reported, not failed:
+                        # the bf16 check of a model whose logits are as small as its bf16 error is vacuous.
+                        rec.update(compared=compared, mismatches=mism, ok=mism == 0, vacuous=compared == 0,
+                                   first_mismatch=first_bad, stats=dict(attn_graph=ex.stats.attn_graph,
+                                                                        expert_graph=ex.stats.expert_graph,
+                                                                        attn_eager=ex.stats.attn_eager))
+                    except Exception as err:  # noqa: BLE001
+                        rec.update(ok=False, error=f"{type(err).__name__}: {err}"[:400])
+                        traceback.print_exc()
+                    out.append(rec)
+                    log(f"  {name} {rec['dtype']:8s} ffn={impl:10s} {policy:7s} "
+                        f"{'OK ' if rec.get('ok') else 'BAD'} compared={rec.get('compared')} "
+                        f"mismatches={rec.get('mismatches')} {rec.get('error') or rec.get('first_mismatch') or ''}")
+
+
+# ------------------------------------------------------------------------------------------------
+# executor microbenchmarks
+
+
+def measure_copy_bps(dev: torch.device) -> float | None:
+    if dev.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(dev)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(5):
+        dst.copy_(src)
+    e.record()
+    e.synchronize()
+    t = s.elapsed_time(e) / 1e3 / 5
+    del src, dst
+    return 2 * (1 << 30) / t
+
+
+def time_call(fn, dev: torch.device, iters: int) -> tuple[float, float]:
+    """(GPU seconds per call from events, host seconds per call) over `iters` back-to-back calls."""
+    fn()
+    sync(dev)
+    if dev.type == "cuda":
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t) / iters
+    if dev.type == "cuda":
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / 1e3 / iters, host
+    return host, host
+
+
+def zipf_ids(n: int, E: int, s: float, g: random.Random) -> list[int]:
+    w = [1.0 / (i + 1) ** s for i in range(E)]
+    return g.choices(range(E), weights=w, k=n)
+
+
+def section_executor(args, dev: torch.device, results: dict, S: dict) -> None:
+    res = results.setdefault("executor", {})
+    copy_bps = measure_copy_bps(dev)
+    res["copy_GBps"] = None if copy_bps is None else copy_bps / 1e9
+    ceiling = copy_bps or 4.2e12
+    spec = cut_spec(S["model"], 2, S.get("dtype"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w = device_weights(spec, dev, dtype)
+    H, I, E, k = spec.hidden_size, spec.experts.intermediate_size, spec.experts.num_experts, spec.experts.top_k
+    es = torch.finfo(dtype).bits // 8
+    log(f"executor: {spec.name} H={H} I={I} E={E} k={k} {dtype}; copy ceiling "
+        f"{'-' if copy_bps is None else f'{copy_bps / 1e9:.0f} GB/s'}")
+    torch_ex = TorchExecutor(spec, w)
+    rows = []
+    for impl in args.ffn_impls.split(",") if dev.type == "cuda" else ["torch"]:
+        for graphs in (True, False):
+            try:
+                ex = CudaExecutor(spec, w, None, dev, ffn_impl=impl, graphs=graphs,
+                                  buckets={"attn": S["attn_buckets"], "expert": S["expert_buckets"]})
+            except Exception as err:  # noqa: BLE001
+                log(f"  experts {impl}: {err!r}")
+                continue
+            for skew in S["skews"]:
+                for N in S["expert_rows"]:
+                    g = random.Random(N)
+                    ids = zipf_ids(N, E, skew, g) if skew > 0 else [g.randrange(E) for _ in range(N)]
+                    x = (torch.randn(N, H, device=dev, dtype=dtype) * 0.5)
+                    rec = dict(op="experts", ffn=impl, graphs=graphs, N=N, zipf_s=skew, active=len(set(ids)))
+                    try:
+                        y = ex.experts(0, x, ids)
+                        want = torch_ex.experts(0, x, ids)
+                        err = float((y.float() - want.float()).abs().max() / (want.float().abs().max() + 1e-9))
+                        gpu, host = time_call(lambda: ex.experts(0, x, ids), dev, S["iters"])
+                        nbytes = rec["active"] * (3 * H * I + 2 * I + H) * es + 2 * N * H * es
+                        flops = 6 * N * H * I
+                        floor = max(nbytes / ceiling, flops / 800e12)
+                        rec.update(rel_err=err, ok=err < (3e-2 if dtype != torch.float32 else 1e-4),
+                                   gpu_us=gpu * 1e6, host_us=host * 1e6, bytes=nbytes, flops=flops,
+                                   floor_us=floor * 1e6, GBps=nbytes / gpu / 1e9, pct_copy_ceiling=100 * nbytes / gpu / ceiling,
+                                   TFLOPs=flops / gpu / 1e12)
+                    except Exception as err:  # noqa: BLE001
+                        rec.update(ok=False, error=f"{type(err).__name__}: {err}"[:300])
+                        traceback.print_exc()
+                    rows.append(rec)
+                    log(f"  experts ffn={impl:10s} graphs={graphs!s:5s} N={N:5d} zipf={skew} active={rec['active']:3d} "
+                        f"{'ok' if rec.get('ok') else 'BAD'} gpu {rec.get('gpu_us', 0):8.1f} us host {rec.get('host_us', 0):7.1f} us "
+                        f"floor {rec.get('floor_us', 0):7.1f} us {rec.get('GBps', 0):7.0f} GB/s "
+                        f"({rec.get('pct_copy_ceiling', 0):.0f}% of copy) {rec.get('error', '')}")
+    # attention: decode batches over a paged cache holding `ctx` random positions per sequence
+    a = spec.attention
+    for graphs in (True, False):
+        ex = CudaExecutor(spec, w, None, dev, graphs=graphs, max_context=max(S["contexts"]) + 64,
+                          buckets={"attn": S["attn_buckets"], "expert": S["expert_buckets"]})
+        for ctx in S["contexts"]:
+            for B in S["attn_batch"]:
+                kv = PagedKVStore(spec.num_layers, BlockAllocator(B * (ctx // S["block"] + 4), S["block"]))
+                for sid in range(B):
+                    kv.reserve(sid, ctx + 8)
+                ex._view(kv)
+                for layer in range(spec.num_layers):  # random history (the paper's dummy KV)
+                    kc, vc = kv.storage(layer)
+                    kc.normal_()
+                    vc.normal_()
+                h = torch.randn(B, H, device=dev, dtype=dtype)
+                positions = [ctx] * B
+                segs = [(sid, sid, 1) for sid in range(B)]
+                for layer in range(spec.num_layers):
+                    window = a.window(layer)
+                    rec = dict(op="attention", graphs=graphs, B=B, context=ctx, window=window)
+                    try:
+                        if graphs and layer == 0:
+                            ex.prepare(kv)
+
+                        def call():
+                            # The same KV slot is rewritten each call: timing, not serving.
+                            _, x = ex.attention(layer, h, positions, segs, kv)
+                            return ex.route(layer, x)
+                        if graphs:  # outputs vs the torch path on a copy of the cache state
+                            _, x = ex.attention(layer, h, positions, segs, kv)
+                            ids, _ = ex.route(layer, x)
+                            kv2 = PagedKVStore(spec.num_layers, BlockAllocator(kv.allocator.num_blocks, S["block"]))
+                            for sid in range(B):
+                                kv2.reserve(sid, ctx + 8)
+                            for l2 in range(spec.num_layers):
+                                k0, v0 = kv.storage(l2)
+                                kv2.preallocate(l2, k0.shape[2:], v0.shape[2:], dtype, dev)
+                                kv2.storage(l2)[0].copy_(k0)
+                                kv2.storage(l2)[1].copy_(v0)
+                            _, wx = torch_ex.attention(layer, h, positions, segs, kv2)
+                            rec["rel_err_x"] = float((x.float() - wx.float()).abs().max() / (wx.float().abs().max() + 1e-9))
+                            del kv2
+                        w0 = ex.stats.route_wait_s + ex.staging.wait_s
+                        gpu, host = time_call(call, dev, S["iters"])
+                        waited = (ex.stats.route_wait_s + ex.staging.wait_s - w0) / (S["iters"] + 1)
+                        vis = min(ctx + 1, window) if window else ctx + 1
+                        nkv, hd = a.num_kv_heads, a.head_dim
+                        wbytes = sum(t.numel() * t.element_size() for n, t in w.layers[layer].items()
+                                     if not n.startswith("experts."))
+                        nbytes = wbytes + B * vis * nkv * 2 * hd * es + 4 * B * H * es
+                        flops = 2 * B * H * (a.num_heads + 2 * nkv) * hd + 2 * B * a.num_heads * hd * H \
+                            + 4 * B * vis * a.num_heads * hd + 2 * B * H * E
+                        floor = max(nbytes / ceiling, flops / 800e12)
+                        rec.update(ok=rec.get("rel_err_x", 0.0) < 5e-2, gpu_us=gpu * 1e6, host_us=host * 1e6,
+                                   host_cpu_us=(host - waited) * 1e6, bytes=nbytes, floor_us=floor * 1e6,
+                                   GBps=nbytes / gpu / 1e9)
+                    except Exception as err:  # noqa: BLE001
+                        rec.update(ok=False, error=f"{type(err).__name__}: {err}"[:300])
+                        traceback.print_exc()
+                    rows.append(rec)
+                    log(f"  attention graphs={graphs!s:5s} B={B:4d} ctx={ctx:5d} window={window} "
+                        f"{'ok' if rec.get('ok') else 'BAD'} gpu {rec.get('gpu_us', 0):8.1f} us "
+                        f"host(attn+route, incl. wait) {rec.get('host_us', 0):7.1f} us host CPU {rec.get('host_cpu_us', 0):7.1f} us "
+                        f"floor {rec.get('floor_us', 0):6.1f} us err {rec.get('rel_err_x', '-')} {rec.get('error', '')}")
+                ex.detach(kv)
+                del kv
+    res["rows"] = rows
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end
+
+
+class BatchProbe:
+    """Wraps one engine's execute/complete: host time per batch, GPU time from the executor's
+    profile events, and the part of the host time the GPU was not busy (exposed)."""
+
+    def __init__(self, engine, inner_ex) -> None:
+        self.e, self.ex, self.recs = engine, inner_ex, []
+        ex_exec, ex_comp = engine.execute, engine.complete
+
+        def execute(batch):
+            batch.out["_probe"] = (time.perf_counter(), len(self.ex.profile or []), self._waited())
+            ex_exec(batch)
+
+        def complete(batch):
+            ex_comp(batch)
+            t0, i0, w0 = batch.out.get("_probe", (None, 0, 0.0))
+            if t0 is not None:
+                self.recs.append((batch.stage.kind, batch.rows, time.perf_counter() - t0, self._waited() - w0,
+                                  list(self.ex.profile[i0:]) if self.ex.profile is not None else []))
+        engine.execute, engine.complete = execute, complete
+
+    def _waited(self) -> float:
+        return self.ex.stats.route_wait_s + self.ex.staging.wait_s
+
+
+def summarize_probes(probes: list[BatchProbe]) -> dict:
+    out = {}
+    for kind in ("attn", "expert", "sample"):
+        host, gpu, exposed, n = 0.0, 0.0, 0.0, 0
+        for p in probes:
+            for k, rows, wall, waited, evs in p.recs:
+                if k != kind:
+                    continue
+                g = sum(s.elapsed_time(e) / 1e3 for _, s, e in evs if s is not None and e is not None)
+                h = max(wall - waited, 0.0)
+                host += h
+                gpu += g
+                exposed += max(0.0, wall - g) if evs else h
+                n += 1
+        if n:
+            out[kind] = dict(batches=n, cpu_us=1e6 * host / n, gpu_us=1e6 * gpu / n,
+                             hidden_share=max(0.0, 1 - exposed / host) if host else None)
+    return out
+
+
+def token_stats(reqs: list[Request], wall: float) -> dict:
+    itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
+    toks = sum(len(r.output) for r in reqs)
+    starts = [r.token_times[1] for r in reqs if len(r.token_times) > 1]
+    end = max((r.token_times[-1] for r in reqs if r.token_times), default=0.0)
+    steady_t0 = max(starts) if starts else None
+    steady = sum(1 for r in reqs for t in r.token_times if steady_t0 is not None and t > steady_t0)
+    return dict(tokens=toks, wall_s=wall, tokens_per_s=toks / wall if wall else None,
+                steady_tokens_per_s=steady / (end - steady_t0) if steady_t0 is not None and end > steady_t0 else None,
+                itl_p50_ms=None if not itl else 1e3 * pct(itl, 50), itl_p99_ms=None if not itl else 1e3 * pct(itl, 99),
+                unfinished=sum(1 for r in reqs if not r.done))
+
+
+def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
+    from runtime.routing_override import KeyedRoutingExecutor, ZipfRouting
+    out = results.setdefault("e2e", [])
+    spec = cut_spec(S["model"], args.layers, S.get("dtype"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w = device_weights(spec, dev, dtype)
+    plan = compile_plan(spec, args.ranks, "cuda" if dev.type == "cuda" else "cpu")
+    router = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=args.zipf, seed=0)
+    P, M = S["prompt"], S["max_new"]
+    inner = CudaExecutor(spec, w, plan, dev, max_context=P + M + 32)
+    inner.profile = [] if dev.type == "cuda" else None
+    ex = KeyedRoutingExecutor(inner, router)
+    block = plan.kv.block_size
+    log(f"e2e: {spec.name} ranks={args.ranks} (in-process, one device) prompt={P} (random KV) max_new={M} "
+        f"zipf s={args.zipf}; buckets attn {plan.capture.buckets['attn']} expert {plan.capture.buckets['expert']}")
+    for C in S["concurrency"]:
+        kv_blocks = math.ceil(C / args.ranks + 1) * math.ceil((P + M + 8) / block) + 8
+        g = random.Random(C)
+        template = [[g.randrange(3, spec.vocab_size - 8) for _ in range(P)] for _ in range(C)]
+        for system in args.systems.split(","):
+            policies = args.policies.split(",") if system == "streaming" else ["-"]
+            for policy in policies:
+                reqs = [Request(i, f"r{i}", list(template[i]), M, ignore_eos=True, arrival=0.0) for i in range(C)]
+                rec = dict(system=system, policy=policy, concurrency=C, layers=spec.num_layers, ranks=args.ranks)
+                log(f"  {system} {policy} C={C} ...")
+                try:
+                    if inner.profile is not None:
+                        inner.profile.clear()
+                    if system == "streaming":
+                        opts = RunOptions(policy=policy, kv_blocks=kv_blocks, decode_only=True, stall_timeout_s=120)
+                        cl = Cluster(plan, ex, opts)
+                        t = time.perf_counter()
+                        ncap = sum(inner.prepare(e.kv) for e in cl.engines)
+                        rec["capture_s"], rec["graphs_captured"] = time.perf_counter() - t, ncap
+                        probes = [BatchProbe(e, inner) for e in cl.engines]
+                        t = time.perf_counter()
+                        cl.run(reqs)
+                        sync(dev)
+                        wall = time.perf_counter() - t
+                        rec.update(token_stats(reqs, wall))
+                        if dev.type == "cuda":
+                            rec["batches"] = summarize_probes(probes)
+                        detach_all(inner, cl)
+                    else:
+                        from runtime.barrier import run_barrier
+                        mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[system]
+                        t = time.perf_counter()
+                        res = run_barrier(plan, ex, reqs, mode, clock="wall", router=router, kv_blocks=kv_blocks,
+                                          decode_only=True, stall_timeout_s=120)
+                        sync(dev)
+                        rec.update(token_stats(reqs, time.perf_counter() - t))
+                        rec["note"] = ("barrier collectives move rows through host memory in runtime/barrier.py "
+                                       "(CPU tensors): not a tuned GPU baseline")
+                        for k in list(inner._views):  # run_barrier's KV stores are gone: drop their graphs
+                            inner.detach(inner._views[k].kv)
+                except Exception as err:  # noqa: BLE001
+                    rec.update(skipped=f"{type(err).__name__}: {err}"[:400])
+                    log(f"    skipped: {rec['skipped']}")
+                    traceback.print_exc(limit=3)
+                    sync(dev)
+                out.append(rec)
+                b = rec.get("batches", {})
+                log(f"    tokens/s {rec.get('tokens_per_s') or 0:9.1f} (steady {rec.get('steady_tokens_per_s') or 0:9.1f}) "
+                    f"ITL p50 {rec.get('itl_p50_ms') or 0:.2f} ms p99 {rec.get('itl_p99_ms') or 0:.2f} ms "
+                    + " ".join(f"{k}: cpu {v['cpu_us']:.0f} us gpu {v['gpu_us']:.0f} us hidden "
+                               f"{100 * (v['hidden_share'] or 0):.0f}%" for k, v in b.items()))
+    base = {r["concurrency"]: r for r in out if r["system"] == "a2a-ep" and r.get("tokens_per_s")}
+    for r in out:
+        b = base.get(r["concurrency"])
+        if b and r.get("tokens_per_s"):
+            r["ratio_vs_a2a"] = r["tokens_per_s"] / b["tokens_per_s"]
+
+
+def section_mp(args, dev: torch.device, results: dict, S: dict) -> None:
+    out = results.setdefault("mp", [])
+    try:
+        from runtime.multiproc import run_workload_multiprocess
+    except Exception as err:  # noqa: BLE001
+        out.append(dict(skipped=f"runtime.multiproc not importable: {err!r}"))
+        log(f"mp: skipped ({err!r})")
+        return
+    spec = cut_spec(S["model"], args.mp_layers, S.get("dtype"))
+    plan = compile_plan(spec, args.mp_ranks, "cuda" if dev.type == "cuda" else "cpu")
+    P, M = S["prompt"], S["max_new"]
+    for C in S["concurrency"]:
+        g = random.Random(C)
+        reqs = [Request(i, f"r{i}", [g.randrange(3, spec.vocab_size - 8) for _ in range(P)], M, ignore_eos=True,
+                        arrival=0.0) for i in range(C)]
+        kv_blocks = math.ceil(C / args.mp_ranks + 1) * math.ceil((P + M + 8) / plan.kv.block_size) + 8
+        rec = dict(system="streaming-mp", ranks=args.mp_ranks, layers=spec.num_layers, concurrency=C)
+        log(f"mp: {spec.name} ranks={args.mp_ranks} C={C} (weights drawn on each rank's host: slow for big models)")
+        try:
+            t = time.perf_counter()
+            res = run_workload_multiprocess(plan, reqs, RunOptions(kv_blocks=kv_blocks, decode_only=True),
+                                            timeout=args.mp_timeout)
+            rec.update(token_stats(res.requests, time.perf_counter() - t))
+        except Exception as err:  # noqa: BLE001
+            rec["skipped"] = f"{type(err).__name__}: {err}"[:400]
+        out.append(rec)
+        log(f"  {rec}")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+GPU = dict(model="gpt-oss-20b", expert_rows=[16, 128, 256, 512, 1024], skews=[0.0, 1.2],
+           attn_batch=[1, 8, 40, 128, 256], contexts=[512, 2048], block=16, iters=20,
+           attn_buckets=[1, 8, 40, 72, 104, 128, 192, 256], expert_buckets=[128, 256, 512, 1024],
+           concurrency=[64, 256], prompt=512, max_new=32)
+SMOKE = dict(model="tiny-gpt-oss", dtype="float32", expert_rows=[5, 16], skews=[0.0, 1.2], attn_batch=[3],
+             contexts=[20], block=4, iters=2, attn_buckets=[1, 8], expert_buckets=[8, 16], concurrency=[4],
+             prompt=6, max_new=3)
+
+
+def write_md(path: Path, meta: dict, results: dict) -> None:
+    L = [f"# GPU bench ({meta['date']})", "", f"device {meta['device']}; torch {meta['torch']}; triton {meta['triton']}; "
+         f"command `{meta['command']}`", ""]
+    if "correctness" in results:
+        L += ["## Correctness (tokens vs fp32 CPU reference, up to the first near-tie)", "",
+              "| model | dtype | ffn | policy | tol (margin) | compared | mismatches | ok |", "|---|---|---|---|---|---|---|---|"]
+        for r in results["correctness"]:
+            L.append(f"| {r.get('model')} | {r.get('dtype')} | {r.get('ffn')} | {r.get('policy', '-')} | "
+                     f"{r.get('tol', 0):.4f} | {r.get('compared', '-')} | {r.get('mismatches', '-')} | "
+                     f"{'yes' if r.get('ok') else 'NO ' + str(r.get('error') or r.get('first_mismatch') or '')} |")
+        L.append("")
+    ex = results.get("executor")
+    if ex:
+        L += [f"## Executor (copy ceiling {ex.get('copy_GBps') and round(ex['copy_GBps'])} GB/s)", "",
+              "| op | impl | graphs | N/B | zipf/ctx | active/window | gpu us | host us | host CPU us | floor us | GB/s | % copy | ok |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        f = lambda v: "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))  # noqa: E731
+        for r in ex.get("rows", []):
+            if r["op"] == "experts":
+                L.append(f"| experts | {r['ffn']} | {r['graphs']} | {r['N']} | {r['zipf_s']} | {r['active']} | "
+                         f"{f(r.get('gpu_us'))} | {f(r.get('host_us'))} | {f(r.get('host_us'))} | {f(r.get('floor_us'))} | "
+                         f"{f(r.get('GBps'))} | {f(r.get('pct_copy_ceiling'))} | {r.get('ok')} |")
+            else:
+                L.append(f"| attention | paged | {r['graphs']} | {r['B']} | {r['context']} | {r['window']} | "
+                         f"{f(r.get('gpu_us'))} | {f(r.get('host_us'))} | {f(r.get('host_cpu_us'))} | {f(r.get('floor_us'))} | "
+                         f"{f(r.get('GBps'))} | - | {r.get('ok')} |")
+        L.append("")
+    if results.get("e2e"):
+        L += ["## End to end (decode-only, Zipf routing, in-process ranks on one GPU)", "",
+              "| system | policy | C | tokens/s | steady tokens/s | ratio vs a2a | ITL p50 ms | ITL p99 ms | "
+              "attn CPU us (hidden) | expert CPU us (hidden) | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["e2e"]:
+            b = r.get("batches", {})
+            cell = lambda k: "-" if k not in b else f"{b[k]['cpu_us']:.0f} ({100 * (b[k]['hidden_share'] or 0):.0f}%)"  # noqa: E731
+            fm = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+            L.append(f"| {r['system']} | {r['policy']} | {r['concurrency']} | {fm(r.get('tokens_per_s'))} | "
+                     f"{fm(r.get('steady_tokens_per_s'))} | {fm(r.get('ratio_vs_a2a'), 2)} | {fm(r.get('itl_p50_ms'), 2)} | "
+                     f"{fm(r.get('itl_p99_ms'), 2)} | {cell('attn')} | {cell('expert')} | {r.get('skipped') or ''} |")
+        L.append("")
+    if results.get("mp"):
+        L += ["## Multi-process", "", "```", json.dumps(results["mp"], indent=1), "```", ""]
+    path.write_text("\n".join(L))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
+    p.add_argument("--sections", default="correctness,executor,e2e")
+    p.add_argument("--check-models", default="tiny-gpt-oss,tiny-qwen3-moe")
+    p.add_argument("--check-requests", type=int, default=12)
+    p.add_argument("--check-new", type=int, default=8)
+    p.add_argument("--ffn-impls", default="triton,grouped_mm")
+    p.add_argument("--layers", type=int, default=4, help="e2e: GPT-OSS-20B cut to this many layers")
+    p.add_argument("--ranks", type=int, default=2, help="e2e: in-process ranks (one device)")
+    p.add_argument("--systems", default="streaming,ag-ep,a2a-ep")
+    p.add_argument("--policies", default="defrag")
+    p.add_argument("--concurrency", default=None, help="e2e: comma list (default 64,256; smoke 4)")
+    p.add_argument("--max-new", type=int, default=None)
+    p.add_argument("--prompt", type=int, default=None)
+    p.add_argument("--zipf", type=float, default=1.2)
+    p.add_argument("--mp-ranks", type=int, default=0, help="also run the multi-process path on this many GPUs")
+    p.add_argument("--mp-layers", type=int, default=2)
+    p.add_argument("--mp-timeout", type=float, default=240.0)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    smoke = args.smoke or dev.type != "cuda"
+    S = dict(SMOKE if smoke else GPU)
+    if args.concurrency:
+        S["concurrency"] = [int(c) for c in args.concurrency.split(",")]
+    if args.max_new:
+        S["max_new"] = args.max_new
+    if args.prompt:
+        S["prompt"] = args.prompt
+    if smoke:
+        args.check_requests = min(args.check_requests, 4)
+        args.check_new = min(args.check_new, 4)
+        args.check_models = args.check_models.split(",")[0]
+        args.layers = min(args.layers, 2)
+    torch.manual_seed(0)
+    torch.set_num_threads(min(8, os.cpu_count() or 1))
+    triton_v = None
+    try:
+        import triton
+        triton_v = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                torch=torch.__version__, triton=triton_v, smoke=smoke, command=" ".join(sys.argv), shapes=S)
+    log(f"gpu_bench on {meta['device']} (torch {meta['torch']}, triton {triton_v}); sections {args.sections}")
+    results: dict = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def dump() -> None:
+        (args.out / "gpu_bench.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1, default=str))
+        write_md(args.out / "gpu_bench.md", meta, results)
+
+    sections = args.sections.split(",") + (["mp"] if args.mp_ranks else [])
+    for sec in sections:
+        t = time.perf_counter()
+        try:
+            if sec == "correctness":
+                section_correctness(args, dev, results)
+            elif sec == "executor":
+                section_executor(args, dev, results, S)
+            elif sec == "e2e":
+                section_e2e(args, dev, results, S)
+            elif sec == "mp":
+                section_mp(args, dev, results, S)
+            else:
+                raise ValueError(f"unknown section {sec}")
+        except Exception as err:  # noqa: BLE001  one broken section must not lose the others
+            results.setdefault("errors", []).append(f"{sec}: {type(err).__name__}: {err}")
+            traceback.print_exc()
+        log(f"section {sec} took {time.perf_counter() - t:.1f} s")
+        dump()
+    bad = [r for r in results.get("correctness", []) if not r.get("ok")]
+    bad += [r for r in results.get("executor", {}).get("rows", []) if not r.get("ok")]
+    log(f"wrote {args.out}/gpu_bench.json and .md; {len(bad)} failed checks; errors: {results.get('errors', [])}")
+    return 1 if bad or results.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
