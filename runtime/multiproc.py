@@ -121,11 +121,13 @@ def rank_main(env: RankEnv, job: RankJob):
     device, backend = _device_and_backend(plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
     options0 = job.workloads[0][1]
-    weights = load_weights(plan.spec).to(device) if options0.executor == "torch" else None
-    executor = build_executor(plan, options0, weights)
     clock = SyncedClock()
+    # Transport first, weights second: its heartbeats keep every rank alive in the others' eyes while
+    # a slow rank loads a checkpoint, and the ready barrier (startup_timeout_s) bounds the wait.
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           chaos=job.chaos) as transport:
+        weights = load_weights(plan.spec).to(device) if options0.executor == "torch" else None
+        executor = build_executor(plan, options0, weights)
         node = RankNode(env, plan, executor, transport, clock, job)
         try:
             results = node.serve()
