@@ -119,6 +119,17 @@ class GraphCache:
             self.captures += int(cap)
         return g
 
+    def drop(self, pred: Callable[[tuple], bool]) -> None:
+        """Forget the graphs whose key matches `pred`. A pool left with no graph is forgotten too:
+        PyTorch frees a private pool when its last graph dies, and capturing into that freed
+        pool's id again trips an allocator assert (seen on torch 2.11), so the next capture of
+        that (kind, bucket) gets a fresh pool."""
+        for key in [k for k in self._graphs if pred(k)]:
+            del self._graphs[key]
+        live = {(k[0], k[2]) for k, g in self._graphs.items() if g.capture}
+        for pk in [pk for pk in self._pools if pk not in live]:
+            del self._pools[pk]
+
     def __len__(self) -> int:
         return len(self._graphs)
 

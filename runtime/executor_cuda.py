@@ -328,8 +328,7 @@ class CudaExecutor:
         dv = self._views.pop(serial, None)
         if dv is not None:
             kv.device_view = None
-        for key in [k for k in self.graphs._graphs if k[0] == "attn" and k[3] == serial]:
-            del self.graphs._graphs[key]
+        self.graphs.drop(lambda k: k[0] == "attn" and k[3] == serial)
         kv._cuda_exec_serial = None
 
     # ------------------------------------------------------------------ small pieces
