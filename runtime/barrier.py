@@ -274,6 +274,7 @@ def _reduce_scatter(ctx: RankContext, tag: tuple, partial, offsets):
 def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared, counts, offsets):
     """All-gather dispatch + all-reduce combine. Returns h_next of this rank's rows."""
     R, me, ex = ctx.world_size, ctx.rank, ctx.executor
+    ids, w = ids.cpu(), w.cpu()  # routing is host metadata (a no-op for the executors' CPU tensors)
     xr = _hidden(ctx, x)
     got = yield from _allgather(ctx, ("ag",) + tag, {"ids": ids.tolist(), "w": w.tolist()}, xr, "ag")
     xs, idss, ws = [], [], []
@@ -289,10 +290,12 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     owner = torch.tensor(ctx.expert_rank[layer], dtype=torch.int64)
     mine = (owner[ids_all] == me).nonzero()              # (token, slot) pairs, row-major = slot order
     t_idx, s_idx = mine[:, 0], mine[:, 1]
+    dev = x_all.device  # rows stay on the executor's device; routing metadata is on the host
     t0 = time.perf_counter()
-    y = ex.experts(layer, x_all[t_idx], ids_all[t_idx, s_idx].tolist())
-    partial = torch.zeros(x_all.shape[0], x_all.shape[1], dtype=torch.float32)
-    partial.index_add_(0, t_idx, y.float() * w_all[t_idx, s_idx, None])
+    t_dev = t_idx.to(dev)
+    y = ex.experts(layer, x_all.index_select(0, t_dev), ids_all[t_idx, s_idx].tolist())
+    partial = torch.zeros(x_all.shape[0], x_all.shape[1], dtype=torch.float32, device=dev)
+    partial.index_add_(0, t_dev, y.float() * w_all[t_idx, s_idx, None].to(dev))
     yield Compute("expert", layer, int(t_idx.numel()), time.perf_counter() - t0)
     # all-reduce, part 1: reduce-scatter to the home ranks
     acc = yield from _reduce_scatter(ctx, ("rs",) + tag, partial, offsets)
@@ -300,7 +303,7 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     yield from _allgather(ctx, ("ar",) + tag, {}, acc, None)
     if not counts[me]:
         return None
-    ones = torch.ones(counts[me], 1, dtype=torch.float32)
+    ones = torch.ones(counts[me], 1, dtype=torch.float32, device=acc.device)
     return ex.combine(h_res, shared, acc.to(h_res.dtype).unsqueeze(1), ones)
 
 
@@ -308,52 +311,51 @@ def _a2a_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, share
     """All-to-all dispatch and combine. Returns h_next of this rank's rows."""
     R, me, ex = ctx.world_size, ctx.rank, ctx.executor
     owner = torch.tensor(ctx.expert_rank[layer], dtype=torch.int64)
+    ids = ids.cpu()  # routing is host metadata (a no-op for the executors' CPU tensors)
     k = ids.shape[1]
     own = owner[ids] if ids.numel() else torch.zeros(0, k, dtype=torch.int64)
     xr = _hidden(ctx, x)
+    dev = xr.device  # rows move with index ops on the executor's device; routing lists stay on the host
     outgoing = {}
     yield Compute("coll:a2a", layer, 0, 0.0)
     for p in range(R):
-        pairs = (own == p).nonzero().tolist()              # (token, slot), slot order within a token
-        toks = sorted({t for t, _ in pairs})
-        where = {t: i for i, t in enumerate(toks)}
-        meta = [(where[t], t, s, int(ids[t, s])) for t, s in pairs]   # (msg row, home token, slot, expert)
-        outgoing[p] = (meta, xr[torch.tensor(toks, dtype=torch.long)] if toks else xr[:0])
+        pairs = (own == p).nonzero()                       # (token, slot), slot order within a token
+        toks, mrow = torch.unique(pairs[:, 0], sorted=True, return_inverse=True)
+        meta = list(zip(mrow.tolist(), *pairs.t().tolist(), ids[pairs[:, 0], pairs[:, 1]].tolist())) \
+            if len(pairs) else []                          # (msg row, home token, slot, expert)
+        outgoing[p] = (meta, xr.index_select(0, toks.to(dev)) if len(toks) else xr[:0])
     for p in range(R):
         if p != me:
             yield Send(p, {"tag": ("d",) + tag, "rows": outgoing[p][0]}, outgoing[p][1])
     got = yield Gather(("d",) + tag)
-    # Rows from every home in rank order, one per (token, slot) routed here.
-    xin, experts, back = [], [], []
+    # Rows from every home in rank order, one per (token, slot) routed here: one gather per home.
+    parts, experts, back, starts = [], [], [], [0]
     for p in range(R):
         meta, xp = outgoing[me] if p == me else (got[p].meta["rows"], got[p].tensor)
-        for mrow, t, s, e in meta:
-            xin.append(xp[mrow])
-            experts.append(e)
-            back.append((p, t, s))
+        if meta:
+            parts.append(xp.index_select(0, torch.tensor([m[0] for m in meta], dtype=torch.long, device=dev)))
+            experts.extend(m[3] for m in meta)
+        back.append([(m[1], m[2]) for m in meta])
+        starts.append(starts[-1] + len(meta))
     t0 = time.perf_counter()
-    y = ex.experts(layer, torch.stack(xin) if xin else xr[:0], experts)
+    y = ex.experts(layer, torch.cat(parts) if parts else xr[:0], experts)
     yield Compute("expert", layer, len(experts), time.perf_counter() - t0)
-    per_home: dict[int, tuple[list, list]] = {p: ([], []) for p in range(R)}
     yield Compute("coll:a2a", layer, 0, 0.0)
-    for i, (p, t, s) in enumerate(back):
-        per_home[p][0].append((t, s))
-        per_home[p][1].append(i)
+    # Home p's rows are y[starts[p]:starts[p+1]] (rows were stacked in home order).
     for p in range(R):
         if p != me:
-            rows = torch.tensor(per_home[p][1], dtype=torch.long)
-            yield Send(p, {"tag": ("c",) + tag, "rows": per_home[p][0]}, y[rows] if len(rows) else y[:0])
+            yield Send(p, {"tag": ("c",) + tag, "rows": back[p]}, y[starts[p]:starts[p + 1]])
     got = yield Gather(("c",) + tag)
     if not counts[me]:
         return None
-    Y = torch.zeros(counts[me], k, y.shape[1] if y.dim() == 2 and y.shape[0] else xr.shape[1], dtype=h_res.dtype)
+    H = y.shape[1] if y.dim() == 2 and y.shape[0] else xr.shape[1]
+    Y = torch.zeros(counts[me] * k, H, dtype=h_res.dtype, device=h_res.device)
     for p in range(R):
-        if p == me:
-            rows, part = per_home[me][0], y[torch.tensor(per_home[me][1], dtype=torch.long)] if per_home[me][1] else None
-        else:
-            rows, part = got[p].meta["rows"], got[p].tensor
-        for i, (t, s) in enumerate(rows):
-            Y[t, s] = part[i]
+        rows, part = (back[me], y[starts[me]:starts[me + 1]]) if p == me else (got[p].meta["rows"], got[p].tensor)
+        if rows:
+            flat = torch.tensor([t * k + s for t, s in rows], dtype=torch.long, device=Y.device)
+            Y.index_copy_(0, flat, part.to(device=Y.device, dtype=Y.dtype))
+    Y = Y.view(counts[me], k, H)
     return ex.combine(h_res, shared, Y, w)
 
 
