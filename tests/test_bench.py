@@ -86,3 +86,26 @@ def test_run_bench_small_matrix_is_deterministic(tmp_path):
     assert a["targets"] and (tmp_path / "a" / "queue_heatmap.png").exists()
     bursts = {r["label"]: r for r in a["results"] if r["scenario"] == "bursts"}
     assert bursts["ag-ep"]["loss_vs_clean"] > 0          # the slow link costs the barrier something
+
+
+def test_bench_prompts_file_and_decode_only(tmp_path):
+    from graph_ir.spec import load_spec
+    from runtime.bench import BenchConfig, run_bench
+    spec = load_spec("models/specs/tiny.yaml")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt_token_ids": [5 + i] * (3 + 2 * i),
+                                           "max_new_tokens": 4}) + "\n" for i in range(6)))
+    cfg = BenchConfig.model_validate({
+        "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05, "row_bytes": 5760,
+        "workload": {"prompts": str(prompts), "rate": 5000, "decode_only": True},
+        "routing": {"kind": "zipf", "s": 1.0}, "policies": ["defrag"],
+        "cost": {"send_cpu_us": 30, "collective_algo": "ring", "collective_fixed_us": {"ag": 100, "ar": 25, "a2a": 100}},
+        "scenarios": {"clean": {"latency_us": 10, "bandwidth_gbps": 100}},
+    })
+    doc = run_bench(cfg, spec, tmp_path / "out")
+    assert all(r["output_tokens"] == 6 * 4 and r["unfinished"] == 0 for r in doc["results"])
+    for r in doc["results"]:   # decode-only: no attention batch holds more rows than there are requests
+        assert r["batches"]["attn"]["max_size"] <= 6
+        assert r["mean_live_requests"] > 0 and 0 < r["busy_fraction"] <= 1
+    # row_bytes: every link byte is a whole number of 5760-byte rows
+    assert all(v % 5760 == 0 for r in doc["results"] for v in r["link_bytes"].values())
