@@ -36,7 +36,12 @@ DEFAULT_EXPERT_CAP = 1024
 PUBLISHED_ATTN_BUCKETS = [1, 8, 40, 72, 104, 128, 192, 256]
 PUBLISHED_EXPERT_BUCKETS = [128, 256, 512, 1024]
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_DEVICE_MEMORY_GIB = {"cpu": 16.0, "cuda": 140.0}
+# cuda: what the plan may hand out on one H200. torch reports 139.8 GiB total; the CUDA context
+# (~0.5 GiB), NCCL's buffers (~0.5 GiB for a few peers, NVLS off), cuBLAS/Triton workspaces, the
+# caching allocator's rounding and eager batches' activations need the rest, so 132 GiB leaves
+# ~7.8 GiB (5.6%) of slack. (140 made every rank of a small model OOM while zeroing its KV pool.)
+# The runtime still checks the real free memory and clamps the KV pool (runtime/kv_fit.py).
+DEFAULT_DEVICE_MEMORY_GIB = {"cpu": 16.0, "cuda": 132.0}
 # Every rank must hold the KV of at least one request this long (the paper's contexts are <= 2048),
 # otherwise the plan "fits" but cannot serve anything.
 DEFAULT_MIN_KV_TOKENS = 2048

@@ -79,7 +79,13 @@ class Cluster:
         if options.clock == "virtual" and self.hub is None:
             raise ValueError("the virtual clock needs the in-process transport (it must know delivery times)")
         self.trace = TraceRecorder() if options.trace else None
-        self.engines = [Engine(config_from_plan(plan, r, options.kv_blocks), executor, self.transports[r],
+        cfgs = [config_from_plan(plan, r, options.kv_blocks) for r in range(self.world_size)]
+        # All ranks share the executor's device here: their pools together must fit its free memory.
+        from runtime.kv_fit import executor_kv_fit
+        fit = executor_kv_fit(executor, plan, 0, max(c.num_blocks for c in cfgs), pools=self.world_size)
+        for c in cfgs:
+            c.num_blocks = min(c.num_blocks, fit)
+        self.engines = [Engine(cfgs[r], executor, self.transports[r],
                                self.clock, make_policy(options.policy, **options.policy_params), self.trace)
                         for r in range(self.world_size)]
         if options.decode_only:
@@ -238,8 +244,11 @@ def build_executor(plan, options: RunOptions, weights=None):
     if plan.cluster.device == "cuda" or options.executor == "cuda":
         # CUDA graphs per plan bucket + Triton kernels (runtime/executor_cuda.py). executor="cuda"
         # on a CPU plan runs its CPU twin (same bucketing/padding code, no graphs).
+        import torch
         from runtime.executor_cuda import CudaExecutor
-        return CudaExecutor(plan.spec, w, plan, device="cuda" if plan.cluster.device == "cuda" else "cpu")
+        # A cuda plan where no GPU is visible runs the CPU twin (the CLI says so), as the ranks do.
+        on_gpu = plan.cluster.device == "cuda" and torch.cuda.is_available()
+        return CudaExecutor(plan.spec, w, plan, device="cuda" if on_gpu else "cpu")
     from runtime.executor import TorchExecutor
     return TorchExecutor(plan.spec, w)
 

@@ -307,6 +307,11 @@ class CudaExecutor:
                     self.w.layers[l][n] = self.w.layers[l][n].contiguous()
 
     # ------------------------------------------------------------------ KV store attachment
+    def kv_rows(self) -> tuple[tuple, tuple, torch.dtype]:
+        """(K row shape, V row shape, dtype) of one cached token per layer, as `_view` preallocates
+        them (runtime/kv_fit.py sizes the pool from it before any engine exists)."""
+        return self._k_row, self._v_row, self.dtype
+
     def _view(self, kv) -> DeviceBlockTables:
         serial = getattr(kv, "_cuda_exec_serial", None)
         dv = self._views.get(serial) if serial is not None else None
@@ -657,3 +662,9 @@ class CudaExecutor:
                 return logits.parent.greedy(logits.index)
             logits = logits.tensor
         return sample(logits, params, step)
+
+    def sample_batch(self, logits: DeviceLogits, params: list[Optional[SamplingParams]], steps: list[int]) -> list[int]:
+        """sample() of every row; greedy rows come from the batch argmax DeviceLogits copied once."""
+        if all(p is None or p.greedy for p in params):
+            return [logits.greedy(i) for i in range(len(params))] if params else []
+        return [self.sample(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps))]

@@ -179,6 +179,14 @@ class RankNode:
         self.synced_acks: set[int] = set()
         self._stash: list = []  # arrivals polled after this workload's stop: they belong to the next one
         self.coord: Optional[Coordinator] = None
+        # KV pages this rank's device can hold (runtime/kv_fit.py), measured once before any pool
+        # exists: every workload's engine is clamped to it, and so is the coordinator's mirror
+        # (each rank's figure travels in its ready notice).
+        from runtime.engine import config_from_plan
+        from runtime.kv_fit import executor_kv_fit
+        wanted = max(config_from_plan(plan, self.rank, o.kv_blocks).num_blocks for _, o in job.workloads)
+        self.kv_fit = executor_kv_fit(executor, plan, self.rank, wanted)
+        self.kv_fit_of: dict[int, int] = {}
         self.verbose = os.environ.get("DATAFLOW_VERBOSE") == "1"
         transport.describe_wait = self._describe_wait
 
@@ -205,7 +213,11 @@ class RankNode:
         self.workload = w
         self.stopped = False
         self.trace = TraceRecorder() if options.trace else None
-        self.engine = Engine(config_from_plan(self.plan, self.rank, options.kv_blocks), self.executor,
+        if self.engine is not None and hasattr(self.executor, "detach"):
+            self.executor.detach(self.engine.kv)  # its device pool and graphs go before the next one's
+        cfg = config_from_plan(self.plan, self.rank, options.kv_blocks)
+        cfg.num_blocks = min(cfg.num_blocks, self.kv_fit)
+        self.engine = Engine(cfg, self.executor,
                              self.transport, self.clock, make_policy(options.policy, **options.policy_params),
                              self.trace)
         self.engine.on_control = self._on_control
@@ -214,7 +226,7 @@ class RankNode:
 
     def _startup(self) -> None:
         """Barrier: every rank has its weights and engine; then one time base for all."""
-        self._send(COORDINATOR, {"t": CTRL_READY})
+        self._send(COORDINATOR, {"t": CTRL_READY, "kv_blocks": self.kv_fit})
         deadline = time.monotonic() + self.job.startup_timeout_s
         def started() -> bool:
             return len(self.synced_acks) == self.world if self.is_coord else self.synced
@@ -233,6 +245,7 @@ class RankNode:
         t = meta["t"]
         if t == CTRL_READY:
             self.ready.add(src)
+            self.kv_fit_of[src] = meta["kv_blocks"]
             if len(self.ready) == self.world:
                 now = self.clock.now()
                 for r in range(self.world):
@@ -342,7 +355,9 @@ class Coordinator:
         self.requests = requests
         self.by_rid = {r.rid: r for r in requests}
         self.pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)  # next due at the end
-        capacity = [config_from_plan(node.plan, r, options.kv_blocks).num_blocks for r in range(node.world)]
+        # The ranks' real pools: the plan's (or --kv-blocks) clamped to what each device holds.
+        capacity = [min(config_from_plan(node.plan, r, options.kv_blocks).num_blocks, node.kv_fit_of[r])
+                    for r in range(node.world)]
         self.admission = Admission(node.plan.kv.block_size, capacity, options.home_policy or node.plan.placement.home_policy)
         self.free = list(capacity)  # mirror of every rank's free KV blocks
         self.reported_free: list[Optional[int]] = [None] * node.world
