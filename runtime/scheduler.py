@@ -68,15 +68,23 @@ class MTFS:
 class Defrag:
     name = "defrag"
 
-    def __init__(self, delta: float = 0.8, lookahead: int = 4, history: int = 4) -> None:
-        if not 0 <= delta <= 1 or lookahead < 0 or history < 1:
-            raise ValueError(f"defrag needs 0 <= delta <= 1, lookahead >= 0, history >= 1; "
-                             f"got delta={delta}, lookahead={lookahead}, history={history}")
+    def __init__(self, delta: float = 0.8, lookahead: int = 4, history: int = 4,
+                 history_weight: float = 1.0) -> None:
+        if not 0 <= delta <= 1 or lookahead < 0 or history < 1 or history_weight < 0:
+            raise ValueError(f"defrag needs 0 <= delta <= 1, lookahead >= 0, history >= 1, history_weight >= 0; "
+                             f"got delta={delta}, lookahead={lookahead}, history={history}, "
+                             f"history_weight={history_weight}")
         self.delta, self.lookahead, self.history = delta, lookahead, history
+        # Weight of H in the score: 1 is the paper's. With Q(e) ~ H(e) the stage in front of a steady
+        # queue always outscores it (1 + 2 delta X > X); 0 drops H (benchmarks/results/cpu_bench.md).
+        self.history_weight = history_weight
         self._snapshots: deque[list[float]] = deque(maxlen=history)
 
     def params(self) -> dict:
-        return {"delta": self.delta, "lookahead": self.lookahead, "history": self.history}
+        out = {"delta": self.delta, "lookahead": self.lookahead, "history": self.history}
+        if self.history_weight != 1.0:
+            out["history_weight"] = self.history_weight
+        return out
 
     def _h(self, n: int) -> list[float]:
         if not self._snapshots:
@@ -94,7 +102,7 @@ class Defrag:
             for _ in range(self.lookahead):
                 t = next_of[t]
                 w *= self.delta
-                score += w * (q[t] + h[t])
+                score += w * (q[t] + self.history_weight * h[t])
             out[s] = score
         # H is the *recent past*: snapshot after scoring so the current depth is not counted twice.
         self._snapshots.append(q)
@@ -109,8 +117,8 @@ class Aging(Defrag):
     name = "aging"
 
     def __init__(self, bound: float = 0.05, aging_weight: float = 64.0, urgent_fraction: float = 0.5,
-                 delta: float = 0.8, lookahead: int = 4, history: int = 4) -> None:
-        super().__init__(delta, lookahead, history)
+                 delta: float = 0.8, lookahead: int = 4, history: int = 4, history_weight: float = 1.0) -> None:
+        super().__init__(delta, lookahead, history, history_weight)
         if bound <= 0 or aging_weight < 0 or not 0 < urgent_fraction <= 1:
             raise ValueError(f"aging needs bound > 0, aging_weight >= 0, 0 < urgent_fraction <= 1; got "
                              f"bound={bound}, aging_weight={aging_weight}, urgent_fraction={urgent_fraction}")

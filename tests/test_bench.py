@@ -109,3 +109,23 @@ def test_bench_prompts_file_and_decode_only(tmp_path):
         assert r["mean_live_requests"] > 0 and 0 < r["busy_fraction"] <= 1
     # row_bytes: every link byte is a whole number of 5760-byte rows
     assert all(v % 5760 == 0 for r in doc["results"] for v in r["link_bytes"].values())
+
+
+def test_defrag_history_weight_stage_in_front_of_a_steady_queue():
+    """H6's case (benchmarks/results/cpu_bench.md): with H(e0) ~ Q(e0) the paper's score runs a 1-token
+    attn(0) before a 10-token expert(0); history_weight=0 (H dropped) runs the big queue."""
+    from runtime.scheduler import StageView, make_policy
+    nxt = [1, 2, 3, 4, 5, 6, 0]
+
+    def views(a0):
+        return [StageView(a0, a0 > 0, 0.0), StageView(10.0, True, 0.0)] + [StageView(0.0, False, 0.0)] * 5
+    paper, no_h = make_policy("defrag"), make_policy("defrag", history_weight=0.0)
+    for p in (paper, no_h):
+        assert p.choose(views(0.0), nxt).stage == 1      # builds the history: H(e0) = 10
+    d = paper.choose(views(1.0), nxt)
+    assert d.stage == 0 and d.scores[0] == pytest.approx(1 + 0.8 * 20) and d.scores[1] == pytest.approx(10)
+    assert no_h.choose(views(1.0), nxt).stage == 1
+    assert make_policy("defrag").params() == {"delta": 0.8, "lookahead": 4, "history": 4}
+    assert no_h.params()["history_weight"] == 0.0
+    with pytest.raises(ValueError):
+        make_policy("defrag", history_weight=-1)
