@@ -16,6 +16,14 @@ Data path of one token at a MoE layer l (home rank h):
   k routed copies grouped per destination rank, one message per destination per batch ->
   expert(l) on the owner: experts_forward -> each row back to h ->
   merge on h: all k parts in -> moe_combine (slot order) -> attn(l+1), or sample after the last layer.
+
+The hot path works on blocks of rows, never on single rows in Python: routing is dispatched with
+array ops (destination of every (row, slot) from a per-layer expert->rank table, one stable sort by
+destination, one index_select per destination), a routed message is one expert-queue item (its
+rows, expert ids and merge tags as arrays), expert outputs are scattered into the home's per-batch
+merge buffer by tag (runtime/merge.py), and sample items are blocks too. Wire metadata: routed rows
+{"t": "x", "layer", "home", "rows": int64 tags [n], "e": int64 experts [n]}; expert outputs
+{"t": "y", "layer", "rows": int64 tags [n]} (numpy arrays: small and picklable).
 Dense layers run their MLP inside the attention stage. Sample: final_logits + sample (per-request
 seed, step index) -> append -> stop on EOS / max tokens, else the new token enters attn(0).
 """
@@ -24,10 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from runtime.kv_cache import BlockAllocator, PagedKVStore
-from runtime.merge import MergeEntry, MergeTable
+from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
 from runtime.queues import AttnItem, ExpertItem, MuQueue, SampleItem
 from runtime.requests import Request
@@ -109,6 +118,8 @@ class Engine:
         self.sample_stage = next(s.id for s in cfg.stages if s.kind == "sample")
         self.kv = PagedKVStore(cfg.num_layers, BlockAllocator(cfg.num_blocks, cfg.block_size))
         self.merge = MergeTable(k)
+        # expert -> rank per layer as an array, for dispatching a whole batch at once
+        self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
         self.requests: dict[int, Request] = {}  # live requests homed here
         self.finished: list[Request] = []  # done, not yet collected by the driver (take_finished)
         self.metrics = RankMetrics(cfg.rank)
@@ -197,7 +208,7 @@ class Engine:
     def on_message(self, src: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         t = meta["t"]
         if t == MSG_EXPERT_IN:
-            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], tensor)
+            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], meta["e"], tensor)
         elif t == MSG_EXPERT_OUT:
             self._merge_rows(meta["layer"], meta["rows"], tensor)
         elif self.on_control is not None:
@@ -205,50 +216,53 @@ class Engine:
         else:
             raise ValueError(f"rank {self.rank}: unknown message kind {t!r} from rank {src}")
 
-    def _enqueue_expert_rows(self, layer: int, home: int, rows: list, x: torch.Tensor) -> None:
-        q = self.queues[self._expert_stage(layer)]
-        now = self.clock.now()
-        for i, (rid, pos0, row, slot, expert, weight) in enumerate(rows):
-            q.push(ExpertItem(rid, pos0, row, home, layer, slot, expert, weight, x[i], now))
+    def _enqueue_expert_rows(self, layer: int, home: int, tags, experts, x: torch.Tensor) -> None:
+        """One queue item for the whole block of routed rows."""
+        tags = np.asarray(tags, dtype=np.int64)
+        self.queues[self._expert_stage(layer)].push(
+            ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
 
-    def _merge_rows(self, layer: int, rows: list, y: torch.Tensor) -> None:
-        done = []
-        for i, (rid, pos0, row, slot) in enumerate(rows):
-            entry = self.merge.add(rid, pos0, layer, row, slot, y[i])
-            if entry is not None:
-                done.append(entry)
-        if done:
-            self._merged(layer, done)
+    def _merge_rows(self, layer: int, tags, y: torch.Tensor) -> None:
+        for group, segs in self.merge.add(tags, y):
+            self._merged(group, segs)
 
-    def _merged(self, layer: int, entries: list[MergeEntry]) -> None:
-        """Segments whose k parts are all in: combine in slot order, move on to the next stage.
-
-        Segments completed by one message are combined in one call: the combine is row-wise
-        elementwise fp32, so batching changes no bits, only the number of kernel launches.
-        """
-        if len(entries) == 1:
-            e = entries[0]
-            h_next = self.executor.combine(e.h_res, e.shared, MergeTable.stacked(e), e.weights)
+    def _merged(self, g: MergeGroup, segs: np.ndarray) -> None:
+        """Segments of group `g` whose k parts are all in: combine in slot order (one call for all
+        of them: the combine is row-wise elementwise fp32, so batching changes no bits), move on."""
+        if len(segs) == len(g.rids):
+            rows = None
+            h_res, shared, w = g.h_res, g.shared, g.weights
         else:
-            shared = None if entries[0].shared is None else torch.cat([e.shared for e in entries])
-            h_next = self.executor.combine(torch.cat([e.h_res for e in entries]), shared,
-                                           torch.cat([MergeTable.stacked(e) for e in entries]),
-                                           torch.cat([e.weights for e in entries]))
-        nxt = self.stages[self._expert_stage(layer)].next
-        row = 0
-        for e in entries:
-            n = len(e.positions)
-            self._forward(nxt, e.rid, e.positions, h_next[row:row + n])
-            row += n
+            rows = g.rows_of(segs)
+            idx = torch.from_numpy(rows)
+            h_res = g.h_res.index_select(0, idx.to(g.h_res.device))
+            shared = None if g.shared is None else g.shared.index_select(0, idx.to(g.shared.device))
+            w = g.weights.index_select(0, idx.to(g.weights.device))
+        h_next = self.executor.combine(h_res, shared, MergeTable.stacked(g, rows), w)
+        nxt = self.stages[self._expert_stage(g.layer)].next
+        n = g.n[segs]
+        self._forward(nxt, [g.rids[s] for s in segs.tolist()], g.first[segs].tolist(), n.tolist(), h_next,
+                      n.max() > 1)
 
-    def _forward(self, sid: int, rid: int, positions: list[int], h: torch.Tensor) -> None:
-        """Queue rows that finished a layer for stage `sid` (next layer's attention, or sample)."""
+    def _forward(self, sid: int, rids: list[int], first: list[int], ns: list[int], h: torch.Tensor,
+                 multi: bool) -> None:
+        """Queue segments that finished a layer for stage `sid` (next layer's attention, or sample):
+        segment i has rows first[i].. (ns[i] of them), back to back in h. `multi`: some ns[i] > 1."""
         now = self.clock.now()
+        q = self.queues[sid]
         if self.stages[sid].kind == "sample":
             # Only the last position of a request is ever sampled (rows were filtered before).
-            self.queues[sid].push(SampleItem(rid, positions[-1], h[-1], now))
+            if multi:
+                h = h.index_select(0, torch.from_numpy(np.cumsum(ns) - 1).to(h.device))
+            q.push(SampleItem(rids, h, now, len(rids)))
+        elif not multi:
+            for i, (rid, p) in enumerate(zip(rids, first)):
+                q.push(AttnItem(rid, p, 1, None, h, now, i))
         else:
-            self.queues[sid].push(AttnItem(rid, positions[0], len(positions), None, h, now))
+            row = 0
+            for rid, p, n in zip(rids, first, ns):
+                q.push(AttnItem(rid, p, n, None, h, now, row))
+                row += n
 
     def _expert_stage(self, layer: int) -> int:
         return self.stages[self.attn_stage[layer]].next
@@ -280,7 +294,7 @@ class Engine:
         if not items:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
                                f"nothing runnable")
-        rows = sum(it.n for it in items) if stage.kind == "attn" else len(items)
+        rows = sum(it.n for it in items)
         now = self.clock.now()
         if self.trace is not None:
             self.trace.decision(self.rank, now, self.policy.name, stage.id, stage.name, decision.scores, rows)
@@ -293,14 +307,22 @@ class Engine:
         if kind == "attn":
             self._exec_attn(batch)
         elif kind == "expert":
-            x = torch.stack([it.x for it in batch.items])
-            batch.out["y"] = self.executor.experts(batch.stage.layer, x, [it.expert for it in batch.items])
+            items = batch.items
+            if len(items) == 1:
+                x, ids = items[0].x, items[0].expert
+            else:
+                x = torch.cat([it.x for it in items])
+                ids = np.concatenate([it.expert for it in items])
+            batch.out["y"] = self.executor.experts(batch.stage.layer, x, torch.from_numpy(ids))
         else:
-            h = torch.stack([it.h for it in batch.items])
+            items = batch.items
+            h = items[0].h if len(items) == 1 else torch.cat([it.h for it in items])
+            rids = items[0].rids if len(items) == 1 else [r for it in items for r in it.rids]
+            reqs = [self.requests[r] for r in rids]
             logits = self.executor.logits(h)
-            batch.out["tokens"] = [
-                self.executor.sample(logits[i], self.requests[it.rid].params, len(self.requests[it.rid].output))
-                for i, it in enumerate(batch.items)]
+            batch.out["tokens"] = self.executor.sample_batch(logits, [r.params for r in reqs],
+                                                             [len(r.output) for r in reqs])
+            batch.out["reqs"] = reqs
 
     def _exec_attn(self, batch: Batch) -> None:
         layer = batch.stage.layer
@@ -308,10 +330,13 @@ class Engine:
         if layer == 0:
             h = self.executor.embed([t for it in items for t in it.tokens])
         else:
-            h = items[0].h if len(items) == 1 else torch.cat([it.h for it in items])
+            h = self._gather_h(items)
         positions, segments, row = [], [], 0
         for it in items:
-            positions.extend(range(it.pos0, it.pos0 + it.n))
+            if it.n == 1:
+                positions.append(it.pos0)
+            else:
+                positions.extend(range(it.pos0, it.pos0 + it.n))
             segments.append((it.rid, row, it.n))
             row += it.n
         h_res, x = self.executor.attention(layer, h, positions, segments, self.kv)
@@ -322,12 +347,29 @@ class Engine:
             batch.out.update(h_res=h_res, x=x, ids=ids, weights=weights,
                              shared=self.executor.shared_expert(layer, x))
 
+    @staticmethod
+    def _gather_h(items: list[AttnItem]) -> torch.Tensor:
+        """The items' hidden rows, back to back: one slice per contiguous run of a source block."""
+        runs = []  # [block, first row, end row]
+        for it in items:
+            if runs and runs[-1][0] is it.h and runs[-1][2] == it.hrow:
+                runs[-1][2] += it.n
+            else:
+                runs.append([it.h, it.hrow, it.hrow + it.n])
+        parts = [blk if a == 0 and b == blk.shape[0] else blk[a:b] for blk, a, b in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def complete(self, batch: Batch) -> None:
         """The batch finished (now): record it and dispatch its outputs to their next stages."""
         now = self.clock.now()
+        t0 = batch.t_start
         rec = BatchRecord(self.rank, batch.stage.id, batch.stage.kind, batch.stage.layer, batch.rows,
-                          batch.t_start, now, max(batch.t_start - it.t_enq for it in batch.items))
-        self.metrics.on_batch(rec, (batch.t_start - it.t_enq for it in batch.items))
+                          t0, now, t0 - min(it.t_enq for it in batch.items))
+        # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.
+        if batch.stage.kind == "attn":
+            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items])
+        else:
+            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], [it.n for it in batch.items])
         if self.trace is not None:
             self.trace.batch(self.rank, batch.stage.name, batch.t_start, now,
                              {"rows": batch.rows, "items": len(batch.items)})
@@ -358,81 +400,109 @@ class Engine:
         layer = batch.stage.layer
         last = layer == self.cfg.num_layers - 1
         out = batch.out
-        moe = "ids" in out
-        nxt = batch.stage.next
-        sends: dict[int, tuple[list, list]] = {}  # dst -> (row metadata, batch row indices)
+        reqs = self.requests
+        rids, pos0s, first, ns = [], [], [], []
+        keep: Optional[list[int]] = [] if last else None  # batch rows that move on (None: all)
         row = 0
+        multi = False
         for it in batch.items:
-            req = self.requests[it.rid]
+            req = reqs[it.rid]
             req.kv_next[layer] = it.pos0 + it.n
-            lo = row
-            row += it.n
             if last:
                 # After the last layer only the sampled position matters; the other prompt rows
                 # were needed for their K/V only.
                 sp = self._sample_pos(req)
-                if not it.pos0 <= sp < it.pos0 + it.n:
-                    continue
-                idx = [lo + sp - it.pos0]
-                positions = [sp]
+                if it.pos0 <= sp < it.pos0 + it.n:
+                    keep.append(row + sp - it.pos0)
+                    rids.append(it.rid)
+                    pos0s.append(it.pos0)
+                    first.append(sp)
+                    ns.append(1)
             else:
-                idx = list(range(lo, row))
-                positions = list(range(it.pos0, it.pos0 + it.n))
-            sel = torch.tensor(idx, dtype=torch.long) if len(idx) != it.n else slice(lo, row)
-            if not moe:
-                self._forward(nxt, it.rid, positions, out["h_next"][sel])
-                continue
-            shared = out["shared"][sel] if out["shared"] is not None else None
-            self.merge.open(it.rid, it.pos0, layer, positions, out["h_res"][sel], shared, out["weights"][sel],
-                            batch.t_start)
-            ids = out["ids"][sel].tolist()
-            ws = out["weights"][sel].tolist()
-            for r, (erow, wrow) in enumerate(zip(ids, ws)):
-                for slot, (e, w) in enumerate(zip(erow, wrow)):
-                    dst = self.cfg.expert_rank[layer][e]
-                    meta, rows = sends.setdefault(dst, ([], []))
-                    meta.append((it.rid, it.pos0, r, slot, e, w))
-                    rows.append(idx[r])
-        # One message per destination per batch; destinations in rank order for determinism.
-        for dst in sorted(sends):
-            meta, rows = sends[dst]
-            x = out["x"][torch.tensor(rows, dtype=torch.long)]
-            if dst == self.rank:
-                self._enqueue_expert_rows(layer, self.rank, meta, x)
+                rids.append(it.rid)
+                pos0s.append(it.pos0)
+                first.append(it.pos0)
+                ns.append(it.n)
+                multi |= it.n > 1
+            row += it.n
+        if not rids:
+            return
+        sel = None
+        if keep is not None and len(keep) != row:
+            sel = torch.tensor(keep, dtype=torch.long)
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:
+            return t if sel is None else t.index_select(0, sel.to(t.device))
+
+        nxt = batch.stage.next
+        if "ids" not in out:
+            self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
+            return
+        ids = rows_of(out["ids"]).cpu().numpy()
+        shared = rows_of(out["shared"]) if out["shared"] is not None else None
+        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), np.asarray(ns, dtype=np.int64),
+                            rows_of(out["h_res"]), shared, rows_of(out["weights"]), batch.t_start)
+        x = rows_of(out["x"])
+        # Dispatch: the destination of every (row, slot), flat index f = row * k + slot; rows of a
+        # destination keep ascending f order (stable sort), one message per destination per batch,
+        # destinations in rank order (deterministic).
+        T, k = ids.shape
+        flat = ids.reshape(-1)
+        dst = self._expert_rank[layer][flat]
+        counts = np.bincount(dst, minlength=self.cfg.world_size)
+        order = np.argsort(dst, kind="stable") if np.count_nonzero(counts) > 1 else np.arange(T * k, dtype=np.int64)
+        tags = order + (g.gid << TAG_SHIFT)
+        experts = flat[order]
+        src_rows = torch.from_numpy(order // k).to(x.device)
+        off = 0
+        for d in np.flatnonzero(counts).tolist():
+            c = int(counts[d])
+            xd = x.index_select(0, src_rows[off:off + c])
+            td, ed = tags[off:off + c], experts[off:off + c]
+            off += c
+            if d == self.rank:
+                self._enqueue_expert_rows(layer, self.rank, td, ed, xd)
             else:
-                self.transport.send(dst, {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": meta}, x)
+                self.transport.send(d, {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": td, "e": ed}, xd)
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer
         y = batch.out["y"]
-        sends: dict[int, tuple[list, list]] = {}
-        for i, it in enumerate(batch.items):
-            meta, rows = sends.setdefault(it.home, ([], []))
-            meta.append((it.rid, it.pos0, it.row, it.slot))
-            rows.append(i)
-        for dst in sorted(sends):
-            meta, rows = sends[dst]
-            part = y[torch.tensor(rows, dtype=torch.long)]
-            if dst == self.rank:
-                self._merge_rows(layer, meta, part)
+        items = batch.items
+        by_home: dict[int, list[tuple[int, int, np.ndarray]]] = {}  # home -> [(first row, end row, tags)]
+        row = 0
+        for it in items:
+            by_home.setdefault(it.home, []).append((row, row + it.n, it.tag))
+            row += it.n
+        for dst in sorted(by_home):
+            parts = by_home[dst]
+            if len(parts) == 1:
+                a, b, tags = parts[0]
+                part = y if a == 0 and b == row else y[a:b]
             else:
-                self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": meta}, part)
+                part = torch.cat([y[a:b] for a, b, _ in parts])
+                tags = np.concatenate([t for _, _, t in parts])
+            if dst == self.rank:
+                self._merge_rows(layer, tags, part)
+            else:
+                self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": tags}, part)
 
     def _complete_sample(self, batch: Batch) -> None:
         now = self.clock.now()
-        sid0 = self.attn_stage[0]
-        for it, tok in zip(batch.items, batch.out["tokens"]):
-            req = self.requests[it.rid]
+        q0 = self.queues[self.attn_stage[0]]
+        eos = self.cfg.eos_token_ids
+        max_pos = self.cfg.max_position
+        for req, tok in zip(batch.out["reqs"], batch.out["tokens"]):
             req.output.append(tok)
             req.token_times.append(now)
-            self.metrics.tokens += 1
             pos = len(req.prompt) + len(req.output) - 1  # where the new token would be written
-            if tok in self.cfg.eos_token_ids and not req.ignore_eos:
+            if tok in eos and not req.ignore_eos:
                 self._finish(req, "eos", now)
-            elif len(req.output) >= req.max_new_tokens or pos >= self.cfg.max_position:
+            elif len(req.output) >= req.max_new_tokens or pos >= max_pos:
                 self._finish(req, "length", now)
             else:
-                self.queues[sid0].push(AttnItem(req.rid, pos, 1, [tok], None, now))
+                q0.push(AttnItem(req.rid, pos, 1, [tok], None, now))
+        self.metrics.tokens += len(batch.out["tokens"])
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_reason, req.t_finish = reason, now

@@ -24,6 +24,24 @@ from models.weights import ModelWeights
 _GREEDY = SamplingParams()
 
 
+def sample_batch(logits, params: list, steps: list[int], one) -> list[int]:
+    """Shared by the executors: batched greedy argmax over a [B, V] tensor, `one(i, params, step)`
+    for the rows that sample with parameters."""
+    n = len(params)
+    greedy = [i for i, p in enumerate(params) if p is None or p.greedy]
+    if len(greedy) == n:
+        return torch.argmax(logits.detach().to("cpu", torch.float32), dim=-1).tolist()
+    out = [0] * n
+    if greedy:
+        sel = logits.index_select(0, torch.tensor(greedy, dtype=torch.long, device=logits.device))
+        for i, t in zip(greedy, torch.argmax(sel.detach().to("cpu", torch.float32), dim=-1).tolist()):
+            out[i] = t
+    for i, p in enumerate(params):
+        if not (p is None or p.greedy):
+            out[i] = one(i, p, steps[i])
+    return out
+
+
 class TorchExecutor:
     def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
         self.spec = spec
@@ -53,8 +71,9 @@ class TorchExecutor:
         return layers.shared_expert(self.spec, self.w, layer, x)
 
     @torch.no_grad()
-    def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
-        ids = torch.tensor(expert_ids, dtype=torch.long, device=self.device)
+    def experts(self, layer: int, x: Tensor, expert_ids: Tensor) -> Tensor:
+        """expert_ids: int64 [N] (a CPU tensor from the engine; a list of ints is accepted too)."""
+        ids = torch.as_tensor(expert_ids, dtype=torch.long).to(self.device)
         return layers.experts_forward(self.spec, self.w, layer, x, ids)
 
     @torch.no_grad()
@@ -67,3 +86,8 @@ class TorchExecutor:
 
     def sample(self, logits: Tensor, params: Optional[SamplingParams], step: int) -> int:
         return sample(logits, params or _GREEDY, step)
+
+    def sample_batch(self, logits: Tensor, params: list[Optional[SamplingParams]], steps: list[int]) -> list[int]:
+        """sample() of every row: greedy rows with one argmax call (same ids as row by row: fp32,
+        lowest id wins ties), the others one by one (each seeded by its own (seed, step))."""
+        return sample_batch(logits, params, steps, lambda i, p, s: sample(logits[i], p, s))

@@ -51,7 +51,7 @@ class SimExecutor:
     def shared_expert(self, layer: int, x: Tensor) -> Optional[Tensor]:
         return None
 
-    def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
+    def experts(self, layer: int, x: Tensor, expert_ids: Tensor) -> Tensor:
         return torch.zeros_like(x)
 
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
@@ -65,3 +65,6 @@ class SimExecutor:
         while tok in self.eos:
             tok = (tok + 1) % self.vocab_size
         return tok
+
+    def sample_batch(self, logits: Tensor, params: list, steps: list[int]) -> list[int]:
+        return [self.sample(logits[i], params[i], steps[i]) for i in range(len(steps))]

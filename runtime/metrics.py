@@ -7,7 +7,7 @@ attention and sample batches, routed (token, expert) rows for expert batches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 
 @dataclass(slots=True)
@@ -31,12 +31,21 @@ class RankMetrics:
     queued_items: int = 0
     tokens: int = 0  # tokens sampled by this rank (requests homed here)
 
-    def on_batch(self, rec: BatchRecord, waits: Iterable[float]) -> None:
-        for w in waits:
-            self.queue_delay_sum += w
-            self.queued_items += 1
-            if w > self.max_queue_delay:
-                self.max_queue_delay = w
+    def on_batch(self, rec: BatchRecord, waits: Iterable[float], counts: Optional[Iterable[int]] = None) -> None:
+        """`waits[i]`: queueing delay of item i; `counts[i]`: how many rows it stands for (1 each when
+        None; a block of expert or sample rows counts every row, as if queued one by one)."""
+        if counts is None:
+            for w in waits:
+                self.queue_delay_sum += w
+                self.queued_items += 1
+                if w > self.max_queue_delay:
+                    self.max_queue_delay = w
+        else:
+            for w, c in zip(waits, counts):
+                self.queue_delay_sum += w * c
+                self.queued_items += c
+                if w > self.max_queue_delay:
+                    self.max_queue_delay = w
         self.batches.append(rec)
 
 

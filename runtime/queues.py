@@ -2,8 +2,10 @@
 
 Items are plain slotted dataclasses (this is the hot loop) carrying the metadata the paper's CPU-side
 record carries (request id, position, home rank, LayerID, slot, routing weight) plus the tensor rows.
-Depth is counted in *tokens*: attention and sample items count their rows, expert rows count 1/k
-each (a token routed to k experts is one token of work for the layer, as the defragmenting
+Attention items are segments (never split: a segment's rows attend to each other); expert and
+sample items are blocks of rows (a batch takes whole blocks and splits the last one only when the
+cap demands it). Depth is counted in *tokens*: attention and sample items count their rows, expert
+rows count 1/k each (a token routed to k experts is one token of work for the layer, as the defragmenting
 scheduler's Q(s) defines it).
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
 
 
@@ -20,7 +23,9 @@ class AttnItem:
     """A segment of one request entering attention of a layer: rows of consecutive positions.
 
     A prefill chunk is one segment; a decode token is a 1-row segment. At layer 0 the rows are
-    `tokens` (embedded inside the batch); deeper layers carry the hidden rows `h` [n, H].
+    `tokens` (embedded inside the batch); deeper layers carry the hidden rows: rows
+    `hrow .. hrow+n-1` of `h` (a block shared by the segments one merge completed, so forwarding
+    a segment costs no tensor op; batch assembly slices contiguous runs of a block once).
     """
 
     rid: int
@@ -29,32 +34,45 @@ class AttnItem:
     tokens: Optional[list[int]]
     h: Optional[torch.Tensor]
     t_enq: float
+    hrow: int = 0
 
 
 @dataclass(slots=True)
 class ExpertItem:
-    """One routed copy of one token: row `row` of segment (rid, pos0) sent to `expert` in slot `slot`."""
+    """A block of routed rows for one expert stage: the rows one message (or the local part of one
+    attention batch's dispatch) brought, in the order the home sent them.
 
-    rid: int
-    pos0: int
-    row: int
+    `tag[i]` is opaque to the expert side: the home's merge address of row i (runtime/merge.py),
+    echoed back with the expert output. `expert[i]` is the expert of row i.
+    """
+
     home: int
     layer: int
-    slot: int
-    expert: int
-    weight: float
-    x: torch.Tensor  # [H]
+    x: torch.Tensor  # [n, H]
+    tag: np.ndarray  # int64 [n]
+    expert: np.ndarray  # int64 [n]
     t_enq: float
+    n: int
+
+    def split(self, m: int) -> tuple["ExpertItem", "ExpertItem"]:
+        """(first m rows, the rest): the batch cap cut this block."""
+        return (ExpertItem(self.home, self.layer, self.x[:m], self.tag[:m], self.expert[:m], self.t_enq, m),
+                ExpertItem(self.home, self.layer, self.x[m:], self.tag[m:], self.expert[m:], self.t_enq, self.n - m))
 
 
 @dataclass(slots=True)
 class SampleItem:
-    """The final hidden row of the last position of a request, waiting for logits + sampling."""
+    """Final hidden rows of requests waiting for logits + sampling: one row per request (its last
+    position), a block per merge that completed them."""
 
-    rid: int
-    pos: int
-    h: torch.Tensor  # [H]
+    rids: list[int]
+    h: torch.Tensor  # [n, H]
     t_enq: float
+    n: int
+
+    def split(self, m: int) -> tuple["SampleItem", "SampleItem"]:
+        return (SampleItem(self.rids[:m], self.h[:m], self.t_enq, m),
+                SampleItem(self.rids[m:], self.h[m:], self.t_enq, self.n - m))
 
 
 class MuQueue:
@@ -91,25 +109,35 @@ class MuQueue:
         return self._items[0].t_enq if self._items else None
 
     def push(self, item) -> None:
-        self._items.append(item)
-        self._rows += item.n if isinstance(item, AttnItem) else 1
+        if item.n:
+            self._items.append(item)
+            self._rows += item.n
 
     def take(self, eligible: Optional[Callable[[object], bool]] = None) -> list:
         """Pop items in FIFO order up to `cap` rows, skipping ineligible ones (they keep their place).
 
         Stops at the first eligible item that would overflow the cap rather than searching for a
-        smaller one further back: filling the batch is not worth breaking FIFO fairness.
+        smaller one further back: filling the batch is not worth breaking FIFO fairness. A block
+        (expert/sample item) that would overflow is split: its first rows fill the batch, the rest
+        stays at the front of the queue.
         """
         out, kept, rows = [], [], 0
         items = self._items
+        cap = self.cap
         while items:
             item = items[0]
-            n = item.n if isinstance(item, AttnItem) else 1
+            n = item.n
             if eligible is not None and not eligible(item):
                 kept.append(items.popleft())
                 continue
-            if rows + n > self.cap and out:
-                break  # (an item larger than the cap alone still runs, so nothing can stick forever)
+            if rows + n > cap:
+                if not isinstance(item, AttnItem) and rows < cap:
+                    head, items[0] = item.split(cap - rows)
+                    out.append(head)
+                    rows += head.n
+                    break
+                if out:
+                    break  # (a segment larger than the cap alone still runs, so nothing can stick forever)
             out.append(items.popleft())
             rows += n
         # Put skipped items back in front, in their original order.

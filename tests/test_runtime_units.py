@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from runtime.clock import VirtualClock
-from runtime.merge import MergeTable
+from runtime.merge import TAG_SHIFT, MergeTable
 from runtime.queues import AttnItem, ExpertItem, MuQueue
 from runtime.requests import Admission, Request
 from runtime.transport.inproc import InprocHub
@@ -52,27 +53,63 @@ def test_impossible_request_is_refused_at_submit():
         a.submit(req(0, 44))
 
 
+def _group(table, n_per_seg, H, layer=1):
+    S = len(n_per_seg)
+    n = np.asarray(n_per_seg, dtype=np.int64)
+    R = int(n.sum())
+    return table.open(layer, [7 + s for s in range(S)], [10] * S, np.full(S, 10, dtype=np.int64), n,
+                      torch.zeros(R, H), None, torch.ones(R, table.top_k), now=0.0)
+
+
 def test_merge_stacks_parts_in_slot_order_whatever_the_arrival_order():
     k, n, H = 3, 2, 4
     table = MergeTable(k)
-    table.open(7, 10, 1, [10, 11], torch.zeros(n, H), None, torch.ones(n, k), now=0.0)
+    g = _group(table, [n], H)
+    base = g.gid << TAG_SHIFT
     parts = {(r, j): torch.full((H,), 10.0 * r + j) for r in range(n) for j in range(k)}
     order = list(parts)
     random.Random(0).shuffle(order)
-    done = [table.add(7, 10, 1, r, j, parts[(r, j)]) for r, j in order]
-    assert all(d is None for d in done[:-1]) and done[-1] is not None and len(table) == 0
-    y = MergeTable.stacked(done[-1])
+    # arrivals in messages of 1, 2 and 3 rows, rows in shuffled (row, slot) order
+    done = []
+    for a, b in ((0, 1), (1, 3), (3, 6)):
+        chunk = order[a:b]
+        done.append(table.add(np.array([base + r * k + j for r, j in chunk]), torch.stack([parts[c] for c in chunk])))
+    assert done[0] == [] and done[1] == [] and len(done[2]) == 1 and len(table) == 0
+    grp, segs = done[2][0]
+    assert segs.tolist() == [0]
+    y = MergeTable.stacked(grp)
     assert y.shape == (n, k, H) and [[float(y[r, j, 0]) for j in range(k)] for r in range(n)] == [[0, 1, 2], [10, 11, 12]]
     with pytest.raises(KeyError):
-        table.add(7, 10, 1, 0, 0, parts[(0, 0)])
+        table.add(np.array([base]), parts[(0, 0)][None])
+
+
+def test_merge_segments_complete_independently_and_across_groups():
+    k, H = 2, 3
+    table = MergeTable(k)
+    g0 = _group(table, [1, 2], H)  # segment 0: row 0; segment 1: rows 1-2
+    g1 = _group(table, [1], H)
+    b0, b1 = g0.gid << TAG_SHIFT, g1.gid << TAG_SHIFT
+    assert len(table) == 3
+    # one message: all of g0's segment 1, g1's only segment, half of g0's segment 0
+    tags = np.array([b0 + 2, b1 + 0, b0 + 3, b0 + 4, b1 + 1, b0 + 5, b0 + 0])
+    done = table.add(tags, torch.arange(len(tags), dtype=torch.float32)[:, None].expand(-1, H))
+    assert [(g.gid, s.tolist()) for g, s in done] == [(g0.gid, [1]), (g1.gid, [0])] and len(table) == 1
+    assert g0.rows_of(np.array([1])).tolist() == [1, 2]
+    assert MergeTable.stacked(g0, np.array([1, 2]))[:, :, 0].tolist() == [[0, 2], [3, 5]]
+    done = table.add(np.array([b0 + 1]), torch.full((1, H), 9.0))
+    assert [(g.gid, s.tolist()) for g, s in done] == [(g0.gid, [0])] and len(table) == 0
 
 
 def test_merge_rejects_duplicates():
     table = MergeTable(2)
-    table.open(1, 0, 0, [0], torch.zeros(1, 2), None, torch.ones(1, 2), now=0.0)
-    table.add(1, 0, 0, 0, 1, torch.zeros(2))
+    g = _group(table, [1], 2)
+    base = g.gid << TAG_SHIFT
+    table.add(np.array([base + 1]), torch.zeros(1, 2))
     with pytest.raises(ValueError, match="duplicate"):
-        table.add(1, 0, 0, 0, 1, torch.zeros(2))
+        table.add(np.array([base + 1]), torch.zeros(1, 2))
+    g2 = _group(table, [2], 2)
+    with pytest.raises(ValueError, match="duplicate"):  # twice within one message
+        table.add(np.array([(g2.gid << TAG_SHIFT) + 3] * 2), torch.zeros(2, 2))
 
 
 def test_queue_take_respects_cap_fifo_and_eligibility():
@@ -91,11 +128,34 @@ def test_queue_take_respects_cap_fifo_and_eligibility():
     assert len(big.take()) == 1  # an oversize item still runs alone, it never sticks
 
 
+def _block(n, t, first=0):
+    return ExpertItem(0, 0, torch.arange(first, first + n, dtype=torch.float32)[:, None],
+                      np.arange(first, first + n, dtype=np.int64), np.arange(first, first + n) % 3, t, n)
+
+
 def test_expert_queue_depth_counts_tokens():
     q = MuQueue(1, "expert", 0, cap=4, token_weight=1 / 2)
-    for j in range(6):
-        q.push(ExpertItem(1, 0, j // 2, 0, 0, j % 2, j, 0.5, torch.zeros(2), 0.0))
-    assert q.depth == 3.0 and len(q.take()) == 4 and q.depth == 1.0
+    for j in range(3):
+        q.push(_block(2, 0.0, 2 * j))
+    assert q.depth == 3.0 and sum(it.n for it in q.take()) == 4 and q.depth == 1.0
+
+
+def test_expert_queue_takes_whole_blocks_and_splits_only_the_last():
+    q = MuQueue(1, "expert", 0, cap=5, token_weight=1 / 4)
+    q.push(_block(3, 0.0, 0))
+    q.push(_block(4, 0.1, 3))
+    q.push(_block(2, 0.2, 7))
+    got = q.take()
+    assert [it.n for it in got] == [3, 2] and q.rows == 4
+    assert np.concatenate([it.tag for it in got]).tolist() == [0, 1, 2, 3, 4]
+    assert torch.cat([it.x for it in got])[:, 0].tolist() == [0, 1, 2, 3, 4]
+    # the rest of the split block stays in front with its enqueue time: FIFO by row is unchanged
+    assert q.oldest_enqueue() == 0.1 and [it.n for it in q] == [2, 2]
+    got = q.take()
+    assert np.concatenate([it.tag for it in got]).tolist() == [5, 6, 7, 8] and len(q) == 0
+    big = MuQueue(1, "expert", 0, cap=2)
+    big.push(_block(5, 0.0))
+    assert [it.n for it in big.take()] == [2] and big.rows == 3
 
 
 def test_inproc_fifo_per_link_under_random_delays():
