@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:
             table.add_row(r["label"], r["scenario"], f"{r['tokens_per_s']:.1f}",
                           "-" if ratio is None else f"{ratio:.2f}", "-" if loss is None else f"{loss * 100:+.1f}%",
                           "-" if itl is None else f"{itl:.2f}",
-                          f"{r['batches'].get('expert', {}).get('mean_size', 0):.1f}")
+                          f"{r['batches'].get('expert', {}).get('mean_size', r.get('expert_mean_batch') or 0):.1f}")
         console.print(table)
         for t in doc.get("targets", []):
             v = t["value"]

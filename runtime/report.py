@@ -187,8 +187,8 @@ def markdown_table(summaries: list[dict], baseline: str) -> str:
     lines = [head, "|" + "---|" * 12]
     for s in summaries:
         b = s.get("batches", {})
-        attn = b.get("attn", {}).get("mean_size")
-        exp = b.get("expert", {}).get("mean_size")
+        attn = b.get("attn", {}).get("mean_size", s.get("attn_mean_batch"))
+        exp = b.get("expert", {}).get("mean_size", s.get("expert_mean_batch"))
         loss = s.get("loss_vs_clean")
         lines.append(
             f"| {s['label']} | {s['scenario']} | {_f(s['tokens_per_s'])} | {_f(s['peak_tokens_per_s'])} "

@@ -162,3 +162,21 @@ def test_cost_model_units():
     assert CostModel(send_cpu=30e-6, overlap_host=False).with_sends(50e-6, 3) == pytest.approx(140e-6)
     with pytest.raises(ValueError):
         CostModel(collective_algo="tree")
+
+
+def test_barrier_in_processes_equals_in_process(model):
+    """runtime/barrier_mp.py: the same rank coroutines over ZeroMQ + gloo in 2 processes give the
+    in-process driver's tokens (ring collectives, a2a: exact)."""
+    from models.weights import load_weights
+    from runtime.barrier_mp import BarrierJob, barrier_rank_main
+    from runtime.launch import launch_local
+    spec, _, prompts, _ = model
+    plan = compile_plan(spec, 2)
+    want = run_barrier(plan, TorchExecutor(spec, load_weights(spec)), _requests(prompts), "a2a", kv_blocks=32,
+                       cost_model=CostModel(collective_algo="ring"))
+    job = BarrierJob(plan, "a2a", _requests(prompts), kv_blocks=32, algo="ring")
+    res = launch_local(2, barrier_rank_main, (job,), timeout=120.0)
+    assert res.ok, res.first_error
+    got = {q.rid: q for q in res.results[0]["requests"]}
+    assert [got[q.rid].output for q in want.requests] == [q.output for q in want.requests]
+    assert all(len(got[q.rid].token_times) == MAX_NEW for q in want.requests)

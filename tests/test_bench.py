@@ -129,3 +129,20 @@ def test_defrag_history_weight_stage_in_front_of_a_steady_queue():
     assert no_h.params()["history_weight"] == 0.0
     with pytest.raises(ValueError):
         make_policy("defrag", history_weight=-1)
+
+
+def test_wall_link_delays_inject_only_the_bursts_and_pickle():
+    import pickle
+
+    from runtime.bench import WallLinkDelays
+    from runtime.interference import from_config
+    inter = from_config({"latency_us": 40, "bandwidth_gbps": 1,
+                         "bursts": [{"period_ms": 20, "duty": 0.5, "extra_delay_us": 2000, "links": [[0, 1]]}]})
+    w = pickle.loads(pickle.dumps(WallLinkDelays(inter, epoch=0.0)))
+    import time as _t
+    w.epoch = _t.time() - 0.001            # 1 ms into a period: the burst is on
+    assert w.lane("send", 0, 1)() == pytest.approx(2e-3)   # extra only: no healthy latency, no bytes
+    assert w.lane("send", 1, 0)() == 0.0 and w.lane("recv", 0, 1)() == 0.0
+    w.epoch = _t.time() - 0.015            # 15 ms in: off
+    assert w.lane("send", 0, 1)() == 0.0
+    assert WallLinkDelays(from_config({"latency_us": 40})).lane("send", 0, 1)() == 0.0
