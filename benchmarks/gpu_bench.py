@@ -179,6 +179,9 @@ class TeacherForcing:
         self.recorded[(rid, step)] = row.detach().float().cpu()
         return self.forced[rid][step]
 
+    def sample_batch(self, logits, params: list, steps: list[int]) -> list[int]:
+        return [self.sample(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps))]
+
 
 def _reference(spec, w32, reqs_t):
     ref = ReferenceDecoder(spec, w32)
