@@ -1,0 +1,629 @@
+"""Barrier EP baselines over real torch.distributed collectives, one process per rank (rank r on cuda:r),
+plus the streaming engine's rank main with the same executor recipe, for benchmarks/gpu_ep_bench.py.
+
+runtime/barrier.py runs the same step logic as coroutines over point-to-point messages (and
+runtime/barrier_mp.py drives them over our own ZeroMQ + gloo transport). Here every MoE layer ends in
+the collectives an EP serving system really calls:
+
+  ag   dispatch: dist.all_gather_into_tensor of the hidden rows and of the routing (ids and weights
+       packed as float32, rows padded to the largest rank's count: the collective needs equal sizes);
+       each rank runs its experts on every row routed to them, weights the outputs, and the combine is
+       dist.all_reduce (sum) over [R x max rows, H] (SGLang's portable path; DP attention keeps only
+       its own slice).
+  a2a  sizes first: dist.all_to_all_single of a [R, 2] count table (tokens, (token, slot) pairs per
+       destination); then all_to_all_single of the token rows (one row per token and destination)
+       and of the pair metadata (message row, expert id); experts in source-rank order (as
+       runtime/barrier.py); combine: all_to_all_single of the unweighted slot rows back, placed at
+       token * k + slot and summed by executor.combine in slot order (what the streaming engine does).
+  Per step: all_gather_into_tensor of the token counts (the global batch shape; the run ends when
+  every rank has no work left).
+
+Same executor calls as runtime/barrier.py (embed, attention, route, shared_expert, experts, combine,
+logits, sample), same KV store (PagedKVStore, RandomPrefixKV in decode-only mode), same admission
+(runtime.requests.Admission over the same capacities; every rank computes it identically, as all
+requests of a workload arrive at t = 0: a closed batch, which is what the bench runs).
+
+Link delay bursts (BurstDelays): a rank sleeps, before each dispatch and each combine collective,
+the largest burst delay currently on a link to or from it; the streaming engine gets the same
+schedule through the transport's chaos hook (lanes of the chosen direction), on the same wall clock.
+
+Hogs (runtime/hogs.py) are started by rank 0 before a workload that asks for one and stopped after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What scenario is on in this process (set per workload; read by BurstDelays lanes in transport threads).
+_ACTIVE = {"delay": False}
+
+
+# ------------------------------------------------------------------------------ model + executor
+@dataclass
+class ExecSpec:
+    """How every rank builds the same executor (picklable)."""
+    model: str = "tiny-gpt-oss"
+    layers: Optional[int] = None
+    dtype: str = "float32"            # float32 | bfloat16 (weights and activations)
+    executor: str = "torch"           # torch (TorchExecutor, host-drawn weights) | cuda (CudaExecutor, device-drawn)
+    zipf_s: Optional[float] = None    # None: the model's own router
+    seed: int = 0
+    max_context: int = 2048
+
+
+def cut_spec(name: str, layers: Optional[int] = None, dtype: Optional[str] = None):
+    """A shipped spec, optionally cut to its first `layers` layers (as benchmarks/gpu_bench.py)."""
+    import yaml
+    from graph_ir.spec import ModelSpec
+    data = yaml.safe_load((ROOT / "models/specs" / f"{name}.yaml").read_text())
+    if layers is not None and layers < data["num_layers"]:
+        data["num_layers"] = layers
+        lt = data.get("attention", {}).get("layer_types")
+        if lt:
+            data["attention"]["layer_types"] = lt[:layers]
+        if data.get("dense_layers"):
+            data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
+        data["name"] = f"{data['name']}-L{layers}"
+    if dtype:
+        data["dtype"] = dtype
+    return ModelSpec.model_validate(data)
+
+
+def device_weights(spec, device, dtype, seed: int = 0):
+    """Random weights drawn on the device (same recipe as benchmarks/gpu_bench.device_weights)."""
+    from models.weights import ModelWeights, expected_shapes
+    g = torch.Generator(device=device).manual_seed(seed)
+    std = spec.weights.init_std
+    tensors = {}
+    for name, shape in expected_shapes(spec).items():
+        short = name.split(".", 2)[2] if name.startswith("layers.") else name
+        t = torch.randn(shape, generator=g, device=device, dtype=dtype)
+        if short.endswith("norm"):
+            t = 1.0 + 0.1 * t
+        elif short == "sinks":
+            t = 0.5 * t
+        else:
+            t = std * t
+        tensors[name] = t.to(torch.float32) if short == "router.correction_bias" else t
+    layers = [{} for _ in range(spec.num_layers)]
+    for name, t in tensors.items():
+        if name.startswith("layers."):
+            _, idx, short = name.split(".", 2)
+            layers[int(idx)][short] = t
+    return ModelWeights(tensors["embed"], tensors["final_norm"], tensors.get("lm_head"), layers)
+
+
+def build_executor(es: ExecSpec, plan, device):
+    """(executor the engines call, inner executor). Same on every rank and in every system."""
+    spec = plan.spec
+    if es.executor == "cuda":
+        from runtime.executor_cuda import CudaExecutor
+        dt = getattr(torch, es.dtype)
+        inner = CudaExecutor(spec, device_weights(spec, device, dt, es.seed), plan, device, max_context=es.max_context)
+    else:
+        from models.weights import load_weights
+        from runtime.executor import TorchExecutor
+        inner = TorchExecutor(spec, load_weights(spec).to(device))
+    ex = inner
+    if es.zipf_s is not None:
+        from runtime.routing_override import KeyedRoutingExecutor, ZipfRouting
+        ex = KeyedRoutingExecutor(inner, ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=es.zipf_s,
+                                                     seed=es.seed))
+    return ex, inner
+
+
+def _waited(inner) -> float:
+    """Seconds the executor spent blocked on the device (CudaExecutor exposes it; others: 0)."""
+    st, sg = getattr(inner, "stats", None), getattr(inner, "staging", None)
+    return float(getattr(st, "route_wait_s", 0.0) or 0.0) + float(getattr(sg, "wait_s", 0.0) or 0.0)
+
+
+class HostProbe:
+    """Host time per batch kind: wall of the executor calls minus the time blocked on the device."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, list] = {}   # kind -> [batches, rows, host_s]
+
+    def add(self, kind: str, rows: int, host_s: float) -> None:
+        a = self.acc.setdefault(kind, [0, 0, 0.0])
+        a[0] += 1
+        a[1] += rows
+        a[2] += max(host_s, 0.0)
+
+    def summary(self) -> dict:
+        return {k: {"batches": n, "mean_rows": r / n if n else 0.0, "host_us": 1e6 * s / n if n else 0.0}
+                for k, (n, r, s) in self.acc.items()}
+
+
+# ------------------------------------------------------------------------------ interference
+class BurstDelays:
+    """On/off link delay bursts on the wall clock (time.time() since `epoch`: one clock for every
+    process of the host), on only while a workload of a delay scenario runs in this process.
+    - `lane(direction, me, peer)`: the streaming transport's chaos hook (ZmqDistTransport); lanes of
+      `directions` get the burst delay of the link (me -> peer for send, peer -> me for recv).
+    - `collective(me, world)`: the barrier baselines' host-side stall before a collective: the largest
+      delay on any link to or from `me` right now (a collective ends with its slowest message)."""
+
+    def __init__(self, period_ms: float = 20.0, duty: float = 0.3, extra_us: float = 2000.0,
+                 links: Optional[list] = None, directions: tuple = ("recv",), epoch: Optional[float] = None) -> None:
+        self.period_s, self.duty, self.extra_s = period_ms * 1e-3, duty, extra_us * 1e-6
+        self.links = None if links is None else {(int(a), int(b)) for a, b in links}
+        self.directions = tuple(directions)
+        self.epoch = time.time() if epoch is None else epoch
+
+    def delay(self, src: int, dst: int) -> float:
+        if not _ACTIVE["delay"] or src == dst:
+            return 0.0
+        if self.links is not None and (src, dst) not in self.links:
+            return 0.0
+        t = time.time() - self.epoch
+        return self.extra_s if (t % self.period_s) < self.duty * self.period_s else 0.0
+
+    def lane(self, direction: str, me: int, peer: int):
+        if direction not in self.directions:
+            return lambda: 0.0
+        if direction == "send":
+            return lambda: self.delay(me, peer)
+        return lambda: self.delay(peer, me)
+
+    def collective(self, me: int, world: int) -> float:
+        return max([0.0] + [max(self.delay(p, me), self.delay(me, p)) for p in range(world) if p != me])
+
+
+@dataclass
+class Workload:
+    name: str
+    system: str                   # streaming-<policy> | ag-ep | a2a-ep
+    requests: list                # runtime.requests.Request, arrival 0
+    kv_blocks: int
+    scenario: str = "clean"       # clean | delay | compute-hog | nvlink-hog
+    report: bool = True           # False: warm-up (graph capture), not reported
+
+
+@dataclass
+class DistJob:
+    plan: object
+    exec: ExecSpec
+    workloads: list               # [Workload]
+    delays: Optional[BurstDelays] = None
+    hogs: dict = field(default_factory=dict)   # scenario -> runtime.hogs kwargs (kind, ...)
+    decode_only: bool = True
+    peer_timeout_s: float = 30.0
+
+
+def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None:
+    """Switch interference to workload `w`'s scenario (delay flag here; hogs from rank 0)."""
+    _ACTIVE["delay"] = w.scenario == "delay"
+    if rank != 0:
+        return
+    want = job.hogs.get(w.scenario)
+    cur = hogs_state.get("hog")
+    if cur is not None and hogs_state.get("scenario") != w.scenario:
+        hogs_state["log"].append(cur.stop())
+        hogs_state["hog"] = None
+    if want is not None and hogs_state.get("hog") is None:
+        from runtime.hogs import Hog
+        hogs_state["hog"] = Hog(**want).start()
+        hogs_state["scenario"] = w.scenario
+
+
+def _hogs_off(hogs_state: dict) -> None:
+    if hogs_state.get("hog") is not None:
+        hogs_state["log"].append(hogs_state["hog"].stop())
+        hogs_state["hog"] = None
+
+
+def _device(plan, local_rank: int):
+    if plan.cluster.device == "cuda" and torch.cuda.is_available():
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _threads(env) -> None:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+# ------------------------------------------------------------------------------ barrier rank main
+def barrier_dist_rank_main(env, job: DistJob):
+    """One rank of the barrier baselines; every workload in order. Rank 0 returns the results."""
+    import torch.distributed as dist
+    from runtime.transport.rendezvous import init_distributed
+    _threads(env)
+    device, backend = _device(job.plan, env.local_rank)
+    init_distributed(env.rank, env.world_size, backend)
+    ex, inner = build_executor(job.exec, job.plan, device)
+    hogs_state: dict = {"log": []}
+    out = []
+    try:
+        for w in job.workloads:
+            _scenario_on(job, w, hogs_state, env.rank)
+            mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[w.system]
+            res = run_barrier_workload(env.rank, env.world_size, job, w, mode, ex, inner, device)
+            allr = [None] * env.world_size
+            dist.all_gather_object(allr, res)
+            if env.rank == 0:
+                out.append(_merge_rank_results(w, allr))
+    finally:
+        _ACTIVE["delay"] = False
+        _hogs_off(hogs_state)
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    return {"workloads": out, "hogs": hogs_state["log"]} if env.rank == 0 else None
+
+
+def _merge_rank_results(w: Workload, allr: list) -> dict:
+    reqs = [r for rr in allr for r in rr["requests"]]
+    host: dict = {}
+    for rr in allr:
+        for k, v in rr["host"].items():
+            a = host.setdefault(k, [0, 0.0, 0.0])
+            a[0] += v["batches"]
+            a[1] += v["mean_rows"] * v["batches"]
+            a[2] += v["host_us"] * v["batches"]
+    return {"name": w.name, "system": w.system, "scenario": w.scenario, "report": w.report,
+            "wall_s": max(rr["wall_s"] for rr in allr), "requests": sorted(reqs, key=lambda r: r["rid"]),
+            "batches": {k: {"batches": n, "mean_rows": r / n if n else 0.0, "host_us": s / n if n else 0.0}
+                        for k, (n, r, s) in host.items()},
+            "delay_stalls_s": [rr["delay_s"] for rr in allr]}
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, ex, inner, device) -> dict:
+    """One closed batch of requests (all at t = 0) under synchronous EP with real collectives."""
+    import torch.distributed as dist
+    from runtime.kv_cache import BlockAllocator, PagedKVStore
+    from runtime.requests import Admission, Request
+    plan, spec = job.plan, job.plan.spec
+    block = plan.kv.block_size
+    reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=q.ignore_eos, arrival=0.0)
+            for q in w.requests]
+    admission = Admission(block, [w.kv_blocks] * R, plan.placement.home_policy)
+    for q in sorted(reqs, key=lambda r: r.rid):
+        admission.submit(q)
+    placed = admission.admit([w.kv_blocks] * R)
+    if len(placed) != len(reqs):
+        raise ValueError(f"{w.name}: {len(reqs) - len(placed)} request(s) do not fit the KV pools "
+                         f"({w.kv_blocks} blocks per rank): the barrier runs a closed batch")
+    kv = PagedKVStore(spec.num_layers, BlockAllocator(w.kv_blocks, block))
+    if job.decode_only:
+        from runtime.decode_only import RandomPrefixKV
+        kv = RandomPrefixKV(kv)
+    live = []
+    for q, home in placed:
+        q.home = home
+        if home == me:
+            if not kv.reserve(q.rid, q.kv_tokens):
+                raise RuntimeError(f"rank {me}: no KV for {q.name!r}")
+            live.append(q)
+    live.sort(key=lambda r: r.rid)
+    mine = list(live)
+    if hasattr(inner, "prepare") and device.type == "cuda":
+        inner.prepare(kv)
+    eos = frozenset(spec.eos_token_ids)
+    k = spec.experts.top_k
+    owners = [torch.tensor(plan.placement.expert_rank[l], dtype=torch.int64) for l in range(spec.num_layers)]
+    probe = HostProbe()
+    delay_s = [0.0]
+
+    def stall() -> None:
+        if job.delays is not None and _ACTIVE["delay"]:
+            d = job.delays.collective(me, R)
+            if d > 0:
+                time.sleep(d)
+                delay_s[0] += d
+
+    started: set = set()
+    _sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    while True:
+        tokens, positions, segments, seq_of_row = [], [], [], []
+        for q in live:
+            if q.rid in started:
+                toks, pos0 = [q.output[-1]], len(q.prompt) + len(q.output) - 1
+            elif job.decode_only and len(q.prompt) > 1:
+                toks, pos0 = [q.prompt[-1]], len(q.prompt) - 1
+                kv.prefix(q.rid, pos0)
+            else:
+                toks, pos0 = list(q.prompt), 0
+            segments.append((q.rid, len(tokens), len(toks)))
+            tokens.extend(toks)
+            positions.extend(range(pos0, pos0 + len(toks)))
+            seq_of_row.extend([q.rid] * len(toks))
+        for q in live:
+            started.add(q.rid)
+        T = len(tokens)
+        cnt = torch.tensor([T], dtype=torch.int64, device=device)
+        allc = torch.empty(R, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(allc, cnt)
+        counts = allc.tolist()
+        if sum(counts) == 0:
+            break
+        h = ex.embed(tokens) if T else None
+        for layer in range(spec.num_layers):
+            ta, wa = time.perf_counter(), _waited(inner)
+            if T:
+                h_res, x = ex.attention(layer, h, positions, segments, kv)
+                ids, wts = ex.route(layer, x)
+                shared = ex.shared_expert(layer, x)
+            else:
+                h_res = x = shared = None
+                ids = torch.zeros(0, k, dtype=torch.int64)
+                wts = torch.zeros(0, k, dtype=torch.float32)
+            if T:
+                probe.add("attn", T, (time.perf_counter() - ta) - (_waited(inner) - wa))
+            ids = ids.cpu().to(torch.int64)
+            wts = wts.cpu().to(torch.float32)
+            xr = x if x is not None else ex.embed([])
+            xr = xr.to(device)
+            if mode == "ag":
+                h = _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owners[layer], ex, inner, device,
+                              probe, stall)
+            else:
+                h = _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owners[layer], ex, inner, device,
+                               probe, stall, k)
+        if T:
+            last = torch.tensor([start + n - 1 for _, start, n in segments], dtype=torch.long, device=h.device)
+            logits = ex.logits(h.index_select(0, last))
+            if hasattr(ex, "sample_batch"):
+                toks = ex.sample_batch(logits, [q.params for q in live], [len(q.output) for q in live])
+            else:
+                toks = [ex.sample(logits[i], q.params, len(q.output)) for i, q in enumerate(live)]
+            now = time.perf_counter() - t0
+            keep = []
+            for q, tok in zip(live, toks):
+                q.output.append(int(tok))
+                q.token_times.append(now)
+                if tok in eos and not q.ignore_eos:
+                    q.finish_reason, q.t_finish = "eos", now
+                elif len(q.output) >= q.max_new_tokens or len(q.prompt) + len(q.output) - 1 >= spec.max_position:
+                    q.finish_reason, q.t_finish = "length", now
+                else:
+                    keep.append(q)
+                    continue
+                kv.release(q.rid)
+            live = keep
+    _sync(device)
+    wall = time.perf_counter() - t0
+    if hasattr(inner, "detach"):
+        try:
+            inner.detach(kv)
+        except Exception:  # noqa: BLE001
+            pass
+    return {"rank": me, "wall_s": wall, "host": probe.summary(), "delay_s": delay_s[0],
+            "requests": [{"rid": q.rid, "home": me, "output": list(q.output), "token_times": list(q.token_times),
+                          "t_finish": q.t_finish, "prompt_len": len(q.prompt)} for q in mine]}
+
+
+def _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inner, device, probe, stall):
+    import torch.distributed as dist
+    M = max(counts)
+    T, H = xr.shape[0], xr.shape[1]
+    k = ids.shape[1]
+    xp = torch.zeros(M, H, dtype=xr.dtype, device=device)
+    xp[:T] = xr
+    meta = torch.zeros(M, 2 * k, dtype=torch.float32)
+    meta[:T, :k] = ids.to(torch.float32)          # expert ids < 2^24: exact in float32
+    meta[:T, k:] = wts
+    meta = meta.to(device)
+    x_all = torch.empty(R * M, H, dtype=xr.dtype, device=device)
+    meta_all = torch.empty(R * M, 2 * k, dtype=torch.float32, device=device)
+    stall()
+    dist.all_gather_into_tensor(x_all, xp)
+    dist.all_gather_into_tensor(meta_all, meta)
+    te, we = time.perf_counter(), _waited(inner)
+    meta_h = meta_all.cpu()
+    ids_all, w_all = meta_h[:, :k].to(torch.int64), meta_h[:, k:]
+    valid = torch.zeros(R * M, dtype=torch.bool)
+    for p in range(R):
+        valid[p * M:p * M + counts[p]] = True
+    hit = (owner[ids_all] == me) & valid[:, None]
+    pairs = hit.nonzero()                                   # (row, slot), row-major = slot order
+    t_idx, s_idx = pairs[:, 0], pairs[:, 1]
+    t_dev = t_idx.to(device)
+    partial = torch.zeros(R * M, H, dtype=torch.float32, device=device)
+    if len(t_idx):
+        y = ex.experts(layer, x_all.index_select(0, t_dev), ids_all[t_idx, s_idx].tolist())
+        partial.index_add_(0, t_dev, y.to(device).float() * w_all[t_idx, s_idx, None].to(device))
+    probe.add("expert", int(len(t_idx)), (time.perf_counter() - te) - (_waited(inner) - we))
+    red = partial.to(xr.dtype)
+    stall()
+    dist.all_reduce(red)
+    if not counts[me]:
+        return None
+    acc = red[me * M:me * M + counts[me]]
+    ones = torch.ones(counts[me], 1, dtype=torch.float32, device=device)
+    return ex.combine(h_res, shared, acc.to(h_res.dtype).unsqueeze(1), ones)
+
+
+def _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inner, device, probe, stall, k):
+    import torch.distributed as dist
+    T, H = xr.shape[0], xr.shape[1]
+    own = owner[ids] if ids.numel() else torch.zeros(0, k, dtype=torch.int64)
+    x_parts, meta_parts, flat_parts, send_tok, send_pairs = [], [], [], [], []
+    for p in range(R):
+        pairs = (own == p).nonzero()                         # (token, slot), slot order within a token
+        if len(pairs):
+            toks, mrow = torch.unique(pairs[:, 0], sorted=True, return_inverse=True)
+            x_parts.append(xr.index_select(0, toks.to(device)))
+            meta_parts.append(torch.stack([mrow, ids[pairs[:, 0], pairs[:, 1]]], 1))
+            flat_parts.append(pairs[:, 0] * k + pairs[:, 1])
+            send_tok.append(len(toks))
+            send_pairs.append(len(pairs))
+        else:
+            send_tok.append(0)
+            send_pairs.append(0)
+    # sizes first
+    sc = torch.tensor([[a, b] for a, b in zip(send_tok, send_pairs)], dtype=torch.int64, device=device)
+    rc = torch.empty_like(sc)
+    stall()
+    dist.all_to_all_single(rc, sc)
+    rc_h = rc.cpu()
+    recv_tok, recv_pairs = rc_h[:, 0].tolist(), rc_h[:, 1].tolist()
+    x_send = torch.cat(x_parts) if x_parts else xr[:0]
+    x_recv = torch.empty(sum(recv_tok), H, dtype=xr.dtype, device=device)
+    dist.all_to_all_single(x_recv, x_send.contiguous(), recv_tok, send_tok)
+    m_send = (torch.cat(meta_parts) if meta_parts else torch.zeros(0, 2, dtype=torch.int64)).to(device).reshape(-1)
+    m_recv = torch.empty(2 * sum(recv_pairs), dtype=torch.int64, device=device)
+    dist.all_to_all_single(m_recv, m_send, [2 * n for n in recv_pairs], [2 * n for n in send_pairs])
+    te, we = time.perf_counter(), _waited(inner)
+    m = m_recv.view(-1, 2).cpu()
+    tok_off = [0]
+    for n in recv_tok:
+        tok_off.append(tok_off[-1] + n)
+    rows = torch.empty(len(m), dtype=torch.int64)
+    i = 0
+    for p in range(R):
+        n = recv_pairs[p]
+        rows[i:i + n] = m[i:i + n, 0] + tok_off[p]
+        i += n
+    if len(m):
+        y = ex.experts(layer, x_recv.index_select(0, rows.to(device)), m[:, 1].tolist()).to(device)
+    else:
+        y = x_recv[:0]
+    probe.add("expert", int(len(m)), (time.perf_counter() - te) - (_waited(inner) - we))
+    back = torch.empty(sum(send_pairs), H, dtype=y.dtype if len(m) else xr.dtype, device=device)
+    stall()
+    dist.all_to_all_single(back, y.to(back.dtype).contiguous(), send_pairs, recv_pairs)
+    if not counts[me]:
+        return None
+    Y = torch.zeros(T * k, H, dtype=h_res.dtype, device=h_res.device)
+    if flat_parts:
+        Y.index_copy_(0, torch.cat(flat_parts).to(Y.device), back.to(device=Y.device, dtype=Y.dtype))
+    return ex.combine(h_res, shared, Y.view(T, k, H), wts)
+
+
+# ------------------------------------------------------------------------------ streaming rank main
+def stream_rank_main(env, job: DistJob):
+    """runtime.multiproc.rank_main with the bench's executor (device-drawn weights, Zipf routing), the
+    BurstDelays chaos hook, hogs from rank 0 and host time per batch; one workload per (policy, scenario)."""
+    from runtime.cluster import RunOptions
+    from runtime.multiproc import COORDINATOR, RankJob, RankNode, SyncedClock, _peer_failure_behind
+    from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport
+    from runtime.transport.rendezvous import init_distributed
+    _threads(env)
+    device, backend = _device(job.plan, env.local_rank)
+    init_distributed(env.rank, env.world_size, backend)
+    works = [(list(w.requests), RunOptions(policy=w.system.split("-", 1)[1], clock="wall", kv_blocks=w.kv_blocks,
+                                           decode_only=job.decode_only, stall_timeout_s=120.0))
+             for w in job.workloads]
+    rjob = RankJob(job.plan, works, job.peer_timeout_s, job.delays)
+    hogs_state: dict = {"log": []}
+    probes: list = []
+    with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
+                          chaos=job.delays) as transport:
+        ex, inner = build_executor(job.exec, job.plan, device)
+
+        class Node(RankNode):
+            def _start_workload(self, w, options):
+                _scenario_on(job, job.workloads[w], hogs_state, self.rank)
+                super()._start_workload(w, options)
+                if options.decode_only and not self.engine.decode_only:
+                    self.engine.enable_decode_only()
+                probe = HostProbe()
+                probes.append(probe)
+                e = self.engine
+                ex_exec, ex_comp = e.execute, e.complete
+
+                def execute(batch):
+                    batch.out["_hp"] = (time.perf_counter(), _waited(inner))
+                    ex_exec(batch)
+
+                def complete(batch):
+                    ex_comp(batch)
+                    t, wt = batch.out.pop("_hp", (None, 0.0))
+                    if t is not None:
+                        probe.add(batch.stage.kind, batch.rows, (time.perf_counter() - t) - (_waited(inner) - wt))
+                e.execute, e.complete = execute, complete
+
+        clock = SyncedClock()
+        node = Node(env, job.plan, ex, transport, clock, rjob)
+        try:
+            results = node.serve()
+        except PeerFailure:
+            raise
+        except RuntimeError as err:
+            raise _peer_failure_behind(transport, err, job.peer_timeout_s + 1.0) from None
+        finally:
+            _ACTIVE["delay"] = False
+            _hogs_off(hogs_state)
+        # host probes of every rank to the coordinator: through the filesystem-free path, a gloo/nccl object gather
+        import torch.distributed as dist
+        allp = [None] * env.world_size
+        dist.all_gather_object(allp, [p.summary() for p in probes])
+    if env.rank != COORDINATOR:
+        return None
+    out = []
+    for i, (w, raw) in enumerate(zip(job.workloads, results)):
+        host: dict = {}
+        for rank_p in allp:
+            for kname, v in rank_p[i].items():
+                a = host.setdefault(kname, [0, 0.0, 0.0])
+                a[0] += v["batches"]
+                a[1] += v["mean_rows"] * v["batches"]
+                a[2] += v["host_us"] * v["batches"]
+        reqs = raw["requests"]
+        m = raw["metrics"]
+        out.append({"name": w.name, "system": w.system, "scenario": w.scenario, "report": w.report,
+                    "wall_s": m.get("elapsed_s"),
+                    "requests": [{"rid": q.rid, "home": q.home, "output": list(q.output),
+                                  "token_times": list(q.token_times), "t_finish": q.t_finish,
+                                  "prompt_len": len(q.prompt)} for q in reqs],
+                    "batches": {k2: {"batches": n, "mean_rows": r / n if n else 0.0, "host_us": s / n if n else 0.0}
+                                for k2, (n, r, s) in host.items()},
+                    "engine": {k2: m.get(k2) for k2 in ("attn_mean_batch", "expert_mean_batch", "attn_batches",
+                                                        "expert_batches", "messages", "max_queue_delay_s")}})
+    return {"workloads": out, "hogs": hogs_state["log"]}
+
+
+# ------------------------------------------------------------------------------ launcher side
+def run_dist(target: str, job: DistJob, world: int, timeout: float, env: Optional[dict] = None) -> dict:
+    """Launch `world` rank processes of `target` ("stream" | "barrier"); rank 0's result."""
+    from runtime.launch import launch_local
+    fn = stream_rank_main if target == "stream" else barrier_dist_rank_main
+    child_env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    child_env.update(env or {})
+    res = launch_local(world, fn, (job,), timeout=timeout, grace_s=job.peer_timeout_s + 5.0, env=child_env)
+    if not res.ok:
+        lines = [res.first_error or "failed"] + [f"rank {r}: {m}" for r, m in sorted(res.errors.items())]
+        raise RuntimeError("; ".join(lines)[:2000])
+    return res.results[0]
+
+
+def token_stats(requests: list, wall: float) -> dict:
+    """tokens/s over the run, ITL p50/p99 (ms)."""
+    itl = sorted(b - a for r in requests for a, b in zip(r["token_times"], r["token_times"][1:]))
+    toks = sum(len(r["output"]) for r in requests)
+
+    def pct(q):
+        return None if not itl else 1e3 * itl[min(len(itl) - 1, int(round(q / 100 * (len(itl) - 1))))]
+    return {"tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall if wall else None,
+            "itl_p50_ms": pct(50), "itl_p99_ms": pct(99),
+            "unfinished": sum(1 for r in requests if r.get("t_finish") is None)}
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+
+
+_ = math  # noqa: F841
