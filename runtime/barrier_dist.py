@@ -201,11 +201,19 @@ class DistJob:
     peer_timeout_s: float = 30.0
 
 
+def _say(msg: str) -> None:
+    """Progress line from rank 0 when the bench asks (DATAFLOW_EP_BENCH_LOG=1), on the bench's time base."""
+    if os.environ.get("DATAFLOW_EP_BENCH_LOG") == "1":
+        t0 = float(os.environ.get("DATAFLOW_EP_BENCH_T0", "0") or 0)
+        print(f"[{time.time() - t0:7.1f}s {time.strftime('%H:%M:%S')}]   rank 0: {msg}", flush=True)
+
+
 def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None:
     """Switch interference to workload `w`'s scenario (delay flag here; hogs from rank 0)."""
     _ACTIVE["delay"] = w.scenario == "delay"
     if rank != 0:
         return
+    _say(f"start {w.name} ({len(w.requests)} requests, {w.kv_blocks} KV blocks per rank)")
     want = job.hogs.get(w.scenario)
     cur = hogs_state.get("hog")
     if cur is not None and hogs_state.get("scenario") != w.scenario:
@@ -215,6 +223,7 @@ def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None
         from runtime.hogs import Hog
         hogs_state["hog"] = Hog(**want).start()
         hogs_state["scenario"] = w.scenario
+        _say(f"{want['kind']} hog started (pid {hogs_state['hog'].proc.pid})")
 
 
 def _hogs_off(hogs_state: dict) -> None:
@@ -256,6 +265,8 @@ def barrier_dist_rank_main(env, job: DistJob):
             dist.all_gather_object(allr, res)
             if env.rank == 0:
                 out.append(_merge_rank_results(w, allr))
+                toks = sum(len(r["output"]) for r in out[-1]["requests"])
+                _say(f"done {w.name}: {toks} tokens in {out[-1]['wall_s']:.2f} s = {toks / max(out[-1]['wall_s'], 1e-9):.1f} tok/s")
     finally:
         _ACTIVE["delay"] = False
         _hogs_off(hogs_state)
@@ -524,7 +535,12 @@ def stream_rank_main(env, job: DistJob):
     _threads(env)
     device, backend = _device(job.plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
-    works = [(list(w.requests), RunOptions(policy=w.system.split("-", 1)[1], clock="wall", kv_blocks=w.kv_blocks,
+    from runtime.requests import Request
+
+    def fresh(w):  # the coordinator fills its Request objects in: every workload gets its own
+        return [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=q.ignore_eos, arrival=q.arrival)
+                for q in w.requests]
+    works = [(fresh(w), RunOptions(policy=w.system.split("-", 1)[1], clock="wall", kv_blocks=w.kv_blocks,
                                            decode_only=job.decode_only, stall_timeout_s=120.0))
              for w in job.workloads]
     rjob = RankJob(job.plan, works, job.peer_timeout_s, job.delays)

@@ -1,0 +1,317 @@
+"""Streaming vs all-gather EP vs all-to-all EP, one process per GPU, real NCCL collectives, clean and
+under interference, in one command.
+
+    python benchmarks/gpu_ep_bench.py --out DIR               # 2 GPUs: GPT-OSS-20B cut to 8 layers, ~6-8 min
+    python benchmarks/gpu_ep_bench.py --out DIR --smoke       # CPU dry run: gloo, tiny model, fp32, < 2 min
+    python benchmarks/gpu_ep_bench.py --out DIR --model gpt-oss-120b            # cut to 18 layers
+    ... --systems streaming-defrag,ag-ep --scenarios clean,delay --concurrency 64 --layers 4
+
+Every system gets the same weights (seeded, drawn on each rank's device), placement (the plan's),
+kernels (runtime/executor_cuda.CudaExecutor), KV cache, requests and routing (Zipf, keyed by
+(request, position, layer): a token routes identically in every system), decode-only (random prompt
+KV, ShareGPT prompt lengths clipped to --max-prompt, new tokens drawn in --new-tokens A:B), all
+requests at t = 0, C requests per rank (--concurrency). Rank r runs on cuda:r.
+
+Systems: streaming-<policy> (runtime/multiproc's RankNode over ZmqDistTransport + NCCL p2p;
+runtime/barrier_dist.stream_rank_main), ag-ep and a2a-ep (runtime/barrier_dist: per-layer
+dist.all_gather_into_tensor + dist.all_reduce, or dist.all_to_all_single with sizes exchanged first).
+Scenarios: clean; delay (link delay bursts: +--burst-us for --burst-duty of every --burst-period-ms,
+on every link; streaming: the transport's receive lanes (or --delay-lanes), barrier: a host stall
+before each dispatch/combine collective while the burst is on); compute-hog (a process running bf16
+8192^3 matmuls in a loop on GPU 1); nvlink-hog (a process copying 256 MB buffers GPU0 <-> GPU1
+continuously). Hogs are started by rank 0 before the workload and stopped after it (runtime/hogs.py).
+
+One launch per system family (barrier: ag + a2a; streaming: every policy), each starting with an
+unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
+after each launch), ep_bench.md (the table). Progress lines carry seconds since start.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+SYSTEMS = ("streaming-defrag", "streaming-aging", "ag-ep", "a2a-ep")
+SCENARIOS = ("clean", "delay", "compute-hog", "nvlink-hog")
+
+
+def make_requests(spec, n: int, seed: int, max_prompt: int, new_lo: int, new_hi: int, rid0: int = 0) -> list:
+    """n requests: ShareGPT prompt lengths clipped to max_prompt, new tokens uniform in [new_lo, new_hi]."""
+    from runtime.lengths import length_distribution
+    from runtime.requests import Request
+    sampler = length_distribution("sharegpt", max_prompt + 1)
+    lens = sampler.sample(n, seed)
+    g = random.Random(seed)
+    out = []
+    for i, ln in enumerate(lens):
+        p = max(2, min(int(ln.prompt), max_prompt))
+        out.append(Request(rid0 + i, f"r{rid0 + i}", [g.randrange(3, spec.vocab_size - 8) for _ in range(p)],
+                           g.randint(new_lo, new_hi), ignore_eos=True, arrival=0.0))
+    return out
+
+
+def kv_blocks_for(reqs: list, block: int, ranks: int) -> int:
+    need = [math.ceil(q.kv_tokens / block) for q in reqs]
+    return int(math.ceil(sum(need) / ranks * 1.3)) + max(need) + 8
+
+
+def summarize(w: dict) -> dict:
+    from runtime.barrier_dist import token_stats
+    s = token_stats(w["requests"], w["wall_s"] or 0.0)
+    s.update(system=w["system"], scenario=w["scenario"], name=w["name"])
+    b = w.get("batches", {})
+    for kind in ("attn", "expert"):
+        if kind in b:
+            s[f"{kind}_mean_batch"] = b[kind]["mean_rows"]
+            s[f"{kind}_host_us"] = b[kind]["host_us"]
+            s[f"{kind}_batches"] = b[kind]["batches"]
+    if w.get("delay_stalls_s") is not None:
+        s["delay_stall_s"] = w["delay_stalls_s"]
+    return s
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="CPU dry run: gloo, tiny model, fp32, tiny CPU hogs")
+    p.add_argument("--model", default=None, help="gpt-oss-20b (default) | gpt-oss-120b")
+    p.add_argument("--layers", type=int, default=None, help="cut to N layers (20b: 8, 120b: 18)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--concurrency", default=None, help="requests per rank, comma list (default 64,256)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--max-prompt", type=int, default=None, help="ShareGPT prompt lengths clipped here (1024)")
+    p.add_argument("--new-tokens", default=None, help="A:B new tokens per request, uniform (32:64)")
+    p.add_argument("--zipf", type=float, default=1.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burst-us", type=float, default=2000.0)
+    p.add_argument("--burst-period-ms", type=float, default=20.0)
+    p.add_argument("--burst-duty", type=float, default=0.3)
+    p.add_argument("--delay-lanes", default="recv", help="streaming transport lanes that get the burst: recv|send|recv,send")
+    p.add_argument("--hog-device", type=int, default=1)
+    p.add_argument("--hog-mb", type=int, default=256)
+    p.add_argument("--hog-n", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=None, help="requests per rank of the unreported warm-up workload")
+    p.add_argument("--launch-timeout", type=float, default=None, help="seconds per launch (default: from --budget)")
+    p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole bench")
+    args = p.parse_args(argv)
+
+    import torch
+    gpu = torch.cuda.is_available() and not args.smoke
+    if args.smoke:
+        model, layers, dtype, executor = args.model or "tiny-gpt-oss", args.layers, "float32", "cuda"
+        conc = [int(c) for c in (args.concurrency or "4,8").split(",")]
+        max_prompt, new = args.max_prompt or 48, args.new_tokens or "3:6"
+        hog_dev: object = "cpu"
+        hog_kw = dict(mb=4, n=64)
+        warm = args.warmup or 2
+    else:
+        model = args.model or "gpt-oss-20b"
+        layers = args.layers or (18 if "120b" in model else 8)
+        dtype, executor = "bfloat16", "cuda"
+        conc = [int(c) for c in (args.concurrency or "64,256").split(",")]
+        max_prompt, new = args.max_prompt or 1024, args.new_tokens or "32:64"
+        hog_dev = args.hog_device
+        hog_kw = dict(mb=args.hog_mb, n=args.hog_n)
+        warm = args.warmup or 16
+        if not gpu:
+            log("no GPU visible: running on CPU (gloo); use --smoke for a quick dry run")
+    if not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    new_lo, new_hi = (int(x) for x in new.split(":"))
+    systems = [s for s in args.systems.split(",") if s]
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    bad = [s for s in systems if not (s in ("ag-ep", "a2a-ep") or s.startswith("streaming-"))] + \
+        [s for s in scenarios if s not in SCENARIOS]
+    if bad:
+        p.error(f"unknown system/scenario {bad}; systems: {SYSTEMS} (streaming-<policy>), scenarios: {SCENARIOS}")
+    if gpu and torch.cuda.device_count() < args.ranks:
+        p.error(f"{args.ranks} ranks need {args.ranks} GPUs; {torch.cuda.device_count()} visible")
+
+    from lowering.plan import compile_plan
+    from runtime.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+    spec = cut_spec(model, layers, dtype)
+    plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu")
+    es = ExecSpec(model=model, layers=layers, dtype=dtype, executor=executor, zipf_s=args.zipf, seed=args.seed,
+                  max_context=max_prompt + new_hi + 32)
+    delays = BurstDelays(args.burst_period_ms, args.burst_duty, args.burst_us,
+                         directions=tuple(x for x in args.delay_lanes.split(",") if x))
+    hogs = {"compute-hog": dict(kind="compute", device=hog_dev, **hog_kw),
+            "nvlink-hog": dict(kind="nvlink", devices=(0, 1) if gpu else ("cpu", "cpu"), **hog_kw)}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    block = plan.kv.block_size
+    reqs_of = {C: make_requests(spec, C * args.ranks, args.seed + C, max_prompt, new_lo, new_hi) for C in conc}
+    warm_reqs = make_requests(spec, warm * args.ranks, args.seed + 99991, max_prompt, new_lo, min(new_hi, new_lo + 4))
+    kv_of = {C: kv_blocks_for(r, block, args.ranks) for C, r in reqs_of.items()}
+    kv_warm = kv_blocks_for(warm_reqs, block, args.ranks)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(sys.argv), model=spec.name,
+                layers=spec.num_layers, experts=spec.experts.num_experts, top_k=spec.experts.top_k, dtype=dtype,
+                ranks=args.ranks, device="cuda" if gpu else "cpu", torch=torch.__version__,
+                gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if gpu else [],
+                concurrency_per_rank=conc, max_prompt=max_prompt, new_tokens=[new_lo, new_hi], zipf_s=args.zipf,
+                burst=dict(extra_us=args.burst_us, period_ms=args.burst_period_ms, duty=args.burst_duty,
+                           streaming_lanes=args.delay_lanes, barrier="host stall before each dispatch/combine"),
+                hogs=hogs, kv_blocks_per_rank={str(C): kv_of[C] for C in conc},
+                prompt_len_mean={str(C): sum(len(q.prompt) for q in r) / len(r) for C, r in reqs_of.items()})
+    log(f"{spec.name} ({spec.num_layers} layers, {spec.experts.num_experts} experts top-{spec.experts.top_k}, {dtype}) "
+        f"ranks={args.ranks} device={meta['device']} C/rank={conc} systems={systems} scenarios={scenarios}")
+    results: dict = {"meta": meta, "runs": [], "errors": [], "hogs": []}
+
+    def dump() -> None:
+        (out_dir / "ep_bench.json").write_text(json.dumps(results, indent=1, default=str))
+        write_md(out_dir / "ep_bench.md", results)
+
+    def workloads(family: list[str]) -> list:
+        ws = [Workload(f"warmup-{family[0]}", family[0], warm_reqs, kv_warm, "clean", report=False)]
+        for sc in scenarios:
+            for C in conc:
+                for s in family:
+                    ws.append(Workload(f"{s}/{sc}/C{C}", s, reqs_of[C], kv_of[C], sc))
+        return ws
+
+    launches = []
+    bar = [s for s in systems if s in ("ag-ep", "a2a-ep")]
+    stream = [s for s in systems if s.startswith("streaming-")]
+    if bar:
+        launches.append(("barrier", bar))
+    if stream:
+        launches.append(("stream", stream))
+    for i, (target, family) in enumerate(launches):
+        left = args.budget - (time.perf_counter() - T0)
+        limit = args.launch_timeout or max(60.0, left / (len(launches) - i))
+        ws = workloads(family)
+        log(f"launch {target}: {len(ws) - 1} workloads ({', '.join(family)}) + warm-up; limit {limit:.0f} s")
+        job = DistJob(plan, es, ws, delays=delays, hogs=hogs, decode_only=True, peer_timeout_s=60.0 if gpu else 20.0)
+        t = time.perf_counter()
+        try:
+            env = {"TRITON_INTERPRET": "1"} if not gpu else {}
+            env["DATAFLOW_EP_BENCH_LOG"] = "1"
+            env["DATAFLOW_EP_BENCH_T0"] = repr(time.time() - (time.perf_counter() - T0))
+            res = run_dist(target, job, args.ranks, timeout=limit, env=env)
+            results["hogs"].extend(res.get("hogs", []))
+            for w in res["workloads"]:
+                if not w["report"]:
+                    log(f"  {w['name']}: warm-up done in {w['wall_s']:.1f} s")
+                    continue
+                s = summarize(w)
+                results["runs"].append(s)
+                log(f"  {s['name']:<34} tok/s {s['tokens_per_s'] or 0:9.1f}  ITL p50 {s['itl_p50_ms'] or 0:7.2f} "
+                    f"p99 {s['itl_p99_ms'] or 0:7.2f} ms  batch attn {s.get('attn_mean_batch', 0):6.1f} "
+                    f"expert {s.get('expert_mean_batch', 0):6.1f}  host us attn {s.get('attn_host_us', 0):6.0f} "
+                    f"expert {s.get('expert_host_us', 0):6.0f}  unfinished {s['unfinished']}")
+            tokens_check(results, res["workloads"])
+        except Exception as err:  # noqa: BLE001
+            msg = f"{target} ({','.join(family)}): {type(err).__name__}: {err}"[:1500]
+            results["errors"].append(msg)
+            log(f"  FAILED {msg}")
+            traceback.print_exc(limit=2)
+        log(f"launch {target} took {time.perf_counter() - t:.0f} s")
+        ratios(results)
+        dump()
+    ratios(results)
+    dump()
+    print_table(results)
+    log(f"wrote {out_dir / 'ep_bench.json'} and {out_dir / 'ep_bench.md'}")
+    return 0 if results["runs"] and not results["errors"] else 1
+
+
+_OUTPUTS: dict = {}
+
+
+def tokens_check(results: dict, workloads: list) -> None:
+    """Requests whose tokens equal the first system's of the same (scenario, C) (bf16: near-ties may differ)."""
+    for w in workloads:
+        if not w["report"]:
+            continue
+        _, sc, C = w["name"].split("/")
+        key = (sc, C)
+        outs = {r["rid"]: r["output"] for r in w["requests"]}
+        if key not in _OUTPUTS:
+            _OUTPUTS[key] = (w["system"], outs)
+            continue
+        ref_sys, ref = _OUTPUTS[key]
+        same = sum(outs.get(r) == o for r, o in ref.items())
+        for s in results["runs"]:
+            if s["name"] == w["name"]:
+                s["tokens_equal_to"] = f"{same}/{len(ref)} requests equal to {ref_sys}"
+
+
+def ratios(results: dict) -> None:
+    by = {(r["system"], r["scenario"], r["name"].split("/")[2]): r for r in results["runs"]}
+    for r in results["runs"]:
+        if not r["system"].startswith("streaming-"):
+            continue
+        C = r["name"].split("/")[2]
+        for base in ("ag-ep", "a2a-ep"):
+            b = by.get((base, r["scenario"], C))
+            if b and b.get("tokens_per_s") and r.get("tokens_per_s"):
+                r[f"ratio_vs_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
+    for r in results["runs"]:
+        clean = by.get((r["system"], "clean", r["name"].split("/")[2]))
+        if clean and clean.get("tokens_per_s") and r.get("tokens_per_s"):
+            r["vs_clean"] = r["tokens_per_s"] / clean["tokens_per_s"]
+
+
+def _f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def table_lines(results: dict) -> list[str]:
+    L = ["| system | scenario | C/rank | tok/s | vs clean | /ag-ep | /a2a-ep | ITL p50 ms | ITL p99 ms | attn batch | "
+         "expert batch | host us attn | host us expert | unfinished | tokens |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        L.append(f"| {r['system']} | {r['scenario']} | {r['name'].split('/')[2][1:]} | {_f(r.get('tokens_per_s'))} | "
+                 f"{_f(r.get('vs_clean'), '{:.2f}')} | {_f(r.get('ratio_vs_ag-ep'), '{:.2f}x')} | "
+                 f"{_f(r.get('ratio_vs_a2a-ep'), '{:.2f}x')} | {_f(r.get('itl_p50_ms'), '{:.2f}')} | "
+                 f"{_f(r.get('itl_p99_ms'), '{:.2f}')} | {_f(r.get('attn_mean_batch'))} | {_f(r.get('expert_mean_batch'))} | "
+                 f"{_f(r.get('attn_host_us'), '{:.0f}')} | {_f(r.get('expert_host_us'), '{:.0f}')} | {r['unfinished']} | "
+                 f"{r.get('tokens_equal_to', 'reference')} |")
+    return L
+
+
+def write_md(path: Path, results: dict) -> None:
+    m = results["meta"]
+    L = [f"# EP bench: streaming vs all-gather EP vs all-to-all EP ({m['date']})", "",
+         f"`{m['command']}`", "",
+         f"{m['model']} ({m['layers']} layers, {m['experts']} experts, top-{m['top_k']}, {m['dtype']}), {m['ranks']} ranks "
+         f"one process each on {m['device']} {m['gpus']}, torch {m['torch']}; decode-only, ShareGPT prompts clipped to "
+         f"{m['max_prompt']} (mean {m['prompt_len_mean']}), new tokens {m['new_tokens']}, Zipf s={m['zipf_s']}, "
+         f"all requests at t=0; bursts {m['burst']}.", "",
+         "tok/s = generated tokens / (last finish - start); ratios = streaming / baseline at the same scenario and C; "
+         "host us = wall of the executor calls of a batch minus time blocked on the device (streaming: "
+         "execute+complete of a batch; barrier: attention+route+shared, and expert compute incl. index ops).", ""]
+    L += table_lines(results)
+    if results.get("hogs"):
+        L += ["", "Hogs (rate while running):", ""] + [f"- {json.dumps(h)}" for h in results["hogs"]]
+    if results.get("errors"):
+        L += ["", "Errors:", ""] + [f"- {e}" for e in results["errors"]]
+    path.write_text("\n".join(L) + "\n")
+
+
+def print_table(results: dict) -> None:
+    print("\n".join(table_lines(results)), flush=True)
+    for e in results.get("errors", []):
+        print(f"ERROR {e}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
