@@ -556,6 +556,13 @@ def stream_rank_main(env, job: DistJob):
                 super()._start_workload(w, options)
                 if options.decode_only and not self.engine.decode_only:
                     self.engine.enable_decode_only()
+                if device.type == "cuda" and hasattr(inner, "prepare"):
+                    # capture this KV store's graphs before requests come (the barrier does the same
+                    # before its start barrier); lazy capture would land inside the timed run
+                    try:
+                        inner.prepare(self.engine.kv)
+                    except Exception as err:  # noqa: BLE001
+                        _say(f"prepare failed ({type(err).__name__}: {err}); graphs captured lazily")
                 probe = HostProbe()
                 probes.append(probe)
                 e = self.engine
