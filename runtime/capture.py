@@ -72,7 +72,10 @@ class StepGraph:
             self.body()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        # thread_local: the transport's lane threads keep launching NCCL work on their own streams
+        # while this thread captures; the default (global) mode turns any such call into
+        # cudaErrorStreamCaptureUnsupported (seen on the 2 x H200 run with one process per GPU).
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             self.body()
         self.graph = g
 

@@ -458,6 +458,8 @@ class ZmqDistTransport:
         return f"{what} ({shape}, meta {_summary(item.meta)})"
 
     def _waiting_for(self, peer: int) -> str:
+        if peer not in self._recv_lanes:  # this rank itself (an abort about us came back to us)
+            return "nothing from itself"
         parts = []
         head = self._recv_lanes[peer].oldest()
         if head is not None:
