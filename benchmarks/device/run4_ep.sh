@@ -14,7 +14,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 { date -u; git log --oneline -1 2>/dev/null; nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>&1;
   nvidia-smi topo -m 2>&1 | head -5; python3 -c 'import torch;print("torch",torch.__version__,"cuda",torch.cuda.is_available(),torch.cuda.device_count())'; } 2>&1 | tee "$OUT/env.txt"
-timeout -k 10 530 python3 benchmarks/gpu_ep_bench.py --out "$OUT" --budget 480 "$@" 2>&1 | tee "$OUT/ep_bench.log" | grep -v '^\[rank [01]\]   File\|^\[rank [01]\]     '
+timeout -k 10 ${EP_TIMEOUT:-530} python3 benchmarks/gpu_ep_bench.py --out "$OUT" --budget ${EP_BUDGET:-480} "$@" 2>&1 | tee "$OUT/ep_bench.log" | grep -v '^\[rank [01]\]   File\|^\[rank [01]\]     '
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt"
 # no orphans: hog processes exit with their parent; show anything still on the GPUs
 nvidia-smi --query-compute-apps=pid,name,used_memory --format=csv 2>&1 | tee -a "$OUT/env.txt"
