@@ -181,10 +181,15 @@ def main(argv=None) -> int:
 
     def workloads(family: list[str]) -> list:
         ws = [Workload(f"warmup-{family[0]}", family[0], warm_reqs, kv_warm, "clean", report=False)]
+        seen: dict[str, int] = {}
         for sc in scenarios:
+            # A scenario may repeat (e.g. clean first and last) to expose order effects; repeats
+            # get a #n label so their rows stay apart.
+            seen[sc] = seen.get(sc, 0) + 1
+            label = sc if seen[sc] == 1 else f"{sc}#{seen[sc]}"
             for C in conc:
                 for s in family:
-                    ws.append(Workload(f"{s}/{sc}/C{C}", s, reqs_of[C], kv_of[C], sc))
+                    ws.append(Workload(f"{s}/{label}/C{C}", s, reqs_of[C], kv_of[C], sc))
         return ws
 
     launches = []
@@ -255,13 +260,14 @@ def tokens_check(results: dict, workloads: list) -> None:
 
 
 def ratios(results: dict) -> None:
-    by = {(r["system"], r["scenario"], r["name"].split("/")[2]): r for r in results["runs"]}
+    # Keyed by the scenario label of the name (clean, clean#2, ...) so repeated scenarios stay apart.
+    by = {(r["system"], r["name"].split("/")[1], r["name"].split("/")[2]): r for r in results["runs"]}
     for r in results["runs"]:
         if not r["system"].startswith("streaming-"):
             continue
         C = r["name"].split("/")[2]
         for base in ("ag-ep", "a2a-ep"):
-            b = by.get((base, r["scenario"], C))
+            b = by.get((base, r["name"].split("/")[1], C))
             if b and b.get("tokens_per_s") and r.get("tokens_per_s"):
                 r[f"ratio_vs_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
     for r in results["runs"]:
@@ -279,7 +285,7 @@ def table_lines(results: dict) -> list[str]:
          "expert batch | host us attn | host us expert | unfinished | tokens |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
-        L.append(f"| {r['system']} | {r['scenario']} | {r['name'].split('/')[2][1:]} | {_f(r.get('tokens_per_s'))} | "
+        L.append(f"| {r['system']} | {r['name'].split('/')[1]} | {r['name'].split('/')[2][1:]} | {_f(r.get('tokens_per_s'))} | "
                  f"{_f(r.get('vs_clean'), '{:.2f}')} | {_f(r.get('ratio_vs_ag-ep'), '{:.2f}x')} | "
                  f"{_f(r.get('ratio_vs_a2a-ep'), '{:.2f}x')} | {_f(r.get('itl_p50_ms'), '{:.2f}')} | "
                  f"{_f(r.get('itl_p99_ms'), '{:.2f}')} | {_f(r.get('attn_mean_batch'))} | {_f(r.get('expert_mean_batch'))} | "
