@@ -174,9 +174,11 @@ class RankNode:
         self.workload = -1
         self.stopped = False
         self.control_sent = 0  # control messages to other ranks (not counted as data messages)
-        self.synced = False
-        self.ready: set[int] = set()
-        self.synced_acks: set[int] = set()
+        # Per-workload start barrier (keyed by workload index, so a fast rank's notice for the next
+        # workload is never confused with this one's): ready -> sync -> synced.
+        self.synced_w = -1
+        self.ready: dict[int, set[int]] = {}
+        self.synced_acks: dict[int, set[int]] = {}
         self._stash: list = []  # arrivals polled after this workload's stop: they belong to the next one
         self.coord: Optional[Coordinator] = None
         # KV pages this rank's device can hold (runtime/kv_fit.py), measured once before any pool
@@ -195,8 +197,10 @@ class RankNode:
         results = []
         for w, (requests, options) in enumerate(self.job.workloads):
             self._start_workload(w, options)
-            if w == 0:
-                self._startup()
+            # Every workload starts behind a barrier: on the GPU each rank captures this workload's
+            # CUDA graphs in _start_workload, and no peer may send before that is done (a capture
+            # that overlaps NCCL traffic failed on the 2 x H200 run).
+            self._startup(w)
             if self.is_coord:
                 self.coord = Coordinator(self, w, requests, options)
             if self.verbose:
@@ -228,38 +232,40 @@ class RankNode:
         self.sent_at_start = self.transport.stats["sent"]
         self.control_at_start = self.control_sent
 
-    def _startup(self) -> None:
-        """Barrier: every rank has its weights and engine; then one time base for all."""
-        self._send(COORDINATOR, {"t": CTRL_READY, "kv_blocks": self.kv_fit})
+    def _startup(self, w: int) -> None:
+        """Barrier: every rank has its weights and workload `w`'s engine; then one time base for all."""
+        self._send(COORDINATOR, {"t": CTRL_READY, "kv_blocks": self.kv_fit, "w": w})
         deadline = time.monotonic() + self.job.startup_timeout_s
         def started() -> bool:
-            return len(self.synced_acks) == self.world if self.is_coord else self.synced
+            return len(self.synced_acks.get(w, ())) == self.world if self.is_coord else self.synced_w >= w
         while not started():
             if time.monotonic() > deadline:
                 if not self.is_coord:
                     what = f"the coordinator's (rank {COORDINATOR}) clock sync"
-                elif len(self.ready) < self.world:
-                    what = f"ready notices (weights loaded) of rank(s) {sorted(set(range(self.world)) - self.ready)}"
+                elif len(self.ready.get(w, ())) < self.world:
+                    what = (f"ready notices (weights loaded, graphs captured) of rank(s) "
+                            f"{sorted(set(range(self.world)) - self.ready.get(w, set()))}")
                 else:
-                    what = f"clock sync acks of rank(s) {sorted(set(range(self.world)) - self.synced_acks)}"
+                    what = f"clock sync acks of rank(s) {sorted(set(range(self.world)) - self.synced_acks.get(w, set()))}"
                 raise TimeoutError(f"rank {self.rank}: waited {self.job.startup_timeout_s:g} s at startup for {what}")
             self._feed(self.transport.poll(timeout=0.01))
 
     def _on_control(self, src: int, meta: dict, _tensor) -> None:
         t = meta["t"]
         if t == CTRL_READY:
-            self.ready.add(src)
+            ready = self.ready.setdefault(meta["w"], set())
+            ready.add(src)
             self.kv_fit_of[src] = meta["kv_blocks"]
-            if len(self.ready) == self.world:
+            if len(ready) == self.world:
                 now = self.clock.now()
                 for r in range(self.world):
-                    self._send(r, {"t": CTRL_SYNC, "now": now})
+                    self._send(r, {"t": CTRL_SYNC, "now": now, "w": meta["w"]})
         elif t == CTRL_SYNC:
             self.clock.sync(meta["now"])
-            self.synced = True
-            self._send(COORDINATOR, {"t": CTRL_SYNCED})
+            self.synced_w = max(self.synced_w, meta["w"])
+            self._send(COORDINATOR, {"t": CTRL_SYNCED, "w": meta["w"]})
         elif t == CTRL_SYNCED:
-            self.synced_acks.add(src)
+            self.synced_acks.setdefault(meta["w"], set()).add(src)
         elif t == CTRL_ADMIT:
             self._check_workload(src, meta)
             req = meta["req"]
