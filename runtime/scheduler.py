@@ -18,9 +18,12 @@ Ties go to the lowest stage index in every policy, so decisions are deterministi
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Optional
+
+import numpy as np
+
+from runtime.score_kernel import defrag_scores
 
 
 @dataclass(slots=True)
@@ -78,7 +81,10 @@ class Defrag:
         # Weight of H in the score: 1 is the paper's. With Q(e) ~ H(e) the stage in front of a steady
         # queue always outscores it (1 + 2 delta X > X); 0 drops H (benchmarks/results/cpu_bench.md).
         self.history_weight = history_weight
-        self._snapshots: deque[list[float]] = deque(maxlen=history)
+        self._ring: Optional[np.ndarray] = None  # [history, stages] last queue-depth snapshots
+        self._filled = self._next_slot = 0
+        self._next_of_src: Optional[list[int]] = None
+        self._next_of: Optional[np.ndarray] = None
 
     def params(self) -> dict:
         out = {"delta": self.delta, "lookahead": self.lookahead, "history": self.history}
@@ -86,27 +92,25 @@ class Defrag:
             out["history_weight"] = self.history_weight
         return out
 
-    def _h(self, n: int) -> list[float]:
-        if not self._snapshots:
-            return [0.0] * n
-        return [sum(snap[s] for snap in self._snapshots) / len(self._snapshots) for s in range(n)]
-
     def scores(self, views: list[StageView], next_of: list[int]) -> dict[int, float]:
-        q = [v.depth for v in views]
-        h = self._h(len(views))
-        out = {}
-        for s, v in enumerate(views):
-            if not v.runnable:
-                continue
-            score, t, w = q[s], s, 1.0
-            for _ in range(self.lookahead):
-                t = next_of[t]
-                w *= self.delta
-                score += w * (q[t] + self.history_weight * h[t])
-            out[s] = score
+        n = len(views)
+        q = np.fromiter((v.depth for v in views), dtype=np.float64, count=n)
+        runnable = np.fromiter((v.runnable for v in views), dtype=np.bool_, count=n)
+        if self._ring is None or self._ring.shape[1] != n:
+            self._ring = np.zeros((self.history, n))
+            self._filled, self._next_slot = 0, 0
+        if self._next_of_src is not next_of:  # the engine passes one list for its whole life
+            self._next_of_src, self._next_of = next_of, np.asarray(next_of, dtype=np.int64)
+        out = np.empty(n)
+        # The mean over the ring does not depend on the snapshots' order, so a ring buffer serves.
+        defrag_scores(q, self._ring, self._filled, runnable, self._next_of, self.delta, self.lookahead,
+                      self.history_weight, out)
         # H is the *recent past*: snapshot after scoring so the current depth is not counted twice.
-        self._snapshots.append(q)
-        return out
+        self._ring[self._next_slot] = q
+        self._next_slot = (self._next_slot + 1) % self.history
+        self._filled = min(self._filled + 1, self.history)
+        idx = np.flatnonzero(runnable)
+        return dict(zip(idx.tolist(), out[idx].tolist()))
 
     def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
         scores = self.scores(views, next_of)
