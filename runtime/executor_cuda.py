@@ -35,6 +35,7 @@ without capture, with the torch reference kernels, so CPU tests cover the paddin
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -87,13 +88,15 @@ class HostStaging:
         self.slots = slots
         self._bufs = [self._alloc(nbytes) for _ in range(slots)]
         self._events: list[Optional[torch.cuda.Event]] = [None] * slots
+        self._typed: list[dict] = [{} for _ in range(slots)]  # slot -> {(shape, dtype): (tensor, ndarray)}
         self._i = 0
         self.wait_s = 0.0  # host time spent blocked on a slot (should stay ~0)
 
     def _alloc(self, nbytes: int) -> Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
-    def acquire(self, nbytes: int) -> tuple[int, Tensor]:
+    def _next(self) -> int:
+        """The next slot of the ring, once the copy that last read it has run."""
         i = self._i
         self._i = (i + 1) % self.slots
         ev = self._events[i]
@@ -101,9 +104,28 @@ class HostStaging:
             t = time.perf_counter()
             ev.synchronize()
             self.wait_s += time.perf_counter() - t
+        return i
+
+    def acquire(self, nbytes: int) -> tuple[int, Tensor]:
+        i = self._next()
         if self._bufs[i].numel() < nbytes:
             self._bufs[i] = self._alloc(max(nbytes, 2 * self._bufs[i].numel()))
+            self._typed[i].clear()
         return i, self._bufs[i][:nbytes]
+
+    def _acquire_typed(self, shape: tuple, dtype: torch.dtype) -> tuple[int, Tensor, np.ndarray]:
+        """acquire() of a slot viewed as a [shape] dtype tensor (+ its numpy view), the views cached
+        per slot: the hot path's few (shape, dtype) pairs cost no view creation per batch."""
+        key = (shape, dtype)
+        hit = self._typed[self._i].get(key)
+        if hit is not None:  # the slot is large enough: the cache is cleared when a slot grows
+            return self._next(), hit[0], hit[1]
+        i, buf = self.acquire(math.prod(shape) * dtype.itemsize)
+        view = buf.view(dtype).view(shape)
+        arr = view.numpy() if dtype != torch.bfloat16 else None
+        if len(self._typed[i]) < 16:
+            self._typed[i][key] = (view, arr)
+        return i, view, arr
 
     def mark(self, i: int) -> Optional[torch.cuda.Event]:
         """Record (on the current stream) the event that frees slot i once the queued copy ran."""
@@ -129,15 +151,13 @@ class HostStaging:
 
     def h2d_array(self, dst: Tensor, fill) -> None:
         """dst (device, int32/int64/float32) <- an array `fill(np_view)` writes in place."""
-        n = dst.numel() * dst.element_size()
         if not self.cuda:
             host = torch.empty(dst.shape, dtype=dst.dtype)
             fill(host.numpy())
             dst.copy_(host)
             return
-        i, buf = self.acquire(n)
-        view = buf.view(dst.dtype).view(dst.shape)
-        fill(view.numpy())
+        i, view, arr = self._acquire_typed(tuple(dst.shape), dst.dtype)
+        fill(arr)
         dst.copy_(view, non_blocking=True)
         self.mark(i)
 
@@ -145,8 +165,7 @@ class HostStaging:
         """Start a copy of src (device) into a pinned slot; the result is read after `wait()`."""
         if not self.cuda:
             return PendingHost(src.detach().to("cpu").clone(), None, self)
-        i, buf = self.acquire(src.numel() * src.element_size())
-        view = buf.view(src.dtype).view(src.shape)
+        i, view, _ = self._acquire_typed(tuple(src.shape), src.dtype)
         view.copy_(src, non_blocking=True)
         return PendingHost(view, self.mark(i), self)
 
@@ -298,6 +317,7 @@ class CudaExecutor:
         # the call's device work (benchmarks/gpu_bench.py derives GPU time per batch from it).
         self.profile: Optional[list] = None
         self._index_cache: dict[tuple[int, int], Tensor] = {}
+        self._bufs_cache: dict[tuple[str, int], StaticBuffers] = {}  # (kind, bucket) -> its static buffers
         ex = spec.experts
         self.num_experts = ex.num_experts
         self.top_k = ex.top_k
@@ -424,8 +444,12 @@ class CudaExecutor:
         h = self._to_dev(h)
         T = h.shape[0]
         dv = self._view(kv)
-        decode = T > 0 and all(n == 1 for _, _, n in segments) and len(segments) == T
-        rows = [dv.row_of(sid) for sid, _, _ in segments] if decode else None
+        # Decode: every segment one row. Column-wise with C-level loops (zip/map), no per-row Python.
+        decode = T > 0 and len(segments) == T
+        if decode:
+            sids, _, ns = zip(*segments)
+            decode = ns.count(1) == T
+        rows = dv.rows_of(sids) if decode else None
         if decode and None not in rows and max(positions) < dv.width * kv.block_size:
             b = bucket_for(T, self.buckets["attn"])
             if b is None:
@@ -448,6 +472,10 @@ class CudaExecutor:
         return h_res, x
 
     def _attn_bufs(self, b: int, static: bool) -> StaticBuffers:
+        if static:  # the static buffers of a bucket never change once made: one dict hit per batch
+            bufs = self._bufs_cache.get(("attn", b))
+            if bufs is not None:
+                return bufs
         bufs = self.graphs.buffers("attn", b) if static else StaticBuffers()
         H, dev = self.spec.hidden_size, self.device
         nout = 3 if self.spec.experts.shared_intermediate_size else 2
@@ -455,6 +483,8 @@ class CudaExecutor:
         bufs.get("meta", (2, b), torch.int32, dev)
         bufs.get("out", (nout, b, H), self.dtype, dev)
         bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
+        if static:
+            self._bufs_cache[("attn", b)] = bufs
         return bufs
 
     def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv):
@@ -550,6 +580,10 @@ class CudaExecutor:
 
     # ------------------------------------------------------------------ experts
     def _expert_bufs(self, b: int, static: bool) -> StaticBuffers:
+        if static:
+            bufs = self._bufs_cache.get(("expert", b))
+            if bufs is not None:
+                return bufs
         bufs = self.graphs.buffers("expert", b) if static else StaticBuffers()
         H, dev = self.spec.hidden_size, self.device
         bufs.get("x", (b, H), self.dtype, dev)
@@ -557,6 +591,8 @@ class CudaExecutor:
         bufs.get("y", (b, H), self.dtype, dev)
         if "arange" not in bufs._t:  # filled once, outside any capture
             bufs.get("arange", (b,), torch.int64, dev).copy_(torch.arange(b, device=dev))
+        if static:
+            self._bufs_cache[("expert", b)] = bufs
         return bufs
 
     def _permute(self, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -615,10 +651,13 @@ class CudaExecutor:
             b = N
             self.stats.note("expert: batch above the largest bucket")
         bufs = self._expert_bufs(b, static)
-        pad = self.num_experts if self.ffn_impl != "grouped_mm" else expert_ids[0]
+        # The engine hands a CPU int64 tensor (a numpy block): read it as numpy directly
+        # (assigning a tensor to an ndarray goes through Tensor.__array__ in Python).
+        ids = expert_ids.numpy() if isinstance(expert_ids, Tensor) and expert_ids.device.type == "cpu" else expert_ids
+        pad = self.num_experts if self.ffn_impl != "grouped_mm" else int(ids[0])
 
         def fill(a: np.ndarray) -> None:
-            a[:N] = expert_ids
+            a[:N] = ids
             a[N:] = pad
         self.staging.h2d_array(bufs._t["ids"], fill)
         bufs._t["x"][:N].copy_(x)

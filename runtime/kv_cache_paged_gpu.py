@@ -62,3 +62,7 @@ class DeviceBlockTables:
 
     def row_of(self, seq_id: int) -> Optional[int]:
         return self._row.get(seq_id)
+
+    def rows_of(self, seq_ids) -> list:
+        """row_of of every id (None where a sequence has no row), one C-level map over the dict."""
+        return list(map(self._row.get, seq_ids))

@@ -260,3 +260,29 @@ def test_engine_with_twin_matches_reference(policy):
             assert r.output[s] == tok, f"{r.name} step {s}: {r.output} vs {want.tokens}"
             compared += 1
     assert compared >= 20
+
+
+def test_host_staging_typed_views_cached_per_slot_and_dropped_on_growth():
+    st = HostStaging(torch.device("cpu"), slots=2, nbytes=64)
+    i0, v0, a0 = st._acquire_typed((2, 4), torch.int32)
+    i1, v1, _ = st._acquire_typed((2, 4), torch.int32)
+    assert (i0, i1) == (0, 1) and v0.data_ptr() != v1.data_ptr()
+    a0[:] = 7  # the numpy view is the tensor's memory
+    assert v0.tolist() == [[7] * 4] * 2
+    i2, v2, _ = st._acquire_typed((2, 4), torch.int32)  # ring wrapped: slot 0's cached view again
+    assert i2 == 0 and v2 is v0
+    i3, big, _ = st._acquire_typed((64,), torch.int64)  # slot 1 grows: its cache is dropped
+    assert i3 == 1 and big.shape == (64,) and not any(k == ((2, 4), torch.int32) for k in st._typed[1])
+
+
+def test_expert_ids_tensor_or_list_same_result():
+    spec, w = model("tiny-gpt-oss")
+    E = spec.experts.num_experts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, spec.hidden_size, generator=g)
+    ids = torch.randint(0, E, (11,), generator=g)
+    for ffn in ("torch", "grouped_mm"):
+        if ffn == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+            continue
+        ex = CudaExecutor(spec, w, device="cpu", ffn_impl=ffn, buckets={"attn": [8], "expert": [16]})
+        torch.testing.assert_close(ex.experts(1, x, ids), ex.experts(1, x, ids.tolist()), rtol=0, atol=0)
