@@ -202,3 +202,67 @@ def test_transport_bench_command_prints_a_table():
     out = CliRunner().invoke(app, ["transport-bench", "--ranks", "2", "--sizes", "0,4K", "--messages", "50"])
     assert out.exit_code == 0, out.output
     assert "msg/s" in out.output and "4K" in out.output and "meta-only" in out.output
+
+
+def test_nccl_poll_notices_event_completion_without_waiting_out_a_slice():
+    """poll(timeout) on the NCCL path (EventLanes, no waiter threads) must re-query lane events while
+    it waits, and a receptor's _WAKE must start that. Fake CUDA events on CPU; no processes."""
+    import queue
+    import threading
+
+    from runtime.transport import zmq_dist
+    from runtime.transport.completion import EventLane, Item
+
+    class FakeEvent:
+        def __init__(self, ready_at):
+            self.ready_at = ready_at
+
+        def query(self):
+            return time.monotonic() >= self.ready_at
+
+    tr = zmq_dist.ZmqDistTransport.__new__(zmq_dist.ZmqDistTransport)
+    tr._nccl, tr._done = True, queue.SimpleQueue()
+    tr._send_lanes = {1: EventLane("send->1", tr._done)}
+    tr._recv_lanes = {1: EventLane("recv<-1", tr._done)}
+    tr._inflight, tr._pending = [0, 0], 0
+    tr.stats = {"received": 0, "received_bytes": 0}
+
+    def recv_item(seq, delay_s):
+        item = Item(False, 1, seq, {"i": seq})
+        item.event = FakeEvent(time.monotonic() + delay_s)
+        return item
+
+    # 1. a receive outstanding, its event completes after 3 ms: seen within ~1 ms of that, in order
+    tr._recv_lanes[1].submit(recv_item(0, 0.003))
+    tr._recv_lanes[1].submit(Item(False, 1, 1, {"i": 1}))  # meta-only behind it
+    t0 = time.monotonic()
+    out: list = []
+    tr._wait_nccl(0.5, out)
+    while True:  # what poll() does after _wait_nccl
+        try:
+            tr._complete(tr._done.get_nowait(), out)
+        except queue.Empty:
+            break
+    assert [a.meta["i"] for a in out] == [0, 1]
+    assert time.monotonic() - t0 < 0.05
+
+    # 2. nothing outstanding: blocks on `done`; the receptor submits a receive and puts _WAKE at 5 ms,
+    #    the event completes at 10 ms (after the spin phase started by the wake)
+    def receptor():
+        time.sleep(0.005)
+        tr._recv_lanes[1].submit(recv_item(2, 0.005))
+        tr._done.put(zmq_dist._WAKE)
+    threading.Thread(target=receptor).start()
+    t0 = time.monotonic()
+    out = []
+    tr._wait_nccl(0.5, out)
+    while not out and time.monotonic() - t0 < 0.5:  # a _WAKE alone may return early: poll again
+        tr._wait_nccl(0.5, out)
+    assert [a.meta["i"] for a in out] == [2]
+    assert time.monotonic() - t0 < 0.1
+
+    # 3. nothing ever arrives: returns after the timeout, not before
+    t0 = time.monotonic()
+    out = []
+    tr._wait_nccl(0.02, out)
+    assert out == [] and 0.015 <= time.monotonic() - t0 < 0.5

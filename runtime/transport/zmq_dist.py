@@ -61,6 +61,12 @@ __all__ = ["ZmqDistTransport", "init_distributed", "PeerFailure", "ChaosDelays"]
 DATA, HEARTBEAT, BYE, ABORT = 0, 1, 2, 3
 DEFAULT_INFLIGHT_LIMIT = 16
 _HEALTH_CHECK_EVERY_S = 0.05  # poll() is called in a tight loop; checking peers each time is waste
+# NCCL: poll(timeout) re-queries the busy lanes' events while it waits: while a receive is
+# outstanding it yields (GIL released) between queries for up to _NCCL_SPIN_S, then sleeps in
+# _NCCL_SLICE_S slices; see _wait_nccl.
+_NCCL_SPIN_S = 0.001
+_NCCL_SLICE_S = 0.0002
+_WAKE = object()  # put into `done` by the receptor after it gave an EventLane work (NCCL)
 
 # Transports are built in the same order on every rank, so a per-process counter gives matching
 # store namespaces when a process creates more than one (tests, benchmarks).
@@ -201,20 +207,18 @@ class ZmqDistTransport:
             self._next_check = now + _HEALTH_CHECK_EVERY_S
             self._check_health()
         if self._nccl:
-            for lane in self._send_lanes.values():
-                lane.drain()
-            for lane in self._recv_lanes.values():
-                lane.drain()
+            self._drain_lanes()
         out = self._local
         self._local = []
         done = self._done
-        if not out and timeout > 0:
-            # NCCL lanes are drained only here, so block in short slices and re-drain in between.
-            slice_s = min(timeout, 0.0005) if self._nccl else timeout
-            try:
-                self._complete(done.get(timeout=slice_s), out)
-            except queue.Empty:
-                pass
+        if not out and timeout > 0 and done.empty():
+            if self._nccl:
+                self._wait_nccl(timeout, out)  # NCCL lanes complete only when this thread queries them
+            else:
+                try:
+                    self._complete(done.get(timeout=timeout), out)
+                except queue.Empty:
+                    pass
         while True:
             try:
                 item = done.get_nowait()
@@ -337,18 +341,62 @@ class ZmqDistTransport:
                 del backlog[:n]
 
     # ------------------------------------------------------------------ completion (engine thread)
-    def _complete(self, item: Item, out: list[Arrival]) -> None:
+    def _drain_lanes(self) -> None:
+        for lane in self._send_lanes.values():
+            lane.drain()
+        for lane in self._recv_lanes.values():
+            lane.drain()
+
+    def _wait_nccl(self, timeout: float, out: list[Arrival]) -> None:
+        """Block up to `timeout` for the first completion (NCCL). Completions exist only as CUDA events
+        this thread queries (EventLane.drain), so: while a receive is outstanding, re-query between
+        GIL-releasing yields for up to _NCCL_SPIN_S, then between _NCCL_SLICE_S sleeps on `done`;
+        while only sends are outstanding, sleep in slices; with nothing outstanding, block on `done`
+        for the whole timeout; the receptor wakes it (a meta-only item, or _WAKE after it gave a lane
+        a receive). Before 2026-11-30 this was one 500 us sleep on `done` with no re-query in
+        between: a transfer that finished during it was seen only at its end (p50 one-way ~500 us on
+        2 x H200 for every tensor size, benchmarks/results/h200/README.md run 2)."""
+        done = self._done
+        now = time.monotonic()
+        deadline = now + timeout
+        spin_until = now + _NCCL_SPIN_S
+        while True:
+            if now < spin_until and any(lane.busy() for lane in self._recv_lanes.values()):
+                time.sleep(0)  # releases the GIL to the receptor / heartbeat threads
+                progressed = False
+            else:
+                busy = any(lane.busy() for lane in itertools.chain(self._send_lanes.values(), self._recv_lanes.values()))
+                wait_s = min(_NCCL_SLICE_S, deadline - now) if busy else deadline - now
+                try:
+                    item = done.get(timeout=max(0.0, wait_s))
+                except queue.Empty:
+                    progressed = False
+                else:
+                    if item is _WAKE:  # a receive was just posted: query it closely again
+                        spin_until = time.monotonic() + _NCCL_SPIN_S
+                    progressed = self._complete(item, out)
+            self._drain_lanes()
+            if progressed or out or not done.empty():
+                return  # poll() collects the rest of `done`
+            now = time.monotonic()
+            if now >= deadline:
+                return
+
+    def _complete(self, item: Item, out: list[Arrival]) -> bool:
+        """Account for one item from `done`; False for a _WAKE token (nothing completed)."""
+        if item is _WAKE:
+            return False
         if item.error is not None:
             waiting = self._describe_item(item)
             extra = self.describe_wait(item.peer) if self.describe_wait is not None else None
             self._failure = PeerFailure(item.peer, f"{waiting}; {extra}" if extra else waiting,
                                         f"transfer failed: {type(item.error).__name__}: {item.error}")
-            return
+            return True
         if item.is_send:
             self._inflight[item.peer] -= 1
             self._pending -= 1
             item.tensor = None  # the send buffer may be recycled only now
-            return
+            return True
         t = item.tensor
         if t is not None:
             if self._nccl:
@@ -356,6 +404,7 @@ class ZmqDistTransport:
             self.stats["received_bytes"] += t.numel() * t.element_size()
         self.stats["received"] += 1
         out.append(Arrival(item.peer, item.meta, t))
+        return True
 
     def _check_health(self) -> None:
         if self._receptor_error is not None:
@@ -427,6 +476,8 @@ class ZmqDistTransport:
             self._done.put(item)
             return
         lane.submit(item)
+        if self._nccl:
+            self._done.put(_WAKE)  # a poll() blocked on `done` must start querying this lane's events
 
     # ------------------------------------------------------------------ heartbeat thread
     def _beat(self) -> None:
