@@ -99,27 +99,8 @@ def cut_spec(name: str, layers: int | None, dtype: str | None = None) -> ModelSp
 
 
 def device_weights(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> ModelWeights:
-    """Random weights drawn on the device (a 20B model drawn on the host takes minutes).
-    Same recipe as models.weights.random_weights (std init_std; norms 1 + N(0, 0.1))."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    std = spec.weights.init_std
-    tensors = {}
-    for name, shape in expected_shapes(spec).items():
-        short = name.split(".", 2)[2] if name.startswith("layers.") else name
-        t = torch.randn(shape, generator=g, device=device, dtype=dtype)
-        if short.endswith("norm"):
-            t = 1.0 + 0.1 * t
-        elif short == "sinks":
-            t = 0.5 * t
-        else:
-            t = std * t
-        tensors[name] = t.to(torch.float32) if short == "router.correction_bias" else t
-    layers = [{} for _ in range(spec.num_layers)]
-    for name, t in tensors.items():
-        if name.startswith("layers."):
-            _, idx, short = name.split(".", 2)
-            layers[int(idx)][short] = t
-    return ModelWeights(tensors["embed"], tensors["final_norm"], tensors.get("lm_head"), layers)
+    """Random weights drawn on the device (models.weights.random_weights' recipe)."""
+    return random_weights(spec, seed, device=device, dtype=dtype)
 
 
 def detach_all(ex, cluster_or_kvs) -> None:

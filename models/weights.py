@@ -160,22 +160,25 @@ def _is_norm(name: str) -> bool:
     return name in ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")
 
 
-def random_weights(spec: ModelSpec, seed: Optional[int] = None) -> ModelWeights:
-    """Seeded random weights of the right shapes (fp32 draw, then cast to spec.dtype).
+def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | torch.device = "cpu",
+                   dtype: Optional[torch.dtype] = None) -> ModelWeights:
+    """Seeded random weights of the right shapes (fp32 draw, then cast to `dtype`, default spec.dtype).
 
     Linear weights ~ N(0, init_std); norm weights ~ 1 + N(0, 0.1) so a wrong norm is visible;
     every bias, sink and correction bias is nonzero so the code paths using them are exercised.
-    Tensors are drawn in the order of `expected_shapes`, so the same (spec, seed) gives the same
-    weights on every machine.
+    Tensors are drawn in the order of `expected_shapes`, so the same (spec, seed, device kind) gives
+    the same weights on every machine. `device="cuda"` draws on the GPU with its own generator
+    (a GPT-OSS-size model drawn on the host takes minutes); its numbers differ from a CPU draw.
     """
     seed = spec.weights.seed if seed is None else seed
-    g = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
     std = spec.weights.init_std
-    dtype = torch_dtype(spec.dtype)
+    dtype = torch_dtype(spec.dtype) if dtype is None else dtype
     tensors: dict[str, Tensor] = {}
     for name, shape in expected_shapes(spec).items():
         short = name.split(".", 2)[2] if name.startswith("layers.") else name
-        t = torch.randn(shape, generator=g, dtype=torch.float32)
+        t = torch.randn(shape, generator=g, dtype=torch.float32, device=device)
         if _is_norm(short):
             t = 1.0 + 0.1 * t
         elif short == "sinks":

@@ -80,27 +80,9 @@ def cut_spec(name: str, layers: Optional[int] = None, dtype: Optional[str] = Non
 
 
 def device_weights(spec, device, dtype, seed: int = 0):
-    """Random weights drawn on the device (same recipe as benchmarks/gpu_bench.device_weights)."""
-    from models.weights import ModelWeights, expected_shapes
-    g = torch.Generator(device=device).manual_seed(seed)
-    std = spec.weights.init_std
-    tensors = {}
-    for name, shape in expected_shapes(spec).items():
-        short = name.split(".", 2)[2] if name.startswith("layers.") else name
-        t = torch.randn(shape, generator=g, device=device, dtype=dtype)
-        if short.endswith("norm"):
-            t = 1.0 + 0.1 * t
-        elif short == "sinks":
-            t = 0.5 * t
-        else:
-            t = std * t
-        tensors[name] = t.to(torch.float32) if short == "router.correction_bias" else t
-    layers = [{} for _ in range(spec.num_layers)]
-    for name, t in tensors.items():
-        if name.startswith("layers."):
-            _, idx, short = name.split(".", 2)
-            layers[int(idx)][short] = t
-    return ModelWeights(tensors["embed"], tensors["final_norm"], tensors.get("lm_head"), layers)
+    """Random weights drawn on the device (models.weights.random_weights' recipe)."""
+    from models.weights import random_weights
+    return random_weights(spec, seed, device=device, dtype=dtype)
 
 
 def build_executor(es: ExecSpec, plan, device):
