@@ -130,12 +130,85 @@ def rank_main(env: RankEnv, job: RankJob):
         executor = build_executor(plan, options0, weights)
         node = RankNode(env, plan, executor, transport, clock, job)
         try:
-            results = node.serve()
+            results = _profiled(node) if _profile_wanted(env.rank) else node.serve()
         except PeerFailure:
             raise
         except RuntimeError as err:
             raise _peer_failure_behind(transport, err, job.peer_timeout_s + 1.0) from None
     return results if env.rank == COORDINATOR else None
+
+
+def _profile_wanted(rank: int) -> bool:
+    want = os.environ.get("DATAFLOW_PROFILE_RANK")
+    return want is not None and want.strip() != "" and (want.strip() == "all" or rank in
+                                                       {int(x) for x in want.split(",") if x.strip()})
+
+
+def _profiled(node: "RankNode"):
+    """Opt-in (off by default): DATAFLOW_PROFILE_RANK=0 (a rank, a comma list, or "all") runs that
+    rank's serve() under cProfile and writes the stats to DATAFLOW_PROFILE_OUT (default
+    dataflow-rank{rank}.prof in the working directory; "{rank}" in the name is replaced), plus
+    the serving loop's wall time per phase (poll, idle wait, tick, next_batch, execute,
+    complete, finish notices) per iteration to the same name + ".phases.txt"."""
+    import cProfile
+    import pstats
+    path = os.environ.get("DATAFLOW_PROFILE_OUT") or "dataflow-rank{rank}.prof"
+    path = path.replace("{rank}", str(node.rank))
+    node.phases = _PhaseTimes()
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(node.serve)
+    finally:
+        prof.dump_stats(path)
+        with open(path + ".phases.txt", "w") as f:
+            f.write(node.phases.report(node.rank))
+            f.write("\n")
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+
+
+def _timed(ph: "_PhaseTimes", name: str, fn):
+    if fn is None:
+        return None
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            ph.add(name, time.perf_counter() - t0)
+    return timed
+
+
+class _PhaseTimes:
+    """Wall seconds per phase of RankNode._loop (only when profiling: the normal loop times nothing)."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+        self.iterations = 0
+        self.batches: dict[str, int] = {}
+        self.all: dict[str, list[float]] = {}  # every call's seconds (first calls, median, max)
+
+    def add(self, phase: str, dt: float) -> None:
+        self.t[phase] = self.t.get(phase, 0.0) + dt
+        self.n[phase] = self.n.get(phase, 0) + 1
+        self.all.setdefault(phase, []).append(dt)
+
+    def report(self, rank: int) -> str:
+        total = sum(self.t.values())
+        nb = sum(self.batches.values())
+        lines = [f"rank {rank}: {self.iterations} loop iterations, {nb} batches {self.batches}, "
+                 f"{total * 1e3:.1f} ms in the loop (cProfile overhead included)",
+                 f"{'phase':<14}{'calls':>8}{'total ms':>10}{'us/call':>9}{'us/iter':>9}{'us/batch':>9}"]
+        for k in sorted(self.t, key=self.t.get, reverse=True):
+            lines.append(f"{k:<14}{self.n[k]:>8}{self.t[k] * 1e3:>10.1f}{self.t[k] / self.n[k] * 1e6:>9.1f}"
+                         f"{self.t[k] / max(1, self.iterations) * 1e6:>9.1f}{self.t[k] / max(1, nb) * 1e6:>9.1f}")
+        lines.append("per call, us: median / max / first three")
+        for k, v in sorted(self.all.items()):
+            srt = sorted(v)
+            lines.append(f"  {k:<12} {srt[len(srt) // 2] * 1e6:8.0f} {srt[-1] * 1e6:8.0f}   "
+                         + " ".join(f"{x * 1e6:.0f}" for x in v[:3]))
+        return "\n".join(lines) + "\n"
 
 
 def _peer_failure_behind(transport, err: RuntimeError, within_s: float):
@@ -190,6 +263,7 @@ class RankNode:
         self.kv_fit = executor_kv_fit(executor, plan, self.rank, wanted)
         self.kv_fit_of: dict[int, int] = {}
         self.verbose = os.environ.get("DATAFLOW_VERBOSE") == "1"
+        self.phases: Optional[_PhaseTimes] = None  # set by _profiled (DATAFLOW_PROFILE_RANK) only
         transport.describe_wait = self._describe_wait
 
     # -------------------------------------------------------------- life cycle
@@ -225,6 +299,13 @@ class RankNode:
                              self.transport, self.clock, make_policy(options.policy, **options.policy_params),
                              self.trace)
         self.engine.on_control = self._on_control
+        # The defrag/aging policies score with a numba kernel (runtime/score_kernel.py) that loads
+        # from numba's cache, or compiles, on its first call: ~230 ms per rank on the CPU machine (2
+        # ranks on 2 cores), which used to land in every rank's first next_batch, inside the timed run
+        # (~25% of a 1 s `dataflow run`, benchmarks/NOTES.md section 11). Call it once here, on a
+        # throwaway copy (the policy's depth history must not see this empty snapshot), so the
+        # startup barrier covers it.
+        copy.deepcopy(self.engine.policy).choose(self.engine.views(), self.engine.next_of)
         if hasattr(self.executor, "prepare"):
             # Capture every CUDA graph of this workload's KV store before serving, so no capture
             # runs while messages flow (and no timed batch pays for one). No-op on the CPU.
@@ -313,28 +394,52 @@ class RankNode:
     def _loop(self, options) -> None:
         e, tr = self.engine, self.transport
         coord = self.coord
+        tick = coord.tick if coord is not None else None
+        poll, feed, next_batch, execute, complete = tr.poll, self._feed, e.next_batch, e.execute, e.complete
+        finish = self._send_finished
+        ph = self.phases
+        if ph is not None:
+            tick, poll, feed, next_batch, execute, complete, finish = (
+                _timed(ph, n, f) for n, f in (("tick", tick), ("poll", poll), ("feed", feed),
+                                             ("next_batch", next_batch), ("execute", execute),
+                                             ("complete", complete), ("finish", finish)))
         while not self.stopped:
+            if ph is not None:
+                ph.iterations += 1
             ran = False
-            if coord is not None:
-                ran |= coord.tick()
-            ran |= self._feed(tr.poll()) > 0
-            batch = e.next_batch()
+            if tick is not None:
+                ran |= tick()
+            ran |= feed(poll()) > 0
+            batch = next_batch()
             if batch is not None:
-                e.execute(batch)
-                e.complete(batch)
+                execute(batch)
+                complete(batch)
                 ran = True
-            for req in e.take_finished():
-                self._send(COORDINATOR, {"t": CTRL_FIN, "w": self.workload, "rid": req.rid, "output": list(req.output),
-                                         "reason": req.finish_reason, "t_admit": req.t_admit, "t_finish": req.t_finish,
-                                         "token_times": list(req.token_times), "free": e.free_blocks(),
-                                         "tokens": e.metrics.tokens})
+                if ph is not None:
+                    ph.batches[batch.stage.kind] = ph.batches.get(batch.stage.kind, 0) + 1
+            if e.finished:
+                finish()
                 ran = True
             if ran or self.stopped:
                 continue
             # Idle: block in the transport (releases the GIL to its threads) until a message, or the
             # coordinator's next arrival is due. PeerFailure surfaces from here when a peer dies.
             wait = _IDLE_WAIT_S if coord is None else coord.wait_budget(_IDLE_WAIT_S)
-            self._feed(tr.poll(timeout=wait))
+            if ph is not None:
+                t0 = time.perf_counter()
+                arrivals = tr.poll(timeout=wait)
+                ph.add("idle_wait", time.perf_counter() - t0)
+                feed(arrivals)
+            else:
+                feed(tr.poll(timeout=wait))
+
+    def _send_finished(self) -> None:
+        e = self.engine
+        for req in e.take_finished():
+            self._send(COORDINATOR, {"t": CTRL_FIN, "w": self.workload, "rid": req.rid, "output": list(req.output),
+                                     "reason": req.finish_reason, "t_admit": req.t_admit, "t_finish": req.t_finish,
+                                     "token_times": list(req.token_times), "free": e.free_blocks(),
+                                     "tokens": e.metrics.tokens})
 
     def _describe_wait(self, peer: int) -> str:
         """What this rank still expects from `peer`, in the engine's words (for failure messages)."""
