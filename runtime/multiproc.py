@@ -149,24 +149,27 @@ def _profiled(node: "RankNode"):
     rank's serve() under cProfile and writes the stats to DATAFLOW_PROFILE_OUT (default
     dataflow-rank{rank}.prof in the working directory; "{rank}" in the name is replaced), plus
     the serving loop's wall time per phase (poll, idle wait, tick, next_batch, execute,
-    complete, finish notices) per iteration to the same name + ".phases.txt"."""
+    complete, finish notices) per iteration to the same name + ".phases.txt".
+    DATAFLOW_PROFILE_CPROFILE=0: the phase times only (no cProfile overhead in them)."""
     import cProfile
     import pstats
     path = os.environ.get("DATAFLOW_PROFILE_OUT") or "dataflow-rank{rank}.prof"
     path = path.replace("{rank}", str(node.rank))
     node.phases = _PhaseTimes()
-    prof = cProfile.Profile()
+    prof = cProfile.Profile() if os.environ.get("DATAFLOW_PROFILE_CPROFILE", "1") != "0" else None
     try:
-        return prof.runcall(node.serve)
+        return prof.runcall(node.serve) if prof is not None else node.serve()
     finally:
-        prof.dump_stats(path)
         with open(path + ".phases.txt", "w") as f:
             f.write(node.phases.report(node.rank))
-            f.write("\n")
-            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+            if prof is not None:
+                prof.dump_stats(path)
+                f.write("\n")
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
 
 
-def _timed(ph: "_PhaseTimes", name: str, fn):
+def _timed(ph: "_PhaseTimes", name: str, fn, by_kind: bool = False):
+    """`fn` timed into `ph` under `name` (by_kind: name:attn / :expert / :sample of its batch argument)."""
     if fn is None:
         return None
 
@@ -175,7 +178,7 @@ def _timed(ph: "_PhaseTimes", name: str, fn):
         try:
             return fn(*args)
         finally:
-            ph.add(name, time.perf_counter() - t0)
+            ph.add(f"{name}:{args[0].stage.kind}" if by_kind else name, time.perf_counter() - t0)
     return timed
 
 
@@ -195,10 +198,10 @@ class _PhaseTimes:
         self.all.setdefault(phase, []).append(dt)
 
     def report(self, rank: int) -> str:
-        total = sum(self.t.values())
+        total = sum(v for k, v in self.t.items() if not k.startswith("("))
         nb = sum(self.batches.values())
         lines = [f"rank {rank}: {self.iterations} loop iterations, {nb} batches {self.batches}, "
-                 f"{total * 1e3:.1f} ms in the loop (cProfile overhead included)",
+                 f"{total * 1e3:.1f} ms in the loop (cProfile overhead included when on)",
                  f"{'phase':<14}{'calls':>8}{'total ms':>10}{'us/call':>9}{'us/iter':>9}{'us/batch':>9}"]
         for k in sorted(self.t, key=self.t.get, reverse=True):
             lines.append(f"{k:<14}{self.n[k]:>8}{self.t[k] * 1e3:>10.1f}{self.t[k] / self.n[k] * 1e6:>9.1f}"
@@ -399,10 +402,12 @@ class RankNode:
         finish = self._send_finished
         ph = self.phases
         if ph is not None:
-            tick, poll, feed, next_batch, execute, complete, finish = (
+            tick, poll, feed, next_batch, finish = (
                 _timed(ph, n, f) for n, f in (("tick", tick), ("poll", poll), ("feed", feed),
-                                             ("next_batch", next_batch), ("execute", execute),
-                                             ("complete", complete), ("finish", finish)))
+                                             ("next_batch", next_batch), ("finish", finish)))
+            execute, complete = _timed(ph, "execute", execute, True), _timed(ph, "complete", complete, True)
+            # Nested inside complete/feed/finish (not part of the sum): every send, data or control.
+            tr.send = _timed(ph, "(send)", tr.send)
         while not self.stopped:
             if ph is not None:
                 ph.iterations += 1
