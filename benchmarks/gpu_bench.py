@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from graph_ir.spec import ModelSpec, load_spec  # noqa: E402
+from graph_ir.spec import ModelSpec, cut_layers, load_spec  # noqa: E402
 from lowering.plan import compile_plan  # noqa: E402
 from models.reference import ReferenceDecoder  # noqa: E402
 from models.sampling import SamplingParams  # noqa: E402
@@ -83,19 +83,11 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def cut_spec(name: str, layers: int | None, dtype: str | None = None) -> ModelSpec:
-    """A shipped spec, optionally cut to its first `layers` layers (layer types cut alike)."""
-    data = yaml.safe_load((ROOT / "models/specs" / f"{name}.yaml").read_text())
-    if layers is not None and layers < data["num_layers"]:
-        data["num_layers"] = layers
-        lt = data.get("attention", {}).get("layer_types")
-        if lt:
-            data["attention"]["layer_types"] = lt[:layers]
-        if data.get("dense_layers"):
-            data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
-        data["name"] = f"{data['name']}-L{layers}"
-    if dtype:
-        data["dtype"] = dtype
-    return ModelSpec.model_validate(data)
+    """A shipped spec, optionally cut to its first `layers` layers, optionally in another dtype."""
+    spec = load_spec(ROOT / "models/specs" / f"{name}.yaml")
+    if layers is not None:
+        spec = cut_layers(spec, layers)
+    return spec.model_copy(update={"dtype": dtype}) if dtype else spec
 
 
 def device_weights(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> ModelWeights:

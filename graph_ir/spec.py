@@ -220,6 +220,21 @@ class ModelSpec(_Strict):
         return [l for l in range(self.num_layers) if self.is_moe_layer(l)]
 
 
+def cut_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    """The same model with only its first `layers` layers (per-layer settings cut alike), for
+    benchmarks that keep a big model's layer shapes but not its depth (e.g. GPT-OSS-120B cut to 18
+    layers to fit two GPUs). The name gets an -L<layers> suffix."""
+    if layers >= spec.num_layers:
+        return spec
+    data = spec.model_dump()
+    data["num_layers"] = layers
+    if data["attention"].get("layer_types"):
+        data["attention"]["layer_types"] = data["attention"]["layer_types"][:layers]
+    data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
+    data["name"] = f"{spec.name}-L{layers}"
+    return ModelSpec.model_validate(data)
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     """One line per problem: file, dotted field path, the bad value and what pydantic says is valid."""
     lines = []

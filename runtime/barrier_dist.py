@@ -62,21 +62,12 @@ class ExecSpec:
 
 
 def cut_spec(name: str, layers: Optional[int] = None, dtype: Optional[str] = None):
-    """A shipped spec, optionally cut to its first `layers` layers (as benchmarks/gpu_bench.py)."""
-    import yaml
-    from graph_ir.spec import ModelSpec
-    data = yaml.safe_load((ROOT / "models/specs" / f"{name}.yaml").read_text())
-    if layers is not None and layers < data["num_layers"]:
-        data["num_layers"] = layers
-        lt = data.get("attention", {}).get("layer_types")
-        if lt:
-            data["attention"]["layer_types"] = lt[:layers]
-        if data.get("dense_layers"):
-            data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
-        data["name"] = f"{data['name']}-L{layers}"
-    if dtype:
-        data["dtype"] = dtype
-    return ModelSpec.model_validate(data)
+    """A shipped spec, optionally cut to its first `layers` layers, optionally in another dtype."""
+    from graph_ir.spec import cut_layers, load_spec
+    spec = load_spec(ROOT / "models/specs" / f"{name}.yaml")
+    if layers is not None:
+        spec = cut_layers(spec, layers)
+    return spec.model_copy(update={"dtype": dtype}) if dtype else spec
 
 
 def device_weights(spec, device, dtype, seed: int = 0):

@@ -146,3 +146,15 @@ def test_builder_errors_are_user_errors():
 def test_spec_from_dict_rejects_non_mapping():
     with pytest.raises(UserError, match="expected a mapping"):
         spec_from_dict([1, 2], "x.yaml")
+
+
+def test_cut_layers_keeps_per_layer_settings_consistent():
+    from graph_ir.spec import cut_layers, load_spec
+    spec = load_spec("models/specs/gpt-oss-120b.yaml")
+    cut = cut_layers(spec, 18)
+    assert (cut.num_layers, cut.name) == (18, "gpt-oss-120b-L18")
+    assert cut.attention.layer_types == spec.attention.layer_types[:18]
+    assert cut.hidden_size == spec.hidden_size and cut.experts == spec.experts
+    glm = cut_layers(load_spec("models/specs/glm-4.5-air.yaml"), 2)
+    assert glm.dense_layers == [0] and glm.num_layers == 2
+    assert cut_layers(spec, 99) is spec
