@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from graph_ir.errors import UserError
-from graph_ir.spec import ModelSpec, load_spec
+from graph_ir.spec import ModelSpec, cut_layers, load_spec
 
 GIB = 1024 ** 3
 
@@ -72,11 +72,18 @@ def register(app: typer.Typer) -> None:
                                           help="refuse plans whose ranks cannot cache this many tokens"),
         max_kv_tokens: Optional[int] = typer.Option(None, "--max-kv-tokens",
                                                     help="cap KV tokens per rank (default: all memory left)"),
+        layers: Optional[int] = typer.Option(None, "--layers",
+                                             help="keep only the first N layers (e.g. GPT-OSS-120B cut to 18 to fit 2 GPUs)"),
     ) -> None:
         """Compile MODEL for a cluster of RANKS devices and write PLAN_DIR/plan.json."""
         from lowering.plan import compile_plan, save_plan
 
         spec, source = resolve_model(model)
+        if layers is not None:
+            if layers < 1:
+                raise UserError(f"option 'layers': got {layers}; valid: 1..{spec.num_layers}")
+            spec = cut_layers(spec, layers)
+            source += f", first {spec.num_layers} layers"
         plan = compile_plan(spec, ranks, device, device_memory_gib=device_memory, placement=placement,
                             load_profile=load_profile, home_policy=home_policy, block_size=block_size,
                             attn_cap=attn_cap, expert_cap=expert_cap, min_kv_tokens=min_kv_tokens,

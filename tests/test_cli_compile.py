@@ -151,3 +151,14 @@ def test_compile_hugging_face_checkpoint_dir(workdir, monkeypatch, capsys):
     plan = json.loads((workdir / "p" / "plan.json").read_text())
     assert plan["source"] == f"checkpoint {ckpt}"
     assert plan["spec"]["experts"]["num_experts"] == 6 and len(plan["placement"]["expert_rank"]) == 2
+
+
+def test_compile_layers_cuts_the_model(tmp_path):
+    from typer.testing import CliRunner
+    from dataflow.cli import app
+    from lowering.plan import load_plan
+    res = CliRunner().invoke(app, ["compile", "gpt-oss-120b", "--ranks", "2", "--device", "cuda", "--layers", "18",
+                                   "-o", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output
+    plan = load_plan(tmp_path / "p")
+    assert plan.spec.num_layers == 18 and len(plan.stages) == 2 * 18 + 1
