@@ -20,7 +20,7 @@ Sections (each prints progress and lands in DIR/gpu_bench.json + DIR/gpu_bench.m
                are checked against the TorchExecutor on the same device first.
   e2e          GPT-OSS-20B cut to --layers layers, decode-only (random prompt KV), Zipf routing,
                all requests at t=0, --concurrency levels: streaming (per policy) vs all-gather EP
-               vs all-to-all EP (runtime/barrier.py; skipped with the reason if it cannot run on
+               vs all-to-all EP (runtime/experiments/barrier.py; skipped with the reason if it cannot run on
                the GPU), --ranks in-process ranks on one GPU. tokens/s, ITL p50/p99, CPU us per
                attention / expert batch and the share hidden behind GPU work.
   mp           (--mp-ranks N) the streaming engine through runtime/multiproc.py, one process per GPU.
@@ -535,7 +535,7 @@ def token_stats(reqs: list[Request], wall: float) -> dict:
 
 
 def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
-    from runtime.routing_override import KeyedRoutingExecutor, ZipfRouting
+    from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting
     out = results.setdefault("e2e", [])
     spec = cut_spec(S["model"], args.layers, S.get("dtype"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -578,7 +578,7 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                             rec["batches"] = summarize_probes(probes)
                         detach_all(inner, cl)
                     else:
-                        from runtime.barrier import run_barrier
+                        from runtime.experiments.barrier import run_barrier
                         mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[system]
                         t = time.perf_counter()
                         res = run_barrier(plan, ex, reqs, mode, clock="wall", router=router, kv_blocks=kv_blocks,

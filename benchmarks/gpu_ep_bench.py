@@ -19,7 +19,7 @@ Scenarios: clean; delay (link delay bursts: +--burst-us for --burst-duty of ever
 on every link; streaming: the transport's receive lanes (or --delay-lanes), barrier: a host stall
 before each dispatch/combine collective while the burst is on); compute-hog (a process running bf16
 8192^3 matmuls in a loop on GPU 1); nvlink-hog (a process copying 256 MB buffers GPU0 <-> GPU1
-continuously). Hogs are started by rank 0 before the workload and stopped after it (runtime/hogs.py).
+continuously). Hogs are started by rank 0 before the workload and stopped after it (runtime/experiments/hogs.py).
 
 One launch per system family (barrier: ag + a2a; streaming: every policy), each starting with an
 unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
@@ -53,7 +53,7 @@ SCENARIOS = ("clean", "delay", "compute-hog", "nvlink-hog")
 
 def make_requests(spec, n: int, seed: int, max_prompt: int, new_lo: int, new_hi: int, rid0: int = 0) -> list:
     """n requests: ShareGPT prompt lengths clipped to max_prompt, new tokens uniform in [new_lo, new_hi]."""
-    from runtime.lengths import length_distribution
+    from runtime.experiments.lengths import length_distribution
     from runtime.requests import Request
     sampler = length_distribution("sharegpt", max_prompt + 1)
     lens = sampler.sample(n, seed)
@@ -72,7 +72,7 @@ def kv_blocks_for(reqs: list, block: int, ranks: int) -> int:
 
 
 def summarize(w: dict) -> dict:
-    from runtime.barrier_dist import token_stats
+    from runtime.experiments.barrier_dist import token_stats
     s = token_stats(w["requests"], w["wall_s"] or 0.0)
     s.update(system=w["system"], scenario=w["scenario"], name=w["name"])
     b = w.get("batches", {})
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         p.error(f"{args.ranks} ranks need {args.ranks} GPUs; {torch.cuda.device_count()} visible")
 
     from lowering.plan import compile_plan
-    from runtime.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+    from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
     spec = cut_spec(model, layers, dtype)
     plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu")
     es = ExecSpec(model=model, layers=layers, dtype=dtype, executor=executor, zipf_s=args.zipf, seed=args.seed,

@@ -5,7 +5,7 @@ hundreds of rows (a large fixed part), attention grows with tokens, and every ba
 launch/host cost.
 
 Communication, charged identically to every system (the wire itself, latency + bytes / bandwidth,
-is the scenario's link model in runtime/interference.py, not this file):
+is the scenario's link model in runtime/experiments/interference.py, not this file):
 - `send_cpu`: host seconds the *sender* spends per point-to-point message it issues (torch
   `dist.isend` ~30 us on the H200 pair; ZeroMQ + gloo on the CPU machines ~230 us per message).
   Messages leave one after the other, `send_cpu` apart.

@@ -6,12 +6,12 @@ from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
 from models.weights import random_weights
-from runtime.barrier import run_barrier
+from runtime.experiments.barrier import run_barrier
 from runtime.cluster import RunOptions, run_workload
 from runtime.executor import TorchExecutor
-from runtime.interference import Bursts, LinkSchedule
+from runtime.experiments.interference import Bursts, LinkSchedule
 from runtime.requests import Request
-from runtime.routing_override import KeyedRoutingExecutor, ZipfRouting
+from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting
 
 MAX_NEW = 6
 
@@ -165,10 +165,10 @@ def test_cost_model_units():
 
 
 def test_barrier_in_processes_equals_in_process(model):
-    """runtime/barrier_mp.py: the same rank coroutines over ZeroMQ + gloo in 2 processes give the
+    """runtime/experiments/barrier_mp.py: the same rank coroutines over ZeroMQ + gloo in 2 processes give the
     in-process driver's tokens (ring collectives, a2a: exact)."""
     from models.weights import load_weights
-    from runtime.barrier_mp import BarrierJob, barrier_rank_main
+    from runtime.experiments.barrier_mp import BarrierJob, barrier_rank_main
     from runtime.launch import launch_local
     spec, _, prompts, _ = model
     plan = compile_plan(spec, 2)

@@ -1,4 +1,4 @@
-"""runtime/barrier_dist.py: barrier EP over real torch.distributed collectives (gloo here), 2 processes,
+"""runtime/experiments/barrier_dist.py: barrier EP over real torch.distributed collectives (gloo here), 2 processes,
 tiny model in fp32, tokens vs the streaming engine (in-process, same executor recipe and routing).
 ag and a2a run in one launch (spawning ranks is the expensive part)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from runtime.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
 
 pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
 
@@ -28,7 +28,7 @@ def _first_divergence(a, b):
 
 def test_barrier_dist_tokens_match_streaming():
     from lowering.plan import compile_plan
-    from runtime.barrier_dist import build_executor
+    from runtime.experiments.barrier_dist import build_executor
     from runtime.cluster import Cluster, RunOptions
     import torch
     es = ExecSpec(model="tiny-gpt-oss", dtype="float32", executor="torch", zipf_s=1.2)
@@ -59,7 +59,7 @@ def test_barrier_dist_tokens_match_streaming():
 
 
 def test_burst_delays_schedule():
-    import runtime.barrier_dist as bd
+    import runtime.experiments.barrier_dist as bd
     d = BurstDelays(period_ms=20, duty=0.3, extra_us=2000, links=[(0, 1)], epoch=0.0)
     bd._ACTIVE["delay"] = False
     assert d.collective(0, 2) == 0.0
@@ -74,7 +74,7 @@ def test_burst_delays_schedule():
 
 
 def test_hog_start_stop_cpu():
-    from runtime.hogs import Hog
+    from runtime.experiments.hogs import Hog
     import time
     for kind in ("compute", "nvlink"):
         h = Hog(kind, device="cpu", devices=("cpu", "cpu"), mb=1, n=32).start()

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from runtime.report import (BatchRecord, QueueSample, RequestRecord, RunRecord, compare, environment,
+from runtime.experiments.report import (BatchRecord, QueueSample, RequestRecord, RunRecord, compare, environment,
                             peak_window_rate, queue_depth_grid, summarize, write_report)
 
 
@@ -67,7 +67,7 @@ def test_write_report_files(tmp_path):
 
 def test_run_bench_small_matrix_is_deterministic(tmp_path):
     from graph_ir.spec import load_spec
-    from runtime.bench import BenchConfig, run_bench
+    from runtime.experiments.bench import BenchConfig, run_bench
     cfg = BenchConfig.model_validate({
         "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
         "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
@@ -90,7 +90,7 @@ def test_run_bench_small_matrix_is_deterministic(tmp_path):
 
 def test_bench_prompts_file_and_decode_only(tmp_path):
     from graph_ir.spec import load_spec
-    from runtime.bench import BenchConfig, run_bench
+    from runtime.experiments.bench import BenchConfig, run_bench
     spec = load_spec("models/specs/tiny.yaml")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt_token_ids": [5 + i] * (3 + 2 * i),
@@ -134,8 +134,8 @@ def test_defrag_history_weight_stage_in_front_of_a_steady_queue():
 def test_wall_link_delays_inject_only_the_bursts_and_pickle():
     import pickle
 
-    from runtime.bench import WallLinkDelays
-    from runtime.interference import from_config
+    from runtime.experiments.bench import WallLinkDelays
+    from runtime.experiments.interference import from_config
     inter = from_config({"latency_us": 40, "bandwidth_gbps": 1,
                          "bursts": [{"period_ms": 20, "duty": 0.5, "extra_delay_us": 2000, "links": [[0, 1]]}]})
     w = pickle.loads(pickle.dumps(WallLinkDelays(inter, epoch=0.0)))

@@ -64,7 +64,7 @@ if not cuda:  # host path only: small math, same bucketing/staging code
     d["experts"]["intermediate_size"] = 64; d["attention"].update(num_heads=8, num_kv_heads=2)
 spec = ModelSpec.model_validate(d)
 if cuda:
-    from runtime.barrier_dist import device_weights
+    from runtime.experiments.barrier_dist import device_weights
     w = device_weights(spec, dev, torch.bfloat16)
 else:
     from models.weights import random_weights

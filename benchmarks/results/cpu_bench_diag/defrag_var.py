@@ -1,13 +1,13 @@
 """Defrag score variants (evidence for the diagnosis; not shipped policies)."""
 import sys, copy
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]; sys.path.insert(0, str(ROOT))
-from runtime.bench import load_config, BenchConfig, run_cell, Cell, _requests, _router
-from runtime.interference import from_config
-from runtime.report import summarize
+from runtime.experiments.bench import load_config, BenchConfig, run_cell, Cell, _requests, _router
+from runtime.experiments.interference import from_config
+from runtime.experiments.report import summarize
 from dataflow.cmd_compile import resolve_model
 from lowering.plan import compile_plan
 from runtime.executor_sim import SimExecutor
-from runtime.routing_override import KeyedRoutingExecutor
+from runtime.experiments.routing_override import KeyedRoutingExecutor
 import runtime.scheduler as sch
 kv = int(sys.argv[1])
 d = load_config(f"{ROOT}/benchmarks/cpu_bench_h200costs.yaml").model_dump(); d["kv_blocks"] = kv
@@ -18,7 +18,7 @@ reqs = _requests(cfg, spec)
 orig_h = sch.Defrag._h
 variants = [("defrag W=4 H=4 (shipped)", {}, False), ("defrag W=3", {"lookahead": 3}, False),
             ("defrag without H", {}, True), ("defrag W=1", {"lookahead": 1}, False), ("defrag delta=0.5", {"delta": 0.5}, False)]
-import runtime.bench as rb
+import runtime.experiments.bench as rb
 from runtime.cluster import RunOptions
 print(f"kv={kv}\n| variant | clean tok/s | expert batch | link-bursts tok/s | loss |\n|---|---|---|---|---|")
 for name, params, noh in variants:

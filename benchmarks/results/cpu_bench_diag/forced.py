@@ -1,12 +1,12 @@
 """Diagnosis helper for benchmarks/results/cpu_bench.md (run from the repo root with the venv)."""
 import sys, collections, statistics as st
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]; sys.path.insert(0, str(ROOT))
-from runtime.bench import load_config, _requests, _router, BenchConfig
-from runtime.interference import from_config
+from runtime.experiments.bench import load_config, _requests, _router, BenchConfig
+from runtime.experiments.interference import from_config
 from dataflow.cmd_compile import resolve_model
 from lowering.plan import compile_plan
 from runtime.executor_sim import SimExecutor
-from runtime.routing_override import KeyedRoutingExecutor
+from runtime.experiments.routing_override import KeyedRoutingExecutor
 from runtime.cluster import Cluster, RunOptions
 from runtime.transport.inproc import InprocHub
 cfg = load_config(f"{ROOT}/benchmarks/cpu_bench.yaml")

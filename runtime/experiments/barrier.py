@@ -391,7 +391,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     all in this process.
 
     `link_delay(src, dst, nbytes, t)` and `compute_scale(rank, t)` inject stragglers (see
-    runtime/interference.py); `router(layer, x, seq_ids, positions)` replaces the model's router.
+    runtime/experiments/interference.py); `router(layer, x, seq_ids, positions)` replaces the model's router.
     On the virtual clock a compute costs `cost_model.duration(kind, rows) * compute_scale`; on the
     wall clock it costs what the math took, plus (scale - 1) times that as an injected stall.
     Collectives follow `cost_model.collective_algo` (ring or direct), pay its `collective_fixed` per

@@ -1,8 +1,8 @@
 """Barrier EP baselines over real torch.distributed collectives, one process per rank (rank r on cuda:r),
 plus the streaming engine's rank main with the same executor recipe, for benchmarks/gpu_ep_bench.py.
 
-runtime/barrier.py runs the same step logic as coroutines over point-to-point messages (and
-runtime/barrier_mp.py drives them over our own ZeroMQ + gloo transport). Here every MoE layer ends in
+runtime/experiments/barrier.py runs the same step logic as coroutines over point-to-point messages (and
+runtime/experiments/barrier_mp.py drives them over our own ZeroMQ + gloo transport). Here every MoE layer ends in
 the collectives an EP serving system really calls:
 
   ag   dispatch: dist.all_gather_into_tensor of the hidden rows and of the routing (ids and weights
@@ -13,12 +13,12 @@ the collectives an EP serving system really calls:
   a2a  sizes first: dist.all_to_all_single of a [R, 2] count table (tokens, (token, slot) pairs per
        destination); then all_to_all_single of the token rows (one row per token and destination)
        and of the pair metadata (message row, expert id); experts in source-rank order (as
-       runtime/barrier.py); combine: all_to_all_single of the unweighted slot rows back, placed at
+       runtime/experiments/barrier.py); combine: all_to_all_single of the unweighted slot rows back, placed at
        token * k + slot and summed by executor.combine in slot order (what the streaming engine does).
   Per step: all_gather_into_tensor of the token counts (the global batch shape; the run ends when
   every rank has no work left).
 
-Same executor calls as runtime/barrier.py (embed, attention, route, shared_expert, experts, combine,
+Same executor calls as runtime/experiments/barrier.py (embed, attention, route, shared_expert, experts, combine,
 logits, sample), same KV store (PagedKVStore, RandomPrefixKV in decode-only mode), same admission
 (runtime.requests.Admission over the same capacities; every rank computes it identically, as all
 requests of a workload arrive at t = 0: a closed batch, which is what the bench runs).
@@ -27,7 +27,7 @@ Link delay bursts (BurstDelays): a rank sleeps, before each dispatch and each co
 the largest burst delay currently on a link to or from it; the streaming engine gets the same
 schedule through the transport's chaos hook (lanes of the chosen direction), on the same wall clock.
 
-Hogs (runtime/hogs.py) are started by rank 0 before a workload that asks for one and stopped after it.
+Hogs (runtime/experiments/hogs.py) are started by rank 0 before a workload that asks for one and stopped after it.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # What scenario is on in this process (set per workload; read by BurstDelays lanes in transport threads).
 _ACTIVE = {"delay": False}
@@ -89,7 +89,7 @@ def build_executor(es: ExecSpec, plan, device):
         inner = TorchExecutor(spec, load_weights(spec).to(device))
     ex = inner
     if es.zipf_s is not None:
-        from runtime.routing_override import KeyedRoutingExecutor, ZipfRouting
+        from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting
         ex = KeyedRoutingExecutor(inner, ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=es.zipf_s,
                                                      seed=es.seed))
     return ex, inner
@@ -169,7 +169,7 @@ class DistJob:
     exec: ExecSpec
     workloads: list               # [Workload]
     delays: Optional[BurstDelays] = None
-    hogs: dict = field(default_factory=dict)   # scenario -> runtime.hogs kwargs (kind, ...)
+    hogs: dict = field(default_factory=dict)   # scenario -> runtime.experiments.hogs kwargs (kind, ...)
     decode_only: bool = True
     peer_timeout_s: float = 30.0
 
@@ -193,7 +193,7 @@ def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None
         hogs_state["log"].append(cur.stop())
         hogs_state["hog"] = None
     if want is not None and hogs_state.get("hog") is None:
-        from runtime.hogs import Hog
+        from runtime.experiments.hogs import Hog
         hogs_state["hog"] = Hog(**want).start()
         hogs_state["scenario"] = w.scenario
         _say(f"{want['kind']} hog started (pid {hogs_state['hog'].proc.pid})")

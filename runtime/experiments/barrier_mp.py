@@ -1,4 +1,4 @@
-"""Barrier EP baselines with one process per rank: runtime/barrier.py's rank coroutines (the same code
+"""Barrier EP baselines with one process per rank: runtime/experiments/barrier.py's rank coroutines (the same code
 the in-process driver runs) driven over the ZeroMQ + torch.distributed transport, with the same
 chaos hook as the multi-process streaming runs, so `dataflow bench` with `clock: process` compares
 barrier and barrier-free decoding side by side on real sockets.
@@ -33,7 +33,7 @@ class BarrierJob:
     requests: list                 # runtime.requests.Request, arrival times relative to the start
     kv_blocks: Optional[int] = None
     algo: str = "direct"
-    chaos: object = None           # transport chaos hook (runtime.bench.WallLinkDelays)
+    chaos: object = None           # transport chaos hook (runtime.experiments.bench.WallLinkDelays)
     peer_timeout_s: float = 10.0
 
 
@@ -57,7 +57,7 @@ def barrier_rank_main(env, job: BarrierJob):
 
 def _serve(me: int, R: int, job: BarrierJob, tr):
     from models.weights import load_weights
-    from runtime.barrier import Compute, Gather, Idle, RankContext, Send, rank_loop
+    from runtime.experiments.barrier import Compute, Gather, Idle, RankContext, Send, rank_loop
     from runtime.executor import TorchExecutor
     from runtime.kv_cache import BlockAllocator, PagedKVStore
     from runtime.metrics import BatchRecord, RankMetrics

@@ -4,7 +4,7 @@ Every cell of the matrix gets the same model, plan (placement, KV pool), request
 prompts, Poisson arrival times), routing (a keyed router, so each token routes identically in every
 system), cost model and straggler scenario. Only the system differs:
 - `streaming`: the barrier-free engine (runtime/cluster.py), once per scheduling policy;
-- `ag-ep`, `a2a-ep`: synchronous EP (runtime/barrier.py); the policy axis does not apply.
+- `ag-ep`, `a2a-ep`: synchronous EP (runtime/experiments/barrier.py); the policy axis does not apply.
 
 Clocks:
 - virtual: batch durations come from the cost model (fixed launch cost + per-row cost), link
@@ -29,11 +29,11 @@ from typing import Callable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from graph_ir.errors import UserError
-from runtime.arrivals import PoissonArrivals, sample_requests
+from runtime.experiments.arrivals import PoissonArrivals, sample_requests
 from runtime.cost_model import CostModel
-from runtime.interference import Interference, from_config
-from runtime.lengths import length_distribution
-from runtime.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
+from runtime.experiments.interference import Interference, from_config
+from runtime.experiments.lengths import length_distribution
+from runtime.experiments.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
 from runtime.requests import Request
 
 STREAMING = "streaming"
@@ -199,7 +199,7 @@ def _requests(cfg: BenchConfig, spec, base_dir: Optional[Path] = None) -> list[R
 
 
 def _router(cfg: BenchConfig, spec):
-    from runtime.routing_override import RoutingTrace, ZipfRouting
+    from runtime.experiments.routing_override import RoutingTrace, ZipfRouting
     r = cfg.routing
     if r.kind == "zipf":
         return ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=r.s, drift_every=r.drift_every,
@@ -258,7 +258,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         ranks = [e.metrics for e in cluster.engines]
         max_q = res.metrics.get("max_queue_delay_s")
     else:
-        from runtime.barrier import run_barrier
+        from runtime.experiments.barrier import run_barrier
         res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[cell.system], clock=cfg.clock, cost_model=cost,
                           router=router, link_delay=inter.delay, compute_scale=inter.compute_scale,
                           kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
@@ -317,7 +317,7 @@ class WallLinkDelays:
     added. Picklable (it travels to the rank processes)."""
 
     def __init__(self, inter: Interference, epoch: Optional[float] = None) -> None:
-        from runtime.interference import LinkSchedule
+        from runtime.experiments.interference import LinkSchedule
         self.link = LinkSchedule(effects=inter.link.effects)
         self.epoch = time.time() if epoch is None else epoch
 
@@ -350,7 +350,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
             runs.append(_process_barrier(cfg, plan, requests, system, name, inter, stage_names))
             i += 1
             if progress:
-                from runtime.report import summarize
+                from runtime.experiments.report import summarize
                 progress(i, todo, Cell(system, "-", name), summarize(runs[-1], cfg.peak_window_s))
         if not streaming:
             continue
@@ -375,15 +375,15 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
             runs.append(run)
             i += 1
             if progress:
-                from runtime.report import summarize
+                from runtime.experiments.report import summarize
                 progress(i, todo, Cell(STREAMING, opts.policy, name), summarize(run, cfg.peak_window_s))
     return runs
 
 
 def _process_barrier(cfg: BenchConfig, plan, requests: list[Request], system: str, scenario: str,
                      inter: Interference, stage_names: list[str]) -> RunRecord:
-    """One barrier baseline as one process per rank (runtime/barrier_mp.py), same chaos hook."""
-    from runtime.barrier_mp import BarrierJob, barrier_rank_main
+    """One barrier baseline as one process per rank (runtime/experiments/barrier_mp.py), same chaos hook."""
+    from runtime.experiments.barrier_mp import BarrierJob, barrier_rank_main
     from runtime.launch import launch_local
     reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
             for q in requests]
@@ -431,7 +431,7 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
         from runtime.executor import TorchExecutor
         inner = TorchExecutor(spec, weights if weights is not None else load_weights(spec))
     if router is not None:
-        from runtime.routing_override import KeyedRoutingExecutor
+        from runtime.experiments.routing_override import KeyedRoutingExecutor
         executor = KeyedRoutingExecutor(inner, router)
     else:
         executor = inner
@@ -449,7 +449,7 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
         run.extra["bench_wall_s"] = time.perf_counter() - t0
         runs.append(run)
         if progress:
-            from runtime.report import summarize
+            from runtime.experiments.report import summarize
             progress(i + 1, len(todo), cell, summarize(run, cfg.peak_window_s))
     heat = [r for r in runs if r.system == STREAMING and r.policy in cfg.heatmap_policies
             and r.scenario == cfg.clean_scenario]

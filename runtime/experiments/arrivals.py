@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from graph_ir.errors import UserError
-from runtime.lengths import Lengths, LengthSampler
+from runtime.experiments.lengths import Lengths, LengthSampler
 
 
 @dataclass
