@@ -40,7 +40,6 @@ remap in the executor). On the tiny/CPU models this costs nothing worth the comp
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import sys
@@ -302,13 +301,6 @@ class RankNode:
                              self.transport, self.clock, make_policy(options.policy, **options.policy_params),
                              self.trace)
         self.engine.on_control = self._on_control
-        # The defrag/aging policies score with a numba kernel (runtime/score_kernel.py) that loads
-        # from numba's cache, or compiles, on its first call: ~230 ms per rank on the CPU machine (2
-        # ranks on 2 cores), which used to land in every rank's first next_batch, inside the timed run
-        # (~25% of a 1 s `dataflow run`, benchmarks/NOTES.md section 11). Call it once here, on a
-        # throwaway copy (the policy's depth history must not see this empty snapshot), so the
-        # startup barrier covers it.
-        copy.deepcopy(self.engine.policy).choose(self.engine.views(), self.engine.next_of)
         if hasattr(self.executor, "prepare"):
             # Capture every CUDA graph of this workload's KV store before serving, so no capture
             # runs while messages flow (and no timed batch pays for one). No-op on the CPU.

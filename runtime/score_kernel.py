@@ -38,3 +38,18 @@ def defrag_scores(q: np.ndarray, ring: np.ndarray, filled: int, runnable: np.nda
             w *= delta
             score += w * (q[t] + history_weight * h[t])
         out[s] = score
+
+
+_warm = False
+
+
+def warm_up() -> None:
+    """Load (or compile) the kernel now. numba does it at the first call, ~230 ms per process on the
+    CPU machine; a policy calls this when it is built, so that cost lands before a run's clock
+    starts instead of inside its first timed batch (benchmarks/NOTES.md section 11)."""
+    global _warm
+    if not _warm:
+        z = np.zeros(1)
+        defrag_scores(z, np.zeros((1, 1)), 0, np.ones(1, dtype=np.bool_), np.zeros(1, dtype=np.int64),
+                      0.5, 1, 1.0, np.empty(1))
+        _warm = True
