@@ -1,5 +1,4 @@
-"""The `dataflow` command. Each subcommand lives in its own module (dataflow/cmd_*.py) and is imported
-lazily so `dataflow --help` stays fast and one broken subcommand cannot break the others.
+"""The `dataflow` command. Each subcommand lives in its own module (dataflow/cmd_*.py).
 
 User mistakes raise `graph_ir.UserError`; `main` prints the message and exits 2 without a traceback.
 """
@@ -18,15 +17,10 @@ DEFAULT_PLAN_DIR = "dataflow-plan"  # `compile` writes here without -o; `run`/`i
 
 
 def _register() -> None:
-    # Each cmd_* module defines `register(app)`; missing modules (work in progress) are skipped.
-    import importlib
-    for name in ("cmd_compile", "cmd_inspect", "cmd_run", "cmd_bench", "cmd_transport_bench"):
-        try:
-            mod = importlib.import_module(f"dataflow.{name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"dataflow.{name}":
-                continue
-            raise
+    # Each cmd_* module defines `register(app)` and imports its heavy dependencies (torch, the
+    # runtime) inside the command, so `dataflow --help` stays fast.
+    from dataflow import cmd_bench, cmd_compile, cmd_inspect, cmd_run, cmd_transport_bench
+    for mod in (cmd_compile, cmd_inspect, cmd_run, cmd_bench, cmd_transport_bench):
         mod.register(app)
 
 
