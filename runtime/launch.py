@@ -173,13 +173,7 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
 
     def on_signal(signum, _frame):
         received.append(signum)
-        sig = signal.SIGKILL if len(received) > 1 else signum
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.send_signal(sig)
-                except ProcessLookupError:
-                    pass
+        _signal_all(procs, signal.SIGKILL if len(received) > 1 else signum)
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

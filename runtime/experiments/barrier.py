@@ -101,6 +101,25 @@ class RankContext:
     decode_only: bool = False       # paper's throughput mode: random prompt KV, no prefill compute
 
 
+def step_batch(live: list, started: set, decode_only: bool, kv) -> tuple[list, list, list, list]:
+    """One decode step's batch of a barrier rank: one segment per live request (its whole prompt the
+    first time, or only its last prompt token in decode-only mode; its last output token after that).
+    Returns (tokens, positions, segments, seq_of_row). Shared by every barrier driver."""
+    tokens, positions, segments, seq_of_row = [], [], [], []
+    for req in live:
+        if req.rid in started:
+            toks, pos0 = [req.output[-1]], len(req.prompt) + len(req.output) - 1
+        elif decode_only and len(req.prompt) > 1:
+            toks, pos0 = [req.prompt[-1]], len(req.prompt) - 1
+            kv.prefix(req.rid, pos0)
+        else:
+            toks, pos0 = list(req.prompt), 0
+        segments.append((req.rid, len(tokens), len(toks)))
+        tokens.extend(toks)
+        positions.extend(range(pos0, pos0 + len(toks)))
+        seq_of_row.extend([req.rid] * len(toks))
+    return tokens, positions, segments, seq_of_row
+
 def _timed(fn, *args):
     t = time.perf_counter()
     out = fn(*args)
@@ -120,19 +139,7 @@ def rank_loop(ctx: RankContext, mode: str) -> Generator[Op, object, None]:
         live.extend(ctx.new)
         ctx.new.clear()
         # -- the batch of this step: one segment per live request --------------------------------
-        tokens, positions, segments, seq_of_row = [], [], [], []
-        for req in live:
-            if req.rid in started:
-                toks, pos0 = [req.output[-1]], len(req.prompt) + len(req.output) - 1
-            elif ctx.decode_only and len(req.prompt) > 1:
-                toks, pos0 = [req.prompt[-1]], len(req.prompt) - 1
-                ctx.kv.prefix(req.rid, pos0)
-            else:
-                toks, pos0 = list(req.prompt), 0
-            segments.append((req.rid, len(tokens), len(toks)))
-            tokens.extend(toks)
-            positions.extend(range(pos0, pos0 + len(toks)))
-            seq_of_row.extend([req.rid] * len(toks))
+        tokens, positions, segments, seq_of_row = step_batch(live, started, ctx.decode_only, ctx.kv)
         T = len(tokens)
         # -- step 0: agree on the global batch shape (and on stopping) -------------------------------
         more = ctx.more_coming()

@@ -42,6 +42,8 @@ from typing import Optional
 
 import torch
 
+from runtime.experiments.barrier import step_batch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # What scenario is on in this process (set per workload; read by BurstDelays lanes in transport threads).
@@ -321,19 +323,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
     dist.barrier()
     t0 = time.perf_counter()
     while True:
-        tokens, positions, segments, seq_of_row = [], [], [], []
-        for q in live:
-            if q.rid in started:
-                toks, pos0 = [q.output[-1]], len(q.prompt) + len(q.output) - 1
-            elif job.decode_only and len(q.prompt) > 1:
-                toks, pos0 = [q.prompt[-1]], len(q.prompt) - 1
-                kv.prefix(q.rid, pos0)
-            else:
-                toks, pos0 = list(q.prompt), 0
-            segments.append((q.rid, len(tokens), len(toks)))
-            tokens.extend(toks)
-            positions.extend(range(pos0, pos0 + len(toks)))
-            seq_of_row.extend([q.rid] * len(toks))
+        tokens, positions, segments, seq_of_row = step_batch(live, started, job.decode_only, kv)
         for q in live:
             started.add(q.rid)
         T = len(tokens)
