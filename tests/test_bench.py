@@ -141,8 +141,9 @@ def test_wall_link_delays_inject_only_the_bursts_and_pickle():
     w = pickle.loads(pickle.dumps(WallLinkDelays(inter, epoch=0.0)))
     import time as _t
     w.epoch = _t.time() - 0.001            # 1 ms into a period: the burst is on
-    assert w.lane("send", 0, 1)() == pytest.approx(2e-3)   # extra only: no healthy latency, no bytes
-    assert w.lane("send", 1, 0)() == 0.0 and w.lane("recv", 0, 1)() == 0.0
+    # Delivery is delayed: rank 1 draws the delay of link 0 -> 1 for what it receives from rank 0.
+    assert w.lane("recv", 1, 0)() == pytest.approx(2e-3)   # extra only: no healthy latency, no bytes
+    assert w.lane("recv", 0, 1)() == 0.0 and w.lane("send", 0, 1)() == 0.0
     w.epoch = _t.time() - 0.015            # 15 ms in: off
-    assert w.lane("send", 0, 1)() == 0.0
-    assert WallLinkDelays(from_config({"latency_us": 40})).lane("send", 0, 1)() == 0.0
+    assert w.lane("recv", 1, 0)() == 0.0
+    assert WallLinkDelays(from_config({"latency_us": 40})).lane("recv", 1, 0)() == 0.0

@@ -310,11 +310,13 @@ def _slow_rank(engine, scaled: _ScaledCost, inter: Interference, wall: bool) -> 
 
 class WallLinkDelays:
     """A scenario's link disturbances (bursts, jitter, bandwidth traces: the *extra* delay only) as the
-    ZeroMQ + torch.distributed transport's chaos hook: `lane("send", me, peer)()` is drawn per message
-    at send time and held inside that peer's send lane, so later messages to the peer queue behind it
-    as on a slow link. Time is the wall clock since `epoch` (one host: every process sees one clock).
-    The transport's own latency and bandwidth are real; the scenario's healthy latency/bandwidth are not
-    added. Picklable (it travels to the rank processes)."""
+    ZeroMQ + torch.distributed transport's chaos hook. The delay is drawn on the *receiving* side when
+    a message's header arrives (`lane("recv", me, src)`, the link src -> me at that moment) and the
+    message is handed to the engine that much later, in order: later messages from src queue behind
+    it as on a slow link. (Drawn on the send side it would only delay the sender's completion notice,
+    not the delivery: the message itself would arrive on time.) Time is the wall clock since `epoch`
+    (one host: every process sees one clock). The transport's own latency and bandwidth are real; the
+    scenario's healthy latency/bandwidth are not added. Picklable (it travels to the rank processes)."""
 
     def __init__(self, inter: Interference, epoch: Optional[float] = None) -> None:
         from runtime.experiments.interference import LinkSchedule
@@ -322,10 +324,10 @@ class WallLinkDelays:
         self.epoch = time.time() if epoch is None else epoch
 
     def lane(self, direction: str, me: int, peer: int):
-        if direction != "send" or self.link.clean:
+        if direction != "recv" or self.link.clean:
             return lambda: 0.0
         link, epoch = self.link, self.epoch
-        return lambda: link.delay(me, peer, 0, time.time() - epoch)
+        return lambda: link.delay(peer, me, 0, time.time() - epoch)
 
 
 def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenarios: dict, progress) -> list[RunRecord]:

@@ -11,8 +11,9 @@ Two kinds, one interface (`submit`, `drain`, `busy`):
 - `EventLane` (NCCL): the op ran on a dedicated CUDA stream and recorded an event; the engine thread
   queries head events in `drain()`: no threads, no host blocking, as in the StreamEP design.
 
-An optional per-item `delay_s` (chaos testing, see chaos.py) holds the item back after completion:
-it changes timing only, never order.
+An optional per-item `delay_s` (chaos testing, see chaos.py; link disturbances in the bench) holds
+the item back until `delay_s` after it entered the lane, and at least until the item before it left:
+an added link latency (not cumulative over a backlog), it changes timing only, never order.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ class WaiterLane:
         self._thread.start()
 
     def submit(self, item: Item) -> None:
+        if item.delay_s > 0:
+            item.ready_at = time.monotonic() + item.delay_s
         with self._lock:
             self._busy += 1
             self._items.append(item)
@@ -82,8 +85,8 @@ class WaiterLane:
             try:
                 if item.work is not None:
                     item.work.wait()
-                if item.delay_s > 0:
-                    time.sleep(item.delay_s)
+                if item.ready_at:
+                    time.sleep(max(0.0, item.ready_at - time.monotonic()))
             except BaseException as err:  # peer died mid-transfer: the engine turns it into PeerFailure
                 item.error = err
             item.work = None  # drop the Work (and its hold on the buffer) as soon as it is done
