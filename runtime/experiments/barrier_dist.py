@@ -492,7 +492,8 @@ def stream_rank_main(env, job: DistJob):
     """runtime.multiproc.rank_main with the bench's executor (device-drawn weights, Zipf routing), the
     BurstDelays chaos hook, hogs from rank 0 and host time per batch; one workload per (policy, scenario)."""
     from runtime.cluster import RunOptions
-    from runtime.multiproc import COORDINATOR, RankJob, RankNode, SyncedClock, _peer_failure_behind
+    from runtime.multiproc import (COORDINATOR, RankJob, RankNode, SyncedClock, _peer_failure_behind, _profile_wanted,
+                                   _profiled)
     from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport
     from runtime.transport.rendezvous import init_distributed
     _threads(env)
@@ -545,7 +546,8 @@ def stream_rank_main(env, job: DistJob):
         clock = SyncedClock()
         node = Node(env, job.plan, ex, transport, clock, rjob)
         try:
-            results = node.serve()
+            # DATAFLOW_PROFILE_RANK: the same opt-in phase timers / cProfile as `dataflow run` (NOTES §11)
+            results = _profiled(node) if _profile_wanted(env.rank) else node.serve()
         except PeerFailure:
             raise
         except RuntimeError as err:
