@@ -150,11 +150,13 @@ def _check_exchange(result, world: int, n: int) -> None:
         assert r["counts"] == {s: n for s in range(world)}, f"rank {rank} lost or duplicated messages"
 
 
-@pytest.mark.parametrize("world,inflight", [(2, 16), (4, 2)])
-def test_exchange_fifo_no_loss(world, inflight):
+@pytest.mark.parametrize("world,inflight,receive_on", [(2, 16, "thread"), (4, 2, "engine")])
+def test_exchange_fifo_no_loss(world, inflight, receive_on):
+    """receive_on="engine" (the NCCL default: headers read and receives posted by the engine thread in
+    poll(), no receptor thread) runs here over gloo: same ordering and delivery guarantees."""
     n = 60
     res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight), timeout=80,
-                       env=CHILD_ENV)
+                       env={**CHILD_ENV, "DATAFLOW_RECEIVE_ON": receive_on})
     _check_exchange(res, world, n)
     # a small in-flight cap forces the per-peer backlogs to be used
     assert all(r["stats"]["local"] == n for r in res.results)

@@ -22,10 +22,12 @@ so one slow peer never holds up sends to the others. A send keeps its tensor ali
 completed. Backlogs are pumped from `poll()`.
 
 Threads. The engine thread calls send/poll/pending/close (ZeroMQ sockets are not thread-safe: the
-data PUSH sockets belong to it). A receptor thread owns the PULL socket and posts receives, so
-transfers progress while the engine computes. Gloo: one waiter thread per peer direction completes
+data PUSH sockets belong to it). Gloo: a receptor thread owns the PULL socket and posts receives, so
+transfers progress while the engine computes, and one waiter thread per peer direction completes
 Work objects (they cannot be polled). NCCL: ops run on a dedicated stream per direction and record
-an event the engine thread queries; no waiter threads. A heartbeat thread with its own sockets beats
+an event the engine thread queries; no waiter threads, and by default no receptor either: the engine
+thread reads headers and posts receives inside poll() (`receive_on`), because a second Python thread
+making CUDA calls costs the engine more in GIL waits than the earlier receive posting saves. A heartbeat thread with its own sockets beats
 every `heartbeat_s` (runtime/health.py); a peer silent for `peer_timeout_s`, a failed transfer or an
 abort notice makes `poll()` raise PeerFailure naming the rank and what this rank was waiting for.
 
@@ -107,7 +109,7 @@ class ZmqDistTransport:
     def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
                  inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, chaos: Optional[ChaosDelays] = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, pool_per_size: int = 8):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, pool_per_size: int = 8, receive_on: Optional[str] = None):
         if not dist.is_initialized():
             raise RuntimeError("call runtime.transport.zmq_dist.init_distributed(rank, world, backend) first")
         self.rank = rank
@@ -115,6 +117,16 @@ class ZmqDistTransport:
         self.device = torch.device(device)
         self.inflight_limit = inflight_limit
         self._nccl = self.device.type == "cuda"
+        # Who reads headers and posts receives: a receptor thread ("thread"), or the engine thread inside
+        # poll() ("engine"). NCCL defaults to "engine": there every completion is already an event the
+        # engine thread queries, and a second Python thread making CUDA/NCCL calls only contends for the
+        # GIL (profile on 2 x H200, NOTES section 13: ~230 us median per send, most of it waiting for the
+        # GIL held by the receptor). Gloo needs its waiter threads anyway and keeps "thread", so receives
+        # are posted while the engine computes. DATAFLOW_RECEIVE_ON overrides (for A/B runs).
+        receive_on = receive_on or os.environ.get("DATAFLOW_RECEIVE_ON") or ("engine" if self._nccl else "thread")
+        if receive_on not in ("engine", "thread"):
+            raise ValueError(f"receive_on must be 'engine' or 'thread', got {receive_on!r}")
+        self._engine_receives = receive_on == "engine"
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
@@ -170,8 +182,10 @@ class ZmqDistTransport:
 
         self._health = PeerHealth(rank, world_size, peer_timeout_s)
         self._closing = threading.Event()
-        self._receptor = threading.Thread(target=self._receive_loop, name=f"receptor-{rank}", daemon=True)
-        self._receptor.start()
+        self._receptor: Optional[threading.Thread] = None
+        if not self._engine_receives:
+            self._receptor = threading.Thread(target=self._receive_loop, name=f"receptor-{rank}", daemon=True)
+            self._receptor.start()
         self._hb_socks: list[zmq.Socket] = []
         self._hb_bytes = pickle.dumps((HEARTBEAT, rank, 0, None, None, None))
         self._heartbeat = Heartbeat(heartbeat_s, self._beat, self._beat_exit, name=f"heartbeat-{rank}")
@@ -209,6 +223,8 @@ class ZmqDistTransport:
         unlike spinning). Raises PeerFailure when a peer died, wedged or aborted."""
         if self._failure is not None:
             raise self._failure
+        if self._engine_receives:
+            self._receive_headers()  # before the health check: queued heartbeats count
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + _HEALTH_CHECK_EVERY_S
@@ -219,7 +235,9 @@ class ZmqDistTransport:
         self._local = []
         done = self._done
         if not out and timeout > 0 and done.empty():
-            if self._nccl:
+            if self._engine_receives:
+                self._wait_engine(timeout, out)
+            elif self._nccl:
                 self._wait_nccl(timeout, out)  # NCCL lanes complete only when this thread queries them
             else:
                 try:
@@ -283,14 +301,17 @@ class ZmqDistTransport:
                     pass
         self._heartbeat.stop()
         self._closing.set()
-        self._receptor.join(2.0)
+        if self._receptor is not None:
+            self._receptor.join(2.0)
+        else:
+            self._pull.close(linger=0)
         # After a failure a waiter may be stuck in a gloo wait on the dead peer: don't wait for it.
         join_s = 0.5 if self._failure is None and not self._aborted else 0.01
         for lane in itertools.chain(self._send_lanes.values(), self._recv_lanes.values()):
             lane.close(join_s)
         for p in self._peers:
             self._push[p].close(linger=1000 if not self._aborted else 200)
-        if not self._receptor.is_alive() and not self._heartbeat._thread.is_alive():
+        if (self._receptor is None or not self._receptor.is_alive()) and not self._heartbeat._thread.is_alive():
             self._ctx.term()  # blocks until lingering BYE/ABORT messages went out (bounded by LINGER)
 
     def __enter__(self) -> "ZmqDistTransport":
@@ -389,6 +410,33 @@ class ZmqDistTransport:
             if now >= deadline:
                 return
 
+    def _wait_engine(self, timeout: float, out: list[Arrival]) -> None:
+        """Block up to `timeout` for the first arrival or completion when this thread also reads the
+        headers (receive_on="engine"). A ZeroMQ poll of the PULL socket is the blocking wait (it
+        releases the GIL) when nothing is outstanding; while a receive is outstanding its event is
+        re-queried with plain yields for up to _NCCL_SPIN_S after the last header, then every
+        _NCCL_SLICE_S; with only sends outstanding, every _NCCL_SLICE_S."""
+        done = self._done
+        now = time.monotonic()
+        deadline = now + timeout
+        spin_until = now + _NCCL_SPIN_S
+        while True:
+            if self._receive_headers():
+                spin_until = time.monotonic() + _NCCL_SPIN_S
+            self._drain_lanes()
+            if out or not done.empty():
+                return  # poll() collects `done`
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            lanes = itertools.chain(self._send_lanes.values(), self._recv_lanes.values())
+            if now < spin_until and any(lane.busy() for lane in self._recv_lanes.values()):
+                time.sleep(0)
+            elif any(lane.busy() for lane in lanes):
+                time.sleep(min(_NCCL_SLICE_S, deadline - now))
+            else:
+                self._pull.poll(max(1, int((deadline - now) * 1000)))  # ms; returns at the first header
+
     def _complete(self, item: Item, out: list[Arrival]) -> bool:
         """Account for one item from `done`; False for a _WAKE token (nothing completed)."""
         if item is _WAKE:
@@ -426,23 +474,34 @@ class ZmqDistTransport:
 
     # ------------------------------------------------------------------ receptor thread
     def _receive_loop(self) -> None:
-        pull = self._pull
+        try:
+            while not self._closing.is_set() and self._receptor_error is None:
+                if self._pull.poll(50):
+                    self._receive_headers()
+        finally:
+            self._pull.close(linger=0)
+
+    def _receive_headers(self) -> int:
+        """Handle every header waiting on the PULL socket (receptor thread, or the engine thread in
+        poll() when receive_on="engine"); returns how many. An error is kept for the engine thread's
+        next health check, naming the message."""
+        if self._receptor_error is not None:
+            return 0
+        pull, n = self._pull, 0
         src, seq, meta = -1, -1, None
         try:
-            while not self._closing.is_set():
-                if not pull.poll(50):
-                    continue
-                while True:
-                    try:
-                        raw = pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    kind, src, seq, meta, shape, dtype = pickle.loads(raw)
-                    self._on_header(kind, src, seq, meta, shape, dtype)
+            while True:
+                try:
+                    raw = pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return n
+                kind, src, seq, meta, shape, dtype = pickle.loads(raw)
+                self._on_header(kind, src, seq, meta, shape, dtype)
+                n += 1
         except BaseException as err:  # reported by the engine thread's next poll()
             self._receptor_error = (src, f"message #{seq} from rank {src} ({_summary(meta)})", err)
-        finally:
-            pull.close(linger=0)
+            self._next_check = 0.0
+            return n
 
     def _on_header(self, kind: int, src: int, seq: int, meta, shape, dtype) -> None:
         self._health.saw(src)
@@ -483,7 +542,7 @@ class ZmqDistTransport:
             self._done.put(item)
             return
         lane.submit(item)
-        if self._nccl:
+        if self._nccl and not self._engine_receives:
             self._done.put(_WAKE)  # a poll() blocked on `done` must start querying this lane's events
 
     # ------------------------------------------------------------------ heartbeat thread
