@@ -89,6 +89,11 @@ class Placement(_Model):
     def experts_on(self, layer: int, rank: int) -> list[int]:
         return [e for e, r in enumerate(self.expert_rank[layer]) if r == rank]
 
+    def held_by(self, rank: int) -> list[list[int]]:
+        """Per layer, the experts `rank` holds ([] for dense layers): the `experts=` argument of
+        models.weights' builders, so a rank process builds only its own experts."""
+        return [self.experts_on(l, rank) for l in range(len(self.expert_rank))]
+
     def holders(self, layer: int) -> list[int]:
         """Ranks that hold at least one expert of `layer`, ascending."""
         return sorted(set(self.expert_rank[layer]))

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directory (config.json + safetensors) -> (ModelSpec, ModelWeights).
 
     import_spec(dir)      config.json only -> ModelSpec (weights.source = checkpoint, path = dir)
-    load_checkpoint(dir)  -> (ModelSpec, ModelWeights in spec.dtype), every tensor shape-checked
+    load_checkpoint(dir, experts=None)  -> (ModelSpec, ModelWeights in spec.dtype), every tensor
+                          shape-checked; `experts`: only these routed experts per layer (a rank's)
 
 The config translation lives in models/hf_config.py, the tensor mapping in models/hf_weights.py.
 Supported architectures: see `SUPPORTED_ARCHITECTURES`. Everything a user can get wrong (no
@@ -43,10 +44,11 @@ def import_spec(path: str | Path) -> ModelSpec:
                             dtype_fallback=_dtype_from_tensors(root))
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelSpec, ModelWeights]:
-    """The spec of `path` and its weights mapped to canonical names, in spec.dtype."""
+def load_checkpoint(path: str | Path, experts=None) -> tuple[ModelSpec, ModelWeights]:
+    """The spec of `path` and its weights mapped to canonical names, in spec.dtype. `experts`: per
+    layer the routed experts to read (models.weights.held_per_layer; None = all), e.g. a rank's."""
     from models.hf_weights import SafetensorsDir, load_tensors
 
     spec = import_spec(path)
     st = SafetensorsDir(Path(spec.weights.path))
-    return spec, load_tensors(spec, st)
+    return spec, load_tensors(spec, st, experts)

@@ -16,6 +16,10 @@ Layouts accepted for the routed experts (all checked against what transformers 5
 Every source tensor is shape-checked *before* it is transformed, so a wrong checkpoint fails with
 the file, the HF tensor name, the canonical name and expected vs found shape, never with a torch
 error from a stack or a slice.
+
+A subset of the routed experts (`load_tensors(..., experts=)`, a rank's shard) reads only those:
+per-expert tensors of other experts are shape-checked from the header and skipped; fused tensors
+are read by row ranges of dim 0 (safetensors slices lazily), then transformed like the full ones.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from torch import Tensor
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec
-from models.weights import ModelWeights, expected_shapes, torch_dtype, validate_weights
+from models.weights import (ExpertSubset, ModelWeights, expected_shapes, held_per_layer, torch_dtype,
+                            validate_weights)
 
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -108,21 +113,40 @@ class SafetensorsDir:
                 counts[_ST_DTYPES[dt]] = counts.get(_ST_DTYPES[dt], 0) + 1
         return max(counts, key=counts.get) if counts else None
 
-    def get(self, name: str) -> Tensor:
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         path = self.file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def get(self, name: str) -> Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_rows(self, name: str, rows: list[int]) -> Tensor:
+        """Rows `rows` (sorted) of dim 0 of tensor `name`, reading only those: one slice per run of
+        consecutive rows (a contiguous placement reads one range per rank)."""
+        sl = self._handle(name).get_slice(name)
+        runs: list[tuple[int, int]] = []
+        for r in rows:
+            if runs and runs[-1][1] == r:
+                runs[-1] = (runs[-1][0], r + 1)
+            else:
+                runs.append((r, r + 1))
+        if not runs:
+            return sl[0:0]  # no expert of this layer held here: zero rows, same trailing dims
+        parts = [sl[a:b] for a, b in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _Loader:
     """Fetches HF tensors for one spec, checking each source shape and recording what was used."""
 
-    def __init__(self, spec: ModelSpec, st: SafetensorsDir):
+    def __init__(self, spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None):
         self.spec, self.st = spec, st
-        self.want = expected_shapes(spec)
+        self.want = expected_shapes(spec)  # full shapes: what the checkpoint must contain
+        self.held = held_per_layer(spec, experts)
         self.used: set[str] = set()
         self.out: dict[str, Tensor] = {}
 
@@ -132,7 +156,8 @@ class _Loader:
     def has(self, name: str) -> bool:
         return name in self.st
 
-    def take(self, hf: str, shape: tuple[int, ...], canon: str) -> Tensor:
+    def check(self, hf: str, shape: tuple[int, ...], canon: str) -> None:
+        """Header-only: `hf` exists with `shape`; marks it used (a skipped expert is not 'unexpected')."""
         if hf not in self.st:
             raise UserError(f"{self.st.root}: missing tensor '{hf}' (for '{canon}', expected shape {list(shape)})")
         found = self.st.shape_of[hf]
@@ -140,7 +165,16 @@ class _Loader:
             raise UserError(f"{self.where(hf)}: tensor '{hf}' (for '{canon}') has shape {list(found)}, "
                             f"expected {list(shape)}")
         self.used.add(hf)
+
+    def take(self, hf: str, shape: tuple[int, ...], canon: str) -> Tensor:
+        self.check(hf, shape, canon)
         return self.st.get(hf)
+
+    def take_experts(self, hf: str, shape: tuple[int, ...], canon: str, layer: int) -> Tensor:
+        """A fused [E, ...] tensor of `layer`: every row, or only the held experts' rows."""
+        self.check(hf, shape, canon)
+        held = self.held[layer]
+        return self.st.get(hf) if held is None else self.st.get_rows(hf, held)
 
     def direct(self, hf: str, canon: str) -> None:
         """Copy one HF tensor to `canon` unchanged (same [out, in] layout)."""
@@ -167,14 +201,19 @@ def _experts(ld: _Loader, layer: int, moe: str, names: tuple[str, str, str]) -> 
     E, I, H = ld.want[c + "experts.gate"]
     fused = f"{moe}.experts.gate_up_proj"
     if ld.has(fused):
-        gu = ld.take(fused, (E, 2 * I, H), c + "experts.gate/up")
+        gu = ld.take_experts(fused, (E, 2 * I, H), c + "experts.gate/up", layer)
         ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, :I], gu[:, I:]
-        ld.out[c + "experts.down"] = ld.take(f"{moe}.experts.down_proj", (E, H, I), c + "experts.down")
+        ld.out[c + "experts.down"] = ld.take_experts(f"{moe}.experts.down_proj", (E, H, I), c + "experts.down", layer)
         return
+    held = ld.held[layer]
+    ids = range(E) if held is None else held
     for canon, mod in zip(("gate", "up", "down"), names):
         shape = ld.want[c + f"experts.{canon}"][1:]
+        for e in set(range(E)) - set(ids):  # other ranks' experts: checked, not read
+            ld.check(f"{moe}.experts.{e}.{mod}.weight", shape, c + f"experts.{canon}[{e}]")
         ld.out[c + f"experts.{canon}"] = torch.stack(
-            [ld.take(f"{moe}.experts.{e}.{mod}.weight", shape, c + f"experts.{canon}[{e}]") for e in range(E)])
+            [ld.take(f"{moe}.experts.{e}.{mod}.weight", shape, c + f"experts.{canon}[{e}]") for e in ids]) \
+            if ids else torch.empty((0,) + shape)
 
 
 def _gpt_oss_experts(ld: _Loader, layer: int, moe: str) -> None:
@@ -187,21 +226,21 @@ def _gpt_oss_experts(ld: _Loader, layer: int, moe: str) -> None:
             if in_dim % 32:
                 raise UserError(f"{ld.where(base + '_blocks')}: MXFP4 tensor '{base}_blocks' needs an input dim "
                                 f"divisible by 32, the spec gives {in_dim}")
-            blocks = ld.take(base + "_blocks", (E, out_dim, in_dim // 32, 16), canon)
-            scales = ld.take(base + "_scales", (E, out_dim, in_dim // 32), canon)
+            blocks = ld.take_experts(base + "_blocks", (E, out_dim, in_dim // 32, 16), canon, layer)
+            scales = ld.take_experts(base + "_scales", (E, out_dim, in_dim // 32), canon, layer)
             return _dequant_mxfp4(blocks, scales)
 
         gu = mx(gu_name, 2 * I, H, c + "experts.gate/up")  # [E, 2I, H]
         ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, 0::2], gu[:, 1::2]
         ld.out[c + "experts.down"] = mx(down_name, H, I, c + "experts.down")  # [E, H, I]
     else:
-        gu = ld.take(gu_name, (E, H, 2 * I), c + "experts.gate/up")  # x @ W layout
+        gu = ld.take_experts(gu_name, (E, H, 2 * I), c + "experts.gate/up", layer)  # x @ W layout
         ld.out[c + "experts.gate"] = gu[..., 0::2].transpose(1, 2)
         ld.out[c + "experts.up"] = gu[..., 1::2].transpose(1, 2)
-        ld.out[c + "experts.down"] = ld.take(down_name, (E, I, H), c + "experts.down").transpose(1, 2)
-    gub = ld.take(gu_name + "_bias", (E, 2 * I), c + "experts.gate_b/up_b")
+        ld.out[c + "experts.down"] = ld.take_experts(down_name, (E, I, H), c + "experts.down", layer).transpose(1, 2)
+    gub = ld.take_experts(gu_name + "_bias", (E, 2 * I), c + "experts.gate_b/up_b", layer)
     ld.out[c + "experts.gate_b"], ld.out[c + "experts.up_b"] = gub[:, 0::2], gub[:, 1::2]
-    ld.direct(down_name + "_bias", c + "experts.down_b")
+    ld.out[c + "experts.down_b"] = ld.take_experts(down_name + "_bias", (E, H), c + "experts.down_b", layer)
 
 
 def _attention(ld: _Loader, layer: int, p: str) -> None:
@@ -272,9 +311,10 @@ def _ignorable(spec: ModelSpec, name: str, tied: bool) -> bool:
     return False
 
 
-def load_tensors(spec: ModelSpec, st: SafetensorsDir) -> ModelWeights:
-    """Map the checkpoint's tensors onto `spec`'s canonical names, cast to `spec.dtype`."""
-    ld = _Loader(spec, st)
+def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None) -> ModelWeights:
+    """Map the checkpoint's tensors onto `spec`'s canonical names, cast to `spec.dtype`.
+    `experts`: read only these routed experts per layer (see models.weights.held_per_layer)."""
+    ld = _Loader(spec, st, experts)
     ld.direct("model.embed_tokens.weight", "embed")
     ld.direct("model.norm.weight", "final_norm")
     if "lm_head" in ld.want:
@@ -300,7 +340,8 @@ def load_tensors(spec: ModelSpec, st: SafetensorsDir) -> ModelWeights:
         if name.startswith("layers."):
             _, idx, short = name.split(".", 2)
             layers[int(idx)][short] = t
-    w = ModelWeights(embed=ts["embed"], final_norm=ts["final_norm"], lm_head=ts.get("lm_head"), layers=layers)
+    w = ModelWeights(embed=ts["embed"], final_norm=ts["final_norm"], lm_head=ts.get("lm_head"), layers=layers,
+                     held=None if experts is None else ld.held)
     # ModelWeights.to keeps the fp32-always tensors (router correction bias) in fp32.
     w = w.to(dtype=dtype)
     validate_weights(spec, w, source=str(st.root))

@@ -47,8 +47,9 @@ def route(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> tuple[Tens
 
 
 def experts_forward(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor, expert_of_row: Tensor) -> Tensor:
-    """y [N, H]: row i through expert expert_of_row[i], unweighted. Rows may come in any order."""
-    return experts_rows(spec, w.layers[layer], x, expert_of_row)
+    """y [N, H]: row i through expert expert_of_row[i] (a global id), unweighted. Rows may come in
+    any order. Weights holding only some experts (a rank's shard) translate the ids to their rows."""
+    return experts_rows(spec, w.layers[layer], x, w.local_rows(layer, expert_of_row))
 
 
 def shared_expert(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Optional[Tensor]:

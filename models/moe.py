@@ -90,7 +90,9 @@ def gptoss_glu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
 
 
 def experts_rows(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, expert_of_row: Tensor) -> Tensor:
-    """Apply expert expert_of_row[i] to row x[i] (rows in any order). Returns [N, H] (unweighted)."""
+    """Apply expert expert_of_row[i] to row x[i] (rows in any order). Returns [N, H] (unweighted).
+    expert_of_row indexes the stacked `experts.*` tensors of `w`: the global expert id when they hold
+    every expert, else a row of the shard (layers.experts_forward translates, ModelWeights.local_rows)."""
     ex = spec.experts
     y = x.new_zeros(x.shape)
     if x.shape[0] == 0:

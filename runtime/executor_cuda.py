@@ -26,7 +26,10 @@ experts(layer, x, expert_ids)
   device buffer the graph reads, so a new split of rows over experts never re-captures. Padded
   rows get the sentinel expert E: never placed in an expert's range, never computed (for
   torch._grouped_mm, whose bias gather cannot take the sentinel, they repeat the first row's
-  expert instead: computed, discarded).
+  expert instead: computed, discarded). Weights holding only some experts (a rank's shard,
+  ModelWeights.held) are indexed by row: the host translates the engine's global ids with one
+  numpy table lookup per batch while filling the ids buffer, and the layer's body sorts into as
+  many bins as the layer holds experts (sentinel ids clamp to that count).
 combine(...)  `kernels.topk_merge` (one launch; same fp32 order as models.moe.combine, bit-equal).
 logits / sample: the LM head eagerly; greedy argmax batched on the device with one D2H copy.
 
@@ -325,6 +328,12 @@ class CudaExecutor:
             for n in ("experts.gate", "experts.up", "experts.down"):
                 if not self.w.layers[l][n].is_contiguous():
                     self.w.layers[l][n] = self.w.layers[l][n].contiguous()
+        # Per MoE layer: global id -> row of the held experts (-1: not held), as numpy for the
+        # host-side fill; None where the layer holds every expert (ids are rows already).
+        self._rows_of: dict[int, Optional[np.ndarray]] = {}
+        for l in spec.moe_layers:
+            lut = self.w.expert_lookup(l)
+            self._rows_of[l] = None if lut is None else lut.numpy()
 
     # ------------------------------------------------------------------ KV store attachment
     def kv_rows(self) -> tuple[tuple, tuple, torch.dtype]:
@@ -423,7 +432,8 @@ class CudaExecutor:
             pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
             self.staging.h2d_array(bufs._t["ids"], lambda a: a.fill(pad))
             for layer in lays:
-                if self.expert_graphs and self.spec.is_moe_layer(layer):
+                # A layer of which this shard holds no expert never gets a row: nothing to capture.
+                if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
                     g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs), True)
                     if g.graph is None:
                         g._capture()
@@ -595,9 +605,14 @@ class CudaExecutor:
             self._bufs_cache[("expert", b)] = bufs
         return bufs
 
-    def _permute(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(order, offsets) of ids [b] int64 in [0, E] (E: padding sentinel). Capturable both ways."""
-        E = self.num_experts
+    def _held_count(self, layer: int) -> int:
+        """Experts whose weights layer `layer` holds here (rows of its stacked tensors)."""
+        return self.w.layers[layer]["experts.gate"].shape[0]
+
+    def _permute(self, ids: Tensor, E: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """(order, offsets) of ids [b] int64 in [0, E] (E: padding sentinel; default num_experts,
+        a shard's layer passes its held count). Capturable both ways."""
+        E = self.num_experts if E is None else E
         if self.permute_impl == "triton":
             return permute_to_experts_triton(ids[:, None], E)
         # Torch, no host sync: stable argsort puts sentinel rows last; counts by scatter_add into
@@ -611,7 +626,10 @@ class CudaExecutor:
     def _expert_body(self, layer: int, bufs: StaticBuffers):
         spec, lw, ex = self.spec, self.w.layers[layer], self.spec.experts
         x_in, ids_buf, y_out, ar = bufs._t["x"], bufs._t["ids"], bufs._t["y"], bufs._t["arange"]
-        E = self.num_experts
+        E = self._held_count(layer)
+        # The ids buffer is shared by every layer of a bucket and padded with num_experts: a shard
+        # holding fewer experts clamps that sentinel to its own count E.
+        clamp = E < self.num_experts
         wg, wu, wd = lw["experts.gate"], lw["experts.up"], lw["experts.down"]
         bg, bu, bd = (lw["experts.gate_b"], lw["experts.up_b"], lw["experts.down_b"]) if ex.bias else (None,) * 3
         ffn = {"triton": grouped_ffn_triton, "grouped_mm": grouped_ffn_grouped_mm, "torch": grouped_ffn_torch}[self.ffn_impl]
@@ -619,7 +637,9 @@ class CudaExecutor:
 
         def body() -> None:
             ids = ids_buf.to(torch.int64)
-            order, offsets = self._permute(ids)
+            if clamp:
+                ids = ids.clamp(max=E)
+            order, offsets = self._permute(ids, E)
             if sentinel:
                 # Rows of the sentinel expert (padding) are not real: clip every expert range to
                 # the real rows and give the padded positions of `order` the padded rows
@@ -654,6 +674,12 @@ class CudaExecutor:
         # The engine hands a CPU int64 tensor (a numpy block): read it as numpy directly
         # (assigning a tensor to an ndarray goes through Tensor.__array__ in Python).
         ids = expert_ids.numpy() if isinstance(expert_ids, Tensor) and expert_ids.device.type == "cpu" else expert_ids
+        rows_of = self._rows_of.get(layer)
+        if rows_of is not None:  # a shard: global ids -> rows of the held experts
+            gids = np.asarray(ids if not isinstance(ids, Tensor) else ids.cpu().numpy(), dtype=np.int64)
+            ids = rows_of[gids]
+            if (ids < 0).any():
+                raise self.w.unheld_error(layer, gids[ids < 0].tolist())
         pad = self.num_experts if self.ffn_impl != "grouped_mm" else int(ids[0])
 
         def fill(a: np.ndarray) -> None:

@@ -1,7 +1,8 @@
 """`dataflow run` with one process per rank: the rank main, the coordinator protocol, the launcher side.
 
-Every rank process builds the same weights (seeded random or the checkpoint, deterministic), one
-engine per workload and one ZmqDistTransport (runtime/transport/zmq_dist.py) for the whole launch.
+Every rank process builds the same weights (seeded random or the checkpoint, deterministic), of the
+routed experts only those the plan places on it; one engine per workload and one ZmqDistTransport
+(runtime/transport/zmq_dist.py) for the whole launch.
 Data (expert rows) and control share that transport: control messages are meta-only (no phase 2)
 and reach the driver through `engine.on_control`.
 
@@ -109,8 +110,6 @@ def rank_main(env: RankEnv, job: RankJob):
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
-    from models.weights import load_weights
-    from runtime.cluster import build_executor
     from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport, init_distributed
 
     plan = job.plan
@@ -125,8 +124,7 @@ def rank_main(env: RankEnv, job: RankJob):
     # a slow rank loads a checkpoint, and the ready barrier (startup_timeout_s) bounds the wait.
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           chaos=job.chaos) as transport:
-        weights = load_weights(plan.spec).to(device) if options0.executor == "torch" else None
-        executor = build_executor(plan, options0, weights)
+        executor = _rank_executor(plan, options0, env.rank, device)
         node = RankNode(env, plan, executor, transport, clock, job)
         try:
             results = _profiled(node) if _profile_wanted(env.rank) else node.serve()
@@ -135,6 +133,23 @@ def rank_main(env: RankEnv, job: RankJob):
         except RuntimeError as err:
             raise _peer_failure_behind(transport, err, job.peer_timeout_s + 1.0) from None
     return results if env.rank == COORDINATOR else None
+
+
+def _rank_executor(plan, options, rank: int, device):
+    """This rank's executor, over weights holding only the experts the plan places on `rank`: the
+    engine never runs another rank's expert, and a big model's experts do not fit on every rank."""
+    from models.weights import load_weights
+    from runtime.cluster import build_executor
+    if options.executor == "sim":
+        return build_executor(plan, options)
+    weights = load_weights(plan.spec, experts=plan.placement.held_by(rank))
+    if options.executor == "torch":
+        weights = weights.to(device)
+    if os.environ.get("DATAFLOW_VERBOSE") == "1":
+        held = [weights.layers[l]["experts.gate"].shape[0] for l in plan.spec.moe_layers]
+        print(f"rank {rank}: weights {weights.num_bytes()} bytes, experts held per MoE layer {held}",
+              file=sys.stderr, flush=True)
+    return build_executor(plan, options, weights)
 
 
 def _profile_wanted(rank: int) -> bool:

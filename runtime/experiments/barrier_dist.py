@@ -72,23 +72,29 @@ def cut_spec(name: str, layers: Optional[int] = None, dtype: Optional[str] = Non
     return spec.model_copy(update={"dtype": dtype}) if dtype else spec
 
 
-def device_weights(spec, device, dtype, seed: int = 0):
-    """Random weights drawn on the device (models.weights.random_weights' recipe)."""
+def device_weights(spec, device, dtype, seed: int = 0, experts=None):
+    """Random weights drawn on the device (models.weights.random_weights' recipe); `experts`: per
+    layer the experts to build (None: all)."""
     from models.weights import random_weights
-    return random_weights(spec, seed, device=device, dtype=dtype)
+    return random_weights(spec, seed, device=device, dtype=dtype, experts=experts)
 
 
-def build_executor(es: ExecSpec, plan, device):
-    """(executor the engines call, inner executor). Same on every rank and in every system."""
+def build_executor(es: ExecSpec, plan, device, rank: Optional[int] = None):
+    """(executor the engines call, inner executor). Same recipe on every rank and in every system.
+    With `rank` the weights hold only that rank's experts of the plan's placement: ag-ep and a2a-ep
+    run an expert on its owner (plan.placement.expert_rank) only, as the streaming engine does.
+    None: every expert (one executor shared by in-process ranks)."""
     spec = plan.spec
+    mine = None if rank is None else plan.placement.held_by(rank)
     if es.executor == "cuda":
         from runtime.executor_cuda import CudaExecutor
         dt = getattr(torch, es.dtype)
-        inner = CudaExecutor(spec, device_weights(spec, device, dt, es.seed), plan, device, max_context=es.max_context)
+        inner = CudaExecutor(spec, device_weights(spec, device, dt, es.seed, mine), plan, device,
+                             max_context=es.max_context)
     else:
         from models.weights import load_weights
         from runtime.executor import TorchExecutor
-        inner = TorchExecutor(spec, load_weights(spec).to(device))
+        inner = TorchExecutor(spec, load_weights(spec, experts=mine).to(device))
     ex = inner
     if es.zipf_s is not None:
         from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting
@@ -228,7 +234,7 @@ def barrier_dist_rank_main(env, job: DistJob):
     _threads(env)
     device, backend = _device(job.plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
-    ex, inner = build_executor(job.exec, job.plan, device)
+    ex, inner = build_executor(job.exec, job.plan, device, env.rank)
     hogs_state: dict = {"log": []}
     out = []
     try:
@@ -512,7 +518,7 @@ def stream_rank_main(env, job: DistJob):
     probes: list = []
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           chaos=job.delays) as transport:
-        ex, inner = build_executor(job.exec, job.plan, device)
+        ex, inner = build_executor(job.exec, job.plan, device, env.rank)
 
         class Node(RankNode):
             def _start_workload(self, w, options):

@@ -65,7 +65,7 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
     from runtime.transport.base import Arrival
 
     plan, spec = job.plan, job.plan.spec
-    executor = TorchExecutor(spec, load_weights(spec))
+    executor = TorchExecutor(spec, load_weights(spec, experts=plan.placement.held_by(me)))  # only its own experts
     nblocks = [job.kv_blocks if job.kv_blocks is not None else plan.kv.num_blocks[r] for r in range(R)]
     kv = PagedKVStore(spec.num_layers, BlockAllocator(nblocks[me], plan.kv.block_size))
     inbox: dict = {}
