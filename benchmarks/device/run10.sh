@@ -7,19 +7,20 @@
 # Usage: bash benchmarks/device/run10.sh $OUT            (device tool: carry [".whl"])
 set -u
 OUT=${1:?out dir}
+MODES=${2:-thread engine}   # run 10b: "engine" only (after the pair-communicator fix)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 { date -u; git log --oneline -1 2>/dev/null; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | head -3;
   python3 -c 'import torch;print("torch",torch.__version__,"cuda",torch.cuda.is_available(),torch.cuda.device_count())'; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-for m in thread engine; do
+for m in $MODES; do
   echo "== transport-bench receive_on=$m" >> "$OUT/transport.txt"
   DATAFLOW_RECEIVE_ON=$m timeout 60 python3 -m dataflow transport-bench --device cuda --ranks 2 --sizes 0,4K,184K,1M --messages 500 2>&1 | grep -v ProcessGroupNCCL | tail -8 >> "$OUT/transport.txt"
 done
 cat "$OUT/transport.txt"
 P=$(mktemp -d /tmp/run10.XXXX)
-for m in thread engine; do
+for m in $MODES; do
   SYS=streaming-defrag; SC=clean
   [ $m = engine ] && { SYS=streaming-defrag,ag-ep; SC=clean,delay; }
   DATAFLOW_RECEIVE_ON=$m DATAFLOW_PROFILE_RANK=0 DATAFLOW_PROFILE_CPROFILE=0 DATAFLOW_PROFILE_OUT=$P/r$m \

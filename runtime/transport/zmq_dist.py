@@ -164,6 +164,8 @@ class ZmqDistTransport:
             self._send_streams = {p: torch.cuda.Stream(self.device) for p in peers}
             self._recv_streams = {p: torch.cuda.Stream(self.device) for p in peers}
         self._pool = BufferPool(self.device, per_key=pool_per_size)
+        if self._nccl:
+            self._connect_pairs(peers)
         self._send_delay = {p: chaos.lane("send", rank, p) for p in peers} if chaos else None
         self._recv_delay = {p: chaos.lane("recv", rank, p) for p in peers} if chaos else None
 
@@ -190,6 +192,27 @@ class ZmqDistTransport:
         self._hb_bytes = pickle.dumps((HEARTBEAT, rank, 0, None, None, None))
         self._heartbeat = Heartbeat(heartbeat_s, self._beat, self._beat_exit, name=f"heartbeat-{rank}")
         register_abort_hook(self)
+
+    def _connect_pairs(self, peers: list[int]) -> None:
+        """Create every pair communicator now, with one tiny transfer per direction. NCCL builds a
+        group's communicator inside its first operation, blocking the calling thread until the peer
+        makes its first call on that group too. When the engine thread posts receives
+        (receive_on="engine"), two ranks whose first sends cross would each block in isend waiting for
+        the other's irecv (seen on 2 x H200: a 60 s store timeout). Visiting the pairs in one global
+        order on every rank (sender's first op on (a->b) meets the receiver's) leaves no cycle."""
+        me, bufs = self.rank, []
+        for a in range(self.world_size):
+            for b in range(self.world_size):
+                if a == b or me not in (a, b):
+                    continue
+                t = torch.zeros(1, device=self.device)
+                if me == a:
+                    bufs.append(dist.isend(t, b, group=self._send_group[b]))
+                else:
+                    bufs.append(dist.irecv(t, a, group=self._recv_group[a]))
+        for work in bufs:
+            work.wait()
+        torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ engine-facing API
     def send(self, dst: int, meta: dict, tensor: Optional[torch.Tensor] = None) -> None:
