@@ -8,6 +8,11 @@ attention kernel are the same for both kinds.
 The score math follows HF's eager attention: scores = (q @ k^T) * scale in the activation dtype,
 masked, softmax in fp32 (sinks: softmax in the activation dtype after subtracting the row max,
 as GPT-OSS does), then probs @ v.
+
+`attend` (per segment) is the reference. `attend_decode_batch` is the same math for a batch of
+one-row segments over padded K/V; `_attend_segments` uses it when the store offers the batched
+decode API (`write_rows` / `gather`, see runtime/kv_cache.PagedKVStore), because a Python loop of
+~12 small torch ops per request per layer was the largest host cost of CPU serving.
 """
 from __future__ import annotations
 
@@ -156,15 +161,74 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window:
     return torch.matmul(probs, vh).transpose(0, 1)  # [n, nh, dv]
 
 
+def attend_decode_batch(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float,
+                        window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
+    """`attend` of B one-row queries at once: q [B, nh, dk] of row i sits at position lengths[i]-1
+    and sees keys 0..lengths[i]-1 of k [B, L, nkv, dk], v [B, L, nkv, dv] (L >= max(lengths);
+    keys at or past a row's length are padding, masked). Returns [B, nh, dv].
+
+    GQA groups the query heads of one kv head ([B, nkv, rep, dk] against [B, nkv, dk, L]) rather
+    than copying K/V per query head with repeat_interleave: the same head mapping (query head h
+    uses kv head h // rep) and the same products, without materializing K/V rep times."""
+    B, nh, dk = q.shape
+    L, nkv = k.shape[1], k.shape[2]
+    rep = nh // nkv
+    kt = k.permute(0, 2, 3, 1)  # [B, nkv, dk, L]
+    scores = (torch.matmul(q.view(B, nkv, rep, dk), kt) * scale).view(B, nh, L)
+    qpos = (lengths - 1).to(torch.int64)
+    kpos = torch.arange(L, device=q.device)
+    allowed = kpos[None, :] <= qpos[:, None]  # also masks the padding: key >= length
+    if window is not None:
+        allowed &= kpos[None, :] > (qpos[:, None] - window)  # window_mask semantics
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    if sinks is not None:  # exactly as `attend`: sink logit joins the softmax, then dropped
+        sink_col = sinks.to(scores.dtype).view(1, nh, 1).expand(B, nh, 1)
+        combined = torch.cat([scores, sink_col], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
+    else:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs.view(B, nkv, rep, L), v.permute(0, 2, 1, 3))  # [B, nkv, rep, dv]
+    return out.reshape(B, nh, v.shape[3])
+
+
+def _batched_store(kv) -> bool:
+    """Whether the store's class implements the batched decode API. Looked up on the type, not the
+    instance: wrappers that delegate unknown attributes (runtime/decode_only.RandomPrefixKV fills a
+    sequence's random prefix inside `write`) would otherwise be bypassed; they must opt in."""
+    t = type(kv)
+    return callable(getattr(t, "write_rows", None)) and callable(getattr(t, "gather", None))
+
+
+def _decode_batch(segments: Sequence[Segment], T: int) -> Optional[tuple]:
+    """seq ids when the batch is T one-row segments of distinct sequences at rows 0..T-1, else None."""
+    if T == 0 or len(segments) != T:
+        return None
+    seq_ids, starts, ns = zip(*segments)
+    if ns.count(1) != T or starts != tuple(range(T)) or len(set(seq_ids)) != T:
+        return None
+    return seq_ids
+
+
 def _linear(x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
     return F.linear(x, w[f"{name}.w"], w.get(f"{name}.b"))
 
 
 def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tensor, k: Tensor, v: Tensor,
                      positions: Tensor, segments: Sequence[Segment], kv: KVStore) -> Tensor:
-    """Write each segment's K/V, then attend its queries over its whole context. Returns [T, nh, dv]."""
+    """Write each segment's K/V, then attend its queries over its whole context. Returns [T, nh, dv].
+
+    A pure decode batch over a store with the batched API takes one batched write, gather and
+    attention; anything else (prefill, mixed batches, the reference's dense store) goes segment by
+    segment."""
     a = spec.attention
     scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    seq_ids = _decode_batch(segments, q.shape[0]) if _batched_store(kv) else None
+    if seq_ids is not None:
+        kv.write_rows(layer, seq_ids, positions, k, v)
+        lengths = positions.to(torch.int64) + 1
+        K, V = kv.gather(layer, seq_ids, lengths.tolist())
+        return attend_decode_batch(q, K, V, lengths.to(q.device), scale, window, sinks)
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     for seq_id, start, n in segments:
         rows = slice(start, start + n)

@@ -3,7 +3,10 @@
 `BlockAllocator` hands out page ids, lowest first (a heap), so a run is deterministic and the pages
 in use stay packed at the low end of the pool; `PagedKVStore` keeps each request's page table and
 implements the `write`/`read` protocol that `models.attention` uses for its contiguous store, so the
-same stage functions run on both.
+same stage functions run on both. It also offers a batched decode API (`write_rows` / `gather`: one
+row per sequence, one index op for the whole batch) that `models.attention` uses when every segment
+of a batch is one decode row: on the CPU the per-sequence Python of `write`/`read` was the largest
+host cost of the runtime.
 
 Admission reserves every page a request can ever need (prompt + max new tokens - 1 positions) up
 front. That is conservative, but it means a running request can never hit a full cache: when the
@@ -75,6 +78,9 @@ class PagedKVStore:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self._tables: dict[int, list[int]] = {}
+        # The same tables as int64 tensors (made once at reserve), so slot arithmetic of a
+        # segment is tensor ops instead of Python per position.
+        self._table_t: dict[int, torch.Tensor] = {}
         self._capacity: dict[int, int] = {}  # seq_id -> tokens it may hold
         self._k: list[Optional[torch.Tensor]] = [None] * num_layers  # [blocks_allocated, block, ...]
         self._v: list[Optional[torch.Tensor]] = [None] * num_layers
@@ -92,6 +98,7 @@ class PagedKVStore:
         if blocks is None:
             return False
         self._tables[seq_id] = blocks
+        self._table_t[seq_id] = torch.tensor(blocks, dtype=torch.int64)
         self._capacity[seq_id] = len(blocks) * self.block_size
         if self.device_view is not None:
             self.device_view.on_reserve(seq_id, blocks)
@@ -101,6 +108,7 @@ class PagedKVStore:
         if self.device_view is not None:
             self.device_view.on_release(seq_id)
         self.allocator.free(self._tables.pop(seq_id))
+        del self._table_t[seq_id]
         del self._capacity[seq_id]
 
     def table(self, seq_id: int) -> list[int]:
@@ -157,15 +165,17 @@ class PagedKVStore:
             which[layer] = t = grown
         return t
 
-    def _slots(self, seq_id: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._tables[seq_id]
-        pos = positions.to(torch.int64).tolist() if isinstance(positions, torch.Tensor) else list(positions)
-        cap = self._capacity[seq_id]
-        if pos and (min(pos) < 0 or max(pos) >= cap):
-            raise IndexError(f"sequence {seq_id}: positions {min(pos)}..{max(pos)} outside its {cap} reserved slots")
-        blocks = torch.tensor([table[p // self.block_size] for p in pos], dtype=torch.int64)
-        offs = torch.tensor([p % self.block_size for p in pos], dtype=torch.int64)
-        return blocks, offs
+    def _slots(self, seq_id: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page id, offset in page) of each position, int64 CPU tensors; IndexError outside the
+        sequence's reserved capacity."""
+        table = self._table_t[seq_id]
+        pos = torch.as_tensor(positions).to(device="cpu", dtype=torch.int64)
+        if pos.numel():
+            lo, hi = (int(x) for x in torch.aminmax(pos))
+            cap = self._capacity[seq_id]
+            if lo < 0 or hi >= cap:
+                raise IndexError(f"sequence {seq_id}: positions {lo}..{hi} outside its {cap} reserved slots")
+        return table[pos // self.block_size], pos % self.block_size
 
     def write(self, layer: int, seq_id: int, positions, k: torch.Tensor, v: torch.Tensor) -> None:
         blocks, offs = self._slots(seq_id, positions)
@@ -174,6 +184,7 @@ class PagedKVStore:
         top = int(blocks.max())
         kk = self._storage(self._k, layer, k, top)
         vv = self._storage(self._v, layer, v, top)
+        blocks, offs = blocks.to(kk.device), offs.to(kk.device)
         kk[blocks, offs] = k.to(kk.dtype)
         vv[blocks, offs] = v.to(vv.dtype)
 
@@ -182,4 +193,52 @@ class PagedKVStore:
         kk, vv = self._k[layer], self._v[layer]
         if kk is None:
             raise KeyError(f"layer {layer}: nothing written yet, cannot read {length} positions of {seq_id}")
+        blocks, offs = blocks.to(kk.device), offs.to(kk.device)
         return kk[blocks, offs], vv[blocks, offs]
+
+    # -- batched decode API (models.attention uses it when a batch is all one-row segments) ----
+    def write_rows(self, layer: int, seq_ids, positions, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Row i of k [B, nkv, dk] / v [B, nkv, dv] goes to position positions[i] of seq_ids[i]:
+        one index_put per tensor for the batch. Python per row is O(1) (one page-table lookup),
+        never per position of the context."""
+        pos = torch.as_tensor(positions).tolist() if isinstance(positions, torch.Tensor) else list(positions)
+        if not pos:
+            return
+        bs, tables, caps = self.block_size, self._tables, self._capacity
+        blocks = []
+        for s, p in zip(seq_ids, pos):
+            if not 0 <= p < caps[s]:
+                raise IndexError(f"sequence {s}: positions {p}..{p} outside its {caps[s]} reserved slots")
+            blocks.append(tables[s][p // bs])
+        top = max(blocks)
+        kk = self._storage(self._k, layer, k, top)
+        vv = self._storage(self._v, layer, v, top)
+        b = torch.tensor(blocks, dtype=torch.int64, device=kk.device)
+        o = torch.tensor(pos, dtype=torch.int64, device=kk.device) % bs
+        kk[b, o] = k.to(kk.dtype)
+        vv[b, o] = v.to(vv.dtype)
+
+    def gather(self, layer: int, seq_ids, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [B, Lmax, nkv, dk], V [B, Lmax, nkv, dv]: positions 0..lengths[i]-1 of seq_ids[i],
+        padded to Lmax = max(lengths). Padding holds arbitrary cached values (of page 0 or of the
+        sequence's own pages): the caller masks key positions >= lengths[i]."""
+        lens = list(lengths)
+        caps = self._capacity
+        for s, n in zip(seq_ids, lens):
+            if not 0 <= n <= caps[s]:
+                raise IndexError(f"sequence {s}: positions 0..{n - 1} outside its {caps[s]} reserved slots")
+        kk, vv = self._k[layer], self._v[layer]
+        if kk is None:
+            raise KeyError(f"layer {layer}: nothing written yet, cannot read sequences {list(seq_ids)[:4]}...")
+        bs = self.block_size
+        lmax = max(lens)
+        pages = -(-lmax // bs)
+        # [B, pages] page table of the batch. Columns past a sequence's own length point at page 0:
+        # its later reserved pages may lie beyond the lazily grown storage.
+        tbl = torch.nn.utils.rnn.pad_sequence([self._table_t[s] for s in seq_ids], batch_first=True)[:, :pages]
+        need = torch.tensor([-(-n // bs) for n in lens], dtype=torch.int64)
+        tbl = tbl.masked_fill(torch.arange(pages)[None, :] >= need[:, None], 0).to(kk.device)
+        B = tbl.shape[0]
+        k = kk[tbl].view(B, pages * bs, *kk.shape[2:])[:, :lmax]
+        v = vv[tbl].view(B, pages * bs, *vv.shape[2:])[:, :lmax]
+        return k, v
