@@ -105,6 +105,26 @@ def _pair_groups(world_size: int, backend: str) -> dict[tuple[int, int], object]
     return groups
 
 
+class _StepTimer:
+    """Opt-in wall time per step of a repeated code path (median and mean us per step over all calls)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.t0, self.steps = name, 0.0, {}
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def lap(self, step: str) -> None:
+        now = time.perf_counter()
+        self.steps.setdefault(step, []).append(now - self.t0)
+        self.t0 = now
+
+    def report(self) -> str:
+        rows = [f"{k}: n {len(v)} median {sorted(v)[len(v) // 2] * 1e6:.1f} us mean {sum(v) / len(v) * 1e6:.1f} us"
+                for k, v in self.steps.items() if v]
+        return f"{self.name}: " + "; ".join(rows)
+
+
 class ZmqDistTransport:
     def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
                  inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
@@ -127,6 +147,12 @@ class ZmqDistTransport:
         if receive_on not in ("engine", "thread"):
             raise ValueError(f"receive_on must be 'engine' or 'thread', got {receive_on!r}")
         self._engine_receives = receive_on == "engine"
+        # NCCL sends from a dedicated stream + our own event ("stream"), or from the compute stream with
+        # the Work's own completion ("direct"); A/B switch for the device runs (NOTES section 13).
+        self._nccl_send = os.environ.get("DATAFLOW_NCCL_SEND", "stream")
+        # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send, printed at close.
+        self._post_timer = _StepTimer(f"rank {rank} send post") if os.environ.get("DATAFLOW_PROFILE_TRANSPORT") else None
+        self._recv_timer = _StepTimer(f"rank {rank} recv post") if os.environ.get("DATAFLOW_PROFILE_TRANSPORT") else None
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
@@ -324,6 +350,9 @@ class ZmqDistTransport:
                     pass
         self._heartbeat.stop()
         self._closing.set()
+        if self._post_timer is not None:
+            print(self._post_timer.report(), file=sys.stderr)
+            print(self._recv_timer.report(), file=sys.stderr)
         if self._receptor is not None:
             self._receptor.join(2.0)
         else:
@@ -353,6 +382,9 @@ class ZmqDistTransport:
     def _post(self, item: Item) -> None:
         dst = item.peer
         t = item.tensor
+        tm = self._post_timer
+        if tm is not None:
+            tm.start()
         if t is None:
             self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, None, None), protocol=5))
             self._pending -= 1  # ZeroMQ owns it now; nothing to complete
@@ -362,16 +394,33 @@ class ZmqDistTransport:
             t = item.tensor = t.contiguous()  # the copy is what we send; kept alive by the item
         self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, tuple(t.shape),
                                            str(t.dtype)[6:]), protocol=5))
+        if tm is not None:
+            tm.lap("header")
         self._inflight[dst] += 1
         group = self._send_group[dst]
-        if self._nccl:
+        if self._nccl and self._nccl_send == "direct":
+            # Posted from the compute stream: ProcessGroupNCCL makes its own stream wait for the current
+            # one (the tensor's producer), and the Work's end event answers is_completed() without a
+            # host wait (EventLane queries it).
+            item.work = dist.isend(t, dst, group=group)
+            if tm is not None:
+                tm.lap("isend")
+        elif self._nccl:
             stream = self._send_streams[dst]
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is produced on the compute stream
+            if tm is not None:
+                tm.lap("wait_stream")
             with torch.cuda.stream(stream):
                 work = dist.isend(t, dst, group=group)
+                if tm is not None:
+                    tm.lap("isend")
                 work.wait()  # NCCL: makes `stream` wait for the NCCL stream; the host does not block
+                if tm is not None:
+                    tm.lap("work.wait")
                 item.event = torch.cuda.Event()
                 item.event.record(stream)
+                if tm is not None:
+                    tm.lap("event")
         else:
             item.work = dist.isend(t, dst, group=group)
         if self._send_delay is not None:
@@ -379,6 +428,8 @@ class ZmqDistTransport:
         self.stats["sent"] += 1
         self.stats["sent_bytes"] += t.numel() * t.element_size()
         self._send_lanes[dst].submit(item)
+        if tm is not None:
+            tm.lap("submit")
 
     def _pump(self) -> None:
         for dst, backlog in self._backlog.items():
@@ -546,13 +597,24 @@ class ZmqDistTransport:
         if shape is not None:
             group = self._recv_group[src]
             if self._nccl:
+                tm = self._recv_timer
+                if tm is not None:
+                    tm.start()
                 stream = self._recv_streams[src]
                 with torch.cuda.stream(stream):
                     buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
+                    if tm is not None:
+                        tm.lap("pool")
                     work = dist.irecv(buf, src, group=group)
+                    if tm is not None:
+                        tm.lap("irecv")
                     work.wait()  # stream-level wait, see _post
+                    if tm is not None:
+                        tm.lap("work.wait")
                     item.event = torch.cuda.Event()
                     item.event.record(stream)
+                    if tm is not None:
+                        tm.lap("event")
             else:
                 buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
                 item.work = dist.irecv(buf, src, group=group)
