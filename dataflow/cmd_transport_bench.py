@@ -52,8 +52,8 @@ def bench_rank(env, sizes: list[int], messages: int, latency_messages: int, devi
     import torch
 
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
-    # Ranks share the host's cores: one intra-op thread per core per rank oversubscribes them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))))
+    from runtime.launch import set_rank_threads
+    set_rank_threads(env, on_gpu=device == "cuda")
     if device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # p2p needs no NVLink multicast buffers
         torch.cuda.set_device(env.local_rank)

@@ -50,6 +50,22 @@ class RankEnv:
     master_port: int
 
 
+def set_rank_threads(env: RankEnv, on_gpu: bool) -> int:
+    """Intra-op (OpenMP) threads of a rank process; call before its first torch op. Returns the count.
+
+    CPU ranks split the host's cores between the ranks of this host: one pool per core per rank
+    oversubscribes them, and tiny matmuls then cost 100x more (3 us -> 300+ us per linear, 2 cores).
+    GPU ranks get 1: their host work is Python and small tensor ops, and a pool of workers spinning
+    after every small CPU op takes cores (and hyperthread siblings) from the engine thread (2 x H200,
+    32 vCPUs, 16 threads per rank: every host step of a send ran 5-20x slower than alone; NOTES §13).
+    DATAFLOW_RANK_THREADS overrides both."""
+    import torch
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    n = int(os.environ.get("DATAFLOW_RANK_THREADS") or (1 if on_gpu else max(1, (os.cpu_count() or 1) // local_world)))
+    torch.set_num_threads(n)
+    return n
+
+
 def from_torchrun_env(environ: Optional[dict] = None) -> Optional[RankEnv]:
     """The rank's identity from torchrun-style variables, or None when not launched that way."""
     environ = os.environ if environ is None else environ

@@ -104,11 +104,8 @@ def _device_and_backend(plan, local_rank: int):
 
 def rank_main(env: RankEnv, job: RankJob):
     """One rank of a `dataflow run`. Returns the per-workload results on the coordinator, None elsewhere."""
-    import torch
-    # Before any torch work: every rank starting one OpenMP thread per core oversubscribes the CPU,
-    # and tiny matmuls then cost 100x more (3 us -> 300+ us per linear, measured on 2 cores).
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    from runtime.launch import set_rank_threads
+    set_rank_threads(env, on_gpu=job.plan.cluster.device == "cuda")  # before any torch work
 
     from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport, init_distributed
 

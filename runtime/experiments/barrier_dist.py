@@ -221,9 +221,9 @@ def _device(plan, local_rank: int):
     return torch.device("cpu"), "gloo"
 
 
-def _threads(env) -> None:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+def _threads(env, job) -> None:
+    from runtime.launch import set_rank_threads
+    set_rank_threads(env, on_gpu=job.plan.cluster.device == "cuda")
 
 
 # ------------------------------------------------------------------------------ barrier rank main
@@ -231,7 +231,7 @@ def barrier_dist_rank_main(env, job: DistJob):
     """One rank of the barrier baselines; every workload in order. Rank 0 returns the results."""
     import torch.distributed as dist
     from runtime.transport.rendezvous import init_distributed
-    _threads(env)
+    _threads(env, job)
     device, backend = _device(job.plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
     ex, inner = build_executor(job.exec, job.plan, device, env.rank)
@@ -502,7 +502,7 @@ def stream_rank_main(env, job: DistJob):
                                    _profiled)
     from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport
     from runtime.transport.rendezvous import init_distributed
-    _threads(env)
+    _threads(env, job)
     device, backend = _device(job.plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
     from runtime.requests import Request

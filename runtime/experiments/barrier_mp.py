@@ -46,8 +46,8 @@ class _Clock:
 
 
 def barrier_rank_main(env, job: BarrierJob):
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    from runtime.launch import set_rank_threads
+    set_rank_threads(env, on_gpu=False)
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
     with ZmqDistTransport(env.rank, env.world_size, "cpu", peer_timeout_s=job.peer_timeout_s,
