@@ -179,6 +179,7 @@ class Cluster:
             wake = [pending[-1].arrival] if pending else []
             if self.hub is not None and self.hub.next_delivery() is not None:
                 wake.append(self.hub.next_delivery())
+            wake += [now + e.hold_s for e in engines if e.hold_s > 0]  # wave holds expire
             if not wake and self.hub is not None and not self.admission.waiting:
                 raise self._stalled("nothing queued, nothing in flight, requests unfinished")
             gap = min(wake) - clock.now() if wake else 0.001
@@ -222,6 +223,7 @@ class Cluster:
             # 4. jump to the next event: a batch end, a delivery to an idle rank, or an arrival
             events = [b[0] for b in busy if b is not None]
             events += [t for r, t in enumerate(hub.next_delivery_per_rank()) if t is not None and busy[r] is None]
+            events += [now + e.hold_s for r, e in enumerate(engines) if busy[r] is None and e.hold_s > 0]
             if pending:
                 events.append(pending[-1].arrival)
             if not events:

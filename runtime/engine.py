@@ -40,7 +40,7 @@ from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
 from runtime.queues import AttnItem, ExpertItem, MuQueue, SampleItem
 from runtime.requests import Request
-from runtime.scheduler import Decision, StageView, make_policy
+from runtime.scheduler import HOLD, Decision, StageView, make_policy
 
 # Message kinds on the wire (meta["t"]).
 MSG_EXPERT_IN = "x"  # home -> expert owner: routed rows
@@ -128,6 +128,10 @@ class Engine:
         self.on_control = None
         self._eligible = {sid: self._attn_eligible(s.layer) for sid, s in enumerate(cfg.stages) if s.kind == "attn"}
         self.decode_only = False
+        # Wave hold (runtime/scheduler.py): rows each home announced it will still send to this rank's
+        # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
+        self._announced: list[dict[int, float]] = [{} for _ in range(cfg.num_layers)]
+        self.hold_s = 0.0
 
     def enable_decode_only(self, seed: int = 0) -> None:
         """The paper's throughput mode (runtime/decode_only.py): no prefill compute; an admitted request's
@@ -208,7 +212,7 @@ class Engine:
     def on_message(self, src: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         t = meta["t"]
         if t == MSG_EXPERT_IN:
-            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], meta["e"], tensor)
+            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], meta["e"], tensor, meta.get("more", 0.0))
         elif t == MSG_EXPERT_OUT:
             self._merge_rows(meta["layer"], meta["rows"], tensor)
         elif self.on_control is not None:
@@ -216,8 +220,11 @@ class Engine:
         else:
             raise ValueError(f"rank {self.rank}: unknown message kind {t!r} from rank {src}")
 
-    def _enqueue_expert_rows(self, layer: int, home: int, tags, experts, x: torch.Tensor) -> None:
-        """One queue item for the whole block of routed rows."""
+    def _enqueue_expert_rows(self, layer: int, home: int, tags, experts, x: torch.Tensor,
+                             more: float = 0.0) -> None:
+        """One queue item for the whole block of routed rows; `more`: rows `home` expects to send here
+        for this layer soon (the rest of its wave), for the wave hold."""
+        self._announced[layer][home] = more
         tags = np.asarray(tags, dtype=np.int64)
         self.queues[self._expert_stage(layer)].push(
             ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
@@ -282,12 +289,35 @@ class Engine:
             oldest = q.oldest_enqueue()
             out.append(StageView(q.depth, q.has_eligible(self._eligible.get(sid)),
                                  now - oldest if oldest is not None else 0.0))
+        if getattr(self.policy, "hold_fill", 0.0) > 0:
+            for sid, v in enumerate(out):
+                v.incoming = self._incoming(sid)
         return out
 
+    def _incoming(self, sid: int) -> float:
+        """Tokens on their way to stage `sid` soon, as far as this rank knows: a home's tokens in open
+        merges of the layer before (and, for attn(0), those about to be sampled); an owner's rows the
+        homes announced with their last dispatch of this layer (in tokens: rows / k)."""
+        st = self.stages[sid]
+        last = self.cfg.num_layers - 1
+        if st.kind == "expert":
+            return sum(self._announced[st.layer].values()) / self.cfg.top_k
+        if st.kind == "sample":
+            return float(self.merge.open_rows(last))
+        if st.layer == 0:
+            return self.queues[self.sample_stage].depth + self.merge.open_rows(last)
+        return float(self.merge.open_rows(st.layer - 1))
+
     def next_batch(self) -> Optional[Batch]:
-        """Ask the policy for a stage and assemble its batch (popped from the queue), or None."""
+        """Ask the policy for a stage and assemble its batch (popped from the queue), or None. A HOLD
+        decision also returns None and sets `hold_s`: the driver should look again within that long
+        even if no message arrives."""
         decision = self.policy.choose(self.views(), self.next_of)
+        self.hold_s = 0.0
         if decision is None:
+            return None
+        if decision.stage == HOLD:
+            self.hold_s = decision.hold_s
             return None
         stage = self.stages[decision.stage]
         items = self.queues[stage.id].take(self._eligible.get(stage.id))
@@ -454,16 +484,22 @@ class Engine:
         tags = order + (g.gid << TAG_SHIFT)
         experts = flat[order]
         src_rows = torch.from_numpy(order // k).to(x.device)
+        # Wave announcement: this home's tokens still headed for attn(layer) soon (queued, or in merges of
+        # the layer before), times this batch's rows per token to each owner: what that owner's expert
+        # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").
+        ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
         off = 0
         for d in np.flatnonzero(counts).tolist():
             c = int(counts[d])
             xd = x.index_select(0, src_rows[off:off + c])
             td, ed = tags[off:off + c], experts[off:off + c]
             off += c
+            more = ahead * c / T
             if d == self.rank:
-                self._enqueue_expert_rows(layer, self.rank, td, ed, xd)
+                self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more)
             else:
-                self.transport.send(d, {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": td, "e": ed}, xd)
+                self.transport.send(d, {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": td, "e": ed,
+                                        "more": more}, xd)
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer

@@ -64,10 +64,16 @@ class MergeTable:
         self._groups: dict[int, MergeGroup] = {}
         self._next_gid = 0
         self._open_segments = 0
+        self._open_rows: dict[int, int] = {}  # layer -> rows of segments still waiting (wave hold)
 
     def __len__(self) -> int:
         """Segments waiting for expert outputs."""
         return self._open_segments
+
+    def open_rows(self, layer: int) -> int:
+        """Rows of layer `layer` still waiting for expert outputs: tokens that enter the next stage
+        as soon as their parts arrive (the scheduler's `incoming` of that stage)."""
+        return self._open_rows.get(layer, 0)
 
     @property
     def _open(self) -> list[tuple[int, int, int]]:
@@ -91,6 +97,7 @@ class MergeTable:
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S
+        self._open_rows[layer] = self._open_rows.get(layer, 0) + R
         return g
 
     def add(self, tags: np.ndarray, y: torch.Tensor) -> list[tuple[MergeGroup, np.ndarray]]:
@@ -142,6 +149,7 @@ class MergeTable:
             if len(done):
                 g.open_segments -= len(done)
                 self._open_segments -= len(done)
+                self._open_rows[g.layer] -= int(g.n[done].sum())
                 if g.open_segments == 0:
                     del self._groups[gid]
                 out.append((g, done))

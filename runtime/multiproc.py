@@ -438,6 +438,8 @@ class RankNode:
             # Idle: block in the transport (releases the GIL to its threads) until a message, or the
             # coordinator's next arrival is due. PeerFailure surfaces from here when a peer dies.
             wait = _IDLE_WAIT_S if coord is None else coord.wait_budget(_IDLE_WAIT_S)
+            if e.hold_s > 0:  # a wave hold: look again when its bound expires, message or not
+                wait = min(wait, e.hold_s)
             if ph is not None:
                 t0 = time.perf_counter()
                 arrivals = tr.poll(timeout=wait)

@@ -15,6 +15,18 @@ ones keep a depth history), and can be swapped between decisions (`Engine.set_po
           as the rank is not overloaded past that, no item waits longer than `bound`; defrag alone
           has no such bound (the paper only argues forward progress).
 Ties go to the lowest stage index in every policy, so decisions are deterministic.
+
+Wave hold (every policy, off by default: `hold_fill` > 0 turns it on). The engine tells each stage how
+many tokens are on their way to it soon (`StageView.incoming`: a home's tokens in open merges of the
+layer before, an owner's rows announced by the homes that dispatched the rest of their wave). A stage
+is *ready* when it holds at least `hold_fill` of its known wave (depth >= hold_fill * (depth +
+incoming)), nothing is announced, or its oldest item has waited `hold_us`. The policy's candidates
+are tried best score first and the first ready one runs; when none is, the decision is HOLD and the
+rank waits (for a message, or until the first bound expires) instead of running a fragment. Why: a
+work-conserving rank runs whatever arrived the moment it looks, so with per-batch host costs of
+0.2-1.5 ms the waves of four homes break into batches of a few rows (5 rows per expert batch on 4
+CPU processes where the barrier runs 46; benchmarks/results/cpu_bench.md). The bound keeps every
+item's extra wait <= hold_us, and a policy string can carry the parameters: "defrag:hold_fill=0.9,hold_us=3000".
 """
 from __future__ import annotations
 
@@ -31,12 +43,18 @@ class StageView:
     depth: float  # Q(s), tokens
     runnable: bool  # at least one item can be batched now
     wait: float  # seconds the oldest queued item has waited (0 when empty)
+    incoming: float = 0.0  # tokens known to be on their way to this stage soon (wave hold)
+
+
+HOLD = -1  # Decision.stage when every candidate is held: run nothing for up to `hold_s`
+_HOLD_RESOLUTION_S = 1e-6
 
 
 @dataclass(slots=True)
 class Decision:
     stage: int
     scores: dict[int, float]  # runnable stage -> score
+    hold_s: float = 0.0  # stage == HOLD: seconds until the first held stage's bound expires
 
 
 def _best(scores: dict[int, float]) -> int:
@@ -44,35 +62,69 @@ def _best(scores: dict[int, float]) -> int:
     return min(scores, key=lambda s: (-scores[s], s))
 
 
-class FLFS:
-    name = "flfs"
+class Policy:
+    """What every policy shares: the wave hold (module docstring). Subclasses score the runnable
+    stages and call `_decide`."""
+
+    name = "?"
+
+    def __init__(self, hold_fill: float = 0.0, hold_us: float = 2000.0) -> None:
+        if not 0 <= hold_fill <= 1 or hold_us < 0:
+            raise ValueError(f"{self.name} needs 0 <= hold_fill <= 1 and hold_us >= 0; got hold_fill={hold_fill}, "
+                             f"hold_us={hold_us}")
+        self.hold_fill, self.hold_us = hold_fill, hold_us
 
     def params(self) -> dict:
-        return {}
+        return {"hold_fill": self.hold_fill, "hold_us": self.hold_us} if self.hold_fill > 0 else {}
+
+    def _decide(self, scores: dict[int, float], views: list[StageView],
+                first: Optional[int] = None) -> Optional[Decision]:
+        """The best ready candidate (`first`: the policy's own pick when it is not simply the best
+        score), or HOLD."""
+        if not scores:
+            return None
+        if self.hold_fill <= 0:
+            return Decision(_best(scores) if first is None else first, scores)
+        # A HOLD lasts >= 1 us: a shorter one can vanish in the float rounding of a virtual clock's
+        # now + hold_s, and the clock would never reach the bound.
+        bound = self.hold_us * 1e-6
+        order = sorted(scores, key=lambda s: (-scores[s], s))
+        if first is not None:
+            order.remove(first)
+            order.insert(0, first)
+        for s in order:
+            v = views[s]
+            if v.incoming <= 0 or v.depth >= self.hold_fill * (v.depth + v.incoming) or v.wait >= bound:
+                return Decision(s, scores)
+        return Decision(HOLD, scores, max(_HOLD_RESOLUTION_S, min(bound - views[s].wait for s in order)))
+
+
+class FLFS(Policy):
+    name = "flfs"
 
     def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
+        if self.hold_fill > 0:  # every runnable stage is a candidate, in chain order
+            n = len(views)
+            return self._decide({s: float(n - s) for s, v in enumerate(views) if v.runnable}, views)
         for s, v in enumerate(views):
             if v.runnable:
                 return Decision(s, {s: 1.0})
         return None
 
 
-class MTFS:
+class MTFS(Policy):
     name = "mtfs"
 
-    def params(self) -> dict:
-        return {}
-
     def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
-        scores = {s: v.depth for s, v in enumerate(views) if v.runnable}
-        return Decision(_best(scores), scores) if scores else None
+        return self._decide({s: v.depth for s, v in enumerate(views) if v.runnable}, views)
 
 
-class Defrag:
+class Defrag(Policy):
     name = "defrag"
 
     def __init__(self, delta: float = 0.8, lookahead: int = 4, history: int = 4,
-                 history_weight: float = 1.0) -> None:
+                 history_weight: float = 1.0, hold_fill: float = 0.0, hold_us: float = 2000.0) -> None:
+        super().__init__(hold_fill, hold_us)
         if not 0 <= delta <= 1 or lookahead < 0 or history < 1 or history_weight < 0:
             raise ValueError(f"defrag needs 0 <= delta <= 1, lookahead >= 0, history >= 1, history_weight >= 0; "
                              f"got delta={delta}, lookahead={lookahead}, history={history}, "
@@ -91,7 +143,7 @@ class Defrag:
         out = {"delta": self.delta, "lookahead": self.lookahead, "history": self.history}
         if self.history_weight != 1.0:
             out["history_weight"] = self.history_weight
-        return out
+        return {**out, **super().params()}
 
     def scores(self, views: list[StageView], next_of: list[int]) -> dict[int, float]:
         n = len(views)
@@ -114,16 +166,16 @@ class Defrag:
         return dict(zip(idx.tolist(), out[idx].tolist()))
 
     def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
-        scores = self.scores(views, next_of)
-        return Decision(_best(scores), scores) if scores else None
+        return self._decide(self.scores(views, next_of), views)
 
 
 class Aging(Defrag):
     name = "aging"
 
     def __init__(self, bound: float = 0.05, aging_weight: float = 64.0, urgent_fraction: float = 0.5,
-                 delta: float = 0.8, lookahead: int = 4, history: int = 4, history_weight: float = 1.0) -> None:
-        super().__init__(delta, lookahead, history, history_weight)
+                 delta: float = 0.8, lookahead: int = 4, history: int = 4, history_weight: float = 1.0,
+                 hold_fill: float = 0.0, hold_us: float = 2000.0) -> None:
+        super().__init__(delta, lookahead, history, history_weight, hold_fill, hold_us)
         if bound <= 0 or aging_weight < 0 or not 0 < urgent_fraction <= 1:
             raise ValueError(f"aging needs bound > 0, aging_weight >= 0, 0 < urgent_fraction <= 1; got "
                              f"bound={bound}, aging_weight={aging_weight}, urgent_fraction={urgent_fraction}")
@@ -140,16 +192,37 @@ class Aging(Defrag):
         urgent = {s: views[s].wait for s in scores if views[s].wait >= self.urgent_fraction * self.bound}
         for s in scores:
             scores[s] += self.aging_weight * views[s].wait / self.bound
-        if urgent:
+        if urgent:  # overdue beats everything, hold included
             return Decision(_best(urgent), scores)
-        return Decision(_best(scores), scores)
+        return self._decide(scores, views)
 
 
 POLICIES = {"flfs": FLFS, "mtfs": MTFS, "defrag": Defrag, "aging": Aging}
 
 
+def parse_policy(text: str) -> tuple[str, dict]:
+    """"defrag" or "defrag:hold_fill=0.9,hold_us=3000" -> (name, params); values are numbers."""
+    name, _, rest = text.partition(":")
+    params = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        try:
+            params[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"policy {text!r}: parameters are KEY=NUMBER, got {part!r}") from None
+        if not eq:
+            raise ValueError(f"policy {text!r}: parameters are KEY=NUMBER, got {part!r}")
+    return name.strip(), params
+
+
 def make_policy(name: str, **params):
-    """A fresh policy object; unknown names or parameters raise ValueError naming the valid ones."""
+    """A fresh policy object from a name or a "name:key=value,..." string (parse_policy); unknown names
+    or parameters raise ValueError naming the valid ones."""
+    name, inline = parse_policy(name)
+    params = {**inline, **params}
+    for key in ("lookahead", "history"):  # integers in the policy, numbers in a policy string
+        if isinstance(params.get(key), float) and params[key].is_integer():
+            params[key] = int(params[key])
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.scheduler import Aging, Defrag, FLFS, MTFS, StageView, make_policy
+from runtime.scheduler import HOLD, Aging, Defrag, FLFS, MTFS, StageView, make_policy, parse_policy
 
 # chain attn0 -> exp0 -> attn1 -> exp1 -> sample -> attn0
 NEXT = [1, 2, 3, 4, 0]
@@ -84,3 +84,47 @@ def test_parameters_are_exposed_and_validated():
         Defrag(delta=1.5)
     with pytest.raises(ValueError):
         Aging(bound=0)
+
+
+def held(depths, incoming, waits=None):
+    v = views(depths, waits=waits)
+    for x, inc in zip(v, incoming):
+        x.incoming = float(inc)
+    return v
+
+
+def test_wave_hold_runs_the_best_ready_stage_or_holds_until_the_first_bound():
+    p = make_policy("mtfs:hold_fill=0.8,hold_us=1000")
+    assert p.params() == {"hold_fill": 0.8, "hold_us": 1000.0}
+    # stage 1 is deepest but holds 4 of a known wave of 10; stage 2 (3 of 3) is ready: it runs
+    d = p.choose(held([0, 4, 3, 0, 0], [0, 6, 0, 0, 0]), NEXT)
+    assert d.stage == 2
+    # nothing ready: HOLD until the first bound expires (stage 1 waited 0.7 ms, stage 2 0.2 ms)
+    d = p.choose(held([0, 4, 1, 0, 0], [0, 6, 9, 0, 0], waits=[0, 7e-4, 2e-4, 0, 0]), NEXT)
+    assert d.stage == HOLD and d.hold_s == pytest.approx(3e-4)
+    assert p.choose(held([0, 4, 0, 0, 0], [0, 6, 0, 0, 0], waits=[0, 1e-3 - 1e-12, 0, 0, 0]), NEXT).hold_s == 1e-6
+    # the bound reached: the deepest runs although its wave is incomplete
+    assert p.choose(held([0, 4, 1, 0, 0], [0, 6, 9, 0, 0], waits=[0, 1e-3, 0, 0, 0]), NEXT).stage == 1
+    # enough of the wave here (8 of 10): runs
+    assert p.choose(held([0, 8, 1, 0, 0], [0, 2, 9, 0, 0]), NEXT).stage == 1
+    # off by default: incoming is ignored
+    assert make_policy("mtfs").choose(held([0, 4, 1, 0, 0], [0, 6, 9, 0, 0]), NEXT).stage == 1
+
+
+def test_wave_hold_keeps_each_policy_order_and_aging_overdue_rule():
+    # FLFS with hold: candidates in chain order, the first ready one runs
+    assert make_policy("flfs:hold_fill=0.9").choose(held([2, 3, 0, 0, 1], [5, 0, 0, 0, 0]), NEXT).stage == 1
+    # aging: an overdue stage runs even while its wave is held
+    a = make_policy("aging", bound=0.01, hold_fill=1.0, hold_us=50_000)
+    assert a.choose(held([1, 0, 0, 0, 3], [9, 0, 0, 0, 9], waits=[0.006, 0, 0, 0, 0.001]), NEXT).stage == 0
+
+
+def test_policy_strings_parse_and_fail_clearly():
+    assert parse_policy("defrag:hold_fill=0.9, hold_us=3000") == ("defrag", {"hold_fill": 0.9, "hold_us": 3000.0})
+    assert make_policy("defrag:lookahead=3").params()["lookahead"] == 3
+    with pytest.raises(ValueError, match="KEY=NUMBER"):
+        parse_policy("defrag:hold_fill")
+    with pytest.raises(ValueError, match="KEY=NUMBER"):
+        parse_policy("defrag:hold_fill=lots")
+    with pytest.raises(ValueError, match="hold_fill"):
+        make_policy("defrag:hold_fill=2")

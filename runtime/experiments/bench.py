@@ -136,10 +136,12 @@ def _check(cfg: BenchConfig) -> None:
         raise UserError(f"baseline {cfg.baseline!r} is not among the systems {cfg.systems}")
     if cfg.clean_scenario not in cfg.scenarios:
         raise UserError(f"clean scenario {cfg.clean_scenario!r} is not among the scenarios {list(cfg.scenarios)}")
-    from runtime.scheduler import POLICIES
-    badp = [p for p in cfg.policies if p not in POLICIES]
-    if badp:
-        raise UserError(f"unknown policy(ies) {badp}; valid: {', '.join(POLICIES)}")
+    from runtime.scheduler import POLICIES, make_policy
+    for p in cfg.policies:  # a name or "name:key=value,..." (runtime/scheduler.parse_policy)
+        try:
+            make_policy(p)
+        except ValueError as err:
+            raise UserError(f"policies: {p!r}: {err} (valid names: {', '.join(POLICIES)})") from None
 
 
 # ---- one matrix cell ------------------------------------------------------------------------------------
