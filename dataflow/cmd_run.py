@@ -116,19 +116,19 @@ def register(app: typer.Typer) -> None:
         from lowering.plan import load_plan
         from models.sampling import SamplingParams
         from runtime.cluster import RunOptions, run_workload
-        from runtime.scheduler import POLICIES, make_policy
+        from runtime.scheduler import POLICIES, make_policy, parse_policy
         from runtime.workload import default_workload, load_prompts, write_outputs
 
         console = Console(stderr=True)
         plan = load_plan(plan_dir)
         spec = plan.spec
-        if policy not in POLICIES:
-            raise UserError(f"--policy {policy!r}; valid: {', '.join(POLICIES)}")
+        if parse_policy(policy)[0] not in POLICIES:
+            raise UserError(f"--policy {policy!r}; valid: {', '.join(POLICIES)} (optionally NAME:KEY=VALUE,...)")
         params = _parse_params(policy_param)
         try:
             make_policy(policy, **params)
         except ValueError as err:
-            raise UserError(f"--policy-param: {err}") from None
+            raise UserError(f"--policy / --policy-param: {err}") from None
         if clock not in ("wall", "virtual"):
             raise UserError(f"--clock {clock!r}; valid: wall, virtual")
         if max_new_tokens < 1 or num_requests < 1:
