@@ -201,10 +201,11 @@ POLICIES = {"flfs": FLFS, "mtfs": MTFS, "defrag": Defrag, "aging": Aging}
 
 
 def parse_policy(text: str) -> tuple[str, dict]:
-    """"defrag" or "defrag:hold_fill=0.9,hold_us=3000" -> (name, params); values are numbers."""
+    """"defrag" or "defrag:hold_fill=0.9,hold_us=3000" -> (name, params); values are numbers. ";" also
+    separates parameters (for comma-separated lists of policies or systems on a command line)."""
     name, _, rest = text.partition(":")
     params = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
+    for part in filter(None, (p.strip() for p in rest.replace(";", ",").split(","))):
         key, eq, value = part.partition("=")
         try:
             params[key.strip()] = float(value)

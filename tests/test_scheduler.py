@@ -122,6 +122,7 @@ def test_wave_hold_keeps_each_policy_order_and_aging_overdue_rule():
 def test_policy_strings_parse_and_fail_clearly():
     assert parse_policy("defrag:hold_fill=0.9, hold_us=3000") == ("defrag", {"hold_fill": 0.9, "hold_us": 3000.0})
     assert make_policy("defrag:lookahead=3").params()["lookahead"] == 3
+    assert parse_policy("mtfs:hold_fill=1;hold_us=500") == ("mtfs", {"hold_fill": 1.0, "hold_us": 500.0})
     with pytest.raises(ValueError, match="KEY=NUMBER"):
         parse_policy("defrag:hold_fill")
     with pytest.raises(ValueError, match="KEY=NUMBER"):
