@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional, Sequence
@@ -62,6 +63,27 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+_SM_ADD, _SM_MUL1, _SM_MUL2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_U30, _U27, _U31, _U11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+
+
+def _splitmix64_inplace(z: np.ndarray, tmp: Optional[np.ndarray] = None) -> np.ndarray:
+    """`_splitmix64` on a uint64 array in place (same bits; array ops wrap mod 2^64 silently).
+
+    `tmp`, an array of z's shape, holds the shifted copies; without it each shift allocates one.
+    """
+    z += _SM_ADD
+    z ^= np.right_shift(z, _U30, out=tmp)
+    z *= _SM_MUL1
+    z ^= np.right_shift(z, _U27, out=tmp)
+    z *= _SM_MUL2
+    z ^= np.right_shift(z, _U31, out=tmp)
+    return z
+
+
+_SCRATCH_MAX = 1 << 19        # elements per kept work array (4 MiB): e.g. 4096 rows x 128 experts
+
+
 def _key64(value: Hashable) -> int:
     # Python's hash() of a str changes between processes (PYTHONHASHSEED); ranks in different
     # processes must agree, so hash the repr with a fixed function instead.
@@ -70,7 +92,12 @@ def _key64(value: Hashable) -> int:
 
 @dataclass
 class ZipfRouting:
-    """Seeded Zipf-skewed routing with drifting hot experts (see the module docstring)."""
+    """Seeded Zipf-skewed routing with drifting hot experts (see the module docstring).
+
+    One call is a handful of numpy passes over the batch's [T, E] scores, no Python per row beyond
+    one dict lookup per token for its request's key (blake2b runs once per request, then cached):
+    the router sits on every system's hot path, once per attention batch.
+    """
 
     num_experts: int
     top_k: int
@@ -80,6 +107,8 @@ class ZipfRouting:
     seed: int = 0
     _req_keys: dict = field(default_factory=dict, init=False, repr=False)
     _orders: dict = field(default_factory=dict, init=False, repr=False)
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _scratch: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -90,6 +119,32 @@ class ZipfRouting:
             raise UserError(f"drift_every must be >= 0 (0 disables drift), got {self.drift_every}")
         ranks = np.arange(1, self.num_experts + 1, dtype=np.float64)
         self._log_zipf = -self.s * np.log(ranks)          # log-popularity of rank r (unnormalised)
+        self._seed64 = np.uint64(self.seed & 0xFFFFFFFFFFFFFFFF)
+        self._expert_ids = np.arange(self.num_experts, dtype=np.uint64)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_scratch"] = None                  # per-thread buffers: not picklable, not worth copying
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._scratch = threading.local()
+
+    def _buffers(self, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Three [T, E] work arrays (uint64, uint64, float64), reused across calls by this thread.
+
+        A batch of 1024 rows x 128 experts is 1 MiB per array; fresh ones cost page faults on every
+        call (several hundred us), reused ones do not.
+        """
+        n = T * self.num_experts
+        bufs = getattr(self._scratch, "bufs", None)
+        if bufs is None or bufs[0].size < n:
+            cap = max(n, min(2 * bufs[0].size if bufs is not None else 0, _SCRATCH_MAX))
+            bufs = (np.empty(cap, np.uint64), np.empty(cap, np.uint64), np.empty(cap, np.float64))
+            if cap <= _SCRATCH_MAX:               # a huge prefill batch gets its own, not kept
+                self._scratch.bufs = bufs
+        return tuple(b[:n].reshape(T, self.num_experts) for b in bufs)
 
     def _order(self, layer: int) -> np.ndarray:
         """Experts sorted from hottest to coldest on `layer` before any drift (seeded per layer)."""
@@ -98,6 +153,25 @@ class ZipfRouting:
             self._orders[layer] = rng.permutation(self.num_experts)
         return self._orders[layer]
 
+    def _table(self, layer: int) -> np.ndarray:
+        """[E shifts, E experts] log-popularity on `layer` for every rotation of the ranking (built once).
+
+        Rotation `shift` puts expert order[(r + shift) % E] at popularity rank r, so slot j of the
+        order holds rank (j - shift) % E; the rows are copies of entries of _log_zipf.
+        """
+        t = self._tables.get(layer)
+        if t is None:
+            E = self.num_experts
+            rank_of_slot = (np.arange(E)[None, :] - np.arange(E)[:, None]) % E    # [shift, slot]
+            t = np.empty((E, E))
+            t[:, self._order(layer)] = self._log_zipf[rank_of_slot]
+            self._tables[layer] = t
+        return t
+
+    def _shifts(self, steps: np.ndarray) -> np.ndarray:
+        epoch = steps // self.drift_every if self.drift_every else np.zeros_like(steps)
+        return (epoch * self.drift_stride) % self.num_experts
+
     def popularity(self, layer: int, step: int = 0) -> np.ndarray:
         """Probability that one draw picks each expert, at `step` (for tests and plots)."""
         logp = self._log_popularity(layer, np.array([step]))[0]
@@ -105,35 +179,69 @@ class ZipfRouting:
         return p / p.sum()
 
     def _log_popularity(self, layer: int, steps: np.ndarray) -> np.ndarray:
-        order = self._order(layer)
-        E = self.num_experts
-        epoch = steps // self.drift_every if self.drift_every else np.zeros_like(steps)
-        shift = (epoch * self.drift_stride) % E                       # [T]
-        # Expert order[(r + shift) % E] has popularity rank r; invert that to index by expert.
-        rank_of_slot = (np.arange(E)[None, :] - shift[:, None]) % E   # slot j holds rank (j - shift)
-        logp = np.empty((len(steps), E))
-        logp[np.arange(len(steps))[:, None], order[None, :]] = self._log_zipf[rank_of_slot]
-        return logp
+        return self._table(layer)[self._shifts(np.asarray(steps, dtype=np.int64))]
+
+    def _request_keys(self, seq_ids: Sequence[Hashable], T: int) -> np.ndarray:
+        cache = self._req_keys
+        try:
+            return np.fromiter(map(cache.__getitem__, seq_ids), dtype=np.uint64, count=T)
+        except KeyError:                      # a request seen for the first time: hash it once
+            for r in seq_ids:
+                if r not in cache:
+                    cache[r] = _key64(r)
+            return np.fromiter(map(cache.__getitem__, seq_ids), dtype=np.uint64, count=T)
 
     def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
                  positions: Sequence[int], steps: Optional[Sequence[int]] = None):
-        T, E = len(seq_ids), self.num_experts
-        pos = np.asarray(positions, dtype=np.int64).reshape(T)
+        T, E, k = len(seq_ids), self.num_experts, self.top_k
+        pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(T))
         step = pos if steps is None else np.asarray(steps, dtype=np.int64).reshape(T)
-        req = np.array([self._req_keys.setdefault(r, _key64(r)) for r in seq_ids], dtype=np.uint64).reshape(T)
-        # One 64-bit key per (token, expert), then uniforms in (0, 1) from its hash.
-        with np.errstate(over="ignore"):
-            base = _splitmix64(req ^ np.uint64(self.seed & 0xFFFFFFFFFFFFFFFF))
-            base = _splitmix64(base ^ pos.astype(np.uint64))
-            base = _splitmix64(base ^ np.uint64(layer))
-            h = _splitmix64(base[:, None] ^ np.arange(E, dtype=np.uint64)[None, :])
-        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
-        score = self._log_popularity(layer, step) - np.log(-np.log(u))   # Gumbel-top-k
-        idx = np.argsort(-score, axis=1, kind="stable")[:, : self.top_k]
-        chosen = np.take_along_axis(score, idx, axis=1)
-        w = np.exp(chosen - chosen.max(axis=1, keepdims=True))
+        # One 64-bit key per (token, expert), then uniforms in (0, 1) from its hash. Every pass below
+        # works in place on one array; the arithmetic (and so every bit) is that of
+        #   base = sm(sm(sm(req ^ seed) ^ pos) ^ layer),  h = sm(base ^ expert),
+        #   u = ((h >> 11) + 0.5) / 2^53,  score = logp - log(-log(u))      (sm = _splitmix64).
+        base = self._request_keys(seq_ids, T)                 # a fresh array: ours to overwrite
+        base ^= self._seed64
+        _splitmix64_inplace(base)
+        base ^= pos.view(np.uint64)                            # == astype(uint64): two's complement
+        _splitmix64_inplace(base)
+        base ^= np.uint64(layer)
+        _splitmix64_inplace(base)
+        h, tmp, g = self._buffers(T)
+        np.bitwise_xor(base[:, None], self._expert_ids[None, :], out=h)
+        _splitmix64_inplace(h, tmp)
+        np.right_shift(h, _U11, out=h)
+        np.copyto(g, h, casting="unsafe")         # uint64 -> float64, as astype
+        g += 0.5
+        g *= 1.0 / float(1 << 53)                 # exact: a power of two
+        np.log(g, out=g)
+        np.negative(g, out=g)
+        np.log(g, out=g)
+        shift = self._shifts(step)
+        table = self._table(layer)
+        if T and shift.min() == shift.max():      # one drift period in the batch: broadcast its row
+            score = np.subtract(table[shift[0]], g, out=g)
+        else:
+            logp = tmp.view(np.float64)           # tmp's hash bits are spent: reuse it for logp
+            np.take(table, shift, axis=0, out=logp)
+            score = np.subtract(logp, g, out=g)
+        # Gumbel-top-k by k argmax passes: argmax returns the first maximum, so ties go to the lower
+        # expert id, as a stable descending sort would order them.
+        idx = np.empty((k, T), dtype=np.int64)
+        chosen = np.empty((k, T))
+        flat = score.reshape(-1)
+        row0 = np.arange(0, T * E, E)                 # flat index of each row's first expert
+        for j in range(k):
+            a = score.argmax(axis=1, out=idx[j])
+            at = a + row0
+            np.take(flat, at, out=chosen[j])
+            if j + 1 < k:
+                flat[at] = -np.inf
+        idx, chosen = np.ascontiguousarray(idx.T), np.ascontiguousarray(chosen.T)
+        w = np.subtract(chosen, chosen[:, :1])   # the first pick is the row's max: softmax as before
+        np.exp(w, out=w)
         w /= w.sum(axis=1, keepdims=True)
-        return torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(w.astype(np.float32))
+        return torch.from_numpy(idx), torch.from_numpy(w.astype(np.float32))
 
 
 # ---- replay and record ---------------------------------------------------------------------------
