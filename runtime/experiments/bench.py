@@ -472,18 +472,24 @@ def targets(results: list[dict], cfg: BenchConfig) -> list[dict]:
     out = []
     by = {(r["label"], r["scenario"]): r for r in results}
     disturbed = [s for s in cfg.scenarios if s != cfg.clean_scenario]
-    best = f"{STREAMING}/defrag"
+    # every defrag variant of the streaming engine ("defrag", "defrag:hold_fill=...") is checked
+    from runtime.scheduler import parse_policy
+    defrags = [f"{STREAMING}/{p}" for p in cfg.policies if parse_policy(p)[0] == "defrag"]
     for sc in disturbed:
-        s, b = by.get((best, sc)), by.get((cfg.baseline, sc))
-        if s and b and cfg.baseline in BARRIER_SYSTEMS:
-            out.append({"target": f"{best} >= 1.5x {cfg.baseline} tokens/s [{sc}]", "value": s["ratio_vs_baseline"],
-                        "met": s["ratio_vs_baseline"] is not None and s["ratio_vs_baseline"] >= 1.5})
+        b = by.get((cfg.baseline, sc))
+        if b and cfg.baseline in BARRIER_SYSTEMS:
             out.append({"target": f"{cfg.baseline} loses >= 20% of clean tokens/s [{sc}]", "value": b["loss_vs_clean"],
                         "met": b["loss_vs_clean"] is not None and b["loss_vs_clean"] >= 0.20})
-        if s:
-            out.append({"target": f"{best} loses <= 5% of clean tokens/s [{sc}]", "value": s["loss_vs_clean"],
-                        "met": s["loss_vs_clean"] is not None and s["loss_vs_clean"] <= 0.05})
-    d = by.get((best, cfg.clean_scenario))
+        for best in defrags:
+            s = by.get((best, sc))
+            if s and b and cfg.baseline in BARRIER_SYSTEMS:
+                out.append({"target": f"{best} >= 1.5x {cfg.baseline} tokens/s [{sc}]",
+                            "value": s["ratio_vs_baseline"],
+                            "met": s["ratio_vs_baseline"] is not None and s["ratio_vs_baseline"] >= 1.5})
+            if s:
+                out.append({"target": f"{best} loses <= 5% of clean tokens/s [{sc}]", "value": s["loss_vs_clean"],
+                            "met": s["loss_vs_clean"] is not None and s["loss_vs_clean"] <= 0.05})
+    d = by.get((f"{STREAMING}/defrag", cfg.clean_scenario))
     for other in ("mtfs", "flfs"):
         o = by.get((f"{STREAMING}/{other}", cfg.clean_scenario))
         if d and o:
