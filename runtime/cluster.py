@@ -43,6 +43,9 @@ class RunOptions:
     kv_blocks: Optional[int] = None  # per-rank KV pool override (None: the plan's)
     home_policy: Optional[str] = None  # None: the plan's
     decode_only: bool = False  # paper's throughput mode: random prompt KV, no prefill (runtime/decode_only.py)
+    # A keyed router replacing the model's (runtime/experiments/routing_override: Zipf skew, a replayed
+    # trace); picklable, so rank processes build the same one. None: the model's own router.
+    router: Optional[object] = None
     until: Optional[float] = None  # stop at this clock time; unfinished requests are reported so
     stall_timeout_s: float = 60.0  # wall clock: no progress for this long is a bug, not a wait
     progress: Optional[Callable[[int, int, int], None]] = None  # (finished, total, tokens)
@@ -235,7 +238,16 @@ class Cluster:
 
 
 def build_executor(plan, options: RunOptions, weights=None):
-    """The executor for a run: the torch one over the plan's weights, or the simulated one."""
+    """The executor for a run (the torch one over the plan's weights, or the simulated one), routed by
+    `options.router` when one is given."""
+    ex = _build_executor(plan, options, weights)
+    if options.router is not None:
+        from runtime.experiments.routing_override import KeyedRoutingExecutor
+        ex = KeyedRoutingExecutor(ex, options.router)
+    return ex
+
+
+def _build_executor(plan, options: RunOptions, weights=None):
     if options.executor == "sim":
         from runtime.executor_sim import SimExecutor
         return SimExecutor.for_spec(plan.spec)

@@ -166,15 +166,17 @@ def test_cost_model_units():
 
 def test_barrier_in_processes_equals_in_process(model):
     """runtime/experiments/barrier_mp.py: the same rank coroutines over ZeroMQ + gloo in 2 processes give the
-    in-process driver's tokens (ring collectives, a2a: exact)."""
+    in-process driver's tokens (ring collectives, a2a, a Zipf router shipped to the ranks: exact)."""
     from models.weights import load_weights
     from runtime.experiments.barrier_mp import BarrierJob, barrier_rank_main
+    from runtime.experiments.routing_override import ZipfRouting
     from runtime.launch import launch_local
     spec, _, prompts, _ = model
     plan = compile_plan(spec, 2)
+    zipf = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=3)
     want = run_barrier(plan, TorchExecutor(spec, load_weights(spec)), _requests(prompts), "a2a", kv_blocks=32,
-                       cost_model=CostModel(collective_algo="ring"))
-    job = BarrierJob(plan, "a2a", _requests(prompts), kv_blocks=32, algo="ring")
+                       cost_model=CostModel(collective_algo="ring"), router=zipf)
+    job = BarrierJob(plan, "a2a", _requests(prompts), kv_blocks=32, algo="ring", router=zipf)
     res = launch_local(2, barrier_rank_main, (job,), timeout=120.0)
     assert res.ok, res.first_error
     got = {q.rid: q for q in res.results[0]["requests"]}

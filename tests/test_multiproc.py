@@ -81,6 +81,28 @@ def test_chaos_delays_change_timings_not_tokens():
     assert all(r.metrics["elapsed_s"] > 0.05 for r in results)
 
 
+def test_keyed_router_and_wave_hold_in_rank_processes_equal_the_in_process_run():
+    """A Zipf router in RunOptions travels to the rank processes (the bench's skewed routing in process
+    mode) and the wave hold only changes timing: 2 processes give the in-process run's tokens."""
+    from runtime.cluster import run_workload
+    from runtime.experiments.routing_override import ZipfRouting
+    spec, w, _ = model(NAME)
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    zipf = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=5)
+    policies = ["defrag", "defrag:hold_fill=1,hold_us=20000"]
+
+    def work():
+        return [(make_requests(spec.vocab_size, 6, seed=77, max_new=6, max_prompt=40, spread=2e-3),
+                 RunOptions(policy=p, kv_blocks=128, router=zipf)) for p in policies]
+    got = run_workloads_multiprocess(plan, work(), timeout=80)
+    for res, (reqs, opts) in zip(got, work()):
+        want = run_workload(plan, reqs, opts, weights=w)
+        assert [r.output for r in res.requests] == [r.output for r in want.requests], opts.policy
+    # the router is in effect: the model's own router gives other tokens
+    plain = run_workload(plan, work()[0][0], RunOptions(kv_blocks=128), weights=w)
+    assert [r.output for r in plain.requests] != [r.output for r in got[0].requests]
+
+
 # ------------------------------------------------------------------------------ the real CLI
 @pytest.fixture(scope="module")
 def plan_dirs(tmp_path_factory):

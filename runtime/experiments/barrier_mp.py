@@ -34,6 +34,7 @@ class BarrierJob:
     kv_blocks: Optional[int] = None
     algo: str = "direct"
     chaos: object = None           # transport chaos hook (runtime.experiments.bench.WallLinkDelays)
+    router: object = None          # keyed router replacing the model's (routing_override), as the streaming ranks
     peer_timeout_s: float = 10.0
 
 
@@ -76,7 +77,8 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
     admission = Admission(plan.kv.block_size, nblocks, plan.placement.home_policy) if coord else None
     free = list(nblocks)
     done: list = []
-    ctx = RankContext(me, R, spec, executor, lambda layer, x, s, p: executor.route(layer, x),
+    route = (lambda layer, x, s, p: executor.route(layer, x)) if job.router is None else job.router
+    ctx = RankContext(me, R, spec, executor, route,
                       plan.placement.expert_rank, kv, None, RankMetrics(me), algo=job.algo)
 
     def start(req, now):

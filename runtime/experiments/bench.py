@@ -339,8 +339,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
     from runtime.multiproc import run_workloads_multiprocess
     if cfg.workload.decode_only:
         raise UserError("clock = process: the multi-process driver does not support decode_only yet")
-    if cfg.routing.kind != "model":
-        raise UserError("clock = process: rank processes use the model's own router; set routing.kind: model")
+    router = _router(cfg, spec)  # None: the model's own; else the same keyed router in every rank process
     for name, inter in scenarios.items():
         if inter.slow:
             raise UserError(f"scenario {name!r}: slow ranks are not injectable into rank processes yet")
@@ -351,7 +350,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
     stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
     for name, inter in scenarios.items():
         for system in barriers:
-            runs.append(_process_barrier(cfg, plan, requests, system, name, inter, stage_names))
+            runs.append(_process_barrier(cfg, plan, requests, system, name, inter, stage_names, router))
             i += 1
             if progress:
                 from runtime.experiments.report import summarize
@@ -362,7 +361,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
         for pol in cfg.policies:
             reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
                     for q in requests]
-            work.append((reqs, RunOptions(policy=pol, clock="wall", kv_blocks=cfg.kv_blocks)))
+            work.append((reqs, RunOptions(policy=pol, clock="wall", kv_blocks=cfg.kv_blocks, router=router)))
         if progress:
             progress(i, todo, Cell(STREAMING, ",".join(cfg.policies), name), None)
         t0 = time.perf_counter()
@@ -385,14 +384,14 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
 
 
 def _process_barrier(cfg: BenchConfig, plan, requests: list[Request], system: str, scenario: str,
-                     inter: Interference, stage_names: list[str]) -> RunRecord:
+                     inter: Interference, stage_names: list[str], router=None) -> RunRecord:
     """One barrier baseline as one process per rank (runtime/experiments/barrier_mp.py), same chaos hook."""
     from runtime.experiments.barrier_mp import BarrierJob, barrier_rank_main
     from runtime.launch import launch_local
     reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
             for q in requests]
     job = BarrierJob(plan, BARRIER_SYSTEMS[system], reqs, cfg.kv_blocks, cfg.cost.collective_algo,
-                     WallLinkDelays(inter))
+                     WallLinkDelays(inter), router=router)
     t0 = time.perf_counter()
     res = launch_local(cfg.ranks, barrier_rank_main, (job,), timeout=600.0, grace_s=15.0)
     if not res.ok:
