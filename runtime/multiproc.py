@@ -202,6 +202,17 @@ class _PhaseTimes:
         self.iterations = 0
         self.batches: dict[str, int] = {}
         self.all: dict[str, list[float]] = {}  # every call's seconds (first calls, median, max)
+        # Python's cyclic garbage collector: time per generation (runs inside whatever allocated)
+        import gc
+        self._gc_t0 = 0.0
+        self.gc: dict[int, list[float]] = {}
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_t0 = time.perf_counter()
+            else:
+                self.gc.setdefault(info["generation"], []).append(time.perf_counter() - self._gc_t0)
+        gc.callbacks.append(on_gc)
 
     def add(self, phase: str, dt: float) -> None:
         self.t[phase] = self.t.get(phase, 0.0) + dt
@@ -217,6 +228,8 @@ class _PhaseTimes:
         for k in sorted(self.t, key=self.t.get, reverse=True):
             lines.append(f"{k:<14}{self.n[k]:>8}{self.t[k] * 1e3:>10.1f}{self.t[k] / self.n[k] * 1e6:>9.1f}"
                          f"{self.t[k] / max(1, self.iterations) * 1e6:>9.1f}{self.t[k] / max(1, nb) * 1e6:>9.1f}")
+        for g, v in sorted(self.gc.items()):
+            lines.append(f"gc gen{g}: {len(v)} collections, {sum(v) * 1e3:.1f} ms, max {max(v) * 1e3:.2f} ms")
         lines.append("per call, us: median / max / first three")
         for k, v in sorted(self.all.items()):
             srt = sorted(v)
