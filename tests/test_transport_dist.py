@@ -123,6 +123,31 @@ def _rank_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
     return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit)
 
 
+def _rank_ping(env, delay_us: float, n: int) -> dict:
+    """Rank 0 pings rank 1 n times (tensor messages) with the bench's link disturbance on link 0 <-> 1
+    always on; returns rank 0's median round trip."""
+    from runtime.experiments.bench import WallLinkDelays
+    from runtime.experiments.interference import from_config
+    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
+    init_distributed(env.rank, env.world_size, "gloo")
+    bursts = [{"period_ms": 20, "duty": 1.0, "extra_delay_us": delay_us, "links": [[0, 1], [1, 0]]}]
+    chaos = WallLinkDelays(from_config({"bursts": bursts} if delay_us else {}))
+    rtts = []
+    with ZmqDistTransport(env.rank, env.world_size, "cpu", chaos=chaos) as tr:
+        for i in range(n):
+            t0 = time.monotonic()
+            if env.rank == 0:
+                tr.send(1, {"i": i}, torch.ones(8))
+            got = []
+            while not got:
+                got = tr.poll(timeout=0.01)
+            if env.rank == 1:
+                tr.send(0, {"i": i}, torch.ones(8))
+            else:
+                rtts.append(time.monotonic() - t0)
+    return {"rtt": sorted(rtts)[len(rtts) // 2] if rtts else None}
+
+
 def _rank_killed(env, victim: int, after: int) -> None:
     """Ranks exchange tensors in lock step until `victim` SIGKILLs itself mid-run."""
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
@@ -195,6 +220,15 @@ def test_killed_rank_makes_every_other_rank_exit_with_a_clear_message():
         waiting = msg.split("this rank was waiting for:")[-1]
         assert "rank 1" in waiting, msg
     assert elapsed < 30, f"survivors took {elapsed:.1f} s"
+
+
+def test_bench_link_delay_holds_back_delivery_not_just_the_senders_notice():
+    """The bench's link bursts (WallLinkDelays) must delay when a message *arrives*: +5 ms on link 0 <-> 1
+    adds >= 10 ms to a round trip. (Drawn on the send lane they only delayed the sender's completion
+    notice, and no system in the process-mode bench saw the bursts.)"""
+    res = launch_local(2, "test_transport_dist:_rank_ping", (5000.0, 12), timeout=60, env=CHILD_ENV)
+    assert res.ok, res.first_error
+    assert res.results[0]["rtt"] >= 0.010, res.results[0]
 
 
 def test_transport_bench_command_prints_a_table():
