@@ -168,8 +168,9 @@ class _DepthRecorder:
         self.inner, self.rank, self.probe = inner, rank, probe
         self.name = inner.name
 
-    def params(self) -> dict:
-        return self.inner.params()
+    def __getattr__(self, name: str):
+        # everything else (params(), the wave hold's hold_fill that the engine reads) is the policy's
+        return getattr(self.inner, name)
 
     def choose(self, views, next_of):
         t = self.probe.clock.now()
