@@ -88,6 +88,25 @@ def test_run_bench_small_matrix_is_deterministic(tmp_path):
     assert bursts["ag-ep"]["loss_vs_clean"] > 0          # the slow link costs the barrier something
 
 
+def test_bench_runs_the_wave_hold_it_is_given(tmp_path):
+    """A policy string with the wave hold reaches the engines through the bench (its depth recorder once
+    hid hold_fill, so the held variant ran exactly like plain defrag): the hold changes the batches."""
+    from graph_ir.spec import load_spec
+    from runtime.experiments.bench import BenchConfig, run_bench
+    cfg = BenchConfig.model_validate({
+        "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
+        "workload": {"lengths": "fixed:8:6", "requests": 24, "rate": 2000},
+        "routing": {"kind": "zipf", "s": 1.0}, "systems": ["streaming", "ag-ep"],
+        "policies": ["defrag", "defrag:hold_fill=1,hold_us=2000"],
+        "scenarios": {"clean": {"latency_us": 40}},
+    })
+    doc = run_bench(cfg, load_spec("models/specs/tiny.yaml"), tmp_path)
+    by = {r["label"]: r for r in doc["results"]}
+    plain, held = by["streaming/defrag"], by["streaming/defrag:hold_fill=1,hold_us=2000"]
+    assert held["output_tokens"] == plain["output_tokens"] == 24 * 6
+    assert held["batches"]["expert"]["mean_size"] > plain["batches"]["expert"]["mean_size"]
+
+
 def test_bench_prompts_file_and_decode_only(tmp_path):
     from graph_ir.spec import load_spec
     from runtime.experiments.bench import BenchConfig, run_bench
