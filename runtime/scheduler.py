@@ -77,21 +77,16 @@ class Policy:
     def params(self) -> dict:
         return {"hold_fill": self.hold_fill, "hold_us": self.hold_us} if self.hold_fill > 0 else {}
 
-    def _decide(self, scores: dict[int, float], views: list[StageView],
-                first: Optional[int] = None) -> Optional[Decision]:
-        """The best ready candidate (`first`: the policy's own pick when it is not simply the best
-        score), or HOLD."""
+    def _decide(self, scores: dict[int, float], views: list[StageView]) -> Optional[Decision]:
+        """The best-scoring ready candidate, or HOLD."""
         if not scores:
             return None
         if self.hold_fill <= 0:
-            return Decision(_best(scores) if first is None else first, scores)
+            return Decision(_best(scores), scores)
         # A HOLD lasts >= 1 us: a shorter one can vanish in the float rounding of a virtual clock's
         # now + hold_s, and the clock would never reach the bound.
         bound = self.hold_us * 1e-6
         order = sorted(scores, key=lambda s: (-scores[s], s))
-        if first is not None:
-            order.remove(first)
-            order.insert(0, first)
         for s in order:
             v = views[s]
             if v.incoming <= 0 or v.depth >= self.hold_fill * (v.depth + v.incoming) or v.wait >= bound:
