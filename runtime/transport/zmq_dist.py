@@ -27,7 +27,8 @@ transfers progress while the engine computes, and one waiter thread per peer dir
 Work objects (they cannot be polled). NCCL: ops run on a dedicated stream per direction and record
 an event the engine thread queries; no waiter threads, and by default no receptor either: the engine
 thread reads headers and posts receives inside poll() (`receive_on`), because a second Python thread
-making CUDA calls costs the engine more in GIL waits than the earlier receive posting saves. A heartbeat thread with its own sockets beats
+making CUDA calls costs the engine more in GIL waits than the earlier receive posting saves. A
+heartbeat thread with its own sockets beats
 every `heartbeat_s` (runtime/health.py); a peer silent for `peer_timeout_s`, a failed transfer or an
 abort notice makes `poll()` raise PeerFailure naming the rank and what this rank was waiting for.
 
@@ -150,6 +151,8 @@ class ZmqDistTransport:
         # NCCL sends from a dedicated stream + our own event ("stream"), or from the compute stream with
         # the Work's own completion ("direct"); A/B switch for the device runs (NOTES section 13).
         self._nccl_send = os.environ.get("DATAFLOW_NCCL_SEND", "stream")
+        if self._nccl_send not in ("stream", "direct"):
+            raise ValueError(f"DATAFLOW_NCCL_SEND must be 'stream' or 'direct', got {self._nccl_send!r}")
         # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send, printed at close.
         self._post_timer = _StepTimer(f"rank {rank} send post") if os.environ.get("DATAFLOW_PROFILE_TRANSPORT") else None
         self._recv_timer = _StepTimer(f"rank {rank} recv post") if os.environ.get("DATAFLOW_PROFILE_TRANSPORT") else None
