@@ -28,9 +28,9 @@ Work objects (they cannot be polled). NCCL: ops run on a dedicated stream per di
 an event the engine thread queries; no waiter threads, and by default no receptor either: the engine
 thread reads headers and posts receives inside poll() (`receive_on`), because a second Python thread
 making CUDA calls costs the engine more in GIL waits than the earlier receive posting saves. A
-heartbeat thread with its own sockets beats
-every `heartbeat_s` (runtime/health.py); a peer silent for `peer_timeout_s`, a failed transfer or an
-abort notice makes `poll()` raise PeerFailure naming the rank and what this rank was waiting for.
+heartbeat thread with its own sockets beats every `heartbeat_s` (runtime/health.py); a peer silent for
+`peer_timeout_s`, a failed transfer or an abort notice makes `poll()` raise PeerFailure naming the rank
+and what this rank was waiting for.
 
 Receive buffers come from a size-keyed pool; give them back with `release(tensor)` when done.
 
