@@ -239,16 +239,6 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
     return out
 
 
-def gqa_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
-                  segments: Sequence[Segment], kv: KVStore) -> Tensor:
-    """Grouped-query attention of normed input x [T, H] -> [T, H] (after the output projection)."""
-    a = spec.attention
-    T, nh, hd = x.shape[0], a.num_heads, a.head_dim
-    q, k, v = gqa_qkv(spec, w, x, positions)
-    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
-    return F.linear(out.reshape(T, nh * hd), w["o.w"], w.get("o.b"))
-
-
 def gqa_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
             rope_cs: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
     """q [T, nh, hd], k/v [T, nkv, hd] of normed x, RoPE applied. `rope_cs` = precomputed
@@ -267,20 +257,6 @@ def gqa_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     q = apply_rope(q, cos, sin, a.rope.interleaved)
     k = apply_rope(k, cos, sin, a.rope.interleaved)
     return q, k, v
-
-
-def mla_attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
-                  segments: Sequence[Segment], kv: KVStore) -> Tensor:
-    """DeepSeek-V2 multi-head latent attention of normed input x [T, H] -> [T, H].
-
-    K/V are decompressed from the latent right away (kv_b) and cached per head; this costs more
-    KV memory than caching the latent but keeps one KV/attention path for every family.
-    """
-    a = spec.attention
-    T, nh, vd = x.shape[0], a.num_heads, a.v_head_dim
-    q, k, v = mla_qkv(spec, w, x, positions)
-    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
-    return F.linear(out.reshape(T, nh * vd), w["o.w"], w.get("o.b"))
 
 
 def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
@@ -310,5 +286,11 @@ def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
 
 def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
               segments: Sequence[Segment], kv: KVStore) -> Tensor:
-    fn = mla_attention if spec.attention.kind == "mla" else gqa_attention
-    return fn(spec, w, layer, x, positions, segments, kv)
+    """Self-attention of normed input x [T, H] -> [T, H] (after the output projection): grouped-query
+    attention, or DeepSeek-V2's multi-head latent attention, whose K/V are decompressed from the
+    latent right away (kv_b) and cached per head (more KV memory than caching the latent, but one
+    KV/attention path for every family). Writes this batch's K/V to `kv`."""
+    qkv = mla_qkv if spec.attention.kind == "mla" else gqa_qkv
+    q, k, v = qkv(spec, w, x, positions)
+    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
+    return F.linear(out.reshape(x.shape[0], -1), w["o.w"], w.get("o.b"))
