@@ -4,6 +4,8 @@
 # dedicated stream + own event ("stream") vs from the compute stream with the Work's completion
 # ("direct"). Same workload as runs 9/10 (GPT-OSS-20B cut to 8 layers, bf16, C=256, clean), phase timers.
 # Output: env.txt, ep_{stream,direct}.log, phases_{stream,direct}.txt (5 files).
+# (The DATAFLOW_NCCL_SEND=direct switch was removed after this run: no throughput difference; the "direct"
+# half now runs the default path again.)
 set -u
 OUT=${1:?out dir}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1

@@ -130,9 +130,6 @@ class EventLane:
             item = self._items[0]
             if item.event is not None and not item.event.query():
                 return
-            if item.work is not None and not item.work.is_completed():  # NCCL Work posted "direct"
-                return
-            item.work = None
             if item.ready_at:
                 now = now or time.monotonic()
                 if now < item.ready_at:

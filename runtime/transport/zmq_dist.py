@@ -107,23 +107,38 @@ def _pair_groups(world_size: int, backend: str) -> dict[tuple[int, int], object]
 
 
 class _StepTimer:
-    """Opt-in wall time per step of a repeated code path (median and mean us per step over all calls)."""
+    """Wall time per step of a repeated code path (median and mean us per step over all calls).
+    Disabled (the default), start/lap do nothing, so the hot path calls them unconditionally."""
 
-    def __init__(self, name: str) -> None:
-        self.name, self.t0, self.steps = name, 0.0, {}
+    def __init__(self, name: str, enabled: bool) -> None:
+        self.name, self.enabled, self.t0, self.steps = name, enabled, 0.0, {}
 
     def start(self) -> None:
-        self.t0 = time.perf_counter()
+        if self.enabled:
+            self.t0 = time.perf_counter()
 
     def lap(self, step: str) -> None:
-        now = time.perf_counter()
-        self.steps.setdefault(step, []).append(now - self.t0)
-        self.t0 = now
+        if self.enabled:
+            now = time.perf_counter()
+            self.steps.setdefault(step, []).append(now - self.t0)
+            self.t0 = now
 
     def report(self) -> str:
         rows = [f"{k}: n {len(v)} median {sorted(v)[len(v) // 2] * 1e6:.1f} us mean {sum(v) / len(v) * 1e6:.1f} us"
                 for k, v in self.steps.items() if v]
         return f"{self.name}: " + "; ".join(rows)
+
+
+def _end_event(work, stream, tm: _StepTimer):
+    """An event on `stream` that completes when the NCCL operation `work` (posted on it) has: Work.wait()
+    makes the stream wait for NCCL's own stream (the host does not block), the event marks that point
+    for the engine thread to query (EventLane)."""
+    work.wait()
+    tm.lap("work.wait")
+    event = torch.cuda.Event()
+    event.record(stream)
+    tm.lap("event")
+    return event
 
 
 class ZmqDistTransport:
@@ -148,14 +163,10 @@ class ZmqDistTransport:
         if receive_on not in ("engine", "thread"):
             raise ValueError(f"receive_on must be 'engine' or 'thread', got {receive_on!r}")
         self._engine_receives = receive_on == "engine"
-        # NCCL sends from a dedicated stream + our own event ("stream"), or from the compute stream with
-        # the Work's own completion ("direct"); A/B switch for the device runs (NOTES section 13).
-        self._nccl_send = os.environ.get("DATAFLOW_NCCL_SEND", "stream")
-        if self._nccl_send not in ("stream", "direct"):
-            raise ValueError(f"DATAFLOW_NCCL_SEND must be 'stream' or 'direct', got {self._nccl_send!r}")
-        # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send, printed at close.
-        self._post_timer = _StepTimer(f"rank {rank} send post") if os.environ.get("DATAFLOW_PROFILE_TRANSPORT") else None
-        self._recv_timer = _StepTimer(f"rank {rank} recv post") if os.environ.get("DATAFLOW_PROFILE_TRANSPORT") else None
+        # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send / receive, printed at close.
+        profile = bool(os.environ.get("DATAFLOW_PROFILE_TRANSPORT"))
+        self._post_timer = _StepTimer(f"rank {rank} send post", profile)
+        self._recv_timer = _StepTimer(f"rank {rank} recv post", profile)
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
@@ -353,7 +364,7 @@ class ZmqDistTransport:
                     pass
         self._heartbeat.stop()
         self._closing.set()
-        if self._post_timer is not None:
+        if self._post_timer.enabled:
             print(self._post_timer.report(), file=sys.stderr)
             print(self._recv_timer.report(), file=sys.stderr)
         if self._receptor is not None:
@@ -386,8 +397,7 @@ class ZmqDistTransport:
         dst = item.peer
         t = item.tensor
         tm = self._post_timer
-        if tm is not None:
-            tm.start()
+        tm.start()
         if t is None:
             self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, None, None), protocol=5))
             self._pending -= 1  # ZeroMQ owns it now; nothing to complete
@@ -397,33 +407,17 @@ class ZmqDistTransport:
             t = item.tensor = t.contiguous()  # the copy is what we send; kept alive by the item
         self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, tuple(t.shape),
                                            str(t.dtype)[6:]), protocol=5))
-        if tm is not None:
-            tm.lap("header")
+        tm.lap("header")
         self._inflight[dst] += 1
         group = self._send_group[dst]
-        if self._nccl and self._nccl_send == "direct":
-            # Posted from the compute stream: ProcessGroupNCCL makes its own stream wait for the current
-            # one (the tensor's producer), and the Work's end event answers is_completed() without a
-            # host wait (EventLane queries it).
-            item.work = dist.isend(t, dst, group=group)
-            if tm is not None:
-                tm.lap("isend")
-        elif self._nccl:
+        if self._nccl:
             stream = self._send_streams[dst]
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is produced on the compute stream
-            if tm is not None:
-                tm.lap("wait_stream")
+            tm.lap("wait_stream")
             with torch.cuda.stream(stream):
                 work = dist.isend(t, dst, group=group)
-                if tm is not None:
-                    tm.lap("isend")
-                work.wait()  # NCCL: makes `stream` wait for the NCCL stream; the host does not block
-                if tm is not None:
-                    tm.lap("work.wait")
-                item.event = torch.cuda.Event()
-                item.event.record(stream)
-                if tm is not None:
-                    tm.lap("event")
+                tm.lap("isend")
+                item.event = _end_event(work, stream, tm)
         else:
             item.work = dist.isend(t, dst, group=group)
         if self._send_delay is not None:
@@ -431,8 +425,7 @@ class ZmqDistTransport:
         self.stats["sent"] += 1
         self.stats["sent_bytes"] += t.numel() * t.element_size()
         self._send_lanes[dst].submit(item)
-        if tm is not None:
-            tm.lap("submit")
+        tm.lap("submit")
 
     def _pump(self) -> None:
         for dst, backlog in self._backlog.items():
@@ -601,23 +594,14 @@ class ZmqDistTransport:
             group = self._recv_group[src]
             if self._nccl:
                 tm = self._recv_timer
-                if tm is not None:
-                    tm.start()
+                tm.start()
                 stream = self._recv_streams[src]
                 with torch.cuda.stream(stream):
                     buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
-                    if tm is not None:
-                        tm.lap("pool")
+                    tm.lap("pool")
                     work = dist.irecv(buf, src, group=group)
-                    if tm is not None:
-                        tm.lap("irecv")
-                    work.wait()  # stream-level wait, see _post
-                    if tm is not None:
-                        tm.lap("work.wait")
-                    item.event = torch.cuda.Event()
-                    item.event.record(stream)
-                    if tm is not None:
-                        tm.lap("event")
+                    tm.lap("irecv")
+                    item.event = _end_event(work, stream, tm)
             else:
                 buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
                 item.work = dist.irecv(buf, src, group=group)
