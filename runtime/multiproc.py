@@ -107,7 +107,7 @@ def rank_main(env: RankEnv, job: RankJob):
     from runtime.launch import set_rank_threads
     set_rank_threads(env, on_gpu=job.plan.cluster.device == "cuda")  # before any torch work
 
-    from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport, init_distributed
+    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
 
     plan = job.plan
     if plan.cluster.ranks != env.world_size:
@@ -122,14 +122,20 @@ def rank_main(env: RankEnv, job: RankJob):
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           chaos=job.chaos) as transport:
         executor = _rank_executor(plan, options0, env.rank, device)
-        node = RankNode(env, plan, executor, transport, clock, job)
-        try:
-            results = _profiled(node) if _profile_wanted(env.rank) else node.serve()
-        except PeerFailure:
-            raise
-        except RuntimeError as err:
-            raise _peer_failure_behind(transport, err, job.peer_timeout_s + 1.0) from None
+        results = serve_rank(RankNode(env, plan, executor, transport, clock, job))
     return results if env.rank == COORDINATOR else None
+
+
+def serve_rank(node: "RankNode") -> list:
+    """node.serve(), profiled when DATAFLOW_PROFILE_RANK asks for this rank; a backend error that hides
+    which peer died comes out as that peer's PeerFailure (_peer_failure_behind)."""
+    from runtime.transport.zmq_dist import PeerFailure
+    try:
+        return _profiled(node) if _profile_wanted(node.rank) else node.serve()
+    except PeerFailure:
+        raise
+    except RuntimeError as err:
+        raise _peer_failure_behind(node.transport, err, node.job.peer_timeout_s + 1.0) from None
 
 
 def _rank_executor(plan, options, rank: int, device):
@@ -167,6 +173,10 @@ def _profiled(node: "RankNode"):
     path = os.environ.get("DATAFLOW_PROFILE_OUT") or "dataflow-rank{rank}.prof"
     path = path.replace("{rank}", str(node.rank))
     node.phases = _PhaseTimes()
+    # Nested inside complete/feed/finish (not part of the loop's sum): every send, data or control. Here,
+    # once per process: wrapped per workload in _loop it counted each send once per workload so far
+    # (runs 9-12 reported up to 3x the sends).
+    node.transport.send = _timed(node.phases, "(send)", node.transport.send)
     prof = cProfile.Profile() if os.environ.get("DATAFLOW_PROFILE_CPROFILE", "1") != "0" else None
     try:
         return prof.runcall(node.serve) if prof is not None else node.serve()
@@ -423,12 +433,6 @@ class RankNode:
                 _timed(ph, n, f) for n, f in (("tick", tick), ("poll", poll), ("feed", feed),
                                              ("next_batch", next_batch), ("finish", finish)))
             execute, complete = _timed(ph, "execute", execute, True), _timed(ph, "complete", complete, True)
-            # Nested inside complete/feed/finish (not part of the sum): every send, data or control.
-            # Wrapped once per process: _loop runs once per workload, and wrapping the wrapper again
-            # counted every send once per workload so far (runs 9-12 reported up to 3x the sends).
-            if not getattr(tr.send, "_phase_timed", False):
-                tr.send = _timed(ph, "(send)", tr.send)
-                tr.send._phase_timed = True
         while not self.stopped:
             if ph is not None:
                 ph.iterations += 1

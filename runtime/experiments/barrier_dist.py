@@ -498,9 +498,8 @@ def stream_rank_main(env, job: DistJob):
     """runtime.multiproc.rank_main with the bench's executor (device-drawn weights, Zipf routing), the
     BurstDelays chaos hook, hogs from rank 0 and host time per batch; one workload per (policy, scenario)."""
     from runtime.cluster import RunOptions
-    from runtime.multiproc import (COORDINATOR, RankJob, RankNode, SyncedClock, _peer_failure_behind, _profile_wanted,
-                                   _profiled)
-    from runtime.transport.zmq_dist import PeerFailure, ZmqDistTransport
+    from runtime.multiproc import COORDINATOR, RankJob, RankNode, SyncedClock, serve_rank
+    from runtime.transport.zmq_dist import ZmqDistTransport
     from runtime.transport.rendezvous import init_distributed
     _threads(env, job)
     device, backend = _device(job.plan, env.local_rank)
@@ -550,14 +549,9 @@ def stream_rank_main(env, job: DistJob):
                 e.execute, e.complete = execute, complete
 
         clock = SyncedClock()
-        node = Node(env, job.plan, ex, transport, clock, rjob)
         try:
-            # DATAFLOW_PROFILE_RANK: the same opt-in phase timers / cProfile as `dataflow run` (NOTES §11)
-            results = _profiled(node) if _profile_wanted(env.rank) else node.serve()
-        except PeerFailure:
-            raise
-        except RuntimeError as err:
-            raise _peer_failure_behind(transport, err, job.peer_timeout_s + 1.0) from None
+            # as `dataflow run`'s ranks: DATAFLOW_PROFILE_RANK profiling (NOTES §11), PeerFailure naming the rank
+            results = serve_rank(Node(env, job.plan, ex, transport, clock, rjob))
         finally:
             _ACTIVE["delay"] = False
             _hogs_off(hogs_state)
