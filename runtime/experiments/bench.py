@@ -333,14 +333,44 @@ class WallLinkDelays:
         return lambda: link.delay(peer, me, 0, time.time() - epoch)
 
 
-def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenarios: dict, progress) -> list[RunRecord]:
+def _in_process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenarios: dict, progress, router,
+                     weights=None) -> list[RunRecord]:
+    """Every cell of the matrix with all ranks in this process (virtual or wall clock), one executor."""
+    if cfg.executor == "sim":
+        from runtime.executor_sim import SimExecutor
+        inner = SimExecutor.for_spec(spec, seed=cfg.seed)
+    else:
+        from models.weights import load_weights
+        from runtime.executor import TorchExecutor
+        inner = TorchExecutor(spec, weights if weights is not None else load_weights(spec))
+    if router is not None:
+        from runtime.experiments.routing_override import KeyedRoutingExecutor
+        executor = KeyedRoutingExecutor(inner, router)
+    else:
+        executor = inner
+    runs: list[RunRecord] = []
+    todo = cells(cfg)
+    for i, cell in enumerate(todo):
+        if progress:
+            progress(i, len(todo), cell, None)
+        t0 = time.perf_counter()
+        run = run_cell(cell, cfg, plan, executor, requests, router, scenarios[cell.scenario])
+        run.extra["bench_wall_s"] = time.perf_counter() - t0
+        runs.append(run)
+        if progress:
+            from runtime.experiments.report import summarize
+            progress(i + 1, len(todo), cell, summarize(run, cfg.peak_window_s))
+    return runs
+
+
+def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenarios: dict, progress,
+                  router=None) -> list[RunRecord]:
     """The streaming engine in one process per rank (runtime/multiproc.py), one launch per scenario,
     every policy one workload of that launch; link bursts injected through the transport's chaos hook."""
     from runtime.cluster import RunOptions
     from runtime.multiproc import run_workloads_multiprocess
     if cfg.workload.decode_only:
         raise UserError("clock = process: the multi-process driver does not support decode_only yet")
-    router = _router(cfg, spec)  # None: the model's own; else the same keyed router in every rank process
     for name, inter in scenarios.items():
         if inter.slow:
             raise UserError(f"scenario {name!r}: slow ranks are not injectable into rank processes yet")
@@ -426,35 +456,13 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
     _check(cfg)
     from lowering.plan import compile_plan
     plan = compile_plan(spec, cfg.ranks)
-    router = _router(cfg, spec)
-    if cfg.executor == "sim":
-        from runtime.executor_sim import SimExecutor
-        inner = SimExecutor.for_spec(spec, seed=cfg.seed)
-    else:
-        from models.weights import load_weights
-        from runtime.executor import TorchExecutor
-        inner = TorchExecutor(spec, weights if weights is not None else load_weights(spec))
-    if router is not None:
-        from runtime.experiments.routing_override import KeyedRoutingExecutor
-        executor = KeyedRoutingExecutor(inner, router)
-    else:
-        executor = inner
+    router = _router(cfg, spec)  # None: the model's own router
     requests = _requests(cfg, spec, base_dir)
     scenarios = {name: from_config(c or {}, name, base_dir) for name, c in cfg.scenarios.items()}
-    runs: list[RunRecord] = []
-    todo = cells(cfg) if cfg.clock != "process" else []
-    if cfg.clock == "process":
-        runs = _process_runs(cfg, spec, plan, requests, scenarios, progress)
-    for i, cell in enumerate(todo):
-        if progress:
-            progress(i, len(todo), cell, None)
-        t0 = time.perf_counter()
-        run = run_cell(cell, cfg, plan, executor, requests, router, scenarios[cell.scenario])
-        run.extra["bench_wall_s"] = time.perf_counter() - t0
-        runs.append(run)
-        if progress:
-            from runtime.experiments.report import summarize
-            progress(i + 1, len(todo), cell, summarize(run, cfg.peak_window_s))
+    if cfg.clock == "process":  # every rank process builds its own executor (and the same router)
+        runs = _process_runs(cfg, spec, plan, requests, scenarios, progress, router)
+    else:
+        runs = _in_process_runs(cfg, spec, plan, requests, scenarios, progress, router, weights)
     heat = [r for r in runs if r.system == STREAMING and r.policy in cfg.heatmap_policies
             and r.scenario == cfg.clean_scenario]
     env = environment(device="cpu", mode=cfg.clock)
