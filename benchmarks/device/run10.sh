@@ -8,8 +8,7 @@
 set -u
 OUT=${1:?out dir}
 MODES=${2:-thread engine}   # run 10b: "engine" only (after the pair-communicator fix)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 mkdir -p "$OUT"
 { date -u; git log --oneline -1 2>/dev/null; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | head -3;
   python3 -c 'import torch;print("torch",torch.__version__,"cuda",torch.cuda.is_available(),torch.cuda.device_count())'; } > "$OUT/env.txt" 2>&1

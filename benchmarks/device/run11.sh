@@ -8,8 +8,7 @@
 # half now runs the default path again.)
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 mkdir -p "$OUT"; { date -u; git log --oneline -1; } > "$OUT/env.txt"
 P=$(mktemp -d /tmp/run11.XXXX)
 for m in stream direct; do

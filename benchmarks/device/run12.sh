@@ -5,8 +5,7 @@
 # Output: env.txt, ep_t{16,1}.log, phases_t{16,1}.txt, ep_bench.md (6 files).
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 mkdir -p "$OUT"; { date -u; git log --oneline -1; nproc; } > "$OUT/env.txt"
 P=$(mktemp -d /tmp/run12.XXXX)
 for t in 16 1; do

@@ -7,8 +7,7 @@
 # Output: env.txt, ep20.{log,md}, ep120.{log,md} (5 files).
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 mkdir -p "$OUT"; { date -u; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; } > "$OUT/env.txt" 2>&1
 P=$(mktemp -d /tmp/run13.XXXX)
 S20="streaming-defrag,streaming-defrag:hold_fill=1;hold_us=3000,streaming-defrag:hold_fill=0.9;hold_us=1000,ag-ep"

@@ -5,8 +5,7 @@
 # Output: env.txt, ep20.{log,md}, ep120.{log,md}.
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 mkdir -p "$OUT"; date -u > "$OUT/env.txt"
 P=$(mktemp -d /tmp/run14.XXXX)
 timeout 200 python3 benchmarks/gpu_ep_bench.py --out "$P/a" --budget 190 --systems streaming-defrag,ag-ep --scenarios clean,delay,clean --concurrency 256 > "$OUT/ep20.log" 2>&1

@@ -5,8 +5,7 @@
 # Output: env.txt, tokens.txt.
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 mkdir -p "$OUT"; date -u > "$OUT/env.txt"
 R=$(mktemp -d /tmp/run15.XXXX); cd "$R"
 python3 -m dataflow compile tiny --ranks 2 --device cuda -o plan_gpu >/dev/null 2>&1

@@ -4,8 +4,7 @@
 # clean / delay / clean again. Output: env.txt, ep.{log,md}.
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 mkdir -p "$OUT"; date -u > "$OUT/env.txt"
 P=$(mktemp -d /tmp/run16.XXXX)
 timeout 230 python3 benchmarks/gpu_ep_bench.py --out "$P" --budget 220 --systems "streaming-defrag,streaming-defrag:hold_fill=1;hold_us=2000,ag-ep" --scenarios clean,delay,clean --concurrency 64 > "$OUT/ep.log" 2>&1

@@ -4,8 +4,8 @@
 # failure does not eat the whole call. Usage: bash benchmarks/device/run1_single_gpu.sh $OUT
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_VISIBLE_DEVICES=0
+. benchmarks/device/prelude.sh
+export CUDA_VISIBLE_DEVICES=0
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch,triton;print("torch",torch.__version__,"triton",triton.__version__)'; } 2>&1 | tee $OUT/env.txt
 timeout 120 python3 -m pytest -q -x tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -25 | tee $OUT/kernels_tests.txt
 timeout 150 python3 benchmarks/kernels_bench.py --out $OUT 2>&1 | tail -60 > $OUT/kernels_bench.log; tail -5 $OUT/kernels_bench.log

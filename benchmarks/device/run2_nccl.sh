@@ -4,8 +4,7 @@
 # section again and the end-to-end section. Usage: bash benchmarks/device/run2_nccl.sh $OUT
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 df() { python3 -m dataflow "$@"; }
 cd /tmp && cp -r "$OLDPWD/benchmarks/device/prompts.jsonl" . 2>/dev/null
 { date -u; nvidia-smi --query-gpu=name --format=csv; nvidia-smi topo -m; } 2>&1 | tee $OUT/env.txt

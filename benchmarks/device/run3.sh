@@ -13,8 +13,7 @@
 # CPU dry run: sed '/pip install/d' benchmarks/device/run3.sh | DEV=cpu bash -s -- /tmp/run3
 set -u
 OUT=${1:?out dir}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 DEV=${DEV:-cuda}          # the device the "GPU" plan targets (cpu: dry run of this script)
 BUDGET=530                # seconds for the whole script

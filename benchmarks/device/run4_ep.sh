@@ -8,8 +8,7 @@
 # CPU dry run: sed '/pip install/d' benchmarks/device/run4_ep.sh | bash -s -- /tmp/run4 --smoke
 set -u
 OUT=${1:?out dir}; shift
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 { date -u; git log --oneline -1 2>/dev/null; nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>&1;

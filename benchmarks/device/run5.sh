@@ -6,8 +6,7 @@
 # Output: nccl_runs.txt + run4's env.txt, ep_bench.{log,json,md}.   Usage: bash benchmarks/device/run5.sh $OUT [bench flags]
 set -u
 OUT=${1:?out dir}; shift
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device/prelude.sh
 ROOT=$PWD; W=$(mktemp -d /tmp/run5.XXXX); cd "$W"
 {
   python3 -m dataflow compile tiny --ranks 2 --device cuda -o plan_gpu 2>&1 | tail -3

@@ -10,8 +10,7 @@ set -u
 OUT=${1:?out dir}; shift
 CPU=0; [ "${1:-}" = "--cpu" ] && CPU=1
 if [ $CPU = 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-  export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  . benchmarks/device/prelude.sh
   FLAGS="--budget 100 --systems streaming-defrag --scenarios clean --concurrency 256"
 else
   export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
