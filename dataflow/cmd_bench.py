@@ -26,6 +26,8 @@ def register(app: typer.Typer) -> None:
         systems: Optional[str] = typer.Option(None, help="comma list: streaming,ag-ep,a2a-ep"),
         policies: Optional[str] = typer.Option(None, help="comma list: defrag,mtfs,flfs,aging"),
         seed: Optional[int] = typer.Option(None),
+        repeats: Optional[int] = typer.Option(None, "--repeats",
+                                              help="measure every cell N times (round by round); report medians"),
         kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="KV pages per rank (bounds concurrency)"),
         prompts: Optional[Path] = typer.Option(None, "--prompts", help="prompts JSONL (id, prompt_token_ids, max_new_tokens)"),
         decode_only: Optional[bool] = typer.Option(None, "--decode-only/--with-prefill",
@@ -41,7 +43,7 @@ def register(app: typer.Typer) -> None:
 
         cfg = load_config(config) if config else BenchConfig()
         upd = {k: v for k, v in (("model", model), ("ranks", ranks), ("clock", clock), ("executor", executor),
-                                 ("seed", seed), ("kv_blocks", kv_blocks)) if v is not None}
+                                 ("seed", seed), ("kv_blocks", kv_blocks), ("repeats", repeats)) if v is not None}
         if systems:
             upd["systems"] = [s.strip() for s in systems.split(",") if s.strip()]
         if policies:
@@ -61,8 +63,9 @@ def register(app: typer.Typer) -> None:
                 prog.update(task, total=total, completed=done,
                             description=f"{cell.system}/{cell.policy} [{cell.scenario}]")
                 if summary is not None:
+                    rnd = f" [round {cell.repeat + 1}/{cfg.repeats}]" if cfg.repeats > 1 else ""
                     prog.console.print(f"  {summary['label']:<20} {summary['scenario']:<12} "
-                                       f"{summary['tokens_per_s']:10.1f} tok/s")
+                                       f"{summary['tokens_per_s']:10.1f} tok/s{rnd}")
 
             doc = run_bench(cfg, spec, out, base_dir=config.parent if config else None, progress=progress)
         table = Table(title=f"{cfg.name}: {cfg.ranks} ranks, {cfg.clock} clock, {cfg.executor} executor")
@@ -73,7 +76,9 @@ def register(app: typer.Typer) -> None:
             loss = r.get("loss_vs_clean")
             ratio = r.get("ratio_vs_baseline")
             itl = r.get("itl_p99_ms")
-            table.add_row(r["label"], r["scenario"], f"{r['tokens_per_s']:.1f}",
+            reps = r.get("tokens_per_s_repeats")
+            table.add_row(r["label"], r["scenario"], f"{r['tokens_per_s']:.1f}"
+                          + (f" ({min(reps):.0f}-{max(reps):.0f})" if reps else ""),
                           "-" if ratio is None else f"{ratio:.2f}", "-" if loss is None else f"{loss * 100:+.1f}%",
                           "-" if itl is None else f"{itl:.2f}",
                           f"{r['batches'].get('expert', {}).get('mean_size', r.get('expert_mean_batch') or 0):.1f}")

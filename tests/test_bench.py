@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from runtime.experiments.report import (BatchRecord, QueueSample, RequestRecord, RunRecord, compare, environment,
-                            peak_window_rate, queue_depth_grid, summarize, write_report)
+                            median_over_repeats, peak_window_rate, queue_depth_grid, summarize, write_report)
 
 
 def _run(system, scenario, gap, policy="-", n_req=4, n_tok=10):
@@ -47,6 +47,40 @@ def test_ratios_vs_baseline_and_clean():
     assert by["streaming/defrag", "bursts"]["loss_vs_clean"] == pytest.approx(0.0)
 
 
+def test_repeats_take_medians_and_ratios_between_medians(tmp_path):
+    """Three rounds per cell: every metric is the cell's median, each run's tok/s is kept, and the ratio
+    and the loss compare medians (not one round's samples)."""
+    gaps = {("ag-ep", "clean"): [0.2, 0.25, 0.1], ("ag-ep", "bursts"): [0.4, 0.5, 0.3],
+            ("streaming", "clean"): [0.1, 0.3, 0.2], ("streaming", "bursts"): [0.1, 0.15, 0.3]}
+    runs = []
+    for rnd in range(3):   # round by round, as the bench runs them
+        for (system, sc), g in gaps.items():
+            run = _run(system, sc, g[rnd], "defrag" if system == "streaming" else "-")
+            run.repeat = rnd
+            runs.append(run)
+    sums = median_over_repeats([summarize(r) for r in runs])
+    assert [(s["label"], s["scenario"]) for s in sums] == [("ag-ep", "clean"), ("ag-ep", "bursts"),
+                                                             ("streaming/defrag", "clean"),
+                                                             ("streaming/defrag", "bursts")]
+    tps = lambda g: 40 / (0.3 + 0.5 + 9 * g)   # noqa: E731 (4 requests x 10 tokens, last arrival 0.3)
+    by = {(s["label"], s["scenario"]): s for s in compare(sums, baseline="ag-ep")}
+    ep_c, ep_b = by["ag-ep", "clean"], by["ag-ep", "bursts"]
+    st_c, st_b = by["streaming/defrag", "clean"], by["streaming/defrag", "bursts"]
+    assert ep_c["repeats"] == 3 and ep_c["tokens_per_s_repeats"] == pytest.approx([tps(0.2), tps(0.25), tps(0.1)])
+    assert ep_c["tokens_per_s"] == pytest.approx(tps(0.2)) and ep_b["tokens_per_s"] == pytest.approx(tps(0.4))
+    assert st_b["itl_mean_ms"] == pytest.approx(150) and st_b["duration_s"] == pytest.approx(0.8 + 9 * 0.15)
+    assert st_b["batches"]["attn"] == {"count": 2, "mean_size": 3.0, "max_size": 4}
+    assert st_b["ratio_vs_baseline"] == pytest.approx(tps(0.15) / tps(0.4))
+    assert ep_b["loss_vs_clean"] == pytest.approx(1 - tps(0.4) / tps(0.2))
+    assert st_b["loss_vs_clean"] == pytest.approx(1 - tps(0.15) / tps(0.2))
+    # a cell measured once passes through as it was (repeats = 1: the report is today's)
+    one = [summarize(_run("ag-ep", "clean", 0.2))]
+    assert median_over_repeats(one)[0] is one[0] and "repeats" not in one[0]
+    write_report(tmp_path, runs, baseline="ag-ep", env={"host": "test"})
+    md = (tmp_path / "report.md").read_text()
+    assert "tok/s median of 3 (min-max)" in md and f"{tps(0.2):.1f} ({tps(0.25):.1f}-{tps(0.1):.1f})" in md
+
+
 def test_queue_grid_sums_ranks():
     run = RunRecord("s", "p", "c", [], queue_samples=[QueueSample(0.0, 0, 1, 3), QueueSample(0.0, 1, 1, 4),
                                                         QueueSample(1.0, 0, 0, 2)])
@@ -86,6 +120,36 @@ def test_run_bench_small_matrix_is_deterministic(tmp_path):
     assert a["targets"] and (tmp_path / "a" / "queue_heatmap.png").exists()
     bursts = {r["label"]: r for r in a["results"] if r["scenario"] == "bursts"}
     assert bursts["ag-ep"]["loss_vs_clean"] > 0          # the slow link costs the barrier something
+
+
+def test_bench_repeats_run_round_by_round_and_one_repeat_is_unchanged(tmp_path):
+    """repeats = 2 on the virtual clock (deterministic): the matrix runs twice, round 0 of every cell
+    before round 1, and every median equals the single run's number; repeats = 1 adds nothing."""
+    from graph_ir.spec import load_spec
+    from runtime.experiments.bench import BenchConfig, cells, run_bench
+    base = {"ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
+            "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
+            "routing": {"kind": "zipf", "s": 1.0}, "systems": ["streaming", "ag-ep"], "policies": ["defrag", "mtfs"],
+            "scenarios": {"clean": {"latency_us": 40},
+                          "bursts": {"latency_us": 40, "bursts": [{"period_ms": 2, "duty": 0.5, "extra_delay_us": 500,
+                                                                    "links": [[0, 1]]}]}}}
+    spec = load_spec("models/specs/tiny.yaml")
+    once = run_bench(BenchConfig.model_validate(base), spec, tmp_path / "one")
+    seen = []
+    cfg2 = BenchConfig.model_validate({**base, "repeats": 2})
+    twice = run_bench(cfg2, spec, tmp_path / "two",
+                      progress=lambda i, n, cell, summ: seen.append((cell, n)) if summ is not None else None)
+    one_round = [(c.system, c.policy, c.scenario) for c in cells(cfg2)]
+    assert [(c.system, c.policy, c.scenario) for c, _ in seen] == one_round * 2
+    assert [c.repeat for c, _ in seen] == [0] * len(one_round) + [1] * len(one_round)
+    assert {n for _, n in seen} == {2 * len(one_round)}
+    assert len(twice["results"]) == len(once["results"]) == len(one_round)
+    for a, b in zip(once["results"], twice["results"]):
+        assert "repeats" not in a and "tokens_per_s_repeats" not in a
+        assert b["repeats"] == 2 and b["tokens_per_s_repeats"] == [a["tokens_per_s"]] * 2
+        for k in ("tokens_per_s", "itl_p99_ms", "ratio_vs_baseline", "loss_vs_clean", "batches", "output_tokens"):
+            assert b[k] == pytest.approx(a[k]) if isinstance(a[k], float) else b[k] == a[k], k
+    assert [t["value"] for t in twice["targets"]] == [t["value"] for t in once["targets"]]
 
 
 def test_bench_runs_the_wave_hold_it_is_given(tmp_path):

@@ -14,12 +14,17 @@ Clocks:
 - wall: real tensors on this machine, link delays injected on the in-process transport, a slow
   rank sleeps (factor - 1) x its measured compute.
 
+Repeats (`repeats: N`): the whole matrix is measured N times, round by round (every cell's round r
+before any cell's round r + 1, so slow drift of the machine hits every cell alike); the report gives
+each cell's median over its N runs, and ratios between medians (runtime/experiments/report.py).
+
 Injection points, applied identically to every system: the transport's delay hook asks
 `Interference.delay(src, dst, nbytes, now)` (and counts bytes per link); compute time is scaled
 by `Interference.compute_scale(rank, now)`.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -96,6 +101,7 @@ class BenchConfig(_Strict):
     clock: Literal["virtual", "wall", "process"] = "virtual"
     executor: Literal["sim", "torch"] = "sim"
     seed: int = 0
+    repeats: int = Field(1, gt=0)        # measure the matrix N times (round by round); report medians
     kv_blocks: Optional[int] = Field(None, gt=0)
     # Bytes the link model charges per tensor row (None: the tensors' real bytes). Lets a tiny or
     # simulated model (8-byte rows) carry a real model's rows: GPT-OSS hidden 2880 x bf16 = 5760.
@@ -151,6 +157,7 @@ class Cell:
     system: str
     policy: str
     scenario: str
+    repeat: int = 0      # round of the matrix (0 .. repeats - 1)
 
 
 @dataclass
@@ -349,13 +356,14 @@ def _in_process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scen
     else:
         executor = inner
     runs: list[RunRecord] = []
-    todo = cells(cfg)
+    todo = [Cell(c.system, c.policy, c.scenario, r) for r in range(cfg.repeats) for c in cells(cfg)]
     for i, cell in enumerate(todo):
         if progress:
             progress(i, len(todo), cell, None)
         t0 = time.perf_counter()
         run = run_cell(cell, cfg, plan, executor, requests, router, scenarios[cell.scenario])
         run.extra["bench_wall_s"] = time.perf_counter() - t0
+        run.repeat = cell.repeat
         runs.append(run)
         if progress:
             from runtime.experiments.report import summarize
@@ -366,7 +374,8 @@ def _in_process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scen
 def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenarios: dict, progress,
                   router=None) -> list[RunRecord]:
     """The streaming engine in one process per rank (runtime/multiproc.py), one launch per scenario,
-    every policy one workload of that launch; link bursts injected through the transport's chaos hook."""
+    every policy one workload of that launch; link bursts injected through the transport's chaos hook.
+    With repeats, the scenarios' launches are run `repeats` times over, round by round."""
     from runtime.cluster import RunOptions
     from runtime.multiproc import run_workloads_multiprocess
     if cfg.workload.decode_only:
@@ -377,15 +386,16 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
     barriers = [s for s in cfg.systems if s in BARRIER_SYSTEMS]
     streaming = STREAMING in cfg.systems
     runs, i = [], 0
-    todo = len(scenarios) * ((len(cfg.policies) if streaming else 0) + len(barriers))
+    todo = cfg.repeats * len(scenarios) * ((len(cfg.policies) if streaming else 0) + len(barriers))
     stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
-    for name, inter in scenarios.items():
+    for rnd, (name, inter) in itertools.product(range(cfg.repeats), scenarios.items()):
         for system in barriers:
             runs.append(_process_barrier(cfg, plan, requests, system, name, inter, stage_names, router))
+            runs[-1].repeat = rnd
             i += 1
             if progress:
                 from runtime.experiments.report import summarize
-                progress(i, todo, Cell(system, "-", name), summarize(runs[-1], cfg.peak_window_s))
+                progress(i, todo, Cell(system, "-", name, rnd), summarize(runs[-1], cfg.peak_window_s))
         if not streaming:
             continue
         work = []
@@ -394,7 +404,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
                     for q in requests]
             work.append((reqs, RunOptions(policy=pol, clock="wall", kv_blocks=cfg.kv_blocks, router=router)))
         if progress:
-            progress(i, todo, Cell(STREAMING, ",".join(cfg.policies), name), None)
+            progress(i, todo, Cell(STREAMING, ",".join(cfg.policies), name, rnd), None)
         t0 = time.perf_counter()
         results = run_workloads_multiprocess(plan, work, chaos=WallLinkDelays(inter), timeout=600.0)
         wall = time.perf_counter() - t0
@@ -405,12 +415,13 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
             run = RunRecord(STREAMING, opts.policy, name, records, [], [], {}, m.get("max_queue_delay_s"), stage_names,
                             extra={"unfinished": sum(1 for q in res.requests if not q.done), "bench_wall_s": wall,
                                    "expert_mean_batch": m.get("expert_mean_batch"),
-                                   "attn_mean_batch": m.get("attn_mean_batch"), "processes": cfg.ranks})
+                                   "attn_mean_batch": m.get("attn_mean_batch"), "processes": cfg.ranks},
+                            repeat=rnd)
             runs.append(run)
             i += 1
             if progress:
                 from runtime.experiments.report import summarize
-                progress(i, todo, Cell(STREAMING, opts.policy, name), summarize(run, cfg.peak_window_s))
+                progress(i, todo, Cell(STREAMING, opts.policy, name, rnd), summarize(run, cfg.peak_window_s))
     return runs
 
 
@@ -464,7 +475,7 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
     else:
         runs = _in_process_runs(cfg, spec, plan, requests, scenarios, progress, router, weights)
     heat = [r for r in runs if r.system == STREAMING and r.policy in cfg.heatmap_policies
-            and r.scenario == cfg.clean_scenario]
+            and r.scenario == cfg.clean_scenario and r.repeat == 0]
     env = environment(device="cpu", mode=cfg.clock)
     env["executor"] = cfg.executor
     doc = write_report(out_dir, runs, cfg.baseline, env, cfg.peak_window_s, cfg.model_dump(),
@@ -476,7 +487,7 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
 def targets(results: list[dict], cfg: BenchConfig) -> list[dict]:
     """The issue's done-when numbers, measured: ratio >= 1.5x vs the baseline under interference, EP
     loses >= 20% under interference, streaming loses <= 5%, defrag beats mtfs/flfs on batch size
-    and throughput. Printed, never asserted."""
+    and throughput. Printed, never asserted. With repeats, `results` are the cells' medians."""
     out = []
     by = {(r["label"], r["scenario"]): r for r in results}
     disturbed = [s for s in cfg.scenarios if s != cfg.clean_scenario]

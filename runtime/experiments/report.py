@@ -12,6 +12,11 @@ Definitions (the paper's where it gives one):
   latency: last token - arrival;
 - batch size per stage kind: mean/max rows of the batches each kind ran;
 - max queueing delay: the longest any token waited in a queue (reported by the runtime).
+
+Repeats: a matrix measured N times (`repeats` in the bench config) has N runs per (system/policy,
+scenario); the report's numbers for that cell are the median over its runs of every metric (tok/s,
+ITL, TTFT, batch sizes, ...; the worst for `unfinished`), its tok/s per run are kept in
+`tokens_per_s_repeats`, and ratios / loss vs clean are taken between medians.
 """
 from __future__ import annotations
 
@@ -67,6 +72,7 @@ class RunRecord:
     max_queue_delay_s: Optional[float] = None
     stage_names: list[str] = field(default_factory=list)       # label of each stage index
     extra: dict = field(default_factory=dict)
+    repeat: int = 0                     # which round of a repeated matrix (0 when measured once)
 
     @property
     def label(self) -> str:
@@ -159,6 +165,45 @@ def environment(device: str = "cpu", mode: str = "") -> dict:
     return env
 
 
+def median_over_repeats(summaries: list[dict]) -> list[dict]:
+    """One summary per (label, scenario), in first-seen order: a cell measured once is passed through
+    unchanged (the same dict); a cell measured N > 1 times becomes the median of every numeric field over
+    its N summaries (nested dicts such as `batches` and `link_bytes` key by key), the most unfinished
+    requests of any run, plus `repeats` = N and `tokens_per_s_repeats` = each run's tok/s in run order."""
+    groups: dict[tuple, list[dict]] = {}
+    for s in summaries:
+        groups.setdefault((s["label"], s["scenario"]), []).append(s)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        m = _median_of(group)
+        if any("unfinished" in g for g in group):
+            m["unfinished"] = max(g.get("unfinished") or 0 for g in group)
+        m["repeats"] = len(group)
+        m["tokens_per_s_repeats"] = [g["tokens_per_s"] for g in group]
+        out.append(m)
+    return out
+
+
+def _median_of(ds: list[dict]) -> dict:
+    keys = list(dict.fromkeys(k for d in ds for k in d))
+    out = {}
+    for k in keys:
+        vals = [d[k] for d in ds if k in d and d[k] is not None]
+        if not vals:
+            out[k] = None
+        elif all(isinstance(v, dict) for v in vals):
+            out[k] = _median_of(vals)
+        elif all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in vals):
+            med = float(np.median(np.asarray(vals, dtype=np.float64)))
+            out[k] = int(med) if all(isinstance(v, (int, np.integer)) for v in vals) and med.is_integer() else med
+        else:
+            out[k] = vals[0]   # names, labels: equal in every run of a cell
+    return out
+
+
 def compare(summaries: list[dict], baseline: str, clean: str = "clean") -> list[dict]:
     """Adds side-by-side ratios to each summary (in place, and returns them):
     `ratio_vs_baseline` = tokens/s over the baseline system's in the same scenario (first baseline
@@ -182,7 +227,9 @@ def _f(x: Optional[float], fmt: str = ".1f") -> str:
 
 
 def markdown_table(summaries: list[dict], baseline: str) -> str:
-    head = ("| system | scenario | tok/s | peak tok/s | x " + baseline + " | loss vs clean | ITL mean / p50 / p99 ms "
+    reps = max((s.get("repeats") or 1 for s in summaries), default=1)
+    tok = "tok/s" if reps == 1 else f"tok/s median of {reps} (min-max)"
+    head = ("| system | scenario | " + tok + " | peak tok/s | x " + baseline + " | loss vs clean | ITL mean / p50 / p99 ms "
             "| TTFT p50 ms | mean batch (attn / expert) | max queue delay ms | live req | busy |")
     lines = [head, "|" + "---|" * 12]
     for s in summaries:
@@ -190,8 +237,12 @@ def markdown_table(summaries: list[dict], baseline: str) -> str:
         attn = b.get("attn", {}).get("mean_size", s.get("attn_mean_batch"))
         exp = b.get("expert", {}).get("mean_size", s.get("expert_mean_batch"))
         loss = s.get("loss_vs_clean")
+        tps = _f(s["tokens_per_s"])
+        if s.get("tokens_per_s_repeats"):   # median (min-max over the repeats)
+            reps = s["tokens_per_s_repeats"]
+            tps += f" ({min(reps):.1f}-{max(reps):.1f})"
         lines.append(
-            f"| {s['label']} | {s['scenario']} | {_f(s['tokens_per_s'])} | {_f(s['peak_tokens_per_s'])} "
+            f"| {s['label']} | {s['scenario']} | {tps} | {_f(s['peak_tokens_per_s'])} "
             f"| {_f(s.get('ratio_vs_baseline'), '.2f')} | {'-' if loss is None else f'{loss * 100:+.1f}%'} "
             f"| {_f(s['itl_mean_ms'], '.2f')} / {_f(s['itl_p50_ms'], '.2f')} / {_f(s['itl_p99_ms'], '.2f')} "
             f"| {_f(s['ttft_p50_ms'], '.2f')} | {_f(attn)} / {_f(exp)} | {_f(s['max_queue_delay_ms'], '.2f')} "
@@ -248,12 +299,15 @@ def plot_itl_cdf(runs: list[RunRecord], path: Path) -> Path:
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 3.6), squeeze=False)
     for ax, sc in zip(axes[0], scenarios):
+        pooled: dict[str, list[float]] = {}   # one curve per label: the repeats of a cell pooled
         for r in runs:
-            if r.scenario != sc:
-                continue
-            itl = np.sort([b - a for q in r.requests for a, b in zip(q.token_times, q.token_times[1:])]) * 1e3
+            if r.scenario == sc:
+                pooled.setdefault(r.label, []).extend(
+                    b - a for q in r.requests for a, b in zip(q.token_times, q.token_times[1:]))
+        for label, gaps in pooled.items():
+            itl = np.sort(gaps) * 1e3
             if itl.size:
-                ax.plot(itl, np.arange(1, itl.size + 1) / itl.size, label=r.label)
+                ax.plot(itl, np.arange(1, itl.size + 1) / itl.size, label=label)
         ax.set_xscale("log")
         ax.set_xlabel("inter-token latency (ms)")
         ax.set_ylabel("CDF")
@@ -313,7 +367,7 @@ def write_report(out_dir: str | Path, runs: list[RunRecord], baseline: str, env:
     """Write report.json, report.md and the PNGs into `out_dir`; returns the JSON document."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summaries = compare([summarize(r, peak_window_s) for r in runs], baseline)
+    summaries = compare(median_over_repeats([summarize(r, peak_window_s) for r in runs]), baseline)
     files = {"throughput": plot_throughput(summaries, out / "throughput.png", baseline).name,
              "itl_cdf": plot_itl_cdf(runs, out / "itl_cdf.png").name}
     hm = plot_heatmaps(heatmap_runs if heatmap_runs is not None else runs, out / "queue_heatmap.png")
