@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
                 if summary is not None:
                     rnd = f" [round {cell.repeat + 1}/{cfg.repeats}]" if cfg.repeats > 1 else ""
                     prog.console.print(f"  {summary['label']:<20} {summary['scenario']:<12} "
-                                       f"{summary['tokens_per_s']:10.1f} tok/s{rnd}")
+                                       f"{summary['tokens_per_s']:10.1f} tok/s{rnd}", markup=False)
 
             doc = run_bench(cfg, spec, out, base_dir=config.parent if config else None, progress=progress)
         table = Table(title=f"{cfg.name}: {cfg.ranks} ranks, {cfg.clock} clock, {cfg.executor} executor")
@@ -86,5 +86,5 @@ def register(app: typer.Typer) -> None:
         for t in doc.get("targets", []):
             v = t["value"]
             console.print(f"{'MET    ' if t['met'] else 'NOT MET'} {t['target']}: "
-                          f"{f'{v:.3f}' if isinstance(v, float) else v}")
+                          f"{f'{v:.3f}' if isinstance(v, float) else v}", markup=False)
         console.print(f"report: {out / 'report.md'}")
