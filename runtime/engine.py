@@ -35,6 +35,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from runtime.device_index import to_device
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
@@ -241,10 +242,10 @@ class Engine:
             h_res, shared, w = g.h_res, g.shared, g.weights
         else:
             rows = g.rows_of(segs)
-            idx = torch.from_numpy(rows)
-            h_res = g.h_res.index_select(0, idx.to(g.h_res.device))
-            shared = None if g.shared is None else g.shared.index_select(0, idx.to(g.shared.device))
-            w = g.weights.index_select(0, idx.to(g.weights.device))
+            idx = to_device(rows, g.h_res.device)
+            h_res = g.h_res.index_select(0, idx)
+            shared = None if g.shared is None else g.shared.index_select(0, idx)
+            w = g.weights.index_select(0, to_device(rows, g.weights.device))
         h_next = self.executor.combine(h_res, shared, MergeTable.stacked(g, rows), w)
         nxt = self.stages[self._expert_stage(g.layer)].next
         n = g.n[segs]
@@ -260,7 +261,7 @@ class Engine:
         if self.stages[sid].kind == "sample":
             # Only the last position of a request is ever sampled (rows were filtered before).
             if multi:
-                h = h.index_select(0, torch.from_numpy(np.cumsum(ns) - 1).to(h.device))
+                h = h.index_select(0, to_device(np.cumsum(ns) - 1, h.device))
             q.push(SampleItem(rids, h, now, len(rids)))
         elif not multi:
             for i, (rid, p) in enumerate(zip(rids, first)):
@@ -459,10 +460,10 @@ class Engine:
             return
         sel = None
         if keep is not None and len(keep) != row:
-            sel = torch.tensor(keep, dtype=torch.long)
+            sel = np.asarray(keep, dtype=np.int64)
 
         def rows_of(t: torch.Tensor) -> torch.Tensor:
-            return t if sel is None else t.index_select(0, sel.to(t.device))
+            return t if sel is None else t.index_select(0, to_device(sel, t.device))
 
         nxt = batch.stage.next
         if "ids" not in out:
@@ -483,7 +484,7 @@ class Engine:
         order = np.argsort(dst, kind="stable") if np.count_nonzero(counts) > 1 else np.arange(T * k, dtype=np.int64)
         tags = order + (g.gid << TAG_SHIFT)
         experts = flat[order]
-        src_rows = torch.from_numpy(order // k).to(x.device)
+        src_rows = to_device(order // k, x.device)
         # Wave announcement: this home's tokens still headed for attn(layer) soon (queued, or in merges of
         # the layer before), times this batch's rows per token to each owner: what that owner's expert
         # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").

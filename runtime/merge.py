@@ -21,6 +21,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from runtime.device_index import to_device
+
 TAG_SHIFT = 32
 TAG_MASK = (1 << TAG_SHIFT) - 1
 
@@ -139,10 +141,10 @@ class MergeTable:
                 raise ValueError(f"duplicate expert output for {(g.rids[seg], g.pos0[seg], g.layer)} "
                                  f"row {r - int(g.start[seg])} slot {s}")
             g.nfilled = nfilled
-            ys = y if idx is None else y.index_select(0, torch.from_numpy(idx).to(y.device))
+            ys = y if idx is None else y.index_select(0, to_device(idx, y.device))
             if g.y is None:
                 g.y = torch.empty((g.rows * k,) + tuple(y.shape[1:]), dtype=y.dtype, device=g.h_res.device)
-            g.y.index_copy_(0, torch.from_numpy(f).to(g.y.device), ys.to(g.y.device, g.y.dtype))
+            g.y.index_copy_(0, to_device(f, g.y.device), ys.to(g.y.device, g.y.dtype))
             dec = np.bincount(g.seg_of_row[f // k], minlength=len(g.missing))
             g.missing -= dec
             done = np.flatnonzero((g.missing == 0) & (dec > 0))
@@ -159,4 +161,4 @@ class MergeTable:
     def stacked(g: MergeGroup, rows: Optional[np.ndarray] = None) -> torch.Tensor:
         """Expert rows of group rows `rows` (all when None) as [n, k, H] in slot order, for `moe_combine`."""
         y = g.y.view((g.rows, g.k) + tuple(g.y.shape[1:]))
-        return y if rows is None else y.index_select(0, torch.from_numpy(rows).to(y.device))
+        return y if rows is None else y.index_select(0, to_device(rows, y.device))

@@ -167,12 +167,19 @@ def _profiled(node: "RankNode"):
     dataflow-rank{rank}.prof in the working directory; "{rank}" in the name is replaced), plus
     the serving loop's wall time per phase (poll, idle wait, tick, next_batch, execute,
     complete, finish notices) per iteration to the same name + ".phases.txt".
-    DATAFLOW_PROFILE_CPROFILE=0: the phase times only (no cProfile overhead in them)."""
+    DATAFLOW_PROFILE_CPROFILE=0: the phase times only (no cProfile overhead in them).
+    DATAFLOW_PROFILE_TORCH=START:COUNT: also a torch.profiler trace (host ops, CUDA runtime calls, device
+    kernels) of batches START .. START+COUNT-1 of the process (warm-up workload included), written to
+    the same name + ".trace.json" (chrome://tracing / Perfetto)."""
     import cProfile
     import pstats
     path = os.environ.get("DATAFLOW_PROFILE_OUT") or "dataflow-rank{rank}.prof"
     path = path.replace("{rank}", str(node.rank))
     node.phases = _PhaseTimes()
+    window = os.environ.get("DATAFLOW_PROFILE_TORCH")
+    if window:
+        start, count = (int(x) for x in window.split(":"))
+        node.phases.trace = _TraceWindow(start, count, path + ".trace.json")
     # Nested inside complete/feed/finish (not part of the loop's sum): every send, data or control. Here,
     # once per process: wrapped per workload in _loop it counted each send once per workload so far
     # (runs 9-12 reported up to 3x the sends).
@@ -181,6 +188,8 @@ def _profiled(node: "RankNode"):
     try:
         return prof.runcall(node.serve) if prof is not None else node.serve()
     finally:
+        if node.phases.trace is not None:
+            node.phases.trace.close()  # a window the run ended inside of
         with open(path + ".phases.txt", "w") as f:
             f.write(node.phases.report(node.rank))
             if prof is not None:
@@ -203,10 +212,38 @@ def _timed(ph: "_PhaseTimes", name: str, fn, by_kind: bool = False):
     return timed
 
 
+class _TraceWindow:
+    """A torch.profiler trace of batches [start, start + count) of this process (DATAFLOW_PROFILE_TORCH)."""
+
+    def __init__(self, start: int, count: int, path: str) -> None:
+        self.start, self.stop, self.path = start, start + count, path
+        self.batches = 0
+        self._prof = None
+
+    def on_batch(self) -> None:
+        import torch
+        self.batches += 1
+        if self.batches == self.start:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=acts)
+            self._prof.__enter__()
+        elif self.batches == self.stop and self._prof is not None:
+            self.close()
+
+    def close(self) -> None:
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(self.path)
+
+
 class _PhaseTimes:
     """Wall seconds per phase of RankNode._loop (only when profiling: the normal loop times nothing)."""
 
     def __init__(self) -> None:
+        self.trace: Optional[_TraceWindow] = None
         self.t: dict[str, float] = {}
         self.n: dict[str, int] = {}
         self.iterations = 0
@@ -447,6 +484,8 @@ class RankNode:
                 ran = True
                 if ph is not None:
                     ph.batches[batch.stage.kind] = ph.batches.get(batch.stage.kind, 0) + 1
+                    if ph.trace is not None:
+                        ph.trace.on_batch()
             if e.finished:
                 finish()
                 ran = True
