@@ -55,6 +55,7 @@ from models.weights import ModelWeights, expected_shapes, random_weights  # noqa
 from runtime.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executor import TorchExecutor  # noqa: E402
 from runtime.executor_cuda import CudaExecutor  # noqa: E402
+from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps  # noqa: E402
 from runtime.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
 from runtime.requests import Request  # noqa: E402
 from runtime.scheduler import POLICIES  # noqa: E402
@@ -272,24 +273,6 @@ def section_correctness(args, dev: torch.device, results: dict) -> None:
 # executor microbenchmarks
 
 
-def measure_copy_bps(dev: torch.device) -> float | None:
-    if dev.type != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(dev)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(5):
-        dst.copy_(src)
-    e.record()
-    e.synchronize()
-    t = s.elapsed_time(e) / 1e3 / 5
-    del src, dst
-    return 2 * (1 << 30) / t
-
-
 def time_call(fn, dev: torch.device, iters: int) -> tuple[float, float]:
     """(GPU seconds per call from events, host seconds per call) over `iters` back-to-back calls."""
     fn()
@@ -384,7 +367,7 @@ def section_executor(args, dev: torch.device, results: dict, S: dict) -> None:
                         from runtime.capture import bucket_for
                         gpu = replay_gpu_s(ex, ("expert", 0, bucket_for(N, S["expert_buckets"])), dev, S["iters"]) or call_gpu
                         rec["call_gpu_us"] = call_gpu * 1e6  # back-to-back calls: max(host, device) per call
-                        nbytes = rec["active"] * (3 * H * I + 2 * I + H) * es + 2 * N * H * es
+                        nbytes = expert_batch_bytes(rec["active"], N, H, I, es)
                         flops = 6 * N * H * I
                         floor = max(nbytes / ceiling, flops / 800e12)
                         rec.update(rel_err=err, ok=err < (3e-2 if dtype != torch.float32 else 1e-4),

@@ -81,6 +81,11 @@ def summarize(w: dict) -> dict:
             s[f"{kind}_mean_batch"] = b[kind]["mean_rows"]
             s[f"{kind}_host_us"] = b[kind]["host_us"]
             s[f"{kind}_batches"] = b[kind]["batches"]
+            s[f"{kind}_device_us"] = b[kind].get("device_us")
+            s[f"{kind}_hidden"] = b[kind].get("hidden_share")
+    if "expert" in b:
+        s["expert_GBps"] = b["expert"].get("GBps")
+        s["expert_pct_copy"] = b["expert"].get("pct_copy")
     if w.get("delay_stalls_s") is not None:
         s["delay_stall_s"] = w["delay_stalls_s"]
     return s
@@ -286,14 +291,18 @@ def _f(x, fmt="{:.1f}"):
 
 def table_lines(results: dict) -> list[str]:
     L = ["| system | scenario | C/rank | tok/s | vs clean | /ag-ep | /a2a-ep | ITL p50 ms | ITL p99 ms | attn batch | "
-         "expert batch | host us attn | host us expert | unfinished | tokens |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "expert batch | host us attn (hidden) | host us expert (hidden) | expert GB/s (% copy) | unfinished | tokens |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda x: "" if x is None else f" ({100 * x:.0f}%)"  # noqa: E731
     for r in results["runs"]:
         L.append(f"| {r['system']} | {r['name'].split('/')[1]} | {r['name'].split('/')[2][1:]} | {_f(r.get('tokens_per_s'))} | "
                  f"{_f(r.get('vs_clean'), '{:.2f}')} | {_f(r.get('ratio_vs_ag-ep'), '{:.2f}x')} | "
                  f"{_f(r.get('ratio_vs_a2a-ep'), '{:.2f}x')} | {_f(r.get('itl_p50_ms'), '{:.2f}')} | "
                  f"{_f(r.get('itl_p99_ms'), '{:.2f}')} | {_f(r.get('attn_mean_batch'))} | {_f(r.get('expert_mean_batch'))} | "
-                 f"{_f(r.get('attn_host_us'), '{:.0f}')} | {_f(r.get('expert_host_us'), '{:.0f}')} | {r['unfinished']} | "
+                 f"{_f(r.get('attn_host_us'), '{:.0f}')}{pct(r.get('attn_hidden'))} | "
+                 f"{_f(r.get('expert_host_us'), '{:.0f}')}{pct(r.get('expert_hidden'))} | "
+                 f"{_f(r.get('expert_GBps'), '{:.0f}')}{_f(r.get('expert_pct_copy'), ' ({:.0f}%)') if r.get('expert_pct_copy') else ''} | "
+                 f"{r['unfinished']} | "
                  f"{r.get('tokens_equal_to', 'reference')} |")
     return L
 
@@ -308,7 +317,11 @@ def write_md(path: Path, results: dict) -> None:
          f"all requests at t=0; bursts {m['burst']}.", "",
          "tok/s = generated tokens / (last finish - start); ratios = streaming / baseline at the same scenario and C; "
          "host us = wall of the executor calls of a batch minus time blocked on the device (streaming: "
-         "execute+complete of a batch; barrier: attention+route+shared, and expert compute incl. index ops).", ""]
+         "execute+complete of a batch; barrier: attention+route+shared, and expert compute incl. index ops); "
+         "(hidden) = share of that host time overlapped by the batch's device work (per batch exposed = "
+         "max(0, wall - device time of its attention/expert graphs); 1 - exposed / host); expert GB/s = "
+         "bytes an expert batch cannot avoid (active experts' weights + rows in/out) / its device time, "
+         "and its share of the measured device copy bandwidth.", ""]
     L += table_lines(results)
     if results.get("hogs"):
         L += ["", "Hogs (rate while running):", ""] + [f"- {json.dumps(h)}" for h in results["hogs"]]

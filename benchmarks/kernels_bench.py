@@ -51,6 +51,7 @@ from kernels.permute import (  # noqa: E402
     gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton,
 )
 from kernels.topk_merge import topk_merge_torch, topk_merge_triton  # noqa: E402
+from runtime.experiments.floors import measure_copy_bps  # noqa: E402
 
 NOMINAL_COPY_BPS = 4.2e12  # H200 achieved device copy, bytes/s
 NOMINAL_BF16_FLOPS = 800e12  # H200 sustainable dense bf16, FLOP/s
@@ -117,16 +118,6 @@ def time_graph(fn: Callable[[], object], device: torch.device, iters: int, reps:
         torch.cuda.synchronize(device)
         return None
     return time_eager(graph.replay, device, 1, reps) / iters
-
-
-def measure_copy_bps(device: torch.device) -> float | None:
-    """Device-to-device copy bandwidth (read + write bytes / s) of a 1 GiB buffer."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = time_eager(lambda: dst.copy_(src), device, 5, 5)
-    return 2 * src.numel() / seconds
 
 
 # ----------------------------------------------------------------------------------------------

@@ -81,3 +81,48 @@ def test_hog_start_stop_cpu():
         time.sleep(0.2)
         info = h.stop()
         assert info["returncode"] == 0 and info["iters"] > 0, info
+
+
+def test_host_probe_hidden_share_and_expert_bandwidth():
+    """The GPU bench's columns from a probe fed known times: a batch whose wall time is covered by its
+    device time is fully hidden, one with no device work fully exposed; expert GB/s = the floor bytes
+    of its distinct experts / device time, against the copy ceiling."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from runtime.experiments.barrier_dist import HostProbe, merge_probes
+    from runtime.experiments.floors import expert_batch_bytes
+
+    class Ev:  # a CUDA event pair stand-in: elapsed_time in ms
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    inner = types.SimpleNamespace(device=torch.device("cuda"))  # a CUDA executor turns its event list on
+    probe = HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, 8, 4, 2))
+    assert inner.profile == []
+    clock = iter([0.0, 0.010, 1.0, 1.010])  # two batches of 10 ms wall each
+    import runtime.experiments.barrier_dist as bd
+    real = bd.time.perf_counter
+    bd.time.perf_counter = lambda: next(clock)
+    try:
+        t = probe.start()
+        inner.profile.append(("expert", Ev(0.0), Ev(10.0)))  # 10 ms of device work: all hidden
+        probe.add("expert", 6, t, [np.array([1, 1, 2]), np.array([3, 2, 1])])
+        t = probe.start()
+        probe.add("attn", 4, t)  # no device events: its host time is not credited either way
+    finally:
+        bd.time.perf_counter = real
+    s = probe.summary()
+    assert s["expert"]["batches"] == 1 and s["expert"]["timed"] == 1 and s["expert"]["exposed_s"] == 0.0
+    assert s["expert"]["expert_bytes"] == 3 * (3 * 8 * 4 + 2 * 4 + 8) * 2 + 2 * 6 * 8 * 2
+    m = merge_probes([s, s], copy_bps=1e9)
+    assert m["expert"]["batches"] == 2 and m["expert"]["hidden_share"] == 1.0
+    assert abs(m["expert"]["GBps"] - s["expert"]["expert_bytes"] / 0.010 / 1e9) < 1e-12
+    assert abs(m["expert"]["pct_copy"] - 100 * m["expert"]["GBps"]) < 1e-9
+    assert m["attn"]["hidden_share"] is None and m["attn"]["device_us"] is None
+    assert abs(m["attn"]["host_us"] - 10_000) < 1e-6

@@ -40,9 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from runtime.experiments.barrier import step_batch
+from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,20 +112,90 @@ def _waited(inner) -> float:
 
 
 class HostProbe:
-    """Host time per batch kind: wall of the executor calls minus the time blocked on the device."""
+    """Per batch kind, what issue 7 asks a GPU bench to print: host time per batch (wall of the batch's
+    executor work minus the time blocked on the device), device time (the CUDA events the executor
+    records around its attention and expert calls while its `profile` is a list; `__init__` turns that
+    on), the share of the host time hidden behind device work (NOTES §5: per batch exposed = max(0,
+    wall - device time); hidden = 1 - sum(exposed) / sum(host)), and for expert batches the bytes they
+    cannot avoid (runtime/experiments/floors.py) for their achieved bandwidth.
 
-    def __init__(self) -> None:
-        self.acc: dict[str, list] = {}   # kind -> [batches, rows, host_s]
+        t = probe.start(); <batch work>; probe.add(kind, rows, t, expert_ids)
+        probe.summary()   # after the device finished (reads the events): sums, merged by merge_probes
+    """
 
-    def add(self, kind: str, rows: int, host_s: float) -> None:
-        a = self.acc.setdefault(kind, [0, 0, 0.0])
-        a[0] += 1
-        a[1] += rows
-        a[2] += max(host_s, 0.0)
+    def __init__(self, inner=None, expert_bytes=None) -> None:
+        self.inner = inner
+        self.expert_bytes = expert_bytes  # (active experts, rows) -> bytes; None: no bandwidth column
+        if inner is not None and getattr(inner, "device", torch.device("cpu")).type == "cuda":
+            inner.profile = []
+        self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids)
+
+    def _events(self) -> Optional[list]:
+        return getattr(self.inner, "profile", None) if self.inner is not None else None
+
+    def start(self) -> tuple:
+        ev = self._events()
+        return time.perf_counter(), _waited(self.inner), len(ev) if ev is not None else 0
+
+    def add(self, kind: str, rows: int, started: tuple, experts=None) -> None:
+        """`experts`: the batch's expert ids (arrays or tensors; their distinct count is taken in
+        summary(), off the timed path)."""
+        t0, w0, i0 = started
+        wall = time.perf_counter() - t0
+        ev = self._events()
+        self.recs.append((kind, rows, max(wall - (_waited(self.inner) - w0), 0.0), wall,
+                          ev[i0:] if ev is not None else [], experts))
 
     def summary(self) -> dict:
-        return {k: {"batches": n, "mean_rows": r / n if n else 0.0, "host_us": 1e6 * s / n if n else 0.0}
-                for k, (n, r, s) in self.acc.items()}
+        """Per kind: sums (batches, rows, host_s, device_s, exposed_s, timed, expert_bytes, expert_device_s)."""
+        out: dict = {}
+        if torch.cuda.is_available() and any(evs for *_, evs, _ in self.recs):
+            torch.cuda.synchronize()  # the events of the last batches may still be pending
+        for kind, rows, host, wall, evs, experts in self.recs:
+            a = out.setdefault(kind, dict(batches=0, rows=0, host_s=0.0, device_s=0.0, exposed_s=0.0, timed=0,
+                                          expert_bytes=0, expert_device_s=0.0))
+            a["batches"] += 1
+            a["rows"] += rows
+            a["host_s"] += host
+            if evs:
+                dev = sum(s.elapsed_time(e) for _, s, e in evs if s is not None and e is not None) / 1e3
+                a["device_s"] += dev
+                a["exposed_s"] += min(host, max(0.0, wall - dev))
+                a["timed"] += 1
+                if kind == "expert" and self.expert_bytes is not None and experts is not None and rows:
+                    ids = np.concatenate([np.asarray(e).reshape(-1) for e in experts])
+                    a["expert_bytes"] += self.expert_bytes(len(np.unique(ids)), rows)
+                    a["expert_device_s"] += dev
+        return out
+
+
+def new_probe(inner, spec, dtype: str) -> HostProbe:
+    """A probe counting expert-batch bytes for `spec`'s expert shapes in `dtype` (ExecSpec.dtype)."""
+    es = torch.finfo(getattr(torch, dtype)).bits // 8
+    H, I = spec.hidden_size, spec.experts.intermediate_size
+    return HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, H, I, es))
+
+
+def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
+    """Per kind over ranks: batches, mean_rows, host_us, device_us, hidden_share (None when no batch had
+    device events), and for expert batches GBps and pct_copy (of the measured copy ceiling)."""
+    tot: dict = {}
+    for summ in summaries:
+        for kind, a in summ.items():
+            t = tot.setdefault(kind, {k: 0 for k in a})
+            for k, v in a.items():
+                t[k] += v
+    out = {}
+    for kind, t in tot.items():
+        n = t["batches"]
+        r = {"batches": n, "mean_rows": t["rows"] / n if n else 0.0, "host_us": 1e6 * t["host_s"] / n if n else 0.0,
+             "device_us": 1e6 * t["device_s"] / t["timed"] if t["timed"] else None,
+             "hidden_share": max(0.0, 1 - t["exposed_s"] / t["host_s"]) if t["timed"] and t["host_s"] else None}
+        if t["expert_device_s"]:
+            r["GBps"] = t["expert_bytes"] / t["expert_device_s"] / 1e9
+            r["pct_copy"] = 100 * t["expert_bytes"] / t["expert_device_s"] / copy_bps if copy_bps else None
+        out[kind] = r
+    return out
 
 
 # ------------------------------------------------------------------------------ interference
@@ -235,6 +307,7 @@ def barrier_dist_rank_main(env, job: DistJob):
     device, backend = _device(job.plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
     ex, inner = build_executor(job.exec, job.plan, device, env.rank)
+    copy_bps = measure_copy_bps(device)  # the expert batches' bandwidth is reported against it
     hogs_state: dict = {"log": []}
     out = []
     try:
@@ -242,6 +315,7 @@ def barrier_dist_rank_main(env, job: DistJob):
             _scenario_on(job, w, hogs_state, env.rank)
             mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[w.system]
             res = run_barrier_workload(env.rank, env.world_size, job, w, mode, ex, inner, device)
+            res["copy_bps"] = copy_bps
             allr = [None] * env.world_size
             dist.all_gather_object(allr, res)
             if env.rank == 0:
@@ -261,17 +335,9 @@ def barrier_dist_rank_main(env, job: DistJob):
 
 def _merge_rank_results(w: Workload, allr: list) -> dict:
     reqs = [r for rr in allr for r in rr["requests"]]
-    host: dict = {}
-    for rr in allr:
-        for k, v in rr["host"].items():
-            a = host.setdefault(k, [0, 0.0, 0.0])
-            a[0] += v["batches"]
-            a[1] += v["mean_rows"] * v["batches"]
-            a[2] += v["host_us"] * v["batches"]
     return {"name": w.name, "system": w.system, "scenario": w.scenario, "report": w.report,
             "wall_s": max(rr["wall_s"] for rr in allr), "requests": sorted(reqs, key=lambda r: r["rid"]),
-            "batches": {k: {"batches": n, "mean_rows": r / n if n else 0.0, "host_us": s / n if n else 0.0}
-                        for k, (n, r, s) in host.items()},
+            "batches": merge_probes([rr["host"] for rr in allr], allr[0].get("copy_bps")),
             "delay_stalls_s": [rr["delay_s"] for rr in allr]}
 
 
@@ -314,7 +380,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
     eos = frozenset(spec.eos_token_ids)
     k = spec.experts.top_k
     owners = [torch.tensor(plan.placement.expert_rank[l], dtype=torch.int64) for l in range(spec.num_layers)]
-    probe = HostProbe()
+    probe = new_probe(inner, spec, job.exec.dtype)
     delay_s = [0.0]
 
     def stall() -> None:
@@ -341,7 +407,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
             break
         h = ex.embed(tokens) if T else None
         for layer in range(spec.num_layers):
-            ta, wa = time.perf_counter(), _waited(inner)
+            ta = probe.start()
             if T:
                 h_res, x = ex.attention(layer, h, positions, segments, kv)
                 ids, wts = ex.route(layer, x)
@@ -351,7 +417,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
                 ids = torch.zeros(0, k, dtype=torch.int64)
                 wts = torch.zeros(0, k, dtype=torch.float32)
             if T:
-                probe.add("attn", T, (time.perf_counter() - ta) - (_waited(inner) - wa))
+                probe.add("attn", T, ta)
             ids = ids.cpu().to(torch.int64)
             wts = wts.cpu().to(torch.float32)
             xr = x if x is not None else ex.embed([])
@@ -411,7 +477,7 @@ def _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inne
     stall()
     dist.all_gather_into_tensor(x_all, xp)
     dist.all_gather_into_tensor(meta_all, meta)
-    te, we = time.perf_counter(), _waited(inner)
+    te = probe.start()
     meta_h = meta_all.cpu()
     ids_all, w_all = meta_h[:, :k].to(torch.int64), meta_h[:, k:]
     valid = torch.zeros(R * M, dtype=torch.bool)
@@ -422,10 +488,11 @@ def _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inne
     t_idx, s_idx = pairs[:, 0], pairs[:, 1]
     t_dev = t_idx.to(device)
     partial = torch.zeros(R * M, H, dtype=torch.float32, device=device)
+    eids = ids_all[t_idx, s_idx]
     if len(t_idx):
-        y = ex.experts(layer, x_all.index_select(0, t_dev), ids_all[t_idx, s_idx].tolist())
+        y = ex.experts(layer, x_all.index_select(0, t_dev), eids.tolist())
         partial.index_add_(0, t_dev, y.to(device).float() * w_all[t_idx, s_idx, None].to(device))
-    probe.add("expert", int(len(t_idx)), (time.perf_counter() - te) - (_waited(inner) - we))
+    probe.add("expert", int(len(t_idx)), te, [eids])
     red = partial.to(xr.dtype)
     stall()
     dist.all_reduce(red)
@@ -466,7 +533,7 @@ def _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inn
     m_send = (torch.cat(meta_parts) if meta_parts else torch.zeros(0, 2, dtype=torch.int64)).to(device).reshape(-1)
     m_recv = torch.empty(2 * sum(recv_pairs), dtype=torch.int64, device=device)
     dist.all_to_all_single(m_recv, m_send, [2 * n for n in recv_pairs], [2 * n for n in send_pairs])
-    te, we = time.perf_counter(), _waited(inner)
+    te = probe.start()
     m = m_recv.view(-1, 2).cpu()
     tok_off = [0]
     for n in recv_tok:
@@ -481,7 +548,7 @@ def _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inn
         y = ex.experts(layer, x_recv.index_select(0, rows.to(device)), m[:, 1].tolist()).to(device)
     else:
         y = x_recv[:0]
-    probe.add("expert", int(len(m)), (time.perf_counter() - te) - (_waited(inner) - we))
+    probe.add("expert", int(len(m)), te, [m[:, 1]])
     back = torch.empty(sum(send_pairs), H, dtype=y.dtype if len(m) else xr.dtype, device=device)
     stall()
     dist.all_to_all_single(back, y.to(back.dtype).contiguous(), send_pairs, recv_pairs)
@@ -518,6 +585,7 @@ def stream_rank_main(env, job: DistJob):
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           chaos=job.delays) as transport:
         ex, inner = build_executor(job.exec, job.plan, device, env.rank)
+        copy_bps = measure_copy_bps(device)
 
         class Node(RankNode):
             def _start_workload(self, w, options):
@@ -532,20 +600,21 @@ def stream_rank_main(env, job: DistJob):
                         inner.prepare(self.engine.kv)
                     except Exception as err:  # noqa: BLE001
                         _say(f"prepare failed ({type(err).__name__}: {err}); graphs captured lazily")
-                probe = HostProbe()
+                probe = new_probe(inner, job.plan.spec, job.exec.dtype)
                 probes.append(probe)
                 e = self.engine
                 ex_exec, ex_comp = e.execute, e.complete
 
                 def execute(batch):
-                    batch.out["_hp"] = (time.perf_counter(), _waited(inner))
+                    batch.out["_hp"] = probe.start()
                     ex_exec(batch)
 
                 def complete(batch):
                     ex_comp(batch)
-                    t, wt = batch.out.pop("_hp", (None, 0.0))
-                    if t is not None:
-                        probe.add(batch.stage.kind, batch.rows, (time.perf_counter() - t) - (_waited(inner) - wt))
+                    started = batch.out.pop("_hp", None)
+                    if started is not None:
+                        probe.add(batch.stage.kind, batch.rows, started,
+                                  [it.expert for it in batch.items] if batch.stage.kind == "expert" else None)
                 e.execute, e.complete = execute, complete
 
         clock = SyncedClock()
@@ -563,13 +632,6 @@ def stream_rank_main(env, job: DistJob):
         return None
     out = []
     for i, (w, raw) in enumerate(zip(job.workloads, results)):
-        host: dict = {}
-        for rank_p in allp:
-            for kname, v in rank_p[i].items():
-                a = host.setdefault(kname, [0, 0.0, 0.0])
-                a[0] += v["batches"]
-                a[1] += v["mean_rows"] * v["batches"]
-                a[2] += v["host_us"] * v["batches"]
         reqs = raw["requests"]
         m = raw["metrics"]
         out.append({"name": w.name, "system": w.system, "scenario": w.scenario, "report": w.report,
@@ -577,8 +639,7 @@ def stream_rank_main(env, job: DistJob):
                     "requests": [{"rid": q.rid, "home": q.home, "output": list(q.output),
                                   "token_times": list(q.token_times), "t_finish": q.t_finish,
                                   "prompt_len": len(q.prompt)} for q in reqs],
-                    "batches": {k2: {"batches": n, "mean_rows": r / n if n else 0.0, "host_us": s / n if n else 0.0}
-                                for k2, (n, r, s) in host.items()},
+                    "batches": merge_probes([rank_p[i] for rank_p in allp], copy_bps),
                     "engine": {k2: m.get(k2) for k2 in ("attn_mean_batch", "expert_mean_batch", "attn_batches",
                                                         "expert_batches", "messages", "max_queue_delay_s")}})
     return {"workloads": out, "hogs": hogs_state["log"]}
