@@ -40,7 +40,7 @@ def _checksum(t) -> float | None:
     return None if t is None else float(t.double().sum())
 
 
-def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int) -> dict:
+def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu") -> dict:
     """Every rank sends n messages to every rank (itself included) in random bursts while polling."""
     from runtime.transport.zmq_dist import ChaosDelays, ZmqDistTransport
     rank, world = env.rank, env.world_size
@@ -48,7 +48,7 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int) -> dict:
     rng = random.Random(f"{seed}/driver/{rank}")
     got: dict[int, list[int]] = {s: [] for s in range(world)}
     errors: list[str] = []
-    with ZmqDistTransport(rank, world, "cpu", inflight_limit=inflight_limit, chaos=chaos) as tr:
+    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos) as tr:
         def absorb(arrivals):
             for a in arrivals:
                 i = a.meta["i"]
@@ -56,10 +56,11 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int) -> dict:
                 if i != len(got[a.src]):
                     errors.append(f"from {a.src}: got #{i}, expected #{len(got[a.src])}")
                 got[a.src].append(i)
-                if a.meta["dst"] != rank or a.meta["sum"] != _checksum(a.tensor):
+                t = a.tensor.cpu() if a.tensor is not None else None  # the checksum as the sender computed it
+                if a.meta["dst"] != rank or a.meta["sum"] != _checksum(t):
                     errors.append(f"from {a.src} #{i}: wrong dst or checksum")
-                if (want is None) != (a.tensor is None) or (want is not None and not (
-                        a.tensor.dtype == want.dtype and torch.equal(a.tensor, want))):
+                if (want is None) != (t is None) or (want is not None and not (
+                        t.dtype == want.dtype and torch.equal(t, want))):
                     errors.append(f"from {a.src} #{i}: payload differs")
                 if a.tensor is not None and a.src != rank:
                     tr.release(a.tensor)
@@ -70,7 +71,7 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int) -> dict:
             burst = rng.randint(1, 12)
             for d, i in order[sent:sent + burst]:
                 t = _payload(rank, d, i, seed)
-                tr.send(d, {"i": i, "dst": d, "sum": _checksum(t)}, t)
+                tr.send(d, {"i": i, "dst": d, "sum": _checksum(t)}, t.to(device) if t is not None else None)
             sent += burst
             absorb(tr.poll())
         deadline = time.monotonic() + 60
@@ -121,6 +122,38 @@ def _rank_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
     from runtime.transport.zmq_dist import init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
     return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit)
+
+
+def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
+    """_exchange on cuda:LOCAL_RANK over NCCL (DATAFLOW_NCCL_P2P from the launch env), then one tensor
+    per dtype each way, including dtypes NCCL has no name for (they travel as bytes)."""
+    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
+    torch.cuda.set_device(env.local_rank)
+    dev = f"cuda:{env.local_rank}"
+    init_distributed(env.rank, env.world_size, "nccl")
+    out = _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, device=dev)
+    dtypes = [torch.bool, torch.int16, torch.uint8, torch.int8, torch.int32, torch.float16, torch.float64,
+              torch.bfloat16]
+    peer = 1 - env.rank
+
+    def tensor(k: int, sender: int) -> torch.Tensor:  # computed in int64, then cast: same bits on both sides
+        return (torch.arange(1000 * (k + 1), device=dev).remainder(97) * (sender + 1)).to(dtypes[k])
+
+    with ZmqDistTransport(env.rank, env.world_size, dev) as tr:
+        out["p2p"] = tr.p2p
+        for k in range(len(dtypes)):
+            tr.send(peer, {"k": k}, tensor(k, env.rank))
+        got = []
+        deadline = time.monotonic() + 60
+        while len(got) < len(dtypes) and time.monotonic() < deadline:
+            got += tr.poll(timeout=0.01)
+        for pos, a in enumerate(got):
+            dt = dtypes[a.meta["k"]]
+            if a.meta["k"] != pos or a.tensor.dtype != dt or not torch.equal(a.tensor, tensor(a.meta["k"], peer)):
+                out["errors"].append(f"dtype round: message {pos} ({a.meta['k']}, {dt}) differs or out of order")
+        out["dtype_count"] = len(got)
+    out["teardown"] = tr.comm_teardown
+    return out
 
 
 def _rank_ping(env, delay_us: float, n: int) -> dict:
@@ -238,6 +271,22 @@ def test_transport_bench_command_prints_a_table():
     out = CliRunner().invoke(app, ["transport-bench", "--ranks", "2", "--sizes", "0,4K", "--messages", "50"])
     assert out.exit_code == 0, out.output
     assert "msg/s" in out.output and "4K" in out.output and "meta-only" in out.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("p2p", ["lib", "c10d"])
+def test_cuda_exchange_direct_nccl(p2p):
+    """GPU machines only. Two ranks on cuda:0/1 exchange tensors both ways with ncclSend/ncclRecv called
+    through ctypes (DATAFLOW_NCCL_P2P=lib, nccl_lib.py) or through torch.distributed (c10d): values,
+    per-peer order and dtypes, with a small in-flight cap so backlogs are used; and every rank must
+    close cleanly (communicators destroyed, no hang)."""
+    n = 200
+    res = launch_local(2, "test_transport_dist:_rank_cuda_exchange", (17, n, 4), timeout=180,
+                       env={**CHILD_ENV, "DATAFLOW_NCCL_P2P": p2p})
+    _check_exchange(res, 2, n)
+    for r in res.results:
+        assert r["p2p"] == p2p and r["dtype_count"] == 8, r
+        assert r["teardown"] == ("destroyed" if p2p == "lib" else None), r  # clean close, in time
 
 
 def test_nccl_poll_notices_event_completion_without_waiting_out_a_slice():

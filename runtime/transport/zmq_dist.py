@@ -6,15 +6,19 @@ buffer of the right size, so
            meta dict, the tensor's shape and dtype) to the receiver's ZeroMQ PULL socket;
   phase 2: it posts `isend` of the tensor; the receiver's receptor thread, on seeing the header,
            takes a buffer of that shape from a pool and posts the matching `irecv`.
+           On CUDA the default (DATAFLOW_NCCL_P2P=lib) skips torch.distributed here: ncclSend /
+           ncclRecv through ctypes on one 2-rank NCCL communicator per directed pair (nccl_lib.py),
+           ~10-20 us per call instead of c10d's ~100-130 us in a busy rank; DATAFLOW_NCCL_P2P=c10d
+           keeps dist.isend/irecv on per-pair process groups.
 Meta-only messages (tensor None) skip phase 2. Sends to self are handed over locally, no copy.
 
-Ordering. Each directed pair (a -> b) has its own process group, so the sends of a to b and the
-receives of a from b never share a communicator or a stream (with NCCL, one communicator for both
-directions would serialise a's send behind its receive and can deadlock). ZeroMQ keeps one
-connection's messages in order, and within one group gloo/NCCL match sends and receives in posting
-order, so the header order is the data order. Completions go through one lane per peer direction
-(completion.py), which preserves that order up to `poll()`. Sequence numbers are checked on receipt:
-loss or duplication is an error, not silent corruption.
+Ordering. Each directed pair (a -> b) has its own process group (lib: its own NCCL communicator),
+so the sends of a to b and the receives of a from b never share a communicator or a stream (with
+NCCL, one communicator for both directions would serialise a's send behind its receive and can
+deadlock). ZeroMQ keeps one connection's messages in order, and within one group gloo/NCCL match
+sends and receives in posting order, so the header order is the data order. Completions go through
+one lane per peer direction (completion.py), which preserves that order up to `poll()`. Sequence
+numbers are checked on receipt: loss or duplication is an error, not silent corruption.
 
 Flow control. At most `inflight_limit` tensor sends per destination are posted at once; the excess
 waits in that destination's backlog (in order, meta-only messages behind queued tensors included),
@@ -63,7 +67,7 @@ from runtime.transport.buffer_pool import BufferPool
 from runtime.transport.chaos import ChaosDelays
 from runtime.transport.completion import EventLane, Item, WaiterLane
 from runtime.transport.rendezvous import (DEFAULT_TIMEOUT_S, current_store, exchange_endpoints, host_address,
-                                          init_distributed)
+                                          init_distributed, wait_keys)
 
 __all__ = ["ZmqDistTransport", "init_distributed", "PeerFailure", "ChaosDelays"]
 
@@ -129,16 +133,42 @@ class _StepTimer:
         return f"{self.name}: " + "; ".join(rows)
 
 
-def _end_event(work, stream, tm: _StepTimer):
-    """An event on `stream` that completes when the NCCL operation `work` (posted on it) has: Work.wait()
-    makes the stream wait for NCCL's own stream (the host does not block), the event marks that point
-    for the engine thread to query (EventLane)."""
-    work.wait()
-    tm.lap("work.wait")
+def _stream_event(stream, tm: _StepTimer):
+    """An event marking the end of what is posted on `stream` so far, for the engine thread to query
+    (EventLane). With DATAFLOW_NCCL_P2P=lib the ncclSend/ncclRecv ran on `stream` itself."""
     event = torch.cuda.Event()
     event.record(stream)
     tm.lap("event")
     return event
+
+
+def _end_event(work, stream, tm: _StepTimer):
+    """c10d path: the NCCL operation `work` was posted under `stream` but runs on c10d's own stream;
+    Work.wait() makes `stream` wait for it (the host does not block), then the event marks that point."""
+    work.wait()
+    tm.lap("work.wait")
+    return _stream_event(stream, tm)
+
+
+def _p2p_mode(nccl: bool) -> tuple[str, Optional[object]]:
+    """How NCCL tensors move: ("lib", NcclLib) calls ncclSend/ncclRecv through ctypes (nccl_lib.py),
+    ("c10d", None) uses dist.isend/irecv. DATAFLOW_NCCL_P2P picks; unset means lib when the library
+    loads (c10d with a note otherwise), and an explicit "lib" that cannot load is an error."""
+    if not nccl:
+        return "gloo", None
+    want = os.environ.get("DATAFLOW_NCCL_P2P", "").strip().lower()
+    if want not in ("", "lib", "c10d"):
+        raise ValueError(f"DATAFLOW_NCCL_P2P must be 'lib' or 'c10d', got {want!r}")
+    if want == "c10d":
+        return "c10d", None
+    from runtime.transport import nccl_lib
+    try:
+        return "lib", nccl_lib.load()
+    except RuntimeError as err:
+        if want == "lib":
+            raise
+        print(f"transport: NCCL point-to-point through torch.distributed ({err})", file=sys.stderr)
+        return "c10d", None
 
 
 class ZmqDistTransport:
@@ -192,10 +222,19 @@ class ZmqDistTransport:
             sock.connect(self.endpoints[p])
             self._push[p] = sock
 
-        # Phase-2 groups and per-direction completion lanes.
-        groups = _pair_groups(world_size, "nccl" if self._nccl else "gloo")
-        self._send_group = {p: groups[(rank, p)] for p in peers}
-        self._recv_group = {p: groups[(p, rank)] for p in peers}
+        # Phase-2 groups (gloo, c10d NCCL) or direct NCCL pair communicators (lib), and per-direction
+        # completion lanes. Every rank must move tensors the same way (the groups are collective).
+        self.p2p, nccl_lib = _p2p_mode(self._nccl)
+        if self._nccl:
+            self._agree_on_p2p(store, namespace, timeout_s)
+            self._post_timer.name += f" ({self.p2p})"  # the step names differ by path
+            self._recv_timer.name += f" ({self.p2p})"
+        self._comms: list = []  # NcclPairComm, in the global pair order (creation and teardown)
+        self.comm_teardown: Optional[str] = None  # how close() ended them: "destroyed", "aborted", "... timed out"
+        if self.p2p != "lib":
+            groups = _pair_groups(world_size, "nccl" if self._nccl else "gloo")
+            self._send_group = {p: groups[(rank, p)] for p in peers}
+            self._recv_group = {p: groups[(p, rank)] for p in peers}
         self._done: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
         Lane = EventLane if self._nccl else WaiterLane
         self._send_lanes = {p: Lane(f"send->{p}", self._done) for p in peers}
@@ -204,7 +243,9 @@ class ZmqDistTransport:
             self._send_streams = {p: torch.cuda.Stream(self.device) for p in peers}
             self._recv_streams = {p: torch.cuda.Stream(self.device) for p in peers}
         self._pool = BufferPool(self.device, per_key=pool_per_size)
-        if self._nccl:
+        if self.p2p == "lib":
+            self._init_pair_comms(nccl_lib, store, namespace, timeout_s)
+        elif self._nccl:
             self._connect_pairs(peers)
         self._send_delay = {p: chaos.lane("send", rank, p) for p in peers} if chaos else None
         self._recv_delay = {p: chaos.lane("recv", rank, p) for p in peers} if chaos else None
@@ -232,6 +273,84 @@ class ZmqDistTransport:
         self._hb_bytes = pickle.dumps((HEARTBEAT, rank, 0, None, None, None))
         self._heartbeat = Heartbeat(heartbeat_s, self._beat, self._beat_exit, name=f"heartbeat-{rank}")
         register_abort_hook(self)
+
+    def _agree_on_p2p(self, store, namespace: str, timeout_s: float) -> None:
+        """Refuse to start when ranks chose different NCCL paths (one loaded the library, another did
+        not): their pair setups would wait for each other forever."""
+        keys = {r: f"dataflow/{namespace}/p2p/{r}" for r in range(self.world_size)}
+        store.set(keys[self.rank], self.p2p)
+        wait_keys(store, keys, timeout_s, f"the NCCL point-to-point mode (DATAFLOW_NCCL_P2P, {namespace})")
+        modes = [store.get(keys[r]).decode() for r in range(self.world_size)]
+        if len(set(modes)) > 1:
+            raise RuntimeError(f"rank {self.rank}: ranks disagree on the NCCL point-to-point path "
+                               f"(rank: mode {dict(enumerate(modes))}); set DATAFLOW_NCCL_P2P the same on every rank")
+
+    def _init_pair_comms(self, lib, store, namespace: str, timeout_s: float) -> None:
+        """One 2-rank NCCL communicator per directed pair (a -> b): a is its rank 0 and makes the unique
+        id, published in the store; b reads it. ncclCommInitRank blocks until both ranks called it, and
+        a communicator's first send/recv blocks until the peer's first op on it (NCCL connects the
+        pair then), so each pair is initialised and exercised with one tiny transfer right away, the
+        pairs visited in one global order on every rank: no cycle of waits (as in _connect_pairs).
+        The store handshake (id, then the receiver's "joined") bounds each wait by `timeout_s` and
+        names the missing rank, since ncclCommInitRank itself would wait forever for a dead peer."""
+        from runtime.transport.nccl_lib import NcclPairComm
+        me, send_comm, recv_comm, bufs = self.rank, {}, {}, []
+        for a in range(self.world_size):
+            for b in range(self.world_size):
+                if a == b or me not in (a, b):
+                    continue
+                key = f"dataflow/{namespace}/nccl-id/{a}-{b}"
+                if me == a:
+                    uid = lib.unique_id()
+                    store.set(key, uid)
+                    wait_keys(store, {b: key + "/joined"}, timeout_s,
+                              f"joining the NCCL communicator {a}->{b} (rank {a} created it)")
+                else:
+                    wait_keys(store, {a: key}, timeout_s, f"the NCCL unique id of the communicator {a}->{b}")
+                    uid = store.get(key)
+                    store.set(key + "/joined", "1")
+                comm = NcclPairComm(lib, uid, 0 if me == a else 1, self.device, name=f"{a}->{b}")
+                self._comms.append(comm)
+                t = torch.zeros(1, device=self.device)
+                if me == a:
+                    send_comm[b] = comm
+                    comm.send(t, self._send_streams[b])
+                else:
+                    recv_comm[a] = comm
+                    comm.recv(t, self._recv_streams[a])
+                bufs.append(t)
+        torch.cuda.synchronize(self.device)
+        self._send_comm, self._recv_comm = send_comm, recv_comm
+
+    def _close_comms(self, clean: bool, timeout_s: float) -> None:
+        """Destroy the pair communicators after a clean close (NCCL waits for their outstanding
+        operations and for the peer's destroy), abort them otherwise (stops what is in flight, waits
+        for nobody). Runs on a helper thread joined with a bound, so close() never hangs on a peer
+        that neither closes nor dies."""
+        comms, self._comms = self._comms, []
+        if not comms:
+            return
+        errors: list[str] = []
+
+        def run() -> None:
+            for comm in comms:  # global pair order, as at creation: the destroys pair up without a cycle
+                try:
+                    comm.destroy() if clean else comm.abort()
+                except RuntimeError as err:
+                    errors.append(f"{comm.name}: {err}")
+
+        bound = timeout_s if clean else min(timeout_s, 2.0)
+        th = threading.Thread(target=run, name=f"nccl-teardown-{self.rank}", daemon=True)
+        th.start()
+        th.join(bound)
+        self.comm_teardown = "destroyed" if clean else "aborted"
+        if th.is_alive():
+            self.comm_teardown += " timed out"
+            print(f"rank {self.rank}: NCCL communicator {'destroy' if clean else 'abort'} still running after "
+                  f"{bound:g} s (a peer has not closed its transport); left to process exit", file=sys.stderr)
+        for e in errors:
+            self.comm_teardown += " with errors"
+            print(f"rank {self.rank}: NCCL teardown: {e}", file=sys.stderr)
 
     def _connect_pairs(self, peers: list[int]) -> None:
         """Create every pair communicator now, with one tiny transfer per direction. NCCL builds a
@@ -373,8 +492,13 @@ class ZmqDistTransport:
             self._pull.close(linger=0)
         # After a failure a waiter may be stuck in a gloo wait on the dead peer: don't wait for it.
         join_s = 0.5 if self._failure is None and not self._aborted else 0.01
+        # Before the lanes forget their items: a destroy is clean only with nothing still in flight.
+        clean = (self._failure is None and not self._aborted and not self._pending
+                 and not any(lane.busy() for lane in itertools.chain(self._send_lanes.values(),
+                                                                     self._recv_lanes.values())))
         for lane in itertools.chain(self._send_lanes.values(), self._recv_lanes.values()):
             lane.close(join_s)
+        self._close_comms(clean, timeout_s)
         for p in self._peers:
             self._push[p].close(linger=1000 if not self._aborted else 200)
         if (self._receptor is None or not self._receptor.is_alive()) and not self._heartbeat._thread.is_alive():
@@ -409,17 +533,25 @@ class ZmqDistTransport:
                                            str(t.dtype)[6:]), protocol=5))
         tm.lap("header")
         self._inflight[dst] += 1
-        group = self._send_group[dst]
         if self._nccl:
             stream = self._send_streams[dst]
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is produced on the compute stream
             tm.lap("wait_stream")
-            with torch.cuda.stream(stream):
-                work = dist.isend(t, dst, group=group)
-                tm.lap("isend")
-                item.event = _end_event(work, stream, tm)
+            if self.p2p == "lib":
+                self._send_comm[dst].send(t, stream)
+                tm.lap("ncclSend")
+                # The item holds `t` until its event completed (_complete drops it); this also keeps the
+                # caching allocator from reusing it early if the item is dropped sooner (close, failure).
+                t.record_stream(stream)
+                tm.lap("record_stream")
+                item.event = _stream_event(stream, tm)
+            else:
+                with torch.cuda.stream(stream):
+                    work = dist.isend(t, dst, group=self._send_group[dst])
+                    tm.lap("isend")
+                    item.event = _end_event(work, stream, tm)
         else:
-            item.work = dist.isend(t, dst, group=group)
+            item.work = dist.isend(t, dst, group=self._send_group[dst])
         if self._send_delay is not None:
             item.delay_s = self._send_delay[dst]()
         self.stats["sent"] += 1
@@ -541,6 +673,14 @@ class ZmqDistTransport:
         except PeerFailure as failure:
             self._failure = failure
             raise
+        if self.p2p == "lib":  # a transfer NCCL saw fail (its event would never complete)
+            for peers, side in ((self._send_comm, "send to"), (self._recv_comm, "receive from")):
+                for p, comm in peers.items():
+                    err = comm.error()
+                    if err is not None:
+                        self._failure = PeerFailure(p, self._waiting_for(p), f"NCCL error on the {side} rank {p} "
+                                                    f"communicator ({comm.name}): {err}")
+                        raise self._failure
 
     # ------------------------------------------------------------------ receptor thread
     def _receive_loop(self) -> None:
@@ -591,20 +731,24 @@ class ZmqDistTransport:
         item = Item(False, src, seq, meta, shape=shape, dtype=dtype)
         lane = self._recv_lanes[src]
         if shape is not None:
-            group = self._recv_group[src]
             if self._nccl:
                 tm = self._recv_timer
                 tm.start()
                 stream = self._recv_streams[src]
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream):  # the pool fences a reused buffer on the current stream
                     buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
                     tm.lap("pool")
-                    work = dist.irecv(buf, src, group=group)
-                    tm.lap("irecv")
-                    item.event = _end_event(work, stream, tm)
+                    if self.p2p == "lib":
+                        self._recv_comm[src].recv(buf, stream)
+                        tm.lap("ncclRecv")
+                        item.event = _stream_event(stream, tm)
+                    else:
+                        work = dist.irecv(buf, src, group=self._recv_group[src])
+                        tm.lap("irecv")
+                        item.event = _end_event(work, stream, tm)
             else:
                 buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
-                item.work = dist.irecv(buf, src, group=group)
+                item.work = dist.irecv(buf, src, group=self._recv_group[src])
             item.tensor = buf
         if self._recv_delay is not None:
             item.delay_s = self._recv_delay[src]()
