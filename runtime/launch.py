@@ -174,8 +174,11 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
         pickle.dump((name, tuple(args)), f)
     base = dict(os.environ)
     base.update(env or {})
-    root = _repo_root()
-    base["PYTHONPATH"] = root + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else "")
+    # The repository first, then a PYTHONPATH the caller adds, then the inherited one (where installed
+    # dependencies may live, e.g. wheels unpacked on a machine without pip access): adding a path for
+    # the ranks must not hide the packages the parent imports.
+    paths = [_repo_root()] + [p for p in ((env or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
+    base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), DATAFLOW_LAUNCH_DIR=run_dir,
                 DATAFLOW_LAUNCH_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")

@@ -600,6 +600,8 @@ def stream_rank_main(env, job: DistJob):
                         inner.prepare(self.engine.kv)
                     except Exception as err:  # noqa: BLE001
                         _say(f"prepare failed ({type(err).__name__}: {err}); graphs captured lazily")
+                if probes and isinstance(probes[-1], HostProbe):
+                    probes[-1] = probes[-1].summary()  # release the last workload's CUDA events
                 probe = new_probe(inner, job.plan.spec, job.exec.dtype)
                 probes.append(probe)
                 e = self.engine
@@ -627,7 +629,7 @@ def stream_rank_main(env, job: DistJob):
         # host probes of every rank to the coordinator: through the filesystem-free path, a gloo/nccl object gather
         import torch.distributed as dist
         allp = [None] * env.world_size
-        dist.all_gather_object(allp, [p.summary() for p in probes])
+        dist.all_gather_object(allp, [p.summary() if isinstance(p, HostProbe) else p for p in probes])
     if env.rank != COORDINATOR:
         return None
     out = []
