@@ -142,6 +142,17 @@ def _stream_event(stream, tm: _StepTimer):
     return event
 
 
+# dtypes c10d's NCCL process group accepts for point-to-point (it refuses int16, unsigned 16-64 bit, complex...)
+_C10D_NCCL_DTYPES = frozenset({torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32,
+                               torch.float64, torch.bfloat16})
+
+
+def _c10d_wire(t: torch.Tensor) -> torch.Tensor:
+    """What c10d's NCCL group is given for a contiguous tensor: itself, or its bytes for a dtype it refuses
+    (point-to-point copies bytes; both sides apply the same rule, as the direct path does)."""
+    return t if t.dtype in _C10D_NCCL_DTYPES else t.reshape(-1).view(torch.uint8)
+
+
 def _end_event(work, stream, tm: _StepTimer):
     """c10d path: the NCCL operation `work` was posted under `stream` but runs on c10d's own stream;
     Work.wait() makes `stream` wait for it (the host does not block), then the event marks that point."""
@@ -547,7 +558,7 @@ class ZmqDistTransport:
                 item.event = _stream_event(stream, tm)
             else:
                 with torch.cuda.stream(stream):
-                    work = dist.isend(t, dst, group=self._send_group[dst])
+                    work = dist.isend(_c10d_wire(t), dst, group=self._send_group[dst])
                     tm.lap("isend")
                     item.event = _end_event(work, stream, tm)
         else:
@@ -743,7 +754,7 @@ class ZmqDistTransport:
                         tm.lap("ncclRecv")
                         item.event = _stream_event(stream, tm)
                     else:
-                        work = dist.irecv(buf, src, group=self._recv_group[src])
+                        work = dist.irecv(_c10d_wire(buf), src, group=self._recv_group[src])
                         tm.lap("irecv")
                         item.event = _end_event(work, stream, tm)
             else:
