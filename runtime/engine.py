@@ -529,7 +529,11 @@ class Engine:
         q0 = self.queues[self.attn_stage[0]]
         eos = self.cfg.eos_token_ids
         max_pos = self.cfg.max_position
+        steps, nstep = 0.0, 0
         for req, tok in zip(batch.out["reqs"], batch.out["tokens"]):
+            if req.token_times:
+                steps += now - req.token_times[-1]
+                nstep += 1
             req.output.append(tok)
             req.token_times.append(now)
             pos = len(req.prompt) + len(req.output) - 1  # where the new token would be written
@@ -540,6 +544,9 @@ class Engine:
             else:
                 q0.push(AttnItem(req.rid, pos, 1, [tok], None, now))
         self.metrics.tokens += len(batch.out["tokens"])
+        observe = getattr(self.policy, "observe_step", None)  # the wave hold's adaptive bound
+        if nstep and observe is not None:
+            observe(steps / nstep)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_reason, req.t_finish = reason, now

@@ -27,6 +27,8 @@ work-conserving rank runs whatever arrived the moment it looks, so with per-batc
 0.2-1.5 ms the waves of four homes break into batches of a few rows (5 rows per expert batch on 4
 CPU processes where the barrier runs 46; benchmarks/results/cpu_bench.md). The bound keeps every
 item's extra wait <= hold_us, and a policy string can carry the parameters: "defrag:hold_fill=0.9,hold_us=3000".
+`hold_step` > 0 makes the bound adaptive: that fraction of the rank's measured token step
+("defrag:hold_fill=1,hold_step=0.5"; hold_us is the bound until the first step is measured).
 """
 from __future__ import annotations
 
@@ -68,14 +70,31 @@ class Policy:
 
     name = "?"
 
-    def __init__(self, hold_fill: float = 0.0, hold_us: float = 2000.0) -> None:
-        if not 0 <= hold_fill <= 1 or hold_us < 0:
-            raise ValueError(f"{self.name} needs 0 <= hold_fill <= 1 and hold_us >= 0; got hold_fill={hold_fill}, "
-                             f"hold_us={hold_us}")
-        self.hold_fill, self.hold_us = hold_fill, hold_us
+    def __init__(self, hold_fill: float = 0.0, hold_us: float = 2000.0, hold_step: float = 0.0) -> None:
+        if not 0 <= hold_fill <= 1 or hold_us < 0 or hold_step < 0:
+            raise ValueError(f"{self.name} needs 0 <= hold_fill <= 1, hold_us >= 0 and hold_step >= 0; got "
+                             f"hold_fill={hold_fill}, hold_us={hold_us}, hold_step={hold_step}")
+        self.hold_fill, self.hold_us, self.hold_step = hold_fill, hold_us, hold_step
+        self._step_s: Optional[float] = None  # moving average of this rank's token step (observe_step)
 
     def params(self) -> dict:
-        return {"hold_fill": self.hold_fill, "hold_us": self.hold_us} if self.hold_fill > 0 else {}
+        if self.hold_fill <= 0:
+            return {}
+        return {"hold_fill": self.hold_fill, "hold_us": self.hold_us,
+                **({"hold_step": self.hold_step} if self.hold_step > 0 else {})}
+
+    def observe_step(self, step_s: float) -> None:
+        """The engine reports the mean time between consecutive tokens of the requests it just sampled.
+        With hold_step > 0 the hold's bound is hold_step x its moving average (hold_us until the first
+        report): a wave takes a fraction of a token step to come together, and that step is ~60 ms on
+        4 CPU processes, ~40-80 ms on the H200s at C=256 and a few ms in the simulator with H200 costs,
+        where the best fixed bounds were 40 ms, 30 ms and ~1 ms (benchmarks/NOTES.md sections 15-17)."""
+        self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
+
+    def hold_bound_s(self) -> float:
+        if self.hold_step > 0 and self._step_s is not None:
+            return self.hold_step * self._step_s
+        return self.hold_us * 1e-6
 
     def _decide(self, scores: dict[int, float], views: list[StageView]) -> Optional[Decision]:
         """The best-scoring ready candidate, or HOLD."""
@@ -85,7 +104,7 @@ class Policy:
             return Decision(_best(scores), scores)
         # A HOLD lasts >= 1 us: a shorter one can vanish in the float rounding of a virtual clock's
         # now + hold_s, and the clock would never reach the bound.
-        bound = self.hold_us * 1e-6
+        bound = self.hold_bound_s()
         order = sorted(scores, key=lambda s: (-scores[s], s))
         for s in order:
             v = views[s]
@@ -118,8 +137,9 @@ class Defrag(Policy):
     name = "defrag"
 
     def __init__(self, delta: float = 0.8, lookahead: int = 4, history: int = 4,
-                 history_weight: float = 1.0, hold_fill: float = 0.0, hold_us: float = 2000.0) -> None:
-        super().__init__(hold_fill, hold_us)
+                 history_weight: float = 1.0, hold_fill: float = 0.0, hold_us: float = 2000.0,
+                 hold_step: float = 0.0) -> None:
+        super().__init__(hold_fill, hold_us, hold_step)
         if not 0 <= delta <= 1 or lookahead < 0 or history < 1 or history_weight < 0:
             raise ValueError(f"defrag needs 0 <= delta <= 1, lookahead >= 0, history >= 1, history_weight >= 0; "
                              f"got delta={delta}, lookahead={lookahead}, history={history}, "
@@ -169,8 +189,8 @@ class Aging(Defrag):
 
     def __init__(self, bound: float = 0.05, aging_weight: float = 64.0, urgent_fraction: float = 0.5,
                  delta: float = 0.8, lookahead: int = 4, history: int = 4, history_weight: float = 1.0,
-                 hold_fill: float = 0.0, hold_us: float = 2000.0) -> None:
-        super().__init__(delta, lookahead, history, history_weight, hold_fill, hold_us)
+                 hold_fill: float = 0.0, hold_us: float = 2000.0, hold_step: float = 0.0) -> None:
+        super().__init__(delta, lookahead, history, history_weight, hold_fill, hold_us, hold_step)
         if bound <= 0 or aging_weight < 0 or not 0 < urgent_fraction <= 1:
             raise ValueError(f"aging needs bound > 0, aging_weight >= 0, 0 < urgent_fraction <= 1; got "
                              f"bound={bound}, aging_weight={aging_weight}, urgent_fraction={urgent_fraction}")

@@ -179,6 +179,24 @@ def test_policy_switch_mid_run_keeps_tokens_exact():
     assert len(used) >= 3, used
 
 
+def test_adaptive_wave_hold_learns_the_token_step_and_keeps_tokens_exact():
+    """hold_step: each engine reports the time between consecutive tokens of the requests it samples
+    to its policy, whose hold bound becomes hold_step x that step; the tokens stay the reference's."""
+    spec, w, _ = model("tiny-mixtral")
+    reqs = make_requests(spec.vocab_size, 6, seed=23)
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    from runtime.executor import TorchExecutor
+    cluster = Cluster(plan, TorchExecutor(spec, w),
+                      RunOptions(kv_blocks=128, clock="virtual", policy="defrag:hold_fill=1,hold_us=100,hold_step=0.5"))
+    res = cluster.run(reqs)
+    assert assert_matches_reference("tiny-mixtral", res.requests) > 20
+    for e in cluster.engines:
+        steps = [b - a for r in res.requests if r.home == e.rank for a, b in zip(r.token_times, r.token_times[1:])]
+        assert steps and e.policy._step_s is not None
+        assert min(steps) <= e.policy._step_s <= max(steps)
+        assert e.policy.hold_bound_s() == 0.5 * e.policy._step_s != 100e-6
+
+
 def test_trace_is_valid_chrome_json(tmp_path):
     import json
     spec, _, _ = model("tiny-mixtral")

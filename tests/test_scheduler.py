@@ -111,6 +111,24 @@ def test_wave_hold_runs_the_best_ready_stage_or_holds_until_the_first_bound():
     assert make_policy("mtfs").choose(held([0, 4, 1, 0, 0], [0, 6, 9, 0, 0]), NEXT).stage == 1
 
 
+def test_wave_hold_bound_follows_the_measured_token_step():
+    """hold_step: the bound is that fraction of the moving average of the step the engine reports;
+    hold_us until the first report."""
+    p = make_policy("defrag:hold_fill=1,hold_us=2000,hold_step=0.5")
+    assert p.params()["hold_step"] == 0.5 and p.hold_bound_s() == pytest.approx(2e-3)
+    p.observe_step(0.100)
+    assert p.hold_bound_s() == pytest.approx(0.050)
+    p.observe_step(0.200)  # moving average: 0.9 x 100 ms + 0.1 x 200 ms
+    assert p.hold_bound_s() == pytest.approx(0.5 * 0.110)
+    # a stage whose oldest item waited 40 ms is still held under a 55 ms bound, released past it
+    assert p.choose(held([0, 4, 0, 0, 0], [0, 6, 0, 0, 0], waits=[0, 0.040, 0, 0, 0]), NEXT).stage == HOLD
+    assert p.choose(held([0, 4, 0, 0, 0], [0, 6, 0, 0, 0], waits=[0, 0.0551, 0, 0, 0]), NEXT).stage == 1
+    # without hold_step the reports change nothing
+    q = make_policy("mtfs:hold_fill=1,hold_us=1000")
+    q.observe_step(1.0)
+    assert q.hold_bound_s() == pytest.approx(1e-3) and "hold_step" not in q.params()
+
+
 def test_wave_hold_keeps_each_policy_order_and_aging_overdue_rule():
     # FLFS with hold: candidates in chain order, the first ready one runs
     assert make_policy("flfs:hold_fill=0.9").choose(held([2, 3, 0, 0, 1], [5, 0, 0, 0, 0]), NEXT).stage == 1
