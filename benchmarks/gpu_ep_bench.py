@@ -23,7 +23,10 @@ continuously). Hogs are started by rank 0 before the workload and stopped after 
 
 One launch per system family (barrier: ag + a2a; streaming: every policy), each starting with an
 unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
-after each launch), ep_bench.md (the table). Progress lines carry seconds since start.
+after each launch), ep_bench.md (the table). Progress lines carry seconds since start. Per system and
+scenario the table has tok/s and its ratios, ITL p50/p99, mean batch rows, host us per attention and
+expert batch with the share hidden behind the batch's device work, and the expert batches' GB/s
+against the measured device copy ceiling (runtime/experiments/barrier_dist.HostProbe).
 """
 from __future__ import annotations
 
