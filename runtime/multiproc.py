@@ -165,7 +165,7 @@ def _profiled(node: "RankNode"):
     """Opt-in (off by default): DATAFLOW_PROFILE_RANK=0 (a rank, a comma list, or "all") runs that
     rank's serve() under cProfile and writes the stats to DATAFLOW_PROFILE_OUT (default
     dataflow-rank{rank}.prof in the working directory; "{rank}" in the name is replaced), plus
-    the serving loop's wall time per phase (poll, idle wait, tick, next_batch, execute,
+    the serving loop's wall time per phase (poll, idle wait, wave-hold wait, tick, next_batch, execute,
     complete, finish notices) per iteration to the same name + ".phases.txt".
     DATAFLOW_PROFILE_CPROFILE=0: the phase times only (no cProfile overhead in them).
     DATAFLOW_PROFILE_TORCH=START:COUNT: also a torch.profiler trace (host ops, CUDA runtime calls, device
@@ -178,7 +178,11 @@ def _profiled(node: "RankNode"):
     node.phases = _PhaseTimes()
     window = os.environ.get("DATAFLOW_PROFILE_TORCH")
     if window:
-        start, count = (int(x) for x in window.split(":"))
+        try:
+            start, count = (int(x) for x in window.split(":"))
+        except ValueError:
+            raise ValueError(f"DATAFLOW_PROFILE_TORCH={window!r}: expected START:COUNT (batch numbers, e.g. "
+                             f"2500:300)") from None
         node.phases.trace = _TraceWindow(start, count, path + ".trace.json")
     # Nested inside complete/feed/finish (not part of the loop's sum): every send, data or control. Here,
     # once per process: wrapped per workload in _loop it counted each send once per workload so far
@@ -496,10 +500,10 @@ class RankNode:
             wait = _IDLE_WAIT_S if coord is None else coord.wait_budget(_IDLE_WAIT_S)
             if e.hold_s > 0:  # a wave hold: look again when its bound expires, message or not
                 wait = min(wait, e.hold_s)
-            if ph is not None:
+            if ph is not None:  # a wave hold's wait is told apart from having nothing to run
                 t0 = time.perf_counter()
                 arrivals = tr.poll(timeout=wait)
-                ph.add("idle_wait", time.perf_counter() - t0)
+                ph.add("hold_wait" if e.hold_s > 0 else "idle_wait", time.perf_counter() - t0)
                 feed(arrivals)
             else:
                 feed(tr.poll(timeout=wait))
