@@ -5,6 +5,7 @@ under interference, in one command.
     python benchmarks/gpu_ep_bench.py --out DIR --smoke       # CPU dry run: gloo, tiny model, fp32, < 2 min
     python benchmarks/gpu_ep_bench.py --out DIR --model gpt-oss-120b            # cut to 18 layers
     ... --systems streaming-defrag,ag-ep --scenarios clean,delay --concurrency 64 --layers 4
+    ... --rounds 3 --variants "lib:DATAFLOW_NCCL_P2P=lib;c10d:DATAFLOW_NCCL_P2P=c10d"   # an A/B, medians of 3
 
 Every system gets the same weights (seeded, drawn on each rank's device), placement (the plan's),
 kernels (runtime/executor_cuda.CudaExecutor), KV cache, requests and routing (Zipf, keyed by
@@ -35,6 +36,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -118,7 +120,19 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="requests per rank of the unreported warm-up workload (default: the largest --concurrency)")
     p.add_argument("--launch-timeout", type=float, default=None, help="seconds per launch (default: from --budget)")
     p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole bench")
+    p.add_argument("--variants", default=None,
+                   help="A/B of the streaming launches' environment: 'NAME:VAR=VALUE,...;NAME:...' "
+                        "(e.g. 'lib:DATAFLOW_NCCL_P2P=lib;c10d:DATAFLOW_NCCL_P2P=c10d'); rows read streaming-<policy>@NAME")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="launch every family this many times, variants alternating within a round, and add a "
+                        "table of medians over rounds (the H200 box's run-to-run noise is 10-40%%)")
     args = p.parse_args(argv)
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError as err:
+        p.error(str(err))
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
 
     import torch
     gpu = torch.cuda.is_available() and not args.smoke
@@ -191,37 +205,40 @@ def main(argv=None) -> int:
         (out_dir / "ep_bench.json").write_text(json.dumps(results, indent=1, default=str))
         write_md(out_dir / "ep_bench.md", results)
 
-    def workloads(family: list[str]) -> list:
+    def workloads(family: list[str], rnd: int) -> list:
         ws = [Workload(f"warmup-{family[0]}", family[0], warm_reqs, kv_warm, "clean", report=False)]
         seen: dict[str, int] = {}
         for sc in scenarios:
             # A scenario may repeat (e.g. clean first and last) to expose order effects; repeats
-            # get a #n label so their rows stay apart.
+            # get a #n label so their rows stay apart, and rounds an .rN suffix.
             seen[sc] = seen.get(sc, 0) + 1
-            label = sc if seen[sc] == 1 else f"{sc}#{seen[sc]}"
+            label = (sc if seen[sc] == 1 else f"{sc}#{seen[sc]}") + (f".r{rnd}" if args.rounds > 1 else "")
             for C in conc:
                 for s in family:
                     ws.append(Workload(f"{s}/{label}/C{C}", s, reqs_of[C], kv_of[C], sc))
         return ws
 
-    launches = []
+    launches = []  # (target, family, round, variant name, variant env)
     bar = [s for s in systems if s in ("ag-ep", "a2a-ep")]
     stream = [s for s in systems if s.startswith("streaming-")]
-    if bar:
-        launches.append(("barrier", bar))
-    if stream:
-        launches.append(("stream", stream))
-    for i, (target, family) in enumerate(launches):
+    for rnd in range(1, args.rounds + 1):
+        if bar:
+            launches.append(("barrier", bar, rnd, None, {}))
+        for vname, venv in (variants if stream else []):
+            launches.append(("stream", stream, rnd, vname, venv))
+    for i, (target, family, rnd, vname, venv) in enumerate(launches):
         left = args.budget - (time.perf_counter() - T0)
         limit = args.launch_timeout or max(60.0, left / (len(launches) - i))
-        ws = workloads(family)
-        log(f"launch {target}: {len(ws) - 1} workloads ({', '.join(family)}) + warm-up; limit {limit:.0f} s")
+        ws = workloads(family, rnd)
+        log(f"launch {target}{'@' + vname if vname else ''}{f' round {rnd}' if args.rounds > 1 else ''}: "
+            f"{len(ws) - 1} workloads ({', '.join(family)}) + warm-up; limit {limit:.0f} s")
         job = DistJob(plan, es, ws, delays=delays, hogs=hogs, decode_only=True, peer_timeout_s=60.0 if gpu else 20.0)
         t = time.perf_counter()
         try:
             env = {"TRITON_INTERPRET": "1"} if not gpu else {}
             env["DATAFLOW_EP_BENCH_LOG"] = "1"
             env["DATAFLOW_EP_BENCH_T0"] = repr(time.time() - (time.perf_counter() - T0))
+            env.update(venv)
             res = run_dist(target, job, args.ranks, timeout=limit, env=env)
             results["hogs"].extend(res.get("hogs", []))
             for w in res["workloads"]:
@@ -229,6 +246,10 @@ def main(argv=None) -> int:
                     log(f"  {w['name']}: warm-up done in {w['wall_s']:.1f} s")
                     continue
                 s = summarize(w)
+                s["workload"] = w["name"]  # as the ranks named it (tokens_check), before any variant suffix
+                if vname:  # the variant is part of the system's name in every table
+                    s["system"] = f"{s['system']}@{vname}"
+                    s["name"] = "/".join([s["system"]] + s["name"].split("/")[1:])
                 results["runs"].append(s)
                 log(f"  {s['name']:<34} tok/s {s['tokens_per_s'] or 0:9.1f}  ITL p50 {s['itl_p50_ms'] or 0:7.2f} "
                     f"p99 {s['itl_p99_ms'] or 0:7.2f} ms  batch attn {s.get('attn_mean_batch', 0):6.1f} "
@@ -266,9 +287,10 @@ def tokens_check(results: dict, workloads: list) -> None:
             continue
         ref_sys, ref = _OUTPUTS[key]
         same = sum(outs.get(r) == o for r, o in ref.items())
-        for s in results["runs"]:
-            if s["name"] == w["name"]:
+        for s in reversed(results["runs"]):  # the newest row of that workload (rounds/variants repeat names)
+            if s.get("workload", s["name"]) == w["name"]:
                 s["tokens_equal_to"] = f"{same}/{len(ref)} requests equal to {ref_sys}"
+                break
 
 
 def ratios(results: dict) -> None:
@@ -283,9 +305,65 @@ def ratios(results: dict) -> None:
             if b and b.get("tokens_per_s") and r.get("tokens_per_s"):
                 r[f"ratio_vs_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
     for r in results["runs"]:
-        clean = by.get((r["system"], "clean", r["name"].split("/")[2]))
+        rnd = _round_of(r["name"].split("/")[1])
+        clean = by.get((r["system"], "clean" + (f".r{rnd}" if rnd else ""), r["name"].split("/")[2]))
         if clean and clean.get("tokens_per_s") and r.get("tokens_per_s"):
             r["vs_clean"] = r["tokens_per_s"] / clean["tokens_per_s"]
+
+
+def parse_variants(text) -> list:
+    """'lib:DATAFLOW_NCCL_P2P=lib;c10d:DATAFLOW_NCCL_P2P=c10d' -> [(name, {var: value}), ...];
+    None -> one unnamed variant with no environment."""
+    if not text:
+        return [(None, {})]
+    out = []
+    for part in filter(None, (x.strip() for x in text.split(";"))):
+        name, colon, rest = part.partition(":")
+        env = {}
+        for kv in filter(None, (x.strip() for x in rest.split(","))):
+            k, eq, v = kv.partition("=")
+            if not eq or not k.strip():
+                raise ValueError(f"--variants {text!r}: {kv!r} is not VAR=VALUE")
+            env[k.strip()] = v.strip()
+        if not colon or not name.strip() or "/" in name or "@" in name:
+            raise ValueError(f"--variants {text!r}: each variant is NAME:VAR=VALUE,... (NAME without / or @), got {part!r}")
+        out.append((name.strip(), env))
+    return out
+
+
+def _round_of(label: str) -> int:
+    """The round of a scenario label ('clean.r2' -> 2; 0 without rounds)."""
+    head, dot, tail = label.rpartition(".r")
+    return int(tail) if dot and tail.isdigit() else 0
+
+
+def median_rows(results: dict) -> list[dict]:
+    """Per (system, scenario without the round, C): median tok/s over rounds, min, max, and the median
+    of the per-round ratios to ag-ep (each round's streaming against the same round's barrier)."""
+    groups: dict = {}
+    for r in results["runs"]:
+        system, label, C = r["name"].split("/")
+        base = label.rpartition(".r")[0] if _round_of(label) else label
+        groups.setdefault((system, base, C), []).append(r)
+    out = []
+    for (system, base, C), rs in groups.items():
+        tps = [x["tokens_per_s"] for x in rs if x.get("tokens_per_s")]
+        rat = [x["ratio_vs_ag-ep"] for x in rs if x.get("ratio_vs_ag-ep")]
+        if tps:
+            out.append(dict(system=system, scenario=base, C=C[1:], rounds=len(tps), median=statistics.median(tps),
+                            lo=min(tps), hi=max(tps), ratio=statistics.median(rat) if rat else None))
+    return out
+
+
+def median_lines(results: dict) -> list[str]:
+    rows = median_rows(results)
+    if not rows or max(r["rounds"] for r in rows) < 2:
+        return []
+    L = ["| system | scenario | C/rank | rounds | tok/s median (min-max) | /ag-ep median of rounds |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        L.append(f"| {r['system']} | {r['scenario']} | {r['C']} | {r['rounds']} | {r['median']:.1f} ({r['lo']:.1f}-{r['hi']:.1f}) | "
+                 f"{_f(r['ratio'], '{:.2f}x')} |")
+    return L
 
 
 def _f(x, fmt="{:.1f}"):
@@ -326,6 +404,9 @@ def write_md(path: Path, results: dict) -> None:
          "bytes an expert batch cannot avoid (active experts' weights + rows in/out) / its device time, "
          "and its share of the measured device copy bandwidth.", ""]
     L += table_lines(results)
+    med = median_lines(results)
+    if med:
+        L += ["", "Medians over rounds (ratios: each round's streaming against the same round's barrier):", ""] + med
     if results.get("hogs"):
         L += ["", "Hogs (rate while running):", ""] + [f"- {json.dumps(h)}" for h in results["hogs"]]
     if results.get("errors"):
@@ -334,7 +415,7 @@ def write_md(path: Path, results: dict) -> None:
 
 
 def print_table(results: dict) -> None:
-    print("\n".join(table_lines(results)), flush=True)
+    print("\n".join(table_lines(results) + [""] + median_lines(results)), flush=True)
     for e in results.get("errors", []):
         print(f"ERROR {e}", flush=True)
 
