@@ -175,6 +175,7 @@ def _profiled(node: "RankNode"):
     import pstats
     path = os.environ.get("DATAFLOW_PROFILE_OUT") or "dataflow-rank{rank}.prof"
     path = path.replace("{rank}", str(node.rank))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     node.phases = _PhaseTimes()
     window = os.environ.get("DATAFLOW_PROFILE_TORCH")
     if window:
