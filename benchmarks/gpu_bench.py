@@ -55,6 +55,7 @@ from models.weights import ModelWeights, expected_shapes, random_weights  # noqa
 from runtime.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executor import TorchExecutor  # noqa: E402
 from runtime.executor_cuda import CudaExecutor  # noqa: E402
+from runtime.experiments.barrier_dist import merge_probes, new_probe, probe_engine  # noqa: E402
 from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps  # noqa: E402
 from runtime.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
 from runtime.requests import Request  # noqa: E402
@@ -460,50 +461,6 @@ def section_executor(args, dev: torch.device, results: dict, S: dict) -> None:
 # end to end
 
 
-class BatchProbe:
-    """Wraps one engine's execute/complete: host time per batch, GPU time from the executor's
-    profile events, and the part of the host time the GPU was not busy (exposed)."""
-
-    def __init__(self, engine, inner_ex) -> None:
-        self.e, self.ex, self.recs = engine, inner_ex, []
-        ex_exec, ex_comp = engine.execute, engine.complete
-
-        def execute(batch):
-            batch.out["_probe"] = (time.perf_counter(), len(self.ex.profile or []), self._waited())
-            ex_exec(batch)
-
-        def complete(batch):
-            ex_comp(batch)
-            t0, i0, w0 = batch.out.get("_probe", (None, 0, 0.0))
-            if t0 is not None:
-                self.recs.append((batch.stage.kind, batch.rows, time.perf_counter() - t0, self._waited() - w0,
-                                  list(self.ex.profile[i0:]) if self.ex.profile is not None else []))
-        engine.execute, engine.complete = execute, complete
-
-    def _waited(self) -> float:
-        return self.ex.stats.route_wait_s + self.ex.staging.wait_s
-
-
-def summarize_probes(probes: list[BatchProbe]) -> dict:
-    out = {}
-    for kind in ("attn", "expert", "sample"):
-        host, gpu, exposed, n = 0.0, 0.0, 0.0, 0
-        for p in probes:
-            for k, rows, wall, waited, evs in p.recs:
-                if k != kind:
-                    continue
-                g = sum(s.elapsed_time(e) / 1e3 for _, s, e in evs if s is not None and e is not None)
-                h = max(wall - waited, 0.0)
-                host += h
-                gpu += g
-                exposed += max(0.0, wall - g) if evs else h
-                n += 1
-        if n:
-            out[kind] = dict(batches=n, cpu_us=1e6 * host / n, gpu_us=1e6 * gpu / n,
-                             hidden_share=max(0.0, 1 - exposed / host) if host else None)
-    return out
-
-
 def token_stats(reqs: list[Request], wall: float) -> dict:
     itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
     toks = sum(len(r.output) for r in reqs)
@@ -527,8 +484,8 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
     router = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=args.zipf, seed=0)
     P, M = S["prompt"], S["max_new"]
     inner = CudaExecutor(spec, w, plan, dev, max_context=P + M + 32)
-    inner.profile = [] if dev.type == "cuda" else None
     ex = KeyedRoutingExecutor(inner, router)
+    copy_bps = measure_copy_bps(dev)
     block = plan.kv.block_size
     log(f"e2e: {spec.name} ranks={args.ranks} (in-process, one device) prompt={P} (random KV) max_new={M} "
         f"zipf s={args.zipf}; buckets attn {plan.capture.buckets['attn']} expert {plan.capture.buckets['expert']}")
@@ -543,22 +500,21 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                 rec = dict(system=system, policy=policy, concurrency=C, layers=spec.num_layers, ranks=args.ranks)
                 log(f"  {system} {policy} C={C} ...")
                 try:
-                    if inner.profile is not None:
-                        inner.profile.clear()
                     if system == "streaming":
                         opts = RunOptions(policy=policy, kv_blocks=kv_blocks, decode_only=True, stall_timeout_s=120)
                         cl = Cluster(plan, ex, opts)
                         t = time.perf_counter()
                         ncap = sum(inner.prepare(e.kv) for e in cl.engines)
                         rec["capture_s"], rec["graphs_captured"] = time.perf_counter() - t, ncap
-                        probes = [BatchProbe(e, inner) for e in cl.engines]
+                        probe = new_probe(inner, spec, str(dtype)[6:])  # one executor serves every in-process rank
+                        for e in cl.engines:
+                            probe_engine(e, probe)
                         t = time.perf_counter()
                         cl.run(reqs)
                         sync(dev)
                         wall = time.perf_counter() - t
                         rec.update(token_stats(reqs, wall))
-                        if dev.type == "cuda":
-                            rec["batches"] = summarize_probes(probes)
+                        rec["batches"] = merge_probes([probe.summary()], copy_bps)
                         detach_all(inner, cl)
                     else:
                         from runtime.experiments.barrier import run_barrier
@@ -581,7 +537,7 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                 b = rec.get("batches", {})
                 log(f"    tokens/s {rec.get('tokens_per_s') or 0:9.1f} (steady {rec.get('steady_tokens_per_s') or 0:9.1f}) "
                     f"ITL p50 {rec.get('itl_p50_ms') or 0:.2f} ms p99 {rec.get('itl_p99_ms') or 0:.2f} ms "
-                    + " ".join(f"{k}: cpu {v['cpu_us']:.0f} us gpu {v['gpu_us']:.0f} us hidden "
+                    + " ".join(f"{k}: host {v['host_us']:.0f} us device {v['device_us'] or 0:.0f} us hidden "
                                f"{100 * (v['hidden_share'] or 0):.0f}%" for k, v in b.items()))
     base = {r["concurrency"]: r for r in out if r["system"] == "a2a-ep" and r.get("tokens_per_s")}
     for r in out:
@@ -671,7 +627,7 @@ def write_md(path: Path, meta: dict, results: dict) -> None:
               "attn CPU us (hidden) | expert CPU us (hidden) | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["e2e"]:
             b = r.get("batches", {})
-            cell = lambda k: "-" if k not in b else f"{b[k]['cpu_us']:.0f} ({100 * (b[k]['hidden_share'] or 0):.0f}%)"  # noqa: E731
+            cell = lambda k: "-" if k not in b else f"{b[k]['host_us']:.0f} ({100 * (b[k]['hidden_share'] or 0):.0f}%)"  # noqa: E731
             fm = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
             L.append(f"| {r['system']} | {r['policy']} | {r['concurrency']} | {fm(r.get('tokens_per_s'))} | "
                      f"{fm(r.get('steady_tokens_per_s'))} | {fm(r.get('ratio_vs_a2a'), 2)} | {fm(r.get('itl_p50_ms'), 2)} | "

@@ -176,6 +176,24 @@ def new_probe(inner, spec, dtype: str) -> HostProbe:
     return HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, H, I, es))
 
 
+def probe_engine(engine, probe: HostProbe) -> None:
+    """Time every batch of a streaming engine into `probe`: wraps its execute/complete (the wall of
+    both, the device events of its executor calls in between, the expert ids of expert batches)."""
+    ex_exec, ex_comp = engine.execute, engine.complete
+
+    def execute(batch):
+        batch.out["_hp"] = probe.start()
+        ex_exec(batch)
+
+    def complete(batch):
+        ex_comp(batch)
+        started = batch.out.pop("_hp", None)
+        if started is not None:
+            probe.add(batch.stage.kind, batch.rows, started,
+                      [it.expert for it in batch.items] if batch.stage.kind == "expert" else None)
+    engine.execute, engine.complete = execute, complete
+
+
 def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
     """Per kind over ranks: batches, mean_rows, host_us, device_us, hidden_share (None when no batch had
     device events), and for expert batches GBps and pct_copy (of the measured copy ceiling)."""
@@ -604,20 +622,7 @@ def stream_rank_main(env, job: DistJob):
                     probes[-1] = probes[-1].summary()  # release the last workload's CUDA events
                 probe = new_probe(inner, job.plan.spec, job.exec.dtype)
                 probes.append(probe)
-                e = self.engine
-                ex_exec, ex_comp = e.execute, e.complete
-
-                def execute(batch):
-                    batch.out["_hp"] = probe.start()
-                    ex_exec(batch)
-
-                def complete(batch):
-                    ex_comp(batch)
-                    started = batch.out.pop("_hp", None)
-                    if started is not None:
-                        probe.add(batch.stage.kind, batch.rows, started,
-                                  [it.expert for it in batch.items] if batch.stage.kind == "expert" else None)
-                e.execute, e.complete = execute, complete
+                probe_engine(self.engine, probe)
 
         clock = SyncedClock()
         try:
