@@ -245,7 +245,8 @@ class Engine:
             idx = to_device(rows, g.h_res.device)
             h_res = g.h_res.index_select(0, idx)
             shared = None if g.shared is None else g.shared.index_select(0, idx)
-            w = g.weights.index_select(0, to_device(rows, g.weights.device))
+            # routing weights stay on the host with a host-side router: upload the rows once either way
+            w = g.weights.index_select(0, idx if g.weights.device == idx.device else to_device(rows, g.weights.device))
         h_next = self.executor.combine(h_res, shared, MergeTable.stacked(g, rows), w)
         nxt = self.stages[self._expert_stage(g.layer)].next
         n = g.n[segs]
