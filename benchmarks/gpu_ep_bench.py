@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 import traceback
@@ -339,19 +338,22 @@ def _round_of(label: str) -> int:
 
 def median_rows(results: dict) -> list[dict]:
     """Per (system, scenario without the round, C): median tok/s over rounds, min, max, and the median
-    of the per-round ratios to ag-ep (each round's streaming against the same round's barrier)."""
-    groups: dict = {}
+    of the per-round ratios to ag-ep (each round's streaming against the same round's barrier); the
+    grouping and medians are `dataflow bench`'s (report.median_over_repeats)."""
+    from runtime.experiments.report import median_over_repeats
+    cells = []
     for r in results["runs"]:
         system, label, C = r["name"].split("/")
-        base = label.rpartition(".r")[0] if _round_of(label) else label
-        groups.setdefault((system, base, C), []).append(r)
+        cells.append({**r, "label": f"{system}/{C}",
+                      "scenario": label.rpartition(".r")[0] if _round_of(label) else label})
     out = []
-    for (system, base, C), rs in groups.items():
-        tps = [x["tokens_per_s"] for x in rs if x.get("tokens_per_s")]
-        rat = [x["ratio_vs_ag-ep"] for x in rs if x.get("ratio_vs_ag-ep")]
+    for m in median_over_repeats(cells):
+        tps = m.get("tokens_per_s_repeats") or [m.get("tokens_per_s")]
+        tps = [x for x in tps if x]
         if tps:
-            out.append(dict(system=system, scenario=base, C=C[1:], rounds=len(tps), median=statistics.median(tps),
-                            lo=min(tps), hi=max(tps), ratio=statistics.median(rat) if rat else None))
+            system, C = m["label"].split("/")
+            out.append(dict(system=system, scenario=m["scenario"], C=C[1:], rounds=len(tps), median=m["tokens_per_s"],
+                            lo=min(tps), hi=max(tps), ratio=m.get("ratio_vs_ag-ep")))
     return out
 
 

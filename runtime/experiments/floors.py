@@ -7,6 +7,7 @@ ceiling is how far an expert batch is from its floor.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,8 +19,10 @@ def expert_batch_bytes(active: int, rows: int, hidden: int, intermediate: int, e
     return active * (3 * H * I + 2 * I + H) * elem_bytes + 2 * rows * H * elem_bytes
 
 
+@functools.lru_cache(maxsize=None)
 def measure_copy_bps(device: torch.device, nbytes: int = 1 << 30, iters: int = 5) -> Optional[float]:
-    """Device-to-device copy bandwidth (read + write bytes / s) of an `nbytes` buffer; None off CUDA."""
+    """Device-to-device copy bandwidth (read + write bytes / s) of an `nbytes` buffer; None off CUDA.
+    Measured once per process and device (gpu_bench's sections both ask for it)."""
     if device.type != "cuda":
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
