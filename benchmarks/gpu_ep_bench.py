@@ -5,6 +5,7 @@ under interference, in one command.
     python benchmarks/gpu_ep_bench.py --out DIR --smoke       # CPU dry run: gloo, tiny model, fp32, < 2 min
     python benchmarks/gpu_ep_bench.py --out DIR --model gpt-oss-120b            # cut to 18 layers
     ... --systems streaming-defrag,ag-ep --scenarios clean,delay --concurrency 64 --layers 4
+    ... --scenarios clean,delay-1ms,delay-5ms,delay-10ms       # sweep the burst size in one launch
     ... --rounds 3 --variants "lib:DATAFLOW_NCCL_P2P=lib;c10d:DATAFLOW_NCCL_P2P=c10d"   # an A/B, medians of 3
 
 Every system gets the same weights (seeded, drawn on each rank's device), placement (the plan's),
@@ -18,9 +19,12 @@ runtime/barrier_dist.stream_rank_main), ag-ep and a2a-ep (runtime/barrier_dist: 
 dist.all_gather_into_tensor + dist.all_reduce, or dist.all_to_all_single with sizes exchanged first).
 Scenarios: clean; delay (link delay bursts: +--burst-us for --burst-duty of every --burst-period-ms,
 on every link; streaming: the transport's receive lanes (or --delay-lanes), barrier: a host stall
-before each dispatch/combine collective while the burst is on); compute-hog (a process running bf16
-8192^3 matmuls in a loop on GPU 1); nvlink-hog (a process copying 256 MB buffers GPU0 <-> GPU1
-continuously). Hogs are started by rank 0 before the workload and stopped after it (runtime/experiments/hogs.py).
+before each dispatch/combine collective while the burst is on); delay-<N>ms (the same bursts with
++N ms instead of --burst-us, N > 0, fractions allowed: delay-5ms, delay-10ms, delay-0.5ms; list several
+to sweep the size in one launch; ep_bench.json's meta.burst.extra_us_by_scenario has each scenario's
+size in us); compute-hog (a process running bf16 8192^3 matmuls in a loop on GPU 1); nvlink-hog (a
+process copying 256 MB buffers GPU0 <-> GPU1 continuously). Hogs are started by rank 0 before the
+workload and stopped after it (runtime/experiments/hogs.py).
 
 One launch per system family (barrier: ag + a2a; streaming: every policy), each starting with an
 unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
@@ -52,7 +56,22 @@ def log(msg: str) -> None:
 
 
 SYSTEMS = ("streaming-defrag", "streaming-aging", "ag-ep", "a2a-ep")
-SCENARIOS = ("clean", "delay", "compute-hog", "nvlink-hog")
+SCENARIOS = ("clean", "delay", "compute-hog", "nvlink-hog")  # the default list; also delay-<N>ms
+SCENARIO_FORMS = ("clean, delay (+--burst-us), delay-<N>ms (+N ms, N > 0, e.g. delay-5ms, delay-0.5ms), "
+                  "compute-hog, nvlink-hog")
+
+
+def delay_us_of(scenario: str, burst_us: float):
+    """Extra us per burst of a delay scenario (`delay`: burst_us; `delay-<N>ms`: N * 1000); None otherwise."""
+    from runtime.experiments.barrier_dist import delay_of_scenario
+    s = delay_of_scenario(scenario, burst_us)
+    return None if s is None else round(s * 1e6, 6)
+
+
+def unknown_names(systems: list, scenarios: list) -> list:
+    """The systems and scenarios the bench cannot run."""
+    return [s for s in systems if not (s in ("ag-ep", "a2a-ep") or s.startswith("streaming-"))] + \
+        [s for s in scenarios if s not in SCENARIOS and delay_us_of(s, 0.0) is None]
 
 
 def make_requests(spec, n: int, seed: int, max_prompt: int, new_lo: int, new_hi: int, rid0: int = 0) -> list:
@@ -102,14 +121,15 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="gpt-oss-20b (default) | gpt-oss-120b")
     p.add_argument("--layers", type=int, default=None, help="cut to N layers (20b: 8, 120b: 18)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of: {SCENARIO_FORMS}")
     p.add_argument("--concurrency", default=None, help="requests per rank, comma list (default 64,256)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--max-prompt", type=int, default=None, help="ShareGPT prompt lengths clipped here (1024)")
     p.add_argument("--new-tokens", default=None, help="A:B new tokens per request, uniform (32:64)")
     p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--burst-us", type=float, default=2000.0)
+    p.add_argument("--burst-us", type=float, default=2000.0, help="extra us per burst of the `delay` scenario "
+                   "(delay-<N>ms: N ms)")
     p.add_argument("--burst-period-ms", type=float, default=20.0)
     p.add_argument("--burst-duty", type=float, default=0.3)
     p.add_argument("--delay-lanes", default="recv", help="streaming transport lanes that get the burst: recv|send|recv,send")
@@ -158,10 +178,9 @@ def main(argv=None) -> int:
     new_lo, new_hi = (int(x) for x in new.split(":"))
     systems = [s for s in args.systems.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
-    bad = [s for s in systems if not (s in ("ag-ep", "a2a-ep") or s.startswith("streaming-"))] + \
-        [s for s in scenarios if s not in SCENARIOS]
+    bad = unknown_names(systems, scenarios)
     if bad:
-        p.error(f"unknown system/scenario {bad}; systems: {SYSTEMS} (streaming-<policy>), scenarios: {SCENARIOS}")
+        p.error(f"unknown system/scenario {bad}; systems: {SYSTEMS} (streaming-<policy>), scenarios: {SCENARIO_FORMS}")
     if gpu and torch.cuda.device_count() < args.ranks:
         p.error(f"{args.ranks} ranks need {args.ranks} GPUs; {torch.cuda.device_count()} visible")
 
@@ -193,6 +212,8 @@ def main(argv=None) -> int:
                 gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if gpu else [],
                 concurrency_per_rank=conc, max_prompt=max_prompt, new_tokens=[new_lo, new_hi], zipf_s=args.zipf,
                 burst=dict(extra_us=args.burst_us, period_ms=args.burst_period_ms, duty=args.burst_duty,
+                           extra_us_by_scenario={sc: delay_us_of(sc, args.burst_us) for sc in scenarios
+                                                 if delay_us_of(sc, args.burst_us) is not None},
                            streaming_lanes=args.delay_lanes, barrier="host stall before each dispatch/combine"),
                 hogs=hogs, kv_blocks_per_rank={str(C): kv_of[C] for C in conc},
                 prompt_len_mean={str(C): sum(len(q.prompt) for q in r) / len(r) for C, r in reqs_of.items()})

@@ -73,6 +73,44 @@ def test_burst_delays_schedule():
         bd._ACTIVE["delay"] = False
 
 
+def test_delay_of_scenario_parses_sizes():
+    from runtime.experiments.barrier_dist import delay_of_scenario
+    assert delay_of_scenario("delay", 2000.0) == 2000.0 * 1e-6
+    assert delay_of_scenario("delay-5ms", 2000.0) == 5e-3
+    assert delay_of_scenario("delay-10ms", 2000.0) == 10e-3
+    assert abs(delay_of_scenario("delay-0.5ms", 2000.0) - 0.5e-3) < 1e-15
+    for other in ("clean", "compute-hog", "nvlink-hog", "delay-0ms", "delay-0.0ms", "delay-5", "delay-5us",
+                  "delay-ms", "delay--5ms", "delay-5.ms", "delay-5ms#2", "delay-5ms.r2", "xdelay-5ms", "Delay-5ms"):
+        assert delay_of_scenario(other, 2000.0) is None, other
+
+
+def test_burst_delays_honor_the_scenario_size():
+    """_scenario_on sets the running workload's burst size; BurstDelays.delay returns it during a burst
+    (plain `delay`: the BurstDelays' own extra_us), the lanes and the barrier's collective stall too."""
+    import time
+
+    import runtime.experiments.barrier_dist as bd
+    period_ms = 1e9  # ~11.6 days: the phase set through `epoch` below holds for the whole test
+    d = BurstDelays(period_ms=period_ms, duty=0.5, extra_us=2000, epoch=time.time())
+    job = DistJob(plan=None, exec=None, workloads=[], delays=d)
+    try:
+        for scenario, want in (("delay-5ms", 5e-3), ("delay-0.5ms", 0.5e-3), ("delay-10ms", 10e-3),
+                               ("delay", 2e-3), ("clean", 0.0), ("compute-hog", 0.0)):
+            bd._scenario_on(job, Workload("w", "ag-ep", [], 8, scenario), {}, rank=1)
+            assert bool(bd._ACTIVE["delay"]) == (want > 0), scenario
+            d.epoch = time.time()                          # inside the burst (first half of the period)
+            assert abs(d.delay(0, 1) - want) < 1e-15, scenario
+            assert abs(d.lane("recv", 1, 0)() - want) < 1e-15 and d.lane("send", 0, 1)() == 0.0
+            assert abs(d.collective(0, 2) - want) < 1e-15 and d.delay(1, 1) == 0.0
+            d.epoch = time.time() - 0.75 * period_ms * 1e-3  # between bursts
+            assert d.delay(0, 1) == 0.0 and d.collective(0, 2) == 0.0
+        # no BurstDelays on the job: plain `delay` has no size, off
+        bd._scenario_on(DistJob(plan=None, exec=None, workloads=[]), Workload("w", "ag-ep", [], 8, "delay"), {}, 1)
+        assert bd._ACTIVE["delay"] == 0.0
+    finally:
+        bd._ACTIVE["delay"] = 0.0
+
+
 def test_hog_start_stop_cpu():
     from runtime.experiments.hogs import Hog
     import time

@@ -38,3 +38,44 @@ def test_medians_over_rounds_use_same_round_ratios():
     assert any("rounds" in line for line in bench.median_lines(results))
     # one round: no medians table
     assert bench.median_lines({"runs": [run("ag-ep", "clean", 1.0)]}) == []
+
+
+def test_delay_size_scenarios_validate_and_record_their_size(tmp_path, capsys):
+    assert bench.unknown_names(["streaming-defrag", "ag-ep"], ["clean", "delay", "delay-5ms", "delay-0.5ms",
+                                                               "delay-10ms", "compute-hog", "nvlink-hog"]) == []
+    assert bench.unknown_names(["ag-ep"], ["delay-0ms", "delay-5us", "delay-5", "hog"]) == [
+        "delay-0ms", "delay-5us", "delay-5", "hog"]
+    assert bench.delay_us_of("delay", 2000.0) == 2000.0 and bench.delay_us_of("delay-5ms", 2000.0) == 5000.0
+    assert bench.delay_us_of("delay-0.5ms", 2000.0) == 500.0 and bench.delay_us_of("clean", 2000.0) is None
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--smoke", "--scenarios", "clean,delay-5us"])
+    err = capsys.readouterr().err
+    assert "delay-5us" in err and "delay-<N>ms" in err and "delay (+--burst-us)" in err
+
+
+def test_ratios_tables_and_medians_with_delay_size_labels():
+    """Labels such as delay-0.5ms, delay-10ms#2 and their .rN round suffixes keep their own rows, their
+    vs-clean ratio (against the same round's clean) and their streaming/ag-ep ratio."""
+    def run(system, label, tps):
+        return {"system": system, "name": f"{system}/{label}/C8", "tokens_per_s": tps, "unfinished": 0}
+    labels = {"clean": 100.0, "delay-0.5ms": 90.0, "delay-10ms": 50.0, "delay-10ms#2": 40.0}
+    runs = []
+    for rnd in (1, 2):
+        for label, tps in labels.items():
+            runs += [run("ag-ep", f"{label}.r{rnd}", tps * rnd), run("streaming-defrag", f"{label}.r{rnd}", 2 * tps * rnd)]
+    results = {"runs": runs}
+    bench.ratios(results)
+    by = {r["name"]: r for r in runs}
+    for rnd in (1, 2):
+        assert bench._round_of(f"delay-0.5ms.r{rnd}") == rnd and bench._round_of(f"delay-10ms#2.r{rnd}") == rnd
+        for label, tps in labels.items():
+            for system in ("ag-ep", "streaming-defrag"):
+                assert by[f"{system}/{label}.r{rnd}/C8"]["vs_clean"] == pytest.approx(tps / 100.0), (system, label)
+            assert by[f"streaming-defrag/{label}.r{rnd}/C8"]["ratio_vs_ag-ep"] == pytest.approx(2.0)
+    rows = {(r[0].strip(), r[1].strip()): r for r in (line.strip("|").split("|") for line in bench.table_lines(results)[2:])}
+    assert rows[("streaming-defrag", "delay-0.5ms.r1")][4].strip() == "0.90"
+    assert rows[("ag-ep", "delay-10ms#2.r2")][4].strip() == "0.40"
+    med = {(m["system"], m["scenario"]): m for m in bench.median_rows(results)}
+    assert set(s for _, s in med) == set(labels)
+    assert med[("streaming-defrag", "delay-0.5ms")]["rounds"] == 2 and med[("streaming-defrag", "delay-0.5ms")]["ratio"] == 2.0
+    assert med[("ag-ep", "delay-10ms#2")]["median"] == pytest.approx(60.0)

@@ -26,6 +26,8 @@ requests of a workload arrive at t = 0: a closed batch, which is what the bench 
 Link delay bursts (BurstDelays): a rank sleeps, before each dispatch and each combine collective,
 the largest burst delay currently on a link to or from it; the streaming engine gets the same
 schedule through the transport's chaos hook (lanes of the chosen direction), on the same wall clock.
+The burst's size is the workload's scenario's (delay_of_scenario): `delay` = the BurstDelays' own
+extra_us, `delay-<N>ms` = N ms (e.g. delay-5ms, delay-0.5ms), same period and duty.
 
 Hogs (runtime/experiments/hogs.py) are started by rank 0 before a workload that asks for one and stopped after it.
 """
@@ -35,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +52,24 @@ from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps
 ROOT = Path(__file__).resolve().parents[2]
 
 # What scenario is on in this process (set per workload; read by BurstDelays lanes in transport threads).
-_ACTIVE = {"delay": False}
+# "delay": the burst's extra seconds of the running workload's scenario (0.0 / False: no delay scenario;
+# True: the BurstDelays' own extra_s).
+_ACTIVE: dict = {"delay": 0.0}
+
+_DELAY_MS = re.compile(r"delay-(\d+(?:\.\d+)?)ms")
+
+
+def delay_of_scenario(name: str, default_us: float) -> Optional[float]:
+    """Extra seconds per burst of a delay scenario: `delay` -> default_us (the CLI's --burst-us),
+    `delay-<N>ms` -> N ms (N > 0, e.g. delay-5ms, delay-10ms, delay-0.5ms); None for any other name
+    (clean, the hogs, delay-0ms, delay-5us, ...)."""
+    if name == "delay":
+        return float(default_us) * 1e-6
+    m = _DELAY_MS.fullmatch(name)
+    if m is None:
+        return None
+    ms = float(m.group(1))
+    return ms * 1e-3 if ms > 0 else None
 
 
 # ------------------------------------------------------------------------------ model + executor
@@ -219,7 +239,9 @@ def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
 # ------------------------------------------------------------------------------ interference
 class BurstDelays:
     """On/off link delay bursts on the wall clock (time.time() since `epoch`: one clock for every
-    process of the host), on only while a workload of a delay scenario runs in this process.
+    process of the host), on only while a workload of a delay scenario runs in this process, with
+    that scenario's size (_ACTIVE["delay"], set by _scenario_on from delay_of_scenario; `extra_us` is
+    plain `delay`'s size).
     - `lane(direction, me, peer)`: the streaming transport's chaos hook (ZmqDistTransport); lanes of
       `directions` get the burst delay of the link (me -> peer for send, peer -> me for recv).
     - `collective(me, world)`: the barrier baselines' host-side stall before a collective: the largest
@@ -233,12 +255,15 @@ class BurstDelays:
         self.epoch = time.time() if epoch is None else epoch
 
     def delay(self, src: int, dst: int) -> float:
-        if not _ACTIVE["delay"] or src == dst:
+        on = _ACTIVE["delay"]
+        if not on or src == dst:
             return 0.0
         if self.links is not None and (src, dst) not in self.links:
             return 0.0
         t = time.time() - self.epoch
-        return self.extra_s if (t % self.period_s) < self.duty * self.period_s else 0.0
+        if (t % self.period_s) >= self.duty * self.period_s:
+            return 0.0
+        return self.extra_s if on is True else float(on)
 
     def lane(self, direction: str, me: int, peer: int):
         if direction not in self.directions:
@@ -257,7 +282,7 @@ class Workload:
     system: str                   # streaming-<policy> | ag-ep | a2a-ep
     requests: list                # runtime.requests.Request, arrival 0
     kv_blocks: int
-    scenario: str = "clean"       # clean | delay | compute-hog | nvlink-hog
+    scenario: str = "clean"       # clean | delay | delay-<N>ms | compute-hog | nvlink-hog
     report: bool = True           # False: warm-up (graph capture), not reported
 
 
@@ -280,8 +305,9 @@ def _say(msg: str) -> None:
 
 
 def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None:
-    """Switch interference to workload `w`'s scenario (delay flag here; hogs from rank 0)."""
-    _ACTIVE["delay"] = w.scenario == "delay"
+    """Switch interference to workload `w`'s scenario (the burst size here, 0.0 = off; hogs from rank 0)."""
+    default_us = job.delays.extra_s * 1e6 if job.delays is not None else 0.0
+    _ACTIVE["delay"] = delay_of_scenario(w.scenario, default_us) or 0.0
     if rank != 0:
         return
     _say(f"start {w.name} ({len(w.requests)} requests, {w.kv_blocks} KV blocks per rank)")
@@ -341,7 +367,7 @@ def barrier_dist_rank_main(env, job: DistJob):
                 toks = sum(len(r["output"]) for r in out[-1]["requests"])
                 _say(f"done {w.name}: {toks} tokens in {out[-1]['wall_s']:.2f} s = {toks / max(out[-1]['wall_s'], 1e-9):.1f} tok/s")
     finally:
-        _ACTIVE["delay"] = False
+        _ACTIVE["delay"] = 0.0
         _hogs_off(hogs_state)
         try:
             dist.barrier()
@@ -629,7 +655,7 @@ def stream_rank_main(env, job: DistJob):
             # as `dataflow run`'s ranks: DATAFLOW_PROFILE_RANK profiling (NOTES §11), PeerFailure naming the rank
             results = serve_rank(Node(env, job.plan, ex, transport, clock, rjob))
         finally:
-            _ACTIVE["delay"] = False
+            _ACTIVE["delay"] = 0.0
             _hogs_off(hogs_state)
         # host probes of every rank to the coordinator: through the filesystem-free path, a gloo/nccl object gather
         import torch.distributed as dist
