@@ -173,8 +173,6 @@ def main(argv=None) -> int:
         warm = args.warmup  # default below: the largest concurrency (see warm_reqs)
         if not gpu:
             log("no GPU visible: running on CPU (gloo); use --smoke for a quick dry run")
-    if not gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     new_lo, new_hi = (int(x) for x in new.split(":"))
     systems = [s for s in args.systems.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -183,6 +181,8 @@ def main(argv=None) -> int:
         p.error(f"unknown system/scenario {bad}; systems: {SYSTEMS} (streaming-<policy>), scenarios: {SCENARIO_FORMS}")
     if gpu and torch.cuda.device_count() < args.ranks:
         p.error(f"{args.ranks} ranks need {args.ranks} GPUs; {torch.cuda.device_count()} visible")
+    if not gpu:  # only once the arguments are valid: a caller's process (a test) keeps its environment
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     from lowering.plan import compile_plan
     from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
