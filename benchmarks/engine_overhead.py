@@ -69,8 +69,8 @@ class NullExecutor:
     def experts(self, layer, x, expert_ids):
         return self._timed(lambda: x * 2.0)
 
-    def combine(self, h_res, shared, y, weights):
-        return self._timed(lambda: h_res + (y * weights.unsqueeze(-1)).sum(1))
+    def combine(self, h_res, shared, y, weights, row_index=None):
+        return self._timed(lambda: h_res + ((y if row_index is None else y[row_index]) * weights.unsqueeze(-1)).sum(1))
 
     def logits(self, h):
         return self._timed(lambda: h[:, :VOCAB] if h.shape[1] >= VOCAB else h.repeat(1, VOCAB)[:, :VOCAB])

@@ -20,8 +20,9 @@ Data path of one token at a MoE layer l (home rank h):
 The hot path works on blocks of rows, never on single rows in Python: routing is dispatched with
 array ops (destination of every (row, slot) from a per-layer expert->rank table, one stable sort by
 destination, one index_select per destination), a routed message is one expert-queue item (its
-rows, expert ids and merge tags as arrays), expert outputs are scattered into the home's per-batch
-merge buffer by tag (runtime/merge.py), and sample items are blocks too. Wire metadata: routed rows
+rows, expert ids and merge tags as arrays), expert outputs land in the home's per-batch merge
+buffer at their dispatch positions (runtime/merge.py: a slice copy, or received in place through
+the transport's `recv_into` hook), and sample items are blocks too. Wire metadata: routed rows
 {"t": "x", "layer", "home", "rows": int64 tags [n], "e": int64 experts [n]}; expert outputs
 {"t": "y", "layer", "rows": int64 tags [n]} (numpy arrays: small and picklable).
 Dense layers run their MLP inside the attention stage. Sample: final_logits + sample (per-request
@@ -133,6 +134,8 @@ class Engine:
         # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
         self._announced: list[dict[int, float]] = [{} for _ in range(cfg.num_layers)]
         self.hold_s = 0.0
+        if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
+            transport.recv_into = self._landing
 
     def enable_decode_only(self, seed: int = 0) -> None:
         """The paper's throughput mode (runtime/decode_only.py): no prefill compute; an admitted request's
@@ -215,7 +218,7 @@ class Engine:
         if t == MSG_EXPERT_IN:
             self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], meta["e"], tensor, meta.get("more", 0.0))
         elif t == MSG_EXPERT_OUT:
-            self._merge_rows(meta["layer"], meta["rows"], tensor)
+            self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))
         elif self.on_control is not None:
             self.on_control(src, meta, tensor)
         else:
@@ -230,9 +233,22 @@ class Engine:
         self.queues[self._expert_stage(layer)].push(
             ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
 
-    def _merge_rows(self, layer: int, tags, y: torch.Tensor) -> None:
-        for group, segs in self.merge.add(tags, y):
+    def _merge_rows(self, layer: int, tags, y: torch.Tensor, landed: bool = False) -> None:
+        for group, segs in self.merge.add(tags, y, landed):
             self._merged(group, segs)
+
+    def _landing(self, src: int, meta: dict, shape: tuple, dtype: torch.dtype):
+        """The transport's receive-in-place hook (phase 2 of the exchange, header already read): the
+        merge-buffer slice an expert-output message can be received into, with the event a receive
+        on another stream waits for, or None. Marks the message so `on_message` skips the copy.
+        May run on the transport's receptor thread: it only reads the merge table (a group and its
+        buffer exist from open() until all its parts were merged, this one included)."""
+        if meta.get("t") != MSG_EXPERT_OUT:
+            return None
+        target = self.merge.landing(meta["rows"], shape, dtype)
+        if target is not None:
+            meta["landed"] = True
+        return target
 
     def _merged(self, g: MergeGroup, segs: np.ndarray) -> None:
         """Segments of group `g` whose k parts are all in: combine in slot order (one call for all
@@ -247,7 +263,8 @@ class Engine:
             shared = None if g.shared is None else g.shared.index_select(0, idx)
             # routing weights stay on the host with a host-side router: upload the rows once either way
             w = g.weights.index_select(0, idx if g.weights.device == idx.device else to_device(rows, g.weights.device))
-        h_next = self.executor.combine(h_res, shared, MergeTable.stacked(g, rows), w)
+        y, row_index = MergeTable.combine_inputs(g, rows)
+        h_next = self.executor.combine(h_res, shared, y, w, row_index)
         nxt = self.stages[self._expert_stage(g.layer)].next
         n = g.n[segs]
         self._forward(nxt, [g.rids[s] for s in segs.tolist()], g.first[segs].tolist(), n.tolist(), h_next,
@@ -471,21 +488,24 @@ class Engine:
             self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
             return
         ids = rows_of(out["ids"]).cpu().numpy()
-        shared = rows_of(out["shared"]) if out["shared"] is not None else None
-        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), np.asarray(ns, dtype=np.int64),
-                            rows_of(out["h_res"]), shared, rows_of(out["weights"]), batch.t_start)
-        x = rows_of(out["x"])
         # Dispatch: the destination of every (row, slot), flat index f = row * k + slot; rows of a
         # destination keep ascending f order (stable sort), one message per destination per batch,
-        # destinations in rank order (deterministic).
+        # destinations in rank order (deterministic). The merge addresses rows by their position in
+        # this order (tags = positions), so each message's outputs come back as one contiguous range.
         T, k = ids.shape
         flat = ids.reshape(-1)
         dst = self._expert_rank[layer][flat]
         counts = np.bincount(dst, minlength=self.cfg.world_size)
-        order = np.argsort(dst, kind="stable") if np.count_nonzero(counts) > 1 else np.arange(T * k, dtype=np.int64)
-        tags = order + (g.gid << TAG_SHIFT)
-        experts = flat[order]
-        src_rows = to_device(order // k, x.device)
+        order = np.argsort(dst, kind="stable") if np.count_nonzero(counts) > 1 else None
+        shared = rows_of(out["shared"]) if out["shared"] is not None else None
+        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), np.asarray(ns, dtype=np.int64),
+                            rows_of(out["h_res"]), shared, rows_of(out["weights"]), batch.t_start, order)
+        x = rows_of(out["x"])
+        tags = np.arange(T * k, dtype=np.int64) + (g.gid << TAG_SHIFT)
+        if order is None:
+            experts, src_rows = flat, to_device(np.arange(T * k, dtype=np.int64) // k, x.device)
+        else:
+            experts, src_rows = flat[order], to_device(order // k, x.device)
         # Wave announcement: this home's tokens still headed for attn(layer) soon (queued, or in merges of
         # the layer before), times this batch's rows per token to each owner: what that owner's expert
         # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").

@@ -77,8 +77,11 @@ class TorchExecutor:
         return layers.experts_forward(self.spec, self.w, layer, x, ids)
 
     @torch.no_grad()
-    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
-        return layers.moe_combine(h_res, shared, y, weights)
+    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
+                row_index: Optional[Tensor] = None) -> Tensor:
+        """h_res + sum_j weights[:, j] * y[:, j] (+ shared). y is [T, k, H], or, with `row_index` [T, k],
+        rows [N, H] of which row_index[t, j] is slot j of token t (the merge buffer, in arrival order)."""
+        return layers.moe_combine(h_res, shared, y if row_index is None else y[row_index], weights)
 
     @torch.no_grad()
     def logits(self, h: Tensor) -> Tensor:

@@ -708,11 +708,15 @@ class CudaExecutor:
         return idx
 
     @torch.no_grad()
-    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
+    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
+                row_index: Optional[Tensor] = None) -> Tensor:
         """h_next = h_res + sum_j w_j y_j (+ shared) in one topk_merge launch (bit-equal to
-        models.moe.combine: same fp32 operations in the same order)."""
+        models.moe.combine: same fp32 operations in the same order). y [T, k, H], or rows [N, H]
+        gathered through `row_index` [T, k] by the kernel itself (no gathered copy)."""
         h_res, shared, y = self._to_dev(h_res), self._to_dev(shared), self._to_dev(y)
         w = self._to_dev(weights, torch.float32)
+        if row_index is not None:
+            return topk_merge(h_res, shared, y, self._to_dev(row_index), w)
         T, k, H = y.shape
         return topk_merge(h_res, shared, y.reshape(T * k, H), self._row_index(T, k), w)
 

@@ -54,7 +54,8 @@ class SimExecutor:
     def experts(self, layer: int, x: Tensor, expert_ids: Tensor) -> Tensor:
         return torch.zeros_like(x)
 
-    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
+    def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
+                row_index: Optional[Tensor] = None) -> Tensor:
         return h_res
 
     def logits(self, h: Tensor) -> Tensor:

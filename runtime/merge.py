@@ -1,17 +1,23 @@
 """Top-k merge on the home rank: hold the k partial expert outputs of each token until all arrived.
 
 One `MergeGroup` per MoE attention batch in flight (its kept rows at one layer), holding a receive
-buffer y [R*k, H] addressed by flat index f = row * k + slot, the residual, shared-expert output
-and routing weights of those rows, and per segment the number of parts still missing. A segment is
-one request's rows of that batch: a prefill chunk leaves attention as one segment and must re-enter
-the next layer's attention as one segment (its rows attend to each other), so a segment completes
-when all its n*k parts are in, independently of the other segments of the group.
+buffer y [R*k, H], the residual, shared-expert output and routing weights of those rows, and per
+segment the number of parts still missing. A segment is one request's rows of that batch: a prefill
+chunk leaves attention as one segment and must re-enter the next layer's attention as one segment
+(its rows attend to each other), so a segment completes when all its n*k parts are in,
+independently of the other segments of the group.
 
-Routed rows carry a *tag* to the expert owner and back: tag = gid << TAG_SHIFT | f. Arriving expert
-output rows are scattered into the buffer by tag (one index_copy per message and group), whatever
-order they arrive in; a completed segment is handed back as [n, k, H] in slot order j = 0..k-1, the
-order `moe_combine` sums them in, so the result is bit-identical to the reference decoder no matter
-how the network reordered the messages.
+Addressing by dispatch position. The home sends the (row, slot) pairs of a batch sorted by
+destination rank: position p of that order holds flat index f = order[p] = row * k + slot, and the
+rows for destination d are the positions off_d .. off_d + c_d - 1. Routed rows carry a *tag* to the
+expert owner and back: tag = gid << TAG_SHIFT | p, and the receive buffer is indexed by p. So the
+rows of one message land in one contiguous range of y: a slice copy instead of an index upload and
+a scatter, or, through the transport's `recv_into` hook (the two-phase exchange knows the message's
+tags before its tensor), no copy at all: the tensor is received straight into that range. The
+combine then reads y through row_index[t, j] = position of (t, j) (the inverse of `order`; the
+topk_merge kernel gathers through an index anyway), in slot order j = 0..k-1, the order
+`moe_combine` sums them in, so the result is bit-identical to the reference decoder no matter how
+the network reordered the messages.
 """
 from __future__ import annotations
 
@@ -41,8 +47,12 @@ class MergeGroup:
     h_res: torch.Tensor  # [R, H] residual stream after attention
     shared: Optional[torch.Tensor]  # [R, H] shared-expert output, None when the model has none
     weights: torch.Tensor  # [R, k] routing weights, slot order
-    y: Optional[torch.Tensor]  # [R*k, H] expert outputs by f = row*k + slot (allocated at first arrival)
-    filled: np.ndarray  # bool [R*k]
+    y: torch.Tensor  # [R*k, H] expert outputs by dispatch position p (allocated at open)
+    ready: object  # CUDA event recorded after y's allocation (a receive on another stream waits on it); None on CPU
+    order: Optional[np.ndarray]  # int64 [R*k]: f = row*k + slot at position p; None = identity
+    inv: Optional[np.ndarray]  # int64 [R, k]: position of (row, slot); None = identity
+    seg_of_pos: np.ndarray  # int64 [R*k]: segment of the row at position p
+    filled: np.ndarray  # bool [R*k], by position
     nfilled: int
     missing: np.ndarray  # int64 [S]: parts still missing per segment
     open_segments: int
@@ -84,28 +94,60 @@ class MergeTable:
                 for s in np.flatnonzero(g.missing > 0).tolist()]
 
     def open(self, layer: int, rids: list[int], pos0: list[int], first: np.ndarray, n: np.ndarray,
-             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights: torch.Tensor, now: float) -> MergeGroup:
+             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights: torch.Tensor, now: float,
+             order: Optional[np.ndarray] = None) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
-        start[s] .. start[s]+n[s]-1 (segments back to back, in order). Tags: `group.gid << TAG_SHIFT | f`."""
+        start[s] .. start[s]+n[s]-1 (segments back to back, in order). `order`: the dispatch order
+        (f at position p; None = identity). Tags: `group.gid << TAG_SHIFT | p`."""
         k = self.top_k
         S = len(rids)
         R = int(n.sum())
         if R * k > TAG_MASK:
             raise ValueError(f"merge group of {R} rows x {k} slots does not fit a tag")
         start = np.cumsum(n) - n
-        g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n,
-                       np.repeat(np.arange(S, dtype=np.int64), n), h_res, shared, weights, None,
-                       np.zeros(R * k, dtype=bool), 0, n * k, S, now)
+        seg_of_row = np.repeat(np.arange(S, dtype=np.int64), n)
+        inv = None
+        seg_of_pos = np.repeat(seg_of_row, k)
+        if order is not None:
+            inv = np.empty(R * k, dtype=np.int64)
+            inv[order] = np.arange(R * k, dtype=np.int64)
+            inv = inv.reshape(R, k)
+            seg_of_pos = seg_of_pos[order]
+        y = torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
+        ready = None
+        if y.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(y.device))
+        g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
+                       y, ready, order, inv, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k, S, now)
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S
         self._open_rows[layer] = self._open_rows.get(layer, 0) + R
         return g
 
-    def add(self, tags: np.ndarray, y: torch.Tensor) -> list[tuple[MergeGroup, np.ndarray]]:
-        """Store expert output rows y[i] at tags[i]. Returns (group, completed segments ascending)
-        for every group that this message completed segments of, in ascending group order;
-        a group whose segments are all complete leaves the table."""
+    def landing(self, tags, shape: tuple, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, object]]:
+        """Where an arriving message of expert rows `tags` can be received in place: (the slice of its
+        group's buffer, the event a receive on another stream must wait for), or None (receive it
+        anywhere; `add` copies). In place needs one contiguous run of positions of one group and the
+        buffer's row shape and dtype; `add(..., landed=True)` then only does the bookkeeping."""
+        n = len(tags)
+        if n == 0 or shape[0] != n:
+            return None
+        t0 = int(tags[0])
+        if int(tags[-1]) - t0 != n - 1 or (n > 2 and not (np.diff(tags) == 1).all()):
+            return None
+        g = self._groups.get(t0 >> TAG_SHIFT)
+        p0 = t0 & TAG_MASK
+        if g is None or p0 + n > len(g.filled) or tuple(shape[1:]) != tuple(g.y.shape[1:]) or dtype != g.y.dtype:
+            return None
+        return g.y[p0:p0 + n], g.ready
+
+    def add(self, tags: np.ndarray, y: torch.Tensor, landed: bool = False) -> list[tuple[MergeGroup, np.ndarray]]:
+        """Store expert output rows y[i] at tags[i] (`landed`: they were received in place, see
+        `landing`: only the bookkeeping is left). Returns (group, completed segments ascending) for
+        every group that this message completed segments of, in ascending group order; a group
+        whose segments are all complete leaves the table."""
         tags = np.asarray(tags, dtype=np.int64)
         if len(tags) == 0:
             return []
@@ -121,31 +163,29 @@ class MergeTable:
         out = []
         for gid, idx in parts:
             g = self._groups.get(gid)
-            f = (tags if idx is None else tags[idx]) & TAG_MASK
+            p = (tags if idx is None else tags[idx]) & TAG_MASK
             if g is None:
-                raise KeyError(f"expert output for unknown merge group {gid} (rows {f[:4].tolist()}...)")
-            k = g.k
-            if len(f) and int(f.max()) >= len(g.filled):
-                raise KeyError(f"expert output row {int(f.max()) // k} beyond merge group {gid} of {g.rows} rows")
-            seen = g.filled[f]
-            g.filled[f] = True
+                raise KeyError(f"expert output for unknown merge group {gid} (positions {p[:4].tolist()}...)")
+            if len(p) and int(p.max()) >= len(g.filled):
+                raise KeyError(f"expert output position {int(p.max())} beyond merge group {gid} of {g.rows} rows")
+            seen = g.filled[p]
+            g.filled[p] = True
             nfilled = int(np.count_nonzero(g.filled))
-            if seen.any() or nfilled - g.nfilled != len(f):
+            if seen.any() or nfilled - g.nfilled != len(p):
                 if seen.any():
-                    dup = int(f[seen][0])
+                    dup = int(p[seen][0])
                 else:  # the same (row, slot) twice within this message
-                    vals, counts = np.unique(f, return_counts=True)
+                    vals, counts = np.unique(p, return_counts=True)
                     dup = int(vals[counts > 1][0])
-                r, s = dup // k, dup % k
+                f = dup if g.order is None else int(g.order[dup])
+                r, s = f // g.k, f % g.k
                 seg = int(g.seg_of_row[r])
                 raise ValueError(f"duplicate expert output for {(g.rids[seg], g.pos0[seg], g.layer)} "
                                  f"row {r - int(g.start[seg])} slot {s}")
             g.nfilled = nfilled
-            ys = y if idx is None else y.index_select(0, to_device(idx, y.device))
-            if g.y is None:
-                g.y = torch.empty((g.rows * k,) + tuple(y.shape[1:]), dtype=y.dtype, device=g.h_res.device)
-            g.y.index_copy_(0, to_device(f, g.y.device), ys.to(g.y.device, g.y.dtype))
-            dec = np.bincount(g.seg_of_row[f // k], minlength=len(g.missing))
+            if not landed:
+                _store(g.y, p, y, idx)
+            dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
             g.missing -= dec
             done = np.flatnonzero((g.missing == 0) & (dec > 0))
             if len(done):
@@ -158,7 +198,34 @@ class MergeTable:
         return out
 
     @staticmethod
-    def stacked(g: MergeGroup, rows: Optional[np.ndarray] = None) -> torch.Tensor:
-        """Expert rows of group rows `rows` (all when None) as [n, k, H] in slot order, for `moe_combine`."""
-        y = g.y.view((g.rows, g.k) + tuple(g.y.shape[1:]))
-        return y if rows is None else y.index_select(0, to_device(rows, y.device))
+    def combine_inputs(g: MergeGroup, rows: Optional[np.ndarray] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(expert rows, row_index) for the executor's combine of group rows `rows` (all when None):
+        y[row_index[t, j]] is slot j of row t. Identity order: y as [R, k, H] and no index."""
+        if g.inv is None:
+            y = g.y.view((g.rows, g.k) + tuple(g.y.shape[1:]))
+            return (y, None) if rows is None else (y.index_select(0, to_device(rows, y.device)), None)
+        return g.y, to_device(g.inv if rows is None else g.inv[rows], g.y.device)
+
+
+def _runs(p: np.ndarray) -> np.ndarray:
+    """Starts of the maximal runs of consecutive values in p (p[i+1] == p[i] + 1 inside a run)."""
+    return np.concatenate(([0], np.flatnonzero(np.diff(p) != 1) + 1))
+
+
+def _store(buf: torch.Tensor, p: np.ndarray, y: torch.Tensor, idx: Optional[np.ndarray]) -> None:
+    """buf[p[i]] = y[idx[i]] (idx None: y[i]). A message's rows of one group are a few runs of
+    consecutive positions (one per queue item the owner batched), usually read from consecutive
+    message rows too: those are slice copies; anything else one index upload and scatter."""
+    starts = _runs(p)
+    n = len(p)
+    if len(starts) <= 4:
+        ends = list(starts[1:]) + [n]
+        for a, b in zip(starts.tolist(), ends):
+            src = int(idx[a]) if idx is not None else a
+            if idx is not None and int(idx[b - 1]) - src != b - 1 - a:
+                break  # this run's message rows are not consecutive: scatter the whole part
+            buf[int(p[a]):int(p[a]) + b - a].copy_(y[src:src + b - a])
+        else:
+            return
+    ys = y if idx is None else y.index_select(0, to_device(idx, y.device))
+    buf.index_copy_(0, to_device(p, buf.device), ys.to(buf.device, buf.dtype))

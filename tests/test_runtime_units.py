@@ -61,6 +61,12 @@ def _group(table, n_per_seg, H, layer=1):
                       torch.zeros(R, H), None, torch.ones(R, table.top_k), now=0.0)
 
 
+def _slots(g, rows=None):
+    """The group's expert rows as [n, k, H] in slot order, through the combine's inputs."""
+    y, row_index = MergeTable.combine_inputs(g, None if rows is None else np.asarray(rows))
+    return y if row_index is None else y[row_index]
+
+
 def test_merge_stacks_parts_in_slot_order_whatever_the_arrival_order():
     k, n, H = 3, 2, 4
     table = MergeTable(k)
@@ -77,7 +83,7 @@ def test_merge_stacks_parts_in_slot_order_whatever_the_arrival_order():
     assert done[0] == [] and done[1] == [] and len(done[2]) == 1 and len(table) == 0
     grp, segs = done[2][0]
     assert segs.tolist() == [0]
-    y = MergeTable.stacked(grp)
+    y = _slots(grp)
     assert y.shape == (n, k, H) and [[float(y[r, j, 0]) for j in range(k)] for r in range(n)] == [[0, 1, 2], [10, 11, 12]]
     with pytest.raises(KeyError):
         table.add(np.array([base]), parts[(0, 0)][None])
@@ -95,9 +101,55 @@ def test_merge_segments_complete_independently_and_across_groups():
     done = table.add(tags, torch.arange(len(tags), dtype=torch.float32)[:, None].expand(-1, H))
     assert [(g.gid, s.tolist()) for g, s in done] == [(g0.gid, [1]), (g1.gid, [0])] and len(table) == 1
     assert g0.rows_of(np.array([1])).tolist() == [1, 2]
-    assert MergeTable.stacked(g0, np.array([1, 2]))[:, :, 0].tolist() == [[0, 2], [3, 5]]
+    assert _slots(g0, [1, 2])[:, :, 0].tolist() == [[0, 2], [3, 5]]
     done = table.add(np.array([b0 + 1]), torch.full((1, H), 9.0))
     assert [(g.gid, s.tolist()) for g, s in done] == [(g0.gid, [0])] and len(table) == 0
+
+
+def test_merge_by_dispatch_position_lands_messages_in_place():
+    """Tags are positions in the dispatch order: a destination's rows come back as one contiguous
+    range of the buffer (received in place, or one slice copy), and the combine's row_index reads
+    them back in slot order."""
+    k, n, H = 2, 3, 2
+    table = MergeTable(k)
+    N = torch.zeros(n, H)
+    # (row, slot) pairs by destination: rank 0 gets f = 0, 3, 4, rank 1 gets f = 1, 2, 5
+    order = np.array([0, 3, 4, 1, 2, 5])
+    g = table.open(1, [7], [10], np.array([10]), np.array([n]), N, None, torch.ones(n, k), 0.0, order)
+    base = g.gid << TAG_SHIFT
+    value = {f: torch.full((H,), 10.0 * (f // k) + f % k) for f in range(n * k)}
+    # rank 1's message: positions 3..5, received in place
+    tags1 = np.arange(3, 6) + base
+    view, ready = table.landing(tags1, (3, H), torch.float32)
+    assert ready is None and view.data_ptr() == g.y[3].data_ptr()
+    view.copy_(torch.stack([value[int(order[p])] for p in range(3, 6)]))
+    assert table.add(tags1, view, landed=True) == []
+    # refused: not one run, wrong dtype or row shape, unknown group
+    assert table.landing(np.array([0, 2]) + base, (2, H), torch.float32) is None
+    assert table.landing(np.arange(0, 3) + base, (3, H), torch.float64) is None
+    assert table.landing(np.arange(0, 3) + base, (3, H + 1), torch.float32) is None
+    assert table.landing(np.arange(0, 3) + ((g.gid + 1) << TAG_SHIFT), (3, H), torch.float32) is None
+    # rank 0's message arrives reversed: no single run, so scattered by index
+    tags0 = np.arange(2, -1, -1) + base
+    done = table.add(tags0, torch.stack([value[int(order[p])] for p in (2, 1, 0)]))
+    assert len(done) == 1 and len(table) == 0
+    y = _slots(g)
+    assert y[:, :, 0].tolist() == [[0, 1], [10, 11], [20, 21]]
+
+
+def test_merge_store_slices_runs_and_scatters_the_rest():
+    """_store copies runs of consecutive positions as slices, whatever their number of messages rows."""
+    from runtime.merge import _store
+    buf = torch.zeros(8, 1)
+    y = torch.arange(5.0)[:, None]
+    _store(buf, np.array([5, 6, 0, 1, 2]), y, None)  # two runs
+    assert buf[:, 0].tolist() == [2, 3, 4, 0, 0, 0, 1, 0]
+    buf.zero_()
+    _store(buf, np.array([3, 4]), y, np.array([4, 0]))  # one run of positions, message rows not consecutive
+    assert buf[:, 0].tolist() == [0, 0, 0, 4, 0, 0, 0, 0]
+    buf.zero_()
+    _store(buf, np.array([7, 5, 3, 1, 0, 2]), torch.arange(6.0)[:, None], None)  # six runs: one scatter
+    assert buf[:, 0].tolist() == [4, 3, 5, 2, 0, 1, 0, 0]
 
 
 def test_merge_rejects_duplicates():

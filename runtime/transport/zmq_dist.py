@@ -211,6 +211,11 @@ class ZmqDistTransport:
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
+        # Receive in place (phase 2 knows the shape and the meta before the tensor): called with
+        # (src, meta, shape, torch dtype) before a receive is posted; returns (a contiguous tensor of
+        # that shape and dtype to receive into, a CUDA event the receive must wait for or None), or None
+        # for a pool buffer. May run on the receptor thread. The engine uses it for expert outputs.
+        self.recv_into: Optional[Callable[[int, dict, tuple, torch.dtype], Optional[tuple]]] = None
         self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0}
         peers = [p for p in range(world_size) if p != rank]
         self._peers = peers
@@ -742,12 +747,19 @@ class ZmqDistTransport:
         item = Item(False, src, seq, meta, shape=shape, dtype=dtype)
         lane = self._recv_lanes[src]
         if shape is not None:
+            torch_dtype = _dtype_from_name(dtype)
+            target = self.recv_into(src, meta, tuple(shape), torch_dtype) if self.recv_into is not None else None
             if self._nccl:
                 tm = self._recv_timer
                 tm.start()
                 stream = self._recv_streams[src]
                 with torch.cuda.stream(stream):  # the pool fences a reused buffer on the current stream
-                    buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
+                    if target is None:
+                        buf = self._pool.take(tuple(shape), torch_dtype)
+                    else:  # in place: after the work that allocated the target on its own stream
+                        buf, ready = target
+                        if ready is not None:
+                            stream.wait_event(ready)
                     tm.lap("pool")
                     if self.p2p == "lib":
                         self._recv_comm[src].recv(buf, stream)
@@ -758,7 +770,7 @@ class ZmqDistTransport:
                         tm.lap("irecv")
                         item.event = _end_event(work, stream, tm)
             else:
-                buf = self._pool.take(tuple(shape), _dtype_from_name(dtype))
+                buf = self._pool.take(tuple(shape), torch_dtype) if target is None else target[0]
                 item.work = dist.irecv(buf, src, group=self._recv_group[src])
             item.tensor = buf
         if self._recv_delay is not None:
