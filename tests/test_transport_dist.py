@@ -48,7 +48,21 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
     rng = random.Random(f"{seed}/driver/{rank}")
     got: dict[int, list[int]] = {s: [] for s in range(world)}
     errors: list[str] = []
+    landed: dict[tuple[int, int], torch.Tensor] = {}  # (src, i) -> the buffer recv_into handed out
     with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos) as tr:
+        def into(src, meta, shape, dtype):
+            """Every third tensor message is received in place: into rows 1.. of a larger buffer."""
+            if meta["i"] % 3:
+                return None
+            big = torch.full((shape[0] + 2,) + tuple(shape[1:]), 7, dtype=dtype, device=device)
+            ready = None
+            if big.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(big.device))
+            landed[(src, meta["i"])] = big
+            return big[1:1 + shape[0]], ready
+        tr.recv_into = into
+
         def absorb(arrivals):
             for a in arrivals:
                 i = a.meta["i"]
@@ -62,6 +76,10 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
                 if (want is None) != (t is None) or (want is not None and not (
                         t.dtype == want.dtype and torch.equal(t, want))):
                     errors.append(f"from {a.src} #{i}: payload differs")
+                big = landed.pop((a.src, i), None)
+                if big is not None and (a.tensor.data_ptr() != big[1].data_ptr() or big[0].ne(7).any()
+                                        or big[-1].ne(7).any()):
+                    errors.append(f"from {a.src} #{i}: not received in place, or outside its slice")
                 if a.tensor is not None and a.src != rank:
                     tr.release(a.tensor)
 
@@ -219,6 +237,7 @@ def test_exchange_fifo_no_loss(world, inflight, receive_on):
     # a small in-flight cap forces the per-peer backlogs to be used
     assert all(r["stats"]["local"] == n for r in res.results)
     assert sum(r["pool_hits"] for r in res.results) > 0, "receive buffers were never reused"
+    assert all(r["stats"]["in_place"] > 0 for r in res.results), "recv_into was never used"
 
 
 def test_three_ranks_chaos_delays_and_slow_link():

@@ -216,7 +216,7 @@ class ZmqDistTransport:
         # that shape and dtype to receive into, a CUDA event the receive must wait for or None), or None
         # for a pool buffer. May run on the receptor thread. The engine uses it for expert outputs.
         self.recv_into: Optional[Callable[[int, dict, tuple, torch.dtype], Optional[tuple]]] = None
-        self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0}
+        self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0, "in_place": 0}
         peers = [p for p in range(world_size) if p != rank]
         self._peers = peers
 
@@ -749,6 +749,8 @@ class ZmqDistTransport:
         if shape is not None:
             torch_dtype = _dtype_from_name(dtype)
             target = self.recv_into(src, meta, tuple(shape), torch_dtype) if self.recv_into is not None else None
+            if target is not None:
+                self.stats["in_place"] += 1
             if self._nccl:
                 tm = self._recv_timer
                 tm.start()
