@@ -225,6 +225,12 @@ def test_combine_bit_equal_and_greedy_sampling():
     assert torch.equal(ex.combine(h_res, None, y, wts), ref.combine(h_res, None, y, wts))
     sh = torch.randn(T, H, generator=g)
     assert torch.equal(ex.combine(h_res, sh, y, wts), ref.combine(h_res, sh, y, wts))
+    # rows in arrival order, read through row_index (the merge buffer by dispatch position)
+    perm = torch.randperm(T * k, generator=g)
+    rows = y.reshape(T * k, H)[perm]
+    row_index = torch.argsort(perm).view(T, k)
+    assert torch.equal(ex.combine(h_res, sh, rows, wts, row_index), ref.combine(h_res, sh, y, wts))
+    assert torch.equal(ref.combine(h_res, sh, rows, wts, row_index), ref.combine(h_res, sh, y, wts))
     lg, rl = ex.logits(h_res), ref.logits(h_res)
     assert [ex.sample(lg[i], None, 0) for i in range(T)] == [ref.sample(rl[i], None, 0) for i in range(T)]
 
