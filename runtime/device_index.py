@@ -7,16 +7,24 @@ just the copy (measured on an H200: ~3 ms behind a queued 3 ms kernel at every s
 The engine ships small index arrays (merge tags, dispatch orders, row selections) to the device
 several times per batch, so each such copy serialized the host with the GPU.
 
-`to_device` goes through torch's caching pinned-memory allocator and a non-blocking copy on the
-current stream: the allocator records the copy on the stream and does not reuse the pinned block
-before it ran, and later work on the stream is ordered after the copy. On the CPU it is a view.
+`to_device` copies through a ring of pinned buffers (runtime/host_staging.py, one ring per device, events
+guard each slot's reuse) with a non-blocking copy on the current stream: later work on the stream is
+ordered after the copy, and the host never waits for the GPU. On the CPU it is a view.
 On 2 x H200 the change made no measurable throughput difference (run 21: the GPUs are ~10% busy, so
-the waits were short); it matters once the host is no longer the bottleneck.
+the waits were short); it matters once the host is no longer the bottleneck. Until session 4 it used
+`pin_memory()` (torch's caching pinned allocator) per call: py-spy put 5-7% of a streaming rank's loop
+on that one line (run 30; by our count of calls ~50-70 us each on that host); a ring slot is
+~4 torch calls (predicted ~20-30 us there).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from runtime.host_staging import HostStaging
+
+
+_RINGS: dict[torch.device, HostStaging] = {}
 
 
 def to_device(a, device: torch.device) -> torch.Tensor:
@@ -24,4 +32,9 @@ def to_device(a, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
     if t.device == device or device.type == "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    ring = _RINGS.get(device)
+    if ring is None:
+        ring = _RINGS[device] = HostStaging(device, slots=64, nbytes=1 << 15)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    ring.h2d(out, t)
+    return out

@@ -1,0 +1,123 @@
+"""Pinned host staging: a ring of pinned host buffers for the small host -> device (and device -> host)
+copies of the hot path (batch metadata in the CUDA executor, index arrays in the engine).
+
+A non-blocking copy from pinned memory returns before the DMA ran, so a buffer may only be refilled once
+the copy that read it finished: each slot carries the event recorded after its copy, and `acquire`
+waits on it (normally long complete: ~2 us query). On CPU there is no DMA and no event: plain tensors.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+
+class HostStaging:
+    """`slots` pinned buffers used round robin, each guarded by the event of the copy that last read it."""
+
+    def __init__(self, device: torch.device, slots: int = 16, nbytes: int = 1 << 16) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slots = slots
+        self._bufs = [self._alloc(nbytes) for _ in range(slots)]
+        self._events: list[Optional[torch.cuda.Event]] = [None] * slots
+        self._typed: list[dict] = [{} for _ in range(slots)]  # slot -> {(shape, dtype): (tensor, ndarray)}
+        self._i = 0
+        self.wait_s = 0.0  # host time spent blocked on a slot (should stay ~0)
+
+    def _alloc(self, nbytes: int) -> Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def _next(self) -> int:
+        """The next slot of the ring, once the copy that last read it has run."""
+        i = self._i
+        self._i = (i + 1) % self.slots
+        ev = self._events[i]
+        if ev is not None and not ev.query():
+            t = time.perf_counter()
+            ev.synchronize()
+            self.wait_s += time.perf_counter() - t
+        return i
+
+    def acquire(self, nbytes: int) -> tuple[int, Tensor]:
+        i = self._next()
+        if self._bufs[i].numel() < nbytes:
+            self._bufs[i] = self._alloc(max(nbytes, 2 * self._bufs[i].numel()))
+            self._typed[i].clear()
+        return i, self._bufs[i][:nbytes]
+
+    def _acquire_typed(self, shape: tuple, dtype: torch.dtype) -> tuple[int, Tensor, np.ndarray]:
+        """acquire() of a slot viewed as a [shape] dtype tensor (+ its numpy view), the views cached
+        per slot: the hot path's few (shape, dtype) pairs cost no view creation per batch."""
+        key = (shape, dtype)
+        hit = self._typed[self._i].get(key)
+        if hit is not None:  # the slot is large enough: the cache is cleared when a slot grows
+            return self._next(), hit[0], hit[1]
+        i, buf = self.acquire(math.prod(shape) * dtype.itemsize)
+        view = buf.view(dtype).view(shape)
+        arr = view.numpy() if dtype != torch.bfloat16 else None
+        if len(self._typed[i]) < 16:
+            self._typed[i][key] = (view, arr)
+        return i, view, arr
+
+    def mark(self, i: int) -> Optional[torch.cuda.Event]:
+        """Record (on the current stream) the event that frees slot i once the queued copy ran."""
+        if not self.cuda:
+            return None
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def h2d(self, dst: Tensor, src: Tensor) -> None:
+        """dst (device) <- src (host), through a pinned slot, non-blocking."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        src = src.contiguous()
+        i, buf = self.acquire(src.numel() * src.element_size())
+        view = buf.view(src.dtype).view(src.shape)
+        view.copy_(src)
+        dst.copy_(view, non_blocking=True)
+        self.mark(i)
+
+    def h2d_array(self, dst: Tensor, fill) -> None:
+        """dst (device, int32/int64/float32) <- an array `fill(np_view)` writes in place."""
+        if not self.cuda:
+            host = torch.empty(dst.shape, dtype=dst.dtype)
+            fill(host.numpy())
+            dst.copy_(host)
+            return
+        i, view, arr = self._acquire_typed(tuple(dst.shape), dst.dtype)
+        fill(arr)
+        dst.copy_(view, non_blocking=True)
+        self.mark(i)
+
+    def d2h(self, src: Tensor) -> "PendingHost":
+        """Start a copy of src (device) into a pinned slot; the result is read after `wait()`."""
+        if not self.cuda:
+            return PendingHost(src.detach().to("cpu").clone(), None, self)
+        i, view, _ = self._acquire_typed(tuple(src.shape), src.dtype)
+        view.copy_(src, non_blocking=True)
+        return PendingHost(view, self.mark(i), self)
+
+
+@dataclass
+class PendingHost:
+    view: Tensor  # pinned host tensor (valid after wait; copy out before the ring wraps)
+    event: Optional[torch.cuda.Event]
+    staging: HostStaging
+
+    def wait(self) -> Tensor:
+        if self.event is not None and not self.event.query():
+            t = time.perf_counter()
+            self.event.synchronize()
+            self.staging.wait_s += time.perf_counter() - t
+        return self.view
