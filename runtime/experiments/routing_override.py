@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional, Sequence
@@ -32,6 +31,8 @@ import numpy as np
 import torch
 
 from graph_ir.errors import UserError
+from runtime.experiments.zipf_kernel import warm_up as warm_up_kernel
+from runtime.experiments.zipf_kernel import zipf_topk
 
 Router = Callable[[int, Optional[torch.Tensor], Sequence[Hashable], Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -51,24 +52,13 @@ class ModelRouter:
 
 # ---- synthetic skew ------------------------------------------------------------------------------
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer, vectorised: a cheap, well-mixed hash of 64-bit keys (wraps mod 2^64)."""
-    with np.errstate(over="ignore"):
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
 _SM_ADD, _SM_MUL1, _SM_MUL2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_U30, _U27, _U31, _U11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+_U30, _U27, _U31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def _splitmix64_inplace(z: np.ndarray, tmp: Optional[np.ndarray] = None) -> np.ndarray:
-    """`_splitmix64` on a uint64 array in place (same bits; array ops wrap mod 2^64 silently).
+    """SplitMix64 finalizer on a uint64 array, in place (array ops wrap mod 2^64 silently): a cheap,
+    well-mixed hash of 64-bit keys.
 
     `tmp`, an array of z's shape, holds the shifted copies; without it each shift allocates one.
     """
@@ -81,7 +71,6 @@ def _splitmix64_inplace(z: np.ndarray, tmp: Optional[np.ndarray] = None) -> np.n
     return z
 
 
-_SCRATCH_MAX = 1 << 19        # elements per kept work array (4 MiB): e.g. 4096 rows x 128 experts
 
 
 def _key64(value: Hashable) -> int:
@@ -94,7 +83,8 @@ def _key64(value: Hashable) -> int:
 class ZipfRouting:
     """Seeded Zipf-skewed routing with drifting hot experts (see the module docstring).
 
-    One call is a handful of numpy passes over the batch's [T, E] scores, no Python per row beyond
+    One call is a few numpy passes over the batch's T keys and one compiled loop over its [T, E]
+    scores (zipf_kernel.py), no Python per row beyond
     one dict lookup per token for its request's key (blake2b runs once per request, then cached):
     the router sits on every system's hot path, once per attention batch.
     """
@@ -108,7 +98,6 @@ class ZipfRouting:
     _req_keys: dict = field(default_factory=dict, init=False, repr=False)
     _orders: dict = field(default_factory=dict, init=False, repr=False)
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _scratch: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -120,31 +109,7 @@ class ZipfRouting:
         ranks = np.arange(1, self.num_experts + 1, dtype=np.float64)
         self._log_zipf = -self.s * np.log(ranks)          # log-popularity of rank r (unnormalised)
         self._seed64 = np.uint64(self.seed & 0xFFFFFFFFFFFFFFFF)
-        self._expert_ids = np.arange(self.num_experts, dtype=np.uint64)
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_scratch"] = None                  # per-thread buffers: not picklable, not worth copying
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._scratch = threading.local()
-
-    def _buffers(self, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Three [T, E] work arrays (uint64, uint64, float64), reused across calls by this thread.
-
-        A batch of 1024 rows x 128 experts is 1 MiB per array; fresh ones cost page faults on every
-        call (several hundred us), reused ones do not.
-        """
-        n = T * self.num_experts
-        bufs = getattr(self._scratch, "bufs", None)
-        if bufs is None or bufs[0].size < n:
-            cap = max(n, min(2 * bufs[0].size if bufs is not None else 0, _SCRATCH_MAX))
-            bufs = (np.empty(cap, np.uint64), np.empty(cap, np.uint64), np.empty(cap, np.float64))
-            if cap <= _SCRATCH_MAX:               # a huge prefill batch gets its own, not kept
-                self._scratch.bufs = bufs
-        return tuple(b[:n].reshape(T, self.num_experts) for b in bufs)
+        warm_up_kernel()
 
     def _order(self, layer: int) -> np.ndarray:
         """Experts sorted from hottest to coldest on `layer` before any drift (seeded per layer)."""
@@ -193,13 +158,14 @@ class ZipfRouting:
 
     def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
                  positions: Sequence[int], steps: Optional[Sequence[int]] = None):
-        T, E, k = len(seq_ids), self.num_experts, self.top_k
+        T, k = len(seq_ids), self.top_k
         pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(T))
         step = pos if steps is None else np.asarray(steps, dtype=np.int64).reshape(T)
-        # One 64-bit key per (token, expert), then uniforms in (0, 1) from its hash. Every pass below
-        # works in place on one array; the arithmetic (and so every bit) is that of
+        # One 64-bit key per token, then per (token, expert) a uniform in (0, 1) from its hash:
         #   base = sm(sm(sm(req ^ seed) ^ pos) ^ layer),  h = sm(base ^ expert),
-        #   u = ((h >> 11) + 0.5) / 2^53,  score = logp - log(-log(u))      (sm = _splitmix64).
+        #   u = ((h >> 11) + 0.5) / 2^53,  score = logp - log(-log(u))      (sm = SplitMix64),
+        # and Gumbel-top-k of the scores, compiled (runtime/experiments/zipf_kernel.py: same bits as
+        # the numpy passes it replaced).
         base = self._request_keys(seq_ids, T)                 # a fresh array: ours to overwrite
         base ^= self._seed64
         _splitmix64_inplace(base)
@@ -207,40 +173,9 @@ class ZipfRouting:
         _splitmix64_inplace(base)
         base ^= np.uint64(layer)
         _splitmix64_inplace(base)
-        h, tmp, g = self._buffers(T)
-        np.bitwise_xor(base[:, None], self._expert_ids[None, :], out=h)
-        _splitmix64_inplace(h, tmp)
-        np.right_shift(h, _U11, out=h)
-        np.copyto(g, h, casting="unsafe")         # uint64 -> float64, as astype
-        g += 0.5
-        g *= 1.0 / float(1 << 53)                 # exact: a power of two
-        np.log(g, out=g)
-        np.negative(g, out=g)
-        np.log(g, out=g)
-        shift = self._shifts(step)
-        table = self._table(layer)
-        if T and shift.min() == shift.max():      # one drift period in the batch: broadcast its row
-            score = np.subtract(table[shift[0]], g, out=g)
-        else:
-            logp = tmp.view(np.float64)           # tmp's hash bits are spent: reuse it for logp
-            np.take(table, shift, axis=0, out=logp)
-            score = np.subtract(logp, g, out=g)
-        # Gumbel-top-k by k argmax passes: argmax returns the first maximum, so ties go to the lower
-        # expert id, as a stable descending sort would order them.
-        idx = np.empty((k, T), dtype=np.int64)
-        chosen = np.empty((k, T))
-        flat = score.reshape(-1)
-        row0 = np.arange(0, T * E, E)                 # flat index of each row's first expert
-        for j in range(k):
-            a = score.argmax(axis=1, out=idx[j])
-            at = a + row0
-            np.take(flat, at, out=chosen[j])
-            if j + 1 < k:
-                flat[at] = -np.inf
-        idx, chosen = np.ascontiguousarray(idx.T), np.ascontiguousarray(chosen.T)
-        w = np.subtract(chosen, chosen[:, :1])   # the first pick is the row's max: softmax as before
-        np.exp(w, out=w)
-        w /= w.sum(axis=1, keepdims=True)
+        idx = np.empty((T, k), dtype=np.int64)
+        w = np.empty((T, k))
+        zipf_topk(base, self._table(layer), self._shifts(step), k, idx, w)
         return torch.from_numpy(idx), torch.from_numpy(w.astype(np.float32))
 
 
