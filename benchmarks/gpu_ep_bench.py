@@ -124,6 +124,11 @@ def main(argv=None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of: {SCENARIO_FORMS}")
     p.add_argument("--concurrency", default=None, help="requests per rank, comma list (default 64,256)")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--home-policy", default="round_robin", choices=["round_robin", "most_free_kv"],
+                   help="home rank of each request (both systems alike). round_robin: exactly C per rank. "
+                        "most_free_kv (the plan default) balances KV blocks instead: 265 / 247 requests at C=256 "
+                        "with ShareGPT prompts, and rank 0's 265 exceed the 256-row attention cap, so its every "
+                        "decode step ran two attention waves (runs 27-31, NOTES §19 item 4)")
     p.add_argument("--max-prompt", type=int, default=None, help="ShareGPT prompt lengths clipped here (1024)")
     p.add_argument("--new-tokens", default=None, help="A:B new tokens per request, uniform (32:64)")
     p.add_argument("--zipf", type=float, default=1.2)
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
     from lowering.plan import compile_plan
     from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
     spec = cut_spec(model, layers, dtype)
-    plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu")
+    plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy)
     es = ExecSpec(model=model, layers=layers, dtype=dtype, executor=executor, zipf_s=args.zipf, seed=args.seed,
                   max_context=max_prompt + new_hi + 32)
     delays = BurstDelays(args.burst_period_ms, args.burst_duty, args.burst_us,
@@ -208,7 +213,7 @@ def main(argv=None) -> int:
     kv_warm = kv_blocks_for(warm_reqs, block, args.ranks)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(sys.argv), model=spec.name,
                 layers=spec.num_layers, experts=spec.experts.num_experts, top_k=spec.experts.top_k, dtype=dtype,
-                ranks=args.ranks, device="cuda" if gpu else "cpu", torch=torch.__version__,
+                ranks=args.ranks, home_policy=args.home_policy, device="cuda" if gpu else "cpu", torch=torch.__version__,
                 gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if gpu else [],
                 concurrency_per_rank=conc, max_prompt=max_prompt, new_tokens=[new_lo, new_hi], zipf_s=args.zipf,
                 burst=dict(extra_us=args.burst_us, period_ms=args.burst_period_ms, duty=args.burst_duty,
