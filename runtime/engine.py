@@ -216,7 +216,8 @@ class Engine:
     def on_message(self, src: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         t = meta["t"]
         if t == MSG_EXPERT_IN:
-            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], meta["e"], tensor, meta.get("more", 0.0))
+            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], meta["e"], tensor, meta.get("more", 0.0),
+                                      meta.get("next", 0.0))
         elif t == MSG_EXPERT_OUT:
             self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))
         elif self.on_control is not None:
@@ -225,10 +226,15 @@ class Engine:
             raise ValueError(f"rank {self.rank}: unknown message kind {t!r} from rank {src}")
 
     def _enqueue_expert_rows(self, layer: int, home: int, tags, experts, x: torch.Tensor,
-                             more: float = 0.0) -> None:
+                             more: float = 0.0, nxt: float = 0.0) -> None:
         """One queue item for the whole block of routed rows; `more`: rows `home` expects to send here
-        for this layer soon (the rest of its wave), for the wave hold."""
+        for this layer soon (the rest of its wave), for the wave hold; `nxt`: rows the same tokens will
+        bring to this rank's expert(layer + 1) (the policy's hold_ahead; replaced by `more` when that
+        layer's dispatch from `home` arrives)."""
         self._announced[layer][home] = more
+        if nxt:
+            ahead = self._announced[layer + 1]
+            ahead[home] = ahead.get(home, 0.0) + nxt
         tags = np.asarray(tags, dtype=np.int64)
         self.queues[self._expert_stage(layer)].push(
             ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
@@ -510,6 +516,8 @@ class Engine:
         # the layer before), times this batch's rows per token to each owner: what that owner's expert
         # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").
         ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
+        # hold_ahead: the same tokens' rows at expert(layer + 1), estimated with this layer's share per owner
+        announce_next = getattr(self.policy, "hold_ahead", 0) and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
         off = 0
         for d in np.flatnonzero(counts).tolist():
             c = int(counts[d])
@@ -517,11 +525,14 @@ class Engine:
             td, ed = tags[off:off + c], experts[off:off + c]
             off += c
             more = ahead * c / T
+            nxt = float(c) if announce_next else 0.0
             if d == self.rank:
-                self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more)
+                self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more, nxt)
             else:
-                self.transport.send(d, {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": td, "e": ed,
-                                        "more": more}, xd)
+                meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": td, "e": ed, "more": more}
+                if nxt:
+                    meta["next"] = nxt
+                self.transport.send(d, meta, xd)
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer

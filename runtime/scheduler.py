@@ -29,6 +29,11 @@ CPU processes where the barrier runs 46; benchmarks/results/cpu_bench.md). The b
 item's extra wait <= hold_us, and a policy string can carry the parameters: "defrag:hold_fill=0.9,hold_us=3000".
 `hold_step` > 0 makes the bound adaptive: that fraction of the rank's measured token step
 ("defrag:hold_fill=1,hold_step=0.5"; hold_us is the bound until the first step is measured).
+`hold_ahead=1` also announces each home's wave one layer ahead: with its dispatch to expert(l) a home
+tells every owner the rows the same tokens will bring to expert(l+1), so an owner holds the wave of one
+home at expert(l+1) for another home's wave that is on its way. Two homes' waves that reach a layer at
+different times then merge into one expert batch instead of running one each (on 2 x H200 at C=256 an
+expert stage ran ~1.8 batches per layer-step: one per home; benchmarks/NOTES.md §19).
 """
 from __future__ import annotations
 
@@ -70,18 +75,22 @@ class Policy:
 
     name = "?"
 
-    def __init__(self, hold_fill: float = 0.0, hold_us: float = 2000.0, hold_step: float = 0.0) -> None:
-        if not 0 <= hold_fill <= 1 or hold_us < 0 or hold_step < 0:
-            raise ValueError(f"{self.name} needs 0 <= hold_fill <= 1, hold_us >= 0 and hold_step >= 0; got "
-                             f"hold_fill={hold_fill}, hold_us={hold_us}, hold_step={hold_step}")
+    def __init__(self, hold_fill: float = 0.0, hold_us: float = 2000.0, hold_step: float = 0.0,
+                 hold_ahead: int = 0) -> None:
+        if not 0 <= hold_fill <= 1 or hold_us < 0 or hold_step < 0 or hold_ahead not in (0, 1):
+            raise ValueError(f"{self.name} needs 0 <= hold_fill <= 1, hold_us >= 0, hold_step >= 0 and hold_ahead "
+                             f"0 or 1; got hold_fill={hold_fill}, hold_us={hold_us}, hold_step={hold_step}, "
+                             f"hold_ahead={hold_ahead}")
         self.hold_fill, self.hold_us, self.hold_step = hold_fill, hold_us, hold_step
+        self.hold_ahead = int(hold_ahead) if hold_fill > 0 else 0  # announcements only matter to a hold
         self._step_s: Optional[float] = None  # moving average of this rank's token step (observe_step)
 
     def params(self) -> dict:
         if self.hold_fill <= 0:
             return {}
         return {"hold_fill": self.hold_fill, "hold_us": self.hold_us,
-                **({"hold_step": self.hold_step} if self.hold_step > 0 else {})}
+                **({"hold_step": self.hold_step} if self.hold_step > 0 else {}),
+                **({"hold_ahead": self.hold_ahead} if self.hold_ahead else {})}
 
     def observe_step(self, step_s: float) -> None:
         """The engine reports the mean time between consecutive tokens of the requests it just sampled.
@@ -138,8 +147,8 @@ class Defrag(Policy):
 
     def __init__(self, delta: float = 0.8, lookahead: int = 4, history: int = 4,
                  history_weight: float = 1.0, hold_fill: float = 0.0, hold_us: float = 2000.0,
-                 hold_step: float = 0.0) -> None:
-        super().__init__(hold_fill, hold_us, hold_step)
+                 hold_step: float = 0.0, hold_ahead: int = 0) -> None:
+        super().__init__(hold_fill, hold_us, hold_step, hold_ahead)
         if not 0 <= delta <= 1 or lookahead < 0 or history < 1 or history_weight < 0:
             raise ValueError(f"defrag needs 0 <= delta <= 1, lookahead >= 0, history >= 1, history_weight >= 0; "
                              f"got delta={delta}, lookahead={lookahead}, history={history}, "
@@ -189,8 +198,9 @@ class Aging(Defrag):
 
     def __init__(self, bound: float = 0.05, aging_weight: float = 64.0, urgent_fraction: float = 0.5,
                  delta: float = 0.8, lookahead: int = 4, history: int = 4, history_weight: float = 1.0,
-                 hold_fill: float = 0.0, hold_us: float = 2000.0, hold_step: float = 0.0) -> None:
-        super().__init__(delta, lookahead, history, history_weight, hold_fill, hold_us, hold_step)
+                 hold_fill: float = 0.0, hold_us: float = 2000.0, hold_step: float = 0.0,
+                 hold_ahead: int = 0) -> None:
+        super().__init__(delta, lookahead, history, history_weight, hold_fill, hold_us, hold_step, hold_ahead)
         if bound <= 0 or aging_weight < 0 or not 0 < urgent_fraction <= 1:
             raise ValueError(f"aging needs bound > 0, aging_weight >= 0, 0 < urgent_fraction <= 1; got "
                              f"bound={bound}, aging_weight={aging_weight}, urgent_fraction={urgent_fraction}")
@@ -236,7 +246,7 @@ def make_policy(name: str, **params):
     or parameters raise ValueError naming the valid ones."""
     name, inline = parse_policy(name)
     params = {**inline, **params}
-    for key in ("lookahead", "history"):  # integers in the policy, numbers in a policy string
+    for key in ("lookahead", "history", "hold_ahead"):  # integers in the policy, numbers in a policy string
         if isinstance(params.get(key), float) and params[key].is_integer():
             params[key] = int(params[key])
     cls = POLICIES.get(name)

@@ -92,7 +92,7 @@ def run(name: str, ranks: int, reqs: list[Request], **opts):
 
 
 # Policies with the wave hold on (runtime/scheduler.py): holding changes when batches run, never tokens.
-HELD = ["defrag:hold_fill=0.9,hold_us=1000", "mtfs:hold_fill=1,hold_us=500"]
+HELD = ["defrag:hold_fill=0.9,hold_us=1000", "mtfs:hold_fill=1,hold_us=500", "defrag:hold_fill=1,hold_us=1000,hold_ahead=1"]
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES) + HELD)

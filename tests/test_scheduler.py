@@ -147,3 +147,7 @@ def test_policy_strings_parse_and_fail_clearly():
         parse_policy("defrag:hold_fill=lots")
     with pytest.raises(ValueError, match="hold_fill"):
         make_policy("defrag:hold_fill=2")
+    assert make_policy("defrag:hold_fill=1,hold_ahead=1").params()["hold_ahead"] == 1
+    assert make_policy("aging:hold_ahead=1").hold_ahead == 0  # no hold, nothing to announce for
+    with pytest.raises(ValueError, match="hold_ahead"):
+        make_policy("mtfs:hold_fill=1,hold_ahead=2")
