@@ -30,6 +30,7 @@ seed, step index) -> append -> stop on EOS / max tokens, else the new token ente
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -119,7 +120,7 @@ class Engine:
         self.attn_stage = {s.layer: s.id for s in cfg.stages if s.kind == "attn"}
         self.sample_stage = next(s.id for s in cfg.stages if s.kind == "sample")
         self.kv = PagedKVStore(cfg.num_layers, BlockAllocator(cfg.num_blocks, cfg.block_size))
-        self.merge = MergeTable(k)
+        self.merge = MergeTable(k, self._whole_groups())
         # expert -> rank per layer as an array, for dispatching a whole batch at once
         self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
         self.requests: dict[int, Request] = {}  # live requests homed here
@@ -148,6 +149,16 @@ class Engine:
     def set_policy(self, policy, **params) -> None:
         """Switch the scheduling policy between any two decisions (a name or a policy object)."""
         self.policy = make_policy(policy, **params) if isinstance(policy, str) else policy
+        self.merge.whole_groups = self._whole_groups()
+
+    def _whole_groups(self) -> bool:
+        """Merge whole attention batches (MergeTable.whole_groups) under the wave hold, where a token
+        finished early waits at the next attention stage for its wave anyway; each segment on its own
+        otherwise (the paper's per-token dataflow). DATAFLOW_MERGE=whole|segments overrides (A/B runs)."""
+        mode = os.environ.get("DATAFLOW_MERGE", "")
+        if mode not in ("", "whole", "segments"):
+            raise ValueError(f"DATAFLOW_MERGE={mode!r}: valid values are whole, segments (or unset)")
+        return mode == "whole" or (not mode and getattr(self.policy, "hold_fill", 0.0) > 0)
 
     def free_blocks(self) -> int:
         return self.kv.allocator.free_blocks

@@ -71,8 +71,14 @@ class MergeGroup:
 
 
 class MergeTable:
-    def __init__(self, top_k: int) -> None:
+    """`whole_groups`: hand a group's segments back only once every segment of it is complete (one
+    combine per attention batch) instead of each segment as soon as its own parts are in. The engine
+    turns it on under the wave hold, where a segment completed early would only wait at the next
+    attention stage for the rest of its wave anyway (benchmarks/NOTES.md §19 item 7)."""
+
+    def __init__(self, top_k: int, whole_groups: bool = False) -> None:
         self.top_k = top_k
+        self.whole_groups = whole_groups
         self._groups: dict[int, MergeGroup] = {}
         self._next_gid = 0
         self._open_segments = 0
@@ -185,9 +191,14 @@ class MergeTable:
             g.nfilled = nfilled
             if not landed:
                 _store(g.y, p, y, idx)
-            dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
-            g.missing -= dec
-            done = np.flatnonzero((g.missing == 0) & (dec > 0))
+            if self.whole_groups:  # complete only with the group's last part: all segments at once
+                done = np.arange(len(g.missing)) if nfilled == len(g.filled) else _NONE
+                if len(done):
+                    g.missing[:] = 0
+            else:
+                dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
+                g.missing -= dec
+                done = np.flatnonzero((g.missing == 0) & (dec > 0))
             if len(done):
                 g.open_segments -= len(done)
                 self._open_segments -= len(done)
@@ -205,6 +216,9 @@ class MergeTable:
             y = g.y.view((g.rows, g.k) + tuple(g.y.shape[1:]))
             return (y, None) if rows is None else (y.index_select(0, to_device(rows, y.device)), None)
         return g.y, to_device(g.inv if rows is None else g.inv[rows], g.y.device)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _runs(p: np.ndarray) -> np.ndarray:

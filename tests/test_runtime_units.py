@@ -152,6 +152,20 @@ def test_merge_store_slices_runs_and_scatters_the_rest():
     assert buf[:, 0].tolist() == [4, 3, 5, 2, 0, 1, 0, 0]
 
 
+def test_merge_whole_groups_hands_back_every_segment_with_the_last_part():
+    """whole_groups (the engine's mode under the wave hold): a segment whose parts are all in waits for
+    the rest of its group; the group's last part completes every segment at once."""
+    k, H = 2, 3
+    table = MergeTable(k, whole_groups=True)
+    g = _group(table, [1, 2], H)  # segment 0: row 0; segment 1: rows 1-2
+    b = g.gid << TAG_SHIFT
+    assert table.add(np.array([b + 0, b + 1]), torch.zeros(2, H)) == []  # segment 0 complete: held
+    assert len(table) == 2 and table.open_rows(1) == 3
+    done = table.add(np.array([b + 2, b + 3, b + 4, b + 5]), torch.ones(4, H))
+    assert [(x.gid, s.tolist()) for x, s in done] == [(g.gid, [0, 1])] and len(table) == 0
+    assert table.open_rows(1) == 0
+
+
 def test_merge_rejects_duplicates():
     table = MergeTable(2)
     g = _group(table, [1], 2)
