@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Optional
 
 import numpy as np
@@ -41,7 +42,7 @@ from runtime.device_index import to_device
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
-from runtime.queues import AttnItem, ExpertItem, MuQueue, SampleItem
+from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, SampleItem
 from runtime.requests import Request
 from runtime.scheduler import HOLD, Decision, StageView, make_policy
 
@@ -299,8 +300,7 @@ class Engine:
                 h = h.index_select(0, to_device(np.cumsum(ns) - 1, h.device))
             q.push(SampleItem(rids, h, now, len(rids)))
         elif not multi:
-            for i, (rid, p) in enumerate(zip(rids, first)):
-                q.push(AttnItem(rid, p, 1, None, h, now, i))
+            q.push(AttnBlock(rids, first, None, h, now, len(rids)))
         else:
             row = 0
             for rid, p, n in zip(rids, first, ns):
@@ -313,8 +313,12 @@ class Engine:
     def _attn_eligible(self, layer: int):
         reqs = self.requests
 
-        def eligible(item: AttnItem) -> bool:
-            return reqs[item.rid].kv_next[layer] == item.pos0
+        def eligible(item) -> bool:
+            if type(item) is AttnItem:
+                return reqs[item.rid].kv_next[layer] == item.pos0
+            if not item.ready:
+                item.ready = all(reqs[r].kv_next[layer] == p for r, p in zip(item.rids, item.pos))
+            return item.ready
         return eligible
 
     # ------------------------------------------------------------------ decisions: scheduling
@@ -392,13 +396,18 @@ class Engine:
 
     def _exec_attn(self, batch: Batch) -> None:
         layer = batch.stage.layer
-        items: list[AttnItem] = batch.items
+        items: list = batch.items  # AttnItem segments and AttnBlocks
         if layer == 0:
             h = self.executor.embed([t for it in items for t in it.tokens])
         else:
             h = self._gather_h(items)
         positions, segments, row = [], [], 0
         for it in items:
+            if type(it) is AttnBlock:
+                positions.extend(it.pos)
+                segments.extend(zip(it.rids, range(row, row + it.n), repeat(1)))
+                row += it.n
+                continue
             if it.n == 1:
                 positions.append(it.pos0)
             else:
@@ -414,7 +423,7 @@ class Engine:
                              shared=self.executor.shared_expert(layer, x))
 
     @staticmethod
-    def _gather_h(items: list[AttnItem]) -> torch.Tensor:
+    def _gather_h(items: list) -> torch.Tensor:
         """The items' hidden rows, back to back: one slice per contiguous run of a source block."""
         runs = []  # [block, first row, end row]
         for it in items:
@@ -433,7 +442,7 @@ class Engine:
                           t0, now, t0 - min(it.t_enq for it in batch.items))
         # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.
         if batch.stage.kind == "attn":
-            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items])
+            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], [it.segments for it in batch.items])
         else:
             self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], [it.n for it in batch.items])
         if self.trace is not None:
@@ -472,6 +481,26 @@ class Engine:
         row = 0
         multi = False
         for it in batch.items:
+            if type(it) is AttnBlock:  # one-row segments
+                if last:
+                    for i, (r, p) in enumerate(zip(it.rids, it.pos)):
+                        req = reqs[r]
+                        req.kv_next[layer] = p + 1
+                        if p == self._sample_pos(req):
+                            keep.append(row + i)
+                            rids.append(r)
+                            pos0s.append(p)
+                            first.append(p)
+                            ns.append(1)
+                else:
+                    for r, p in zip(it.rids, it.pos):
+                        reqs[r].kv_next[layer] = p + 1
+                    rids += it.rids
+                    pos0s += it.pos
+                    first += it.pos
+                    ns += repeat(1, it.n)
+                row += it.n
+                continue
             req = reqs[it.rid]
             req.kv_next[layer] = it.pos0 + it.n
             if last:
@@ -573,6 +602,7 @@ class Engine:
         eos = self.cfg.eos_token_ids
         max_pos = self.cfg.max_position
         steps, nstep = 0.0, 0
+        cont_rids, cont_pos, cont_toks = [], [], []  # requests that go on: one attn(0) block
         for req, tok in zip(batch.out["reqs"], batch.out["tokens"]):
             if req.token_times:
                 steps += now - req.token_times[-1]
@@ -585,7 +615,11 @@ class Engine:
             elif len(req.output) >= req.max_new_tokens or pos >= max_pos:
                 self._finish(req, "length", now)
             else:
-                q0.push(AttnItem(req.rid, pos, 1, [tok], None, now))
+                cont_rids.append(req.rid)
+                cont_pos.append(pos)
+                cont_toks.append(tok)
+        if cont_rids:
+            q0.push(AttnBlock(cont_rids, cont_pos, cont_toks, None, now, len(cont_rids)))
         self.metrics.tokens += len(batch.out["tokens"])
         observe = getattr(self.policy, "observe_step", None)  # the wave hold's adaptive bound
         if nstep and observe is not None:

@@ -2,9 +2,10 @@
 
 Items are plain slotted dataclasses (this is the hot loop) carrying the metadata the paper's CPU-side
 record carries (request id, position, home rank, LayerID, slot, routing weight) plus the tensor rows.
-Attention items are segments (never split: a segment's rows attend to each other); expert and
-sample items are blocks of rows (a batch takes whole blocks and splits the last one only when the
-cap demands it). Depth is counted in *tokens*: attention and sample items count their rows, expert
+Attention items are segments (never split: a segment's rows attend to each other), or blocks of
+one-row segments (decode tokens: one item per wave fragment instead of one object per token per
+layer); blocks, expert and sample items are blocks of rows (a batch takes whole blocks and splits
+the last one only when the cap demands it). Depth is counted in *tokens*: attention and sample items count their rows, expert
 rows count 1/k each (a token routed to k experts is one token of work for the layer, as the defragmenting
 scheduler's Q(s) defines it).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, ClassVar, Iterator, Optional
 
 import numpy as np
 import torch
@@ -35,6 +36,38 @@ class AttnItem:
     h: Optional[torch.Tensor]
     t_enq: float
     hrow: int = 0
+    segments: ClassVar[int] = 1  # segments this item stands for (queueing-delay metrics)
+
+
+@dataclass(slots=True)
+class AttnBlock:
+    """n one-row segments entering attention of a layer together: request rids[i] at position pos[i],
+    its token tokens[i] (layer 0) or hidden row h[hrow + i] (deeper layers). What a merge completes or a
+    sample batch produces in decode, as one queue item: per token per layer the engine then does no
+    object creation, push, take or eligibility call of its own (benchmarks/NOTES.md §19 item 9).
+    `ready`: every row was seen eligible (a row stays eligible until it runs: only it moves its
+    request's K/V position at this layer), so the check runs once per block, not at every decision."""
+
+    rids: list[int]
+    pos: list[int]
+    tokens: Optional[list[int]]
+    h: Optional[torch.Tensor]
+    t_enq: float
+    n: int
+    hrow: int = 0
+    ready: bool = False
+
+    @property
+    def segments(self) -> int:
+        return self.n
+
+    def split(self, m: int) -> tuple["AttnBlock", "AttnBlock"]:
+        """(first m rows, the rest): the batch cap cut this block (between rows: each is its own segment)."""
+        t = self.tokens
+        return (AttnBlock(self.rids[:m], self.pos[:m], None if t is None else t[:m], self.h, self.t_enq, m,
+                          self.hrow, self.ready),
+                AttnBlock(self.rids[m:], self.pos[m:], None if t is None else t[m:], self.h, self.t_enq,
+                          self.n - m, self.hrow + m, self.ready))
 
 
 @dataclass(slots=True)

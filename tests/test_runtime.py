@@ -124,6 +124,19 @@ def test_exact_tokens_other_families(name, ranks):
     assert assert_matches_reference(name, res.requests) > 10
 
 
+@pytest.mark.parametrize("policy", ["defrag", "flfs"])
+def test_one_row_prefill_remainders_wait_for_their_chunk_inside_decode_blocks(policy):
+    """Prompts of cap + 1 tokens end in a one-row chunk: after a merge it travels in a block of one-row
+    segments (AttnBlock) with decode tokens of other requests, and may only run once its previous chunk
+    passed the layer. Many such prompts, arriving together with short ones: tokens equal the reference."""
+    spec, _, _ = model("tiny-mixtral")
+    rng = random.Random(5)
+    reqs = [Request(i, f"req-{i}", [rng.randrange(3, spec.vocab_size) for _ in range(17 if i % 2 else 2)], 5,
+                    ignore_eos=True, arrival=0.0) for i in range(10)]
+    res = run("tiny-mixtral", 2, reqs, policy=policy, clock="virtual", delay=jitter(300e-6), delay_seed=3)
+    assert assert_matches_reference("tiny-mixtral", res.requests) > 20
+
+
 def test_sampling_with_seeds_matches_reference():
     spec, _, _ = model("tiny-mixtral")
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_p=0.9, seed=2),

@@ -10,7 +10,7 @@ import torch
 
 from runtime.clock import VirtualClock
 from runtime.merge import TAG_SHIFT, MergeTable
-from runtime.queues import AttnItem, ExpertItem, MuQueue
+from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue
 from runtime.requests import Admission, Request
 from runtime.transport.inproc import InprocHub
 
@@ -176,6 +176,23 @@ def test_merge_rejects_duplicates():
     g2 = _group(table, [2], 2)
     with pytest.raises(ValueError, match="duplicate"):  # twice within one message
         table.add(np.array([(g2.gid << TAG_SHIFT) + 3] * 2), torch.zeros(2, 2))
+
+
+def test_attention_blocks_split_at_the_cap_and_wait_as_a_whole():
+    """A block of one-row segments (decode tokens) is one queue item: the cap splits it between rows
+    (the rest keeps its place and its hidden-row offset), and an ineligible block keeps its place."""
+    h = torch.arange(10.0)[:, None]
+    q = MuQueue(0, "attn", 1, cap=8)
+    q.push(AttnBlock(list(range(10)), [5] * 10, None, h, 0.0, 10))
+    q.push(AttnItem(99, 3, 1, None, h, 0.1, 0))
+    got = q.take()
+    assert [type(it) for it in got] == [AttnBlock] and got[0].n == 8 and got[0].rids == list(range(8))
+    rest = list(q)
+    assert isinstance(rest[0], AttnBlock) and rest[0].rids == [8, 9] and rest[0].hrow == 8 and q.rows == 3
+    assert [it.segments for it in rest] == [2, 1]
+    # eligibility: the engine checks a block's rows once; here the block waits, the segment behind it runs
+    got = q.take(lambda it: isinstance(it, AttnItem))
+    assert [it.rid for it in got] == [99] and [it.rids for it in q] == [[8, 9]]
 
 
 def test_queue_take_respects_cap_fifo_and_eligibility():
