@@ -18,7 +18,7 @@ Systems: streaming-<policy> (runtime/multiproc's RankNode over ZmqDistTransport 
 runtime/barrier_dist.stream_rank_main), ag-ep and a2a-ep (runtime/barrier_dist: per-layer
 dist.all_gather_into_tensor + dist.all_reduce, or dist.all_to_all_single with sizes exchanged first).
 Scenarios: clean; delay (link delay bursts: +--burst-us for --burst-duty of every --burst-period-ms,
-on every link; streaming: the transport's receive lanes (or --delay-lanes), barrier: a host stall
+on every link, or on the --delay-links pairs only; streaming: the transport's receive lanes (or --delay-lanes), barrier: a host stall
 before each dispatch/combine collective while the burst is on); delay-<N>ms (the same bursts with
 +N ms instead of --burst-us, N > 0, fractions allowed: delay-5ms, delay-10ms, delay-0.5ms; list several
 to sweep the size in one launch; ep_bench.json's meta.burst.extra_us_by_scenario has each scenario's
@@ -137,6 +137,9 @@ def main(argv=None) -> int:
                    "(delay-<N>ms: N ms)")
     p.add_argument("--burst-period-ms", type=float, default=20.0)
     p.add_argument("--burst-duty", type=float, default=0.3)
+    p.add_argument("--delay-links", default=None,
+                   help="rank pairs whose link gets the bursts, both directions, e.g. 0-1 or 0-1,2-3 (default: every "
+                        "link). With 4+ ranks one slow link among several is the case the design is for (issue 8)")
     p.add_argument("--delay-lanes", default="recv", help="streaming transport lanes that get the burst: recv|send|recv,send")
     p.add_argument("--hog-device", type=int, default=1)
     p.add_argument("--hog-mb", type=int, default=256)
@@ -186,6 +189,10 @@ def main(argv=None) -> int:
         p.error(f"unknown system/scenario {bad}; systems: {SYSTEMS} (streaming-<policy>), scenarios: {SCENARIO_FORMS}")
     if gpu and torch.cuda.device_count() < args.ranks:
         p.error(f"{args.ranks} ranks need {args.ranks} GPUs; {torch.cuda.device_count()} visible")
+    try:
+        links = parse_links(args.delay_links, args.ranks)
+    except ValueError as err:
+        p.error(str(err))
     if not gpu:  # only once the arguments are valid: a caller's process (a test) keeps its environment
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -195,7 +202,7 @@ def main(argv=None) -> int:
     plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy)
     es = ExecSpec(model=model, layers=layers, dtype=dtype, executor=executor, zipf_s=args.zipf, seed=args.seed,
                   max_context=max_prompt + new_hi + 32)
-    delays = BurstDelays(args.burst_period_ms, args.burst_duty, args.burst_us,
+    delays = BurstDelays(args.burst_period_ms, args.burst_duty, args.burst_us, links=links,
                          directions=tuple(x for x in args.delay_lanes.split(",") if x))
     hogs = {"compute-hog": dict(kind="compute", device=hog_dev, **hog_kw),
             "nvlink-hog": dict(kind="nvlink", devices=(0, 1) if gpu else ("cpu", "cpu"), **hog_kw)}
@@ -219,7 +226,8 @@ def main(argv=None) -> int:
                 burst=dict(extra_us=args.burst_us, period_ms=args.burst_period_ms, duty=args.burst_duty,
                            extra_us_by_scenario={sc: delay_us_of(sc, args.burst_us) for sc in scenarios
                                                  if delay_us_of(sc, args.burst_us) is not None},
-                           streaming_lanes=args.delay_lanes, barrier="host stall before each dispatch/combine"),
+                           streaming_lanes=args.delay_lanes, barrier="host stall before each dispatch/combine",
+                           links="every link" if links is None else sorted(links)),
                 hogs=hogs, kv_blocks_per_rank={str(C): kv_of[C] for C in conc},
                 prompt_len_mean={str(C): sum(len(q.prompt) for q in r) / len(r) for C, r in reqs_of.items()})
     log(f"{spec.name} ({spec.num_layers} layers, {spec.experts.num_experts} experts top-{spec.experts.top_k}, {dtype}) "
@@ -334,6 +342,24 @@ def ratios(results: dict) -> None:
         clean = by.get((r["system"], "clean" + (f".r{rnd}" if rnd else ""), r["name"].split("/")[2]))
         if clean and clean.get("tokens_per_s") and r.get("tokens_per_s"):
             r["vs_clean"] = r["tokens_per_s"] / clean["tokens_per_s"]
+
+
+def parse_links(text, ranks: int):
+    """'0-1,2-3' -> [(0, 1), (1, 0), (2, 3), (3, 2)] (a link is delayed both ways); None -> None (every link)."""
+    if not text:
+        return None
+    out = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        a, dash, b = part.partition("-")
+        try:
+            ra, rb = int(a), int(b)
+        except ValueError:
+            ra = rb = -1
+        if not dash or not (0 <= ra < ranks and 0 <= rb < ranks) or ra == rb:
+            raise ValueError(f"--delay-links {text!r}: each link is A-B with two different ranks in 0..{ranks - 1}, "
+                             f"got {part!r}")
+        out += [(ra, rb), (rb, ra)]
+    return out
 
 
 def parse_variants(text) -> list:

@@ -79,3 +79,14 @@ def test_ratios_tables_and_medians_with_delay_size_labels():
     assert set(s for _, s in med) == set(labels)
     assert med[("streaming-defrag", "delay-0.5ms")]["rounds"] == 2 and med[("streaming-defrag", "delay-0.5ms")]["ratio"] == 2.0
     assert med[("ag-ep", "delay-10ms#2")]["median"] == pytest.approx(60.0)
+
+
+def test_delay_links_name_rank_pairs_both_ways(tmp_path, capsys):
+    assert bench.parse_links(None, 4) is None and bench.parse_links("", 4) is None
+    assert bench.parse_links("0-1, 2-3", 4) == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    for bad in ("0-4", "1-1", "0", "a-b"):
+        with pytest.raises(ValueError, match="delay-links"):
+            bench.parse_links(bad, 4)
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--smoke", "--ranks", "2", "--delay-links", "0-2"])
+    assert "two different ranks in 0..1" in capsys.readouterr().err
