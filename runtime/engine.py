@@ -46,6 +46,8 @@ from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, SampleItem
 from runtime.requests import Request
 from runtime.scheduler import HOLD, Decision, StageView, make_policy
 
+_EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
+
 # Message kinds on the wire (meta["t"]).
 MSG_EXPERT_IN = "x"  # home -> expert owner: routed rows
 MSG_EXPERT_OUT = "y"  # expert owner -> home: expert output rows
@@ -323,15 +325,20 @@ class Engine:
 
     # ------------------------------------------------------------------ decisions: scheduling
     def views(self) -> list[StageView]:
+        """One StageView per stage for the policy. Most stages are empty at any moment: they share one
+        read-only view; `incoming` (the wave hold's) is computed only where the policy reads it, on
+        runnable stages."""
         now = self.clock.now()
+        hold = getattr(self.policy, "hold_fill", 0.0) > 0
         out = []
         for sid, q in enumerate(self.queues):
-            oldest = q.oldest_enqueue()
-            out.append(StageView(q.depth, q.has_eligible(self._eligible.get(sid)),
-                                 now - oldest if oldest is not None else 0.0))
-        if getattr(self.policy, "hold_fill", 0.0) > 0:
-            for sid, v in enumerate(out):
+            if not len(q):
+                out.append(_EMPTY_VIEW)
+                continue
+            v = StageView(q.depth, q.has_eligible(self._eligible.get(sid)), now - q.oldest_enqueue())
+            if hold and v.runnable:
                 v.incoming = self._incoming(sid)
+            out.append(v)
         return out
 
     def _incoming(self, sid: int) -> float:
