@@ -14,20 +14,8 @@ mkdir -p "$OUT"; date -u > "$OUT/env.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_transport_dist.py -k "cuda" > "$OUT/env.txt.pytest" 2>&1
 echo "pytest exit $?: $(tail -1 $OUT/env.txt.pytest)" | tee -a "$OUT/env.txt"; rm -f "$OUT/env.txt.pytest"
 bash benchmarks/device/fp32_tokens_vs_cpu.sh "$OUT" defrag "defrag:hold_fill=1,hold_us=3000" | grep "2-GPU"
-OLD=/tmp/old_tree; mkdir -p $OLD && tar -xzf .df/ab/old.tgz -C $OLD
-NEW=$PWD
+bash benchmarks/device/ab_trees.sh "$OUT" .df/ab/old.tgz 3 --budget 110 --systems "streaming-defrag:hold_fill=1;hold_us=30000" \
+  --scenarios clean --concurrency 256 --new-tokens 64:128
 P=$(mktemp -d /tmp/run36.XXXX)
-ARGS=(--budget 110 --systems "streaming-defrag:hold_fill=1;hold_us=30000" --scenarios clean --concurrency 256 --new-tokens 64:128)
-for r in 1 2 3; do
-  for v in old new; do
-    T=$NEW; [ $v = old ] && T=$OLD
-    mkdir -p "$P/$v$r"
-    (cd $T && PYTHONPATH=/tmp/site:$T DATAFLOW_PROFILE_RANK=all DATAFLOW_PROFILE_CPROFILE=0 DATAFLOW_PROFILE_OUT="$P/$v$r/rank{rank}.prof" \
-      timeout 120 python3 benchmarks/gpu_ep_bench.py --out "$P/$v$r" "${ARGS[@]}" > "$P/$v$r.log" 2>&1)
-    echo "$v round $r exit $?" >> "$OUT/env.txt"
-    echo "$v $r $(grep '^| streaming' $P/$v$r/ep_bench.md | cut -c1-200)" | tee -a "$OUT/ab.txt"
-    for k in 0 1; do echo "=== $v round $r rank $k"; head -16 "$P/$v$r/rank$k.prof.phases.txt"; done >> "$OUT/phases.txt" 2>&1
-  done
-done
 timeout 150 python3 benchmarks/gpu_ep_bench.py --out "$P/ag" --budget 140 --systems ag-ep --scenarios clean --concurrency 256 --new-tokens 64:128 > "$P/ag.log" 2>&1
 echo "ag exit $?" >> "$OUT/env.txt"; cp "$P/ag/ep_bench.md" "$OUT/agep.md"; grep "^| ag" "$OUT/agep.md" | cut -c1-200
