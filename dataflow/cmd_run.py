@@ -54,6 +54,20 @@ def _under_torchrun_rank() -> Optional[int]:
     return None if env is None else env.rank
 
 
+def cap_hint(metrics: dict, plan) -> str:
+    """A line when many attention batches were cut by the cap with a small rest left queued: the rest then
+    runs as its own wave through every layer, which on host-bound ranks costs a whole batch per layer for a
+    few tokens (benchmarks/NOTES.md §19 item 4: 20% of throughput on 2 x H200). Empty when it did not happen."""
+    small, total = metrics.get("attn_small_remainders", 0), metrics.get("attn_batches", 0)
+    if not total or small < max(2, total // 10):
+        return ""
+    cap = next((q.batch_cap for rp in plan.ranks for q in rp.queues if q.kind == "attn"), None)
+    return (f"{small} of {total} attention batches hit the cap ({cap} tokens) and left under a quarter of a batch "
+            f"queued: a rank served a few more tokens at once than one batch holds, so a small second wave ran "
+            f"through every layer. Compile with a larger --attn-cap (at least the decodes a rank serves at once) "
+            f"or with --home-policy round_robin.")
+
+
 def _summary_table(metrics: dict, plan, policy: str):
     from rich.table import Table
 
@@ -186,6 +200,9 @@ def register(app: typer.Typer) -> None:
         if trace is not None and result.trace is not None:
             result.trace.write(trace, result.world_size)
         Console().print(_summary_table(result.metrics, plan, policy))
+        hint = cap_hint(result.metrics, plan)
+        if hint:
+            console.print(f"[yellow]hint:[/] {hint}")
         if output is not None:
             console.print(f"outputs: {output}")
         if trace is not None:

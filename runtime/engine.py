@@ -372,6 +372,8 @@ class Engine:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
                                f"nothing runnable")
         rows = sum(it.n for it in items)
+        if stage.kind == "attn" and rows >= stage.cap and 0 < self.queues[stage.id].rows < stage.cap // 4:
+            self.metrics.attn_small_remainders += 1
         now = self.clock.now()
         if self.trace is not None:
             self.trace.decision(self.rank, now, self.policy.name, stage.id, stage.name, decision.scores, rows)

@@ -73,3 +73,19 @@ def test_bad_prompt_line_names_file_line_and_field(in_tmp):
     res = runner.invoke(app, ["run", "--prompts", "p.jsonl", "--in-process", "-q"])
     assert res.exit_code != 0
     assert "p.jsonl:2" in str(res.exception) and "prompt_token_ids" in str(res.exception)
+
+
+@pytest.mark.parametrize("n,hinted", [(9, True), (8, False)])
+def test_run_hints_when_the_attention_cap_leaves_a_small_second_wave(tmp_path, monkeypatch, n, hinted):
+    """One rank, attention cap 8: 9 decoding requests make every step a batch of 8 plus a wave of 1 through
+    every layer (the 20% loss of benchmarks/NOTES.md §19 item 4); `dataflow run` says so and how to fix it.
+    8 requests fit one batch: no hint."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    res = runner.invoke(app, ["compile", "tiny", "--ranks", "1", "--attn-cap", "8"])
+    assert res.exit_code == 0, res.output
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [5 + i],
+                                                          "max_new_tokens": 8}) + "\n" for i in range(n)))
+    res = runner.invoke(app, ["run", "--in-process", "--prompts", "p.jsonl", "--ignore-eos"])
+    assert res.exit_code == 0, res.output
+    assert ("--attn-cap" in res.output and "hint" in res.output) == hinted, res.output
