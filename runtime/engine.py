@@ -19,8 +19,9 @@ Data path of one token at a MoE layer l (home rank h):
 
 The hot path works on blocks of rows, never on single rows in Python: routing is dispatched with
 array ops (destination of every (row, slot) from a per-layer expert->rank table, one stable sort by
-destination, one index_select per destination), a routed message is one expert-queue item (its
-rows, expert ids and merge tags as arrays), expert outputs land in the home's per-batch merge
+destination, one index_select into that order, a slice per destination), a routed message is one
+expert-queue item (its rows, expert ids and merge tags as arrays), decode tokens queue for attention
+as blocks (queues.AttnBlock), expert outputs land in the home's per-batch merge
 buffer at their dispatch positions (runtime/merge.py: a slice copy, or received in place through
 the transport's `recv_into` hook), and sample items are blocks too. Wire metadata: routed rows
 {"t": "x", "layer", "home", "rows": int64 tags [n], "e": int64 experts [n]}; expert outputs
@@ -557,10 +558,12 @@ class Engine:
                             rows_of(out["h_res"]), shared, rows_of(out["weights"]), batch.t_start, order)
         x = rows_of(out["x"])
         tags = np.arange(T * k, dtype=np.int64) + (g.gid << TAG_SHIFT)
+        # The routed rows in dispatch order, one gather for all destinations: each destination's rows are
+        # then a contiguous slice (a view: nothing more to copy before the send or the local enqueue).
         if order is None:
-            experts, src_rows = flat, to_device(np.arange(T * k, dtype=np.int64) // k, x.device)
+            experts, x_sorted = flat, x.repeat_interleave(k, dim=0)
         else:
-            experts, src_rows = flat[order], to_device(order // k, x.device)
+            experts, x_sorted = flat[order], x.index_select(0, to_device(order // k, x.device))
         # Wave announcement: this home's tokens still headed for attn(layer) soon (queued, or in merges of
         # the layer before), times this batch's rows per token to each owner: what that owner's expert
         # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").
@@ -570,7 +573,7 @@ class Engine:
         off = 0
         for d in np.flatnonzero(counts).tolist():
             c = int(counts[d])
-            xd = x.index_select(0, src_rows[off:off + c])
+            xd = x_sorted[off:off + c]
             td, ed = tags[off:off + c], experts[off:off + c]
             off += c
             more = ahead * c / T
