@@ -61,16 +61,16 @@ def test_barrier_dist_tokens_match_streaming():
 def test_burst_delays_schedule():
     import runtime.experiments.barrier_dist as bd
     d = BurstDelays(period_ms=20, duty=0.3, extra_us=2000, links=[(0, 1)], epoch=0.0)
-    bd._ACTIVE["delay"] = False
+    bd._ACTIVE["delay"] = 0.0
     assert d.collective(0, 2) == 0.0
-    bd._ACTIVE["delay"] = True
+    bd._ACTIVE["delay"] = d.extra_s  # what _scenario_on sets for plain `delay`
     try:
         seen = {d.delay(0, 1) for _ in range(2000)}
         assert seen <= {0.0, 0.002}
         assert d.delay(1, 0) == 0.0 and d.delay(0, 0) == 0.0
         assert d.lane("send", 0, 1)() in (0.0, 0.002) and d.lane("send", 1, 0)() == 0.0
     finally:
-        bd._ACTIVE["delay"] = False
+        bd._ACTIVE["delay"] = 0.0
 
 
 def test_delay_of_scenario_parses_sizes():

@@ -52,8 +52,7 @@ from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps
 ROOT = Path(__file__).resolve().parents[2]
 
 # What scenario is on in this process (set per workload; read by BurstDelays lanes in transport threads).
-# "delay": the burst's extra seconds of the running workload's scenario (0.0 / False: no delay scenario;
-# True: the BurstDelays' own extra_s).
+# "delay": the burst's extra seconds of the running workload's scenario (0.0: no delay scenario).
 _ACTIVE: dict = {"delay": 0.0}
 
 _DELAY_MS = re.compile(r"delay-(\d+(?:\.\d+)?)ms")
@@ -255,15 +254,13 @@ class BurstDelays:
         self.epoch = time.time() if epoch is None else epoch
 
     def delay(self, src: int, dst: int) -> float:
-        on = _ACTIVE["delay"]
-        if not on or src == dst:
+        extra = _ACTIVE["delay"]
+        if not extra or src == dst:
             return 0.0
         if self.links is not None and (src, dst) not in self.links:
             return 0.0
         t = time.time() - self.epoch
-        if (t % self.period_s) >= self.duty * self.period_s:
-            return 0.0
-        return self.extra_s if on is True else float(on)
+        return extra if (t % self.period_s) < self.duty * self.period_s else 0.0
 
     def lane(self, direction: str, me: int, peer: int):
         if direction not in self.directions:
