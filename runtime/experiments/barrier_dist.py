@@ -348,7 +348,8 @@ def barrier_dist_rank_main(env, job: DistJob):
     device, backend = _device(job.plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
     ex, inner = build_executor(job.exec, job.plan, device, env.rank)
-    copy_bps = measure_copy_bps(device)  # the expert batches' bandwidth is reported against it
+    # the expert batches' bandwidth is reported against it; rank 0's is the one reported (1 GiB copies: once)
+    copy_bps = measure_copy_bps(device) if env.rank == 0 else None
     hogs_state: dict = {"log": []}
     out = []
     try:
@@ -626,7 +627,7 @@ def stream_rank_main(env, job: DistJob):
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           chaos=job.delays) as transport:
         ex, inner = build_executor(job.exec, job.plan, device, env.rank)
-        copy_bps = measure_copy_bps(device)
+        copy_bps = measure_copy_bps(device) if env.rank == COORDINATOR else None  # only the coordinator reports
 
         class Node(RankNode):
             def _start_workload(self, w, options):
