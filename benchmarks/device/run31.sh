@@ -9,9 +9,7 @@ set -u
 OUT=${1:?out dir}
 . benchmarks/device/prelude.sh
 mkdir -p "$OUT"; date -u > "$OUT/env.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_transport_dist.py -k "cuda" > "$OUT/env.txt.pytest" 2>&1
-echo "pytest exit $?: $(tail -1 $OUT/env.txt.pytest)" | tee -a "$OUT/env.txt"; rm -f "$OUT/env.txt.pytest"
-bash benchmarks/device/fp32_tokens_vs_cpu.sh "$OUT" defrag "defrag:hold_fill=1,hold_us=3000" | grep "2-GPU"
+bash benchmarks/device/gpu_checks.sh "$OUT" defrag "defrag:hold_fill=1,hold_us=3000"
 OLD=/tmp/old_tree; mkdir -p $OLD && tar -xzf .df/ab/old.tgz -C $OLD
 NEW=$PWD
 P=$(mktemp -d /tmp/run31.XXXX)

@@ -11,9 +11,7 @@ set -u
 OUT=${1:?out dir}
 . benchmarks/device/prelude.sh
 mkdir -p "$OUT"; date -u > "$OUT/env.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_transport_dist.py -k "cuda" > "$OUT/env.txt.pytest" 2>&1
-echo "pytest exit $?: $(tail -1 $OUT/env.txt.pytest)" | tee -a "$OUT/env.txt"; rm -f "$OUT/env.txt.pytest"
-bash benchmarks/device/fp32_tokens_vs_cpu.sh "$OUT" defrag "defrag:hold_fill=1,hold_us=3000" | grep "2-GPU"
+bash benchmarks/device/gpu_checks.sh "$OUT" defrag "defrag:hold_fill=1,hold_us=3000"
 bash benchmarks/device/ab_trees.sh "$OUT" .df/ab/old.tgz 3 --budget 110 --systems "streaming-defrag:hold_fill=1;hold_us=30000" \
   --scenarios clean --concurrency 256 --new-tokens 64:128
 P=$(mktemp -d /tmp/run36.XXXX)
