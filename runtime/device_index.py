@@ -18,6 +18,8 @@ on that one line (run 30; by our count of calls ~50-70 us each on that host); a 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -29,12 +31,18 @@ _RINGS: dict[torch.device, HostStaging] = {}
 
 def to_device(a, device: torch.device) -> torch.Tensor:
     """`a` (numpy array or CPU tensor) on `device`, without a host synchronization on CUDA."""
-    t = torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
-    if t.device == device or device.type == "cpu":
-        return t.to(device)
+    return to_device_marked(a, device)[0]
+
+
+def to_device_marked(a, device: torch.device) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    """to_device and the CUDA event recorded on the current stream right after the copy was queued (None on
+    the CPU): it marks everything queued before the copy too, e.g. a buffer's allocation (runtime/merge.py
+    hands it to receives on other streams)."""
+    if isinstance(a, torch.Tensor):
+        a = a.numpy()
+    if device.type == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(a)), None
     ring = _RINGS.get(device)
     if ring is None:
         ring = _RINGS[device] = HostStaging(device, slots=64, nbytes=1 << 15)
-    out = torch.empty(t.shape, dtype=t.dtype, device=device)
-    ring.h2d(out, t)
-    return out
+    return ring.upload(a)

@@ -31,7 +31,9 @@ seed, step index) -> append -> stop on EOS / max tokens, else the new token ente
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Optional
@@ -46,6 +48,7 @@ from runtime.metrics import BatchRecord, RankMetrics
 from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, SampleItem
 from runtime.requests import Request
 from runtime.scheduler import HOLD, Decision, StageView, make_policy
+from runtime.step_timer import StepTimer
 
 _EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
 
@@ -141,6 +144,11 @@ class Engine:
         self.hold_s = 0.0
         if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
             transport.recv_into = self._landing
+        # DATAFLOW_PROFILE_EXEC=1: wall time per step of an attention batch's dispatch, printed at exit
+        self._dispatch_timer = StepTimer(f"rank {self.rank} attention dispatch",
+                                         os.environ.get("DATAFLOW_PROFILE_EXEC") == "1")
+        if self._dispatch_timer.enabled:
+            atexit.register(lambda: print(self._dispatch_timer.report(), file=sys.stderr))
 
     def enable_decode_only(self, seed: int = 0) -> None:
         """The paper's throughput mode (runtime/decode_only.py): no prefill compute; an admitted request's
@@ -282,8 +290,7 @@ class Engine:
             idx = to_device(rows, g.h_res.device)
             h_res = g.h_res.index_select(0, idx)
             shared = None if g.shared is None else g.shared.index_select(0, idx)
-            # routing weights stay on the host with a host-side router: upload the rows once either way
-            w = g.weights.index_select(0, idx if g.weights.device == idx.device else to_device(rows, g.weights.device))
+            w = g.weights.index_select(0, idx)
         y, row_index = MergeTable.combine_inputs(g, rows)
         h_next = self.executor.combine(h_res, shared, y, w, row_index)
         nxt = self.stages[self._expert_stage(g.layer)].next
@@ -482,6 +489,8 @@ class Engine:
         return len(req.prompt) - 1 + len(req.output)
 
     def _complete_attn(self, batch: Batch) -> None:
+        tm = self._dispatch_timer
+        tm.start()
         layer = batch.stage.layer
         last = layer == self.cfg.num_layers - 1
         out = batch.out
@@ -543,6 +552,7 @@ class Engine:
         if "ids" not in out:
             self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
             return
+        tm.lap("bookkeeping")
         ids = rows_of(out["ids"]).cpu().numpy()
         # Dispatch: the destination of every (row, slot), flat index f = row * k + slot; rows of a
         # destination keep ascending f order (stable sort), one message per destination per batch,
@@ -556,6 +566,7 @@ class Engine:
         shared = rows_of(out["shared"]) if out["shared"] is not None else None
         g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), np.asarray(ns, dtype=np.int64),
                             rows_of(out["h_res"]), shared, rows_of(out["weights"]), batch.t_start, order)
+        tm.lap("order+merge_open")
         x = rows_of(out["x"])
         tags = np.arange(T * k, dtype=np.int64) + (g.gid << TAG_SHIFT)
         # The routed rows in dispatch order, one gather for all destinations: each destination's rows are
@@ -563,13 +574,14 @@ class Engine:
         if order is None:
             experts, x_sorted = flat, x.repeat_interleave(k, dim=0)
         else:
-            experts, x_sorted = flat[order], x.index_select(0, to_device(order // k, x.device))
+            experts, x_sorted = flat[order], x.index_select(0, g.gather)
         # Wave announcement: this home's tokens still headed for attn(layer) soon (queued, or in merges of
         # the layer before), times this batch's rows per token to each owner: what that owner's expert
         # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").
         ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
         # hold_ahead: the same tokens' rows at expert(layer + 1), estimated with this layer's share per owner
         announce_next = getattr(self.policy, "hold_ahead", 0) and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
+        tm.lap("gather")
         off = 0
         for d in np.flatnonzero(counts).tolist():
             c = int(counts[d])
@@ -585,6 +597,7 @@ class Engine:
                 if nxt:
                     meta["next"] = nxt
                 self.transport.send(d, meta, xd)
+        tm.lap("send+enqueue")
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer

@@ -38,7 +38,9 @@ without capture, with the torch reference kernels, so CPU tests cover the paddin
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -62,6 +64,7 @@ from models.weights import ModelWeights
 from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
+from runtime.step_timer import StepTimer
 
 _GREEDY = SamplingParams()
 # Published StreamEP buckets, used when no plan is given (lowering/plan.py has the same lists).
@@ -201,6 +204,13 @@ class CudaExecutor:
         self._views: dict[int, DeviceBlockTables] = {}  # kv serial -> device tables
         self._serial = 0
         self._pending: Optional[_Pending] = None
+        # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
+        profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
+        self._attn_timer = StepTimer("executor attention", profile)
+        self._expert_timer = StepTimer("executor experts", profile)
+        if profile:
+            atexit.register(lambda: print(f"{self._attn_timer.report()}\n{self._expert_timer.report()}",
+                                          file=sys.stderr))
         # When a list: (kind, start event, end event) per attention / expert call, recorded around
         # the call's device work (benchmarks/gpu_bench.py derives GPU time per batch from it).
         self.profile: Optional[list] = None
@@ -335,16 +345,21 @@ class CudaExecutor:
             self._marked("attn", start)
 
     def _attention(self, layer, h, positions, segments, kv):
+        tm = self._attn_timer
+        tm.start()
         self._pending = None
+        tm.lap("drop_pending")
         h = self._to_dev(h)
         T = h.shape[0]
         dv = self._view(kv)
+        tm.lap("view")
         # Decode: every segment one row. Column-wise with C-level loops (zip/map), no per-row Python.
         decode = T > 0 and len(segments) == T
         if decode:
             sids, _, ns = zip(*segments)
             decode = ns.count(1) == T
         rows = dv.rows_of(sids) if decode else None
+        tm.lap("rows_of")
         if decode and None not in rows and max(positions) < dv.width * kv.block_size:
             b = bucket_for(T, self.buckets["attn"])
             if b is None:
@@ -430,8 +445,11 @@ class CudaExecutor:
             a[0, T:] = -1
             a[1, :T] = rows
             a[1, T:] = trash
+        tm = self._attn_timer
         self.staging.h2d_array(bufs._t["meta"], fill)
+        tm.lap("meta_h2d")
         bufs._t["h"][:T].copy_(h)
+        tm.lap("h_copy")
         if static:
             key = ("attn", layer, b, kv._cuda_exec_serial)
             g = self.graphs.get(key, "attn", b, lambda: self._attn_body(layer, bufs, dv, kv), self.attn_graphs)
@@ -441,11 +459,14 @@ class CudaExecutor:
         else:
             self._attn_body(layer, bufs, dv, kv)()
             self.stats.attn_eager_decode += 1
+        tm.lap("replay")
         out = bufs._t["out"][:, :T].clone()  # one copy: the static buffers are reused by the next batch
         h_res, x = out[0], out[1]
+        tm.lap("out_clone")
         if self.spec.is_moe_layer(layer):
             route = self.staging.d2h(bufs._t["route"][:T])
             self._pending = _Pending(x, route, out[2] if out.shape[0] > 2 else None, self.top_k)
+        tm.lap("route_d2h")
         return h_res, x
 
     @torch.no_grad()
@@ -546,6 +567,8 @@ class CudaExecutor:
             self._marked("expert", start)
 
     def _experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
+        tm = self._expert_timer
+        tm.start()
         x = self._to_dev(x)
         N = x.shape[0]
         if N == 0:
@@ -570,8 +593,11 @@ class CudaExecutor:
         def fill(a: np.ndarray) -> None:
             a[:N] = ids
             a[N:] = pad
+        tm.lap("ids_prep")
         self.staging.h2d_array(bufs._t["ids"], fill)
+        tm.lap("ids_h2d")
         bufs._t["x"][:N].copy_(x)
+        tm.lap("x_copy")
         if static:
             g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
                                 self.expert_graphs)
@@ -581,7 +607,10 @@ class CudaExecutor:
         else:
             self._expert_body(layer, bufs)()
             self.stats.expert_eager += 1
-        return bufs._t["y"][:N].clone()
+        tm.lap("replay")
+        y = bufs._t["y"][:N].clone()
+        tm.lap("y_clone")
+        return y
 
     # ------------------------------------------------------------------ merge, head, sampling
     def _row_index(self, T: int, k: int) -> Tensor:

@@ -16,6 +16,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from runtime.cuda_stream import current_stream
+
+# numpy dtype char -> torch dtype, for the arrays `upload` ships (index arrays, fp32 weights, masks)
+_TORCH_DTYPES = {np.dtype(t).char: getattr(torch, t) for t in ("int64", "int32", "float32", "float64", "bool", "uint8")}
 
 
 class HostStaging:
@@ -66,6 +70,28 @@ class HostStaging:
             self._typed[i][key] = (view, arr)
         return i, view, arr
 
+    def upload(self, a: np.ndarray) -> tuple[Tensor, Optional[torch.cuda.Event]]:
+        """A device copy of host array `a` through a slot, non-blocking: (the tensor, the slot's event, recorded
+        on the current stream right after the copy was queued, so it also marks all work queued before it).
+        The slot is viewed as a flat array of a's dtype (cached per slot): a numpy fill, a slice, one copy, one
+        event: 3 torch calls where `h2d` of a tensor makes 6. On CPU: the array itself as a tensor, no event."""
+        a = np.ascontiguousarray(a)
+        if not self.cuda:
+            return torch.from_numpy(a), None
+        dtype = _TORCH_DTYPES[a.dtype.char]
+        n = a.size
+        i, buf = self.acquire(n * a.itemsize)
+        key = ("flat", dtype)
+        flat = self._typed[i].get(key)
+        if flat is None:  # cleared by acquire() when the slot grew
+            t = self._bufs[i][: self._bufs[i].numel() // a.itemsize * a.itemsize].view(dtype)
+            flat = self._typed[i][key] = (t, t.numpy())
+        flat[1][:n] = a.reshape(-1)
+        src = flat[0][:n]
+        out = torch.empty(a.shape, dtype=dtype, device=self.device)
+        out.copy_(src if a.ndim == 1 else src.view(a.shape), non_blocking=True)
+        return out, self.mark(i)
+
     def mark(self, i: int) -> Optional[torch.cuda.Event]:
         """Record (on the current stream) the event that frees slot i once the queued copy ran."""
         if not self.cuda:
@@ -73,7 +99,7 @@ class HostStaging:
         ev = self._events[i]
         if ev is None:
             ev = self._events[i] = torch.cuda.Event()
-        ev.record()
+        ev.record(current_stream(self.device))
         return ev
 
     def h2d(self, dst: Tensor, src: Tensor) -> None:

@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from runtime.device_index import to_device
+from runtime.device_index import to_device, to_device_marked
 
 TAG_SHIFT = 32
 TAG_MASK = (1 << TAG_SHIFT) - 1
@@ -46,11 +46,13 @@ class MergeGroup:
     seg_of_row: np.ndarray  # int64 [R]
     h_res: torch.Tensor  # [R, H] residual stream after attention
     shared: Optional[torch.Tensor]  # [R, H] shared-expert output, None when the model has none
-    weights: torch.Tensor  # [R, k] routing weights, slot order
+    weights: torch.Tensor  # [R, k] fp32 routing weights, slot order, on h_res's device
     y: torch.Tensor  # [R*k, H] expert outputs by dispatch position p (allocated at open)
     ready: object  # CUDA event recorded after y's allocation (a receive on another stream waits on it); None on CPU
     order: Optional[np.ndarray]  # int64 [R*k]: f = row*k + slot at position p; None = identity
     inv: Optional[np.ndarray]  # int64 [R, k]: position of (row, slot); None = identity
+    gather: Optional[torch.Tensor]  # order // k on the device: the row of each dispatch position (dispatch gather)
+    row_index: Optional[torch.Tensor]  # inv on the device (the whole group's combine); None = identity
     seg_of_pos: np.ndarray  # int64 [R*k]: segment of the row at position p
     filled: np.ndarray  # bool [R*k], by position
     nfilled: int
@@ -120,12 +122,24 @@ class MergeTable:
             inv = inv.reshape(R, k)
             seg_of_pos = seg_of_pos[order]
         y = torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
-        ready = None
-        if y.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(y.device))
+        # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
+        # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
+        # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
+        # per attention batch became one of each; benchmarks/NOTES.md §20).
+        gather = row_index = None
+        if h_res.is_cuda and weights.device.type == "cpu":  # a host-side router's weights
+            dev, ready = to_device_marked(pack_group_inputs(order, inv, weights), h_res.device)
+            gather, row_index, weights = unpack_group_inputs(dev, R, k, order is not None)
+        else:  # weights already where the rows are (a host-side executor: these "uploads" are views)
+            ready = None
+            if order is not None:
+                gather, row_index = to_device(order // k, h_res.device), to_device(inv, h_res.device)
+            if y.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(y.device))
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
-                       y, ready, order, inv, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k, S, now)
+                       y, ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k,
+                       S, now)
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S
@@ -215,10 +229,33 @@ class MergeTable:
         if g.inv is None:
             y = g.y.view((g.rows, g.k) + tuple(g.y.shape[1:]))
             return (y, None) if rows is None else (y.index_select(0, to_device(rows, y.device)), None)
-        return g.y, to_device(g.inv if rows is None else g.inv[rows], g.y.device)
+        return g.y, g.row_index if rows is None else to_device(g.inv[rows], g.y.device)
 
 
 _NONE = np.zeros(0, dtype=np.int64)
+
+
+def pack_group_inputs(order: Optional[np.ndarray], inv: Optional[np.ndarray], weights: torch.Tensor) -> np.ndarray:
+    """One int64 host array holding [order // k, inv] (when order is not None) and then the fp32 weights
+    [R, k], two per element: what a merge group's device side needs, uploaded in one copy."""
+    R, k = weights.shape
+    nw = (R * k + 1) // 2
+    host = np.empty((2 * R * k if order is not None else 0) + nw, dtype=np.int64)
+    if order is not None:
+        np.floor_divide(order, k, out=host[:R * k])
+        host[R * k:2 * R * k] = inv.reshape(-1)
+    host[len(host) - nw:].view(np.float32)[:R * k] = weights.to(torch.float32).numpy().reshape(-1)
+    return host
+
+
+def unpack_group_inputs(packed: torch.Tensor, R: int, k: int, has_order: bool):
+    """(gather [R*k] int64, row_index [R, k] int64, weights [R, k] fp32) views of `pack_group_inputs`'s
+    array (gather and row_index None without an order)."""
+    nw = (R * k + 1) // 2
+    weights = packed[len(packed) - nw:].view(torch.float32)[:R * k].view(R, k)
+    if not has_order:
+        return None, None, weights
+    return packed[:R * k], packed[R * k:2 * R * k].view(R, k), weights
 
 
 def _runs(p: np.ndarray) -> np.ndarray:

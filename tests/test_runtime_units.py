@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.clock import VirtualClock
-from runtime.merge import TAG_SHIFT, MergeTable
+from runtime.merge import TAG_SHIFT, MergeTable, pack_group_inputs, unpack_group_inputs
 from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue
 from runtime.requests import Admission, Request
 from runtime.transport.inproc import InprocHub
@@ -135,6 +135,28 @@ def test_merge_by_dispatch_position_lands_messages_in_place():
     assert len(done) == 1 and len(table) == 0
     y = _slots(g)
     assert y[:, :, 0].tolist() == [[0, 1], [10, 11], [20, 21]]
+
+
+@pytest.mark.parametrize("R,k,with_order", [(3, 2, True), (5, 3, True), (1, 1, True), (4, 4, False), (3, 3, False)])
+def test_merge_group_inputs_pack_into_one_upload(R, k, with_order):
+    """A CUDA merge group uploads the dispatch gather, the combine's row_index and the fp32 weights as one
+    int64 array: the views unpacked from it equal the arrays packed (odd R*k included: the weights' last
+    int64 is half padding)."""
+    rng = np.random.default_rng(R * 10 + k)
+    order = rng.permutation(R * k).astype(np.int64) if with_order else None
+    inv = None
+    if with_order:
+        inv = np.empty(R * k, dtype=np.int64)
+        inv[order] = np.arange(R * k)
+        inv = inv.reshape(R, k)
+    w = torch.from_numpy(rng.random((R, k), dtype=np.float32))
+    packed = torch.from_numpy(pack_group_inputs(order, inv, w))
+    gather, row_index, weights = unpack_group_inputs(packed, R, k, with_order)
+    assert weights.dtype == torch.float32 and torch.equal(weights, w)
+    if with_order:
+        assert gather.tolist() == (order // k).tolist() and row_index.tolist() == inv.tolist()
+    else:
+        assert gather is None and row_index is None
 
 
 def test_merge_store_slices_runs_and_scatters_the_rest():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -300,9 +301,12 @@ class KeyedRoutingExecutor:
         return getattr(self._inner, name)
 
     def attention(self, layer: int, h, positions, segments, kv):
-        seq_ids = [None] * len(positions)
-        for seq, start, n in segments:
-            seq_ids[start:start + n] = [seq] * n
+        if len(segments) == len(positions):  # decode: one row per segment
+            seq_ids = list(map(itemgetter(0), segments))
+        else:
+            seq_ids = [None] * len(positions)
+            for seq, start, n in segments:
+                seq_ids[start:start + n] = [seq] * n
         self._keys = (seq_ids, list(positions))
         return self._inner.attention(layer, h, positions, segments, kv)
 

@@ -9,6 +9,7 @@ forgetting to release costs allocations, never correctness. `per_key` bounds wha
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import torch
 
@@ -23,7 +24,9 @@ class BufferPool:
         self.hits = 0
         self.misses = 0
 
-    def take(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: tuple, dtype: torch.dtype, stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+        """A buffer for a receive that will run on `stream` (default: the current stream). A reused one is
+        fenced there behind the engine's last read of it; a new one is allocated on that stream."""
         numel = 1
         for d in shape:
             numel *= d
@@ -34,12 +37,15 @@ class BufferPool:
                 self.hits += 1
                 buf, done_reading = free.pop()
                 if done_reading is not None:
-                    # Called under the receive stream: the new receive must not overwrite the buffer
-                    # before the engine's last kernel reading it finished. No host wait.
-                    torch.cuda.current_stream(self.device).wait_event(done_reading)
+                    # The new receive must not overwrite the buffer before the engine's last kernel
+                    # reading it finished. No host wait.
+                    (stream or torch.cuda.current_stream(self.device)).wait_event(done_reading)
                 return buf.view(shape)
             self.misses += 1
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        if stream is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(stream):  # the caching allocator hands out blocks free in that stream's order
+            return torch.empty(shape, dtype=dtype, device=self.device)
 
     def release(self, tensor: torch.Tensor) -> None:
         """Give a received tensor back. The caller promises it enqueues no more reads of it (on CUDA,

@@ -60,8 +60,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from runtime.cuda_stream import current_stream
 from runtime.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, PeerFailure, PeerHealth,
                             register_abort_hook)
+from runtime.step_timer import StepTimer
 from runtime.transport.base import Arrival
 from runtime.transport.buffer_pool import BufferPool
 from runtime.transport.chaos import ChaosDelays
@@ -110,30 +112,7 @@ def _pair_groups(world_size: int, backend: str) -> dict[tuple[int, int], object]
     return groups
 
 
-class _StepTimer:
-    """Wall time per step of a repeated code path (median and mean us per step over all calls).
-    Disabled (the default), start/lap do nothing, so the hot path calls them unconditionally."""
-
-    def __init__(self, name: str, enabled: bool) -> None:
-        self.name, self.enabled, self.t0, self.steps = name, enabled, 0.0, {}
-
-    def start(self) -> None:
-        if self.enabled:
-            self.t0 = time.perf_counter()
-
-    def lap(self, step: str) -> None:
-        if self.enabled:
-            now = time.perf_counter()
-            self.steps.setdefault(step, []).append(now - self.t0)
-            self.t0 = now
-
-    def report(self) -> str:
-        rows = [f"{k}: n {len(v)} median {sorted(v)[len(v) // 2] * 1e6:.1f} us mean {sum(v) / len(v) * 1e6:.1f} us"
-                for k, v in self.steps.items() if v]
-        return f"{self.name}: " + "; ".join(rows)
-
-
-def _stream_event(stream, tm: _StepTimer):
+def _stream_event(stream, tm: StepTimer):
     """An event marking the end of what is posted on `stream` so far, for the engine thread to query
     (EventLane). With DATAFLOW_NCCL_P2P=lib the ncclSend/ncclRecv ran on `stream` itself."""
     event = torch.cuda.Event()
@@ -153,7 +132,7 @@ def _c10d_wire(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _C10D_NCCL_DTYPES else t.reshape(-1).view(torch.uint8)
 
 
-def _end_event(work, stream, tm: _StepTimer):
+def _end_event(work, stream, tm: StepTimer):
     """c10d path: the NCCL operation `work` was posted under `stream` but runs on c10d's own stream;
     Work.wait() makes `stream` wait for it (the host does not block), then the event marks that point."""
     work.wait()
@@ -206,8 +185,8 @@ class ZmqDistTransport:
         self._engine_receives = receive_on == "engine"
         # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send / receive, printed at close.
         profile = bool(os.environ.get("DATAFLOW_PROFILE_TRANSPORT"))
-        self._post_timer = _StepTimer(f"rank {rank} send post", profile)
-        self._recv_timer = _StepTimer(f"rank {rank} recv post", profile)
+        self._post_timer = StepTimer(f"rank {rank} send post", profile)
+        self._recv_timer = StepTimer(f"rank {rank} recv post", profile)
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
@@ -258,6 +237,7 @@ class ZmqDistTransport:
         if self._nccl:
             self._send_streams = {p: torch.cuda.Stream(self.device) for p in peers}
             self._recv_streams = {p: torch.cuda.Stream(self.device) for p in peers}
+            self._produced = {p: torch.cuda.Event() for p in peers}  # _post: compute stream -> send stream
         self._pool = BufferPool(self.device, per_key=pool_per_size)
         if self.p2p == "lib":
             self._init_pair_comms(nccl_lib, store, namespace, timeout_s)
@@ -442,12 +422,8 @@ class ZmqDistTransport:
                     self._complete(done.get(timeout=timeout), out)
                 except queue.Empty:
                     pass
-        while True:
-            try:
-                item = done.get_nowait()
-            except queue.Empty:
-                break
-            self._complete(item, out)
+        while not done.empty():  # (one consumer: a non-empty queue stays non-empty; no Empty raised per poll)
+            self._complete(done.get_nowait(), out)
         if self._failure is not None:
             raise self._failure
         self._pump()
@@ -551,7 +527,9 @@ class ZmqDistTransport:
         self._inflight[dst] += 1
         if self._nccl:
             stream = self._send_streams[dst]
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is produced on the compute stream
+            produced = self._produced[dst]  # the tensor is produced on the compute stream (one event per peer:
+            produced.record(current_stream(self.device))  # a wait uses the record made before it)
+            stream.wait_event(produced)
             tm.lap("wait_stream")
             if self.p2p == "lib":
                 self._send_comm[dst].send(t, stream)
@@ -673,7 +651,7 @@ class ZmqDistTransport:
         t = item.tensor
         if t is not None:
             if self._nccl:
-                t.record_stream(torch.cuda.current_stream(self.device))  # it will be read on the engine's stream
+                t.record_stream(current_stream(self.device))  # it will be read on the engine's stream
             self.stats["received_bytes"] += t.numel() * t.element_size()
         self.stats["received"] += 1
         out.append(Arrival(item.peer, item.meta, t))
@@ -717,9 +695,13 @@ class ZmqDistTransport:
         src, seq, meta = -1, -1, None
         try:
             while True:
+                # Most polls find nothing: asking ZMQ_EVENTS is ~1 us where a NOBLOCK recv raising zmq.Again
+                # costs ~2.5 us here and more on the H200 host (py-spy, run 37: ~3% of a rank's loop).
+                if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return n
                 try:
                     raw = pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
+                except zmq.Again:  # EVENTS said ready; never seen, but not an error
                     return n
                 kind, src, seq, meta, shape, dtype = pickle.loads(raw)
                 self._on_header(kind, src, seq, meta, shape, dtype)
@@ -755,19 +737,19 @@ class ZmqDistTransport:
                 tm = self._recv_timer
                 tm.start()
                 stream = self._recv_streams[src]
-                with torch.cuda.stream(stream):  # the pool fences a reused buffer on the current stream
-                    if target is None:
-                        buf = self._pool.take(tuple(shape), torch_dtype)
-                    else:  # in place: after the work that allocated the target on its own stream
-                        buf, ready = target
-                        if ready is not None:
-                            stream.wait_event(ready)
-                    tm.lap("pool")
-                    if self.p2p == "lib":
-                        self._recv_comm[src].recv(buf, stream)
-                        tm.lap("ncclRecv")
-                        item.event = _stream_event(stream, tm)
-                    else:
+                if target is None:  # fenced behind its last read / allocated on the receive stream
+                    buf = self._pool.take(tuple(shape), torch_dtype, stream)
+                else:  # in place: after the work that allocated the target on its own stream
+                    buf, ready = target
+                    if ready is not None:
+                        stream.wait_event(ready)
+                tm.lap("pool")
+                if self.p2p == "lib":  # the stream is an argument: no stream context (~15 us a message)
+                    self._recv_comm[src].recv(buf, stream)
+                    tm.lap("ncclRecv")
+                    item.event = _stream_event(stream, tm)
+                else:
+                    with torch.cuda.stream(stream):  # c10d orders its op after the current stream
                         work = dist.irecv(_c10d_wire(buf), src, group=self._recv_group[src])
                         tm.lap("irecv")
                         item.event = _end_event(work, stream, tm)
