@@ -18,8 +18,9 @@ from torch import Tensor
 
 from runtime.cuda_stream import current_stream
 
-# numpy dtype char -> torch dtype, for the arrays `upload` ships (index arrays, fp32 weights, masks)
-_TORCH_DTYPES = {np.dtype(t).char: getattr(torch, t) for t in ("int64", "int32", "float32", "float64", "bool", "uint8")}
+# numpy dtype -> torch dtype, for the arrays `upload` ships (index arrays, fp32 weights, masks); keyed by dtype
+# objects, which compare equal across aliases ('l' and 'q' are both int64)
+_TORCH_DTYPES = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32", "float64", "bool", "uint8")}
 
 
 class HostStaging:
@@ -78,7 +79,7 @@ class HostStaging:
         a = np.ascontiguousarray(a)
         if not self.cuda:
             return torch.from_numpy(a), None
-        dtype = _TORCH_DTYPES[a.dtype.char]
+        dtype = _TORCH_DTYPES[a.dtype]
         n = a.size
         i, buf = self.acquire(n * a.itemsize)
         key = ("flat", dtype)
