@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from runtime.device_index import to_device
+from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags, id_dtype
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
@@ -130,6 +131,7 @@ class Engine:
         self.merge = MergeTable(k, self._whole_groups())
         # expert -> rank per layer as an array, for dispatching a whole batch at once
         self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
+        self._id_dtype = id_dtype(max((len(er) for er in cfg.expert_rank), default=1))  # expert ids on the wire
         self.requests: dict[int, Request] = {}  # live requests homed here
         self.finished: list[Request] = []  # done, not yet collected by the driver (take_finished)
         self.metrics = RankMetrics(cfg.rank)
@@ -239,10 +241,11 @@ class Engine:
     def on_message(self, src: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         t = meta["t"]
         if t == MSG_EXPERT_IN:
-            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"], meta["e"], tensor, meta.get("more", 0.0),
+            self._enqueue_expert_rows(meta["layer"], meta["home"], decode_tags(meta["rows"]),
+                                      decode_ids(meta["e"], self._id_dtype), tensor, meta.get("more", 0.0),
                                       meta.get("next", 0.0))
         elif t == MSG_EXPERT_OUT:
-            self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))
+            self._merge_rows(meta["layer"], decode_tags(meta["rows"]), tensor, meta.get("landed", False))
         elif self.on_control is not None:
             self.on_control(src, meta, tensor)
         else:
@@ -593,7 +596,8 @@ class Engine:
             if d == self.rank:
                 self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more, nxt)
             else:
-                meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": td, "e": ed, "more": more}
+                meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (int(td[0]), c),
+                        "e": encode_ids(ed, self._id_dtype), "more": more}  # wire forms: runtime/expert_wire.py
                 if nxt:
                     meta["next"] = nxt
                 self.transport.send(d, meta, xd)
@@ -619,7 +623,7 @@ class Engine:
             if dst == self.rank:
                 self._merge_rows(layer, tags, part)
             else:
-                self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": tags}, part)
+                self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": encode_tags(tags)}, part)
 
     def _complete_sample(self, batch: Batch) -> None:
         now = self.clock.now()

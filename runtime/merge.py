@@ -150,12 +150,18 @@ class MergeTable:
         """Where an arriving message of expert rows `tags` can be received in place: (the slice of its
         group's buffer, the event a receive on another stream must wait for), or None (receive it
         anywhere; `add` copies). In place needs one contiguous run of positions of one group and the
-        buffer's row shape and dtype; `add(..., landed=True)` then only does the bookkeeping."""
-        n = len(tags)
+        buffer's row shape and dtype; `add(..., landed=True)` then only does the bookkeeping. `tags`: an
+        array or the wire's run form (first, count) (runtime/expert_wire.py)."""
+        if type(tags) is tuple:
+            t0, n = tags
+        else:
+            n = len(tags)
+            if n == 0:
+                return None
+            t0 = int(tags[0])
+            if int(tags[-1]) - t0 != n - 1 or (n > 2 and not (np.diff(tags) == 1).all()):
+                return None
         if n == 0 or shape[0] != n:
-            return None
-        t0 = int(tags[0])
-        if int(tags[-1]) - t0 != n - 1 or (n > 2 and not (np.diff(tags) == 1).all()):
             return None
         g = self._groups.get(t0 >> TAG_SHIFT)
         p0 = t0 & TAG_MASK

@@ -277,3 +277,23 @@ def test_inproc_fifo_per_link_under_random_delays():
             got[a.src].append(a.meta["i"])
     assert got[0] == list(range(50)) and got[1] == list(range(50))
     assert t[0].pending() == 0
+
+
+def test_expert_wire_forms_round_trip():
+    """Tags travel as (first, count) when they are one run and as the array otherwise; expert ids as bytes of
+    the narrowest unsigned type for the model's expert count; decoders take the plain arrays too."""
+    from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags, id_dtype
+    base = 7 << TAG_SHIFT
+    run = np.arange(base + 3, base + 403, dtype=np.int64)
+    assert encode_tags(run) == (base + 3, 400) and decode_tags(encode_tags(run)).tolist() == run.tolist()
+    for gappy in (np.array([base, base + 2, base + 1]), np.array([base + 1, base]), np.array([base, base + 2])):
+        assert encode_tags(gappy) is gappy and decode_tags(gappy).tolist() == gappy.tolist()
+    assert decode_tags(encode_tags(run[:1])).tolist() == [base + 3]
+    assert [id_dtype(n) for n in (32, 256, 257, 65536, 65537)] == [np.uint8, np.uint8, np.uint16, np.uint16, np.uint32]
+    for n in (32, 384, 70000):
+        ids = np.random.default_rng(n).integers(0, n, 500)
+        wire = encode_ids(ids, id_dtype(n))
+        assert isinstance(wire, bytes) and len(wire) == 500 * id_dtype(n).itemsize
+        back = decode_ids(wire, id_dtype(n))
+        assert back.dtype == np.int64 and back.tolist() == ids.tolist()
+    assert decode_ids(np.array([3, 1]), id_dtype(32)).tolist() == [3, 1]
