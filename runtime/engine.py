@@ -556,7 +556,8 @@ class Engine:
             self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
             return
         tm.lap("bookkeeping")
-        ids = rows_of(out["ids"]).cpu().numpy()
+        ids = rows_of(out["ids"])
+        ids = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
         # Dispatch: the destination of every (row, slot), flat index f = row * k + slot; rows of a
         # destination keep ascending f order (stable sort), one message per destination per batch,
         # destinations in rank order (deterministic). The merge addresses rows by their position in

@@ -112,15 +112,21 @@ class MergeTable:
         R = int(n.sum())
         if R * k > TAG_MASK:
             raise ValueError(f"merge group of {R} rows x {k} slots does not fit a tag")
-        start = np.cumsum(n) - n
-        seg_of_row = np.repeat(np.arange(S, dtype=np.int64), n)
-        inv = None
-        seg_of_pos = np.repeat(seg_of_row, k)
+        inv = row_of_pos = None
         if order is not None:
             inv = np.empty(R * k, dtype=np.int64)
             inv[order] = np.arange(R * k, dtype=np.int64)
             inv = inv.reshape(R, k)
-            seg_of_pos = seg_of_pos[order]
+            row_of_pos = order // k
+        if R == S:  # decode: every segment one row (fewer numpy calls: each is ~5-10 us on the H200 host)
+            start = seg_of_row = np.arange(S, dtype=np.int64)
+            seg_of_pos = row_of_pos if order is not None else np.repeat(seg_of_row, k)
+        else:
+            start = np.cumsum(n) - n
+            seg_of_row = np.repeat(np.arange(S, dtype=np.int64), n)
+            seg_of_pos = np.repeat(seg_of_row, k)
+            if order is not None:
+                seg_of_pos = seg_of_pos[order]
         y = torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
         # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
         # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
@@ -128,12 +134,12 @@ class MergeTable:
         # per attention batch became one of each; benchmarks/NOTES.md §20).
         gather = row_index = None
         if h_res.is_cuda and weights.device.type == "cpu":  # a host-side router's weights
-            dev, ready = to_device_marked(pack_group_inputs(order, inv, weights), h_res.device)
+            dev, ready = to_device_marked(pack_group_inputs(row_of_pos, inv, weights), h_res.device)
             gather, row_index, weights = unpack_group_inputs(dev, R, k, order is not None)
         else:  # weights already where the rows are (a host-side executor: these "uploads" are views)
             ready = None
             if order is not None:
-                gather, row_index = to_device(order // k, h_res.device), to_device(inv, h_res.device)
+                gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
             if y.is_cuda:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(y.device))
@@ -241,14 +247,14 @@ class MergeTable:
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def pack_group_inputs(order: Optional[np.ndarray], inv: Optional[np.ndarray], weights: torch.Tensor) -> np.ndarray:
-    """One int64 host array holding [order // k, inv] (when order is not None) and then the fp32 weights
-    [R, k], two per element: what a merge group's device side needs, uploaded in one copy."""
+def pack_group_inputs(row_of_pos: Optional[np.ndarray], inv: Optional[np.ndarray], weights: torch.Tensor) -> np.ndarray:
+    """One int64 host array holding [row_of_pos = order // k, inv] (when there is an order) and then the
+    fp32 weights [R, k], two per element: what a merge group's device side needs, uploaded in one copy."""
     R, k = weights.shape
     nw = (R * k + 1) // 2
-    host = np.empty((2 * R * k if order is not None else 0) + nw, dtype=np.int64)
-    if order is not None:
-        np.floor_divide(order, k, out=host[:R * k])
+    host = np.empty((2 * R * k if row_of_pos is not None else 0) + nw, dtype=np.int64)
+    if row_of_pos is not None:
+        host[:R * k] = row_of_pos
         host[R * k:2 * R * k] = inv.reshape(-1)
     host[len(host) - nw:].view(np.float32)[:R * k] = weights.to(torch.float32).numpy().reshape(-1)
     return host
@@ -256,12 +262,15 @@ def pack_group_inputs(order: Optional[np.ndarray], inv: Optional[np.ndarray], we
 
 def unpack_group_inputs(packed: torch.Tensor, R: int, k: int, has_order: bool):
     """(gather [R*k] int64, row_index [R, k] int64, weights [R, k] fp32) views of `pack_group_inputs`'s
-    array (gather and row_index None without an order)."""
+    array (gather and row_index None without an order); one as_strided per view (torch calls are what
+    costs on the H200 host, not bytes)."""
     nw = (R * k + 1) // 2
-    weights = packed[len(packed) - nw:].view(torch.float32)[:R * k].view(R, k)
+    base = packed.storage_offset()  # as_strided offsets count from the storage's start
+    off = base + len(packed) - nw  # int64 elements before the weights
+    weights = packed.view(torch.float32).as_strided((R, k), (k, 1), 2 * off)
     if not has_order:
         return None, None, weights
-    return packed[:R * k], packed[R * k:2 * R * k].view(R, k), weights
+    return packed.as_strided((R * k,), (1,), base), packed.as_strided((R, k), (k, 1), base + R * k), weights
 
 
 def _runs(p: np.ndarray) -> np.ndarray:

@@ -150,7 +150,8 @@ def test_merge_group_inputs_pack_into_one_upload(R, k, with_order):
         inv[order] = np.arange(R * k)
         inv = inv.reshape(R, k)
     w = torch.from_numpy(rng.random((R, k), dtype=np.float32))
-    packed = torch.from_numpy(pack_group_inputs(order, inv, w))
+    host = pack_group_inputs(order // k if with_order else None, inv, w)
+    packed = torch.cat([torch.full((3,), -1, dtype=torch.int64), torch.from_numpy(host)])[3:]  # a storage offset
     gather, row_index, weights = unpack_group_inputs(packed, R, k, with_order)
     assert weights.dtype == torch.float32 and torch.equal(weights, w)
     if with_order:

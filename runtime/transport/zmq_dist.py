@@ -183,6 +183,11 @@ class ZmqDistTransport:
         if receive_on not in ("engine", "thread"):
             raise ValueError(f"receive_on must be 'engine' or 'thread', got {receive_on!r}")
         self._engine_receives = receive_on == "engine"
+        # DATAFLOW_SPIN=1 (engine receives only): an idle poll(timeout) busy-polls the header socket and the
+        # lanes' events instead of sleeping or blocking, so the engine thread's core stays awake and warm.
+        # A question for the H200 host, where an op inside the serving loop costs 3-6x what it costs in a
+        # tight microbenchmark (benchmarks/NOTES.md §20).
+        self._spin = self._engine_receives and os.environ.get("DATAFLOW_SPIN", "0") == "1"
         # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send / receive, printed at close.
         profile = bool(os.environ.get("DATAFLOW_PROFILE_TRANSPORT"))
         self._post_timer = StepTimer(f"rank {rank} send post", profile)
@@ -626,6 +631,8 @@ class ZmqDistTransport:
             if now >= deadline:
                 return
             lanes = itertools.chain(self._send_lanes.values(), self._recv_lanes.values())
+            if self._spin:
+                continue  # busy-poll: the core never sleeps (see `spin` in __init__)
             if now < spin_until and any(lane.busy() for lane in self._recv_lanes.values()):
                 time.sleep(0)
             elif any(lane.busy() for lane in lanes):
