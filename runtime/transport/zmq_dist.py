@@ -183,11 +183,14 @@ class ZmqDistTransport:
         if receive_on not in ("engine", "thread"):
             raise ValueError(f"receive_on must be 'engine' or 'thread', got {receive_on!r}")
         self._engine_receives = receive_on == "engine"
-        # DATAFLOW_SPIN=1 (engine receives only): an idle poll(timeout) busy-polls the header socket and the
-        # lanes' events instead of sleeping or blocking, so the engine thread's core stays awake and warm.
-        # A question for the H200 host, where an op inside the serving loop costs 3-6x what it costs in a
-        # tight microbenchmark (benchmarks/NOTES.md §20).
-        self._spin = self._engine_receives and os.environ.get("DATAFLOW_SPIN", "0") == "1"
+        # Engine receives (NCCL): an idle poll(timeout) busy-polls the header socket and the lanes' events
+        # instead of sleeping or blocking, so the engine thread's core stays awake: on 2 x H200 every torch
+        # call of the loop got ~25% cheaper and streaming +43% tok/s (run 39, benchmarks/NOTES.md §20). It
+        # costs one core per rank at 100%, as in other serving engines' busy loops. DATAFLOW_SPIN=0: sleep.
+        spin = os.environ.get("DATAFLOW_SPIN", "1")
+        if spin not in ("0", "1"):
+            raise ValueError(f"DATAFLOW_SPIN={spin!r}: valid values are 1 (busy-poll, the default) and 0 (sleep)")
+        self._spin = self._engine_receives and spin == "1"
         # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send / receive, printed at close.
         profile = bool(os.environ.get("DATAFLOW_PROFILE_TRANSPORT"))
         self._post_timer = StepTimer(f"rank {rank} send post", profile)
