@@ -370,3 +370,15 @@ def test_nccl_poll_notices_event_completion_without_waiting_out_a_slice():
     out = []
     tr._wait_nccl(0.02, out)
     assert out == [] and 0.015 <= time.monotonic() - t0 < 0.5
+
+
+def test_spin_setting_is_validated(monkeypatch):
+    """DATAFLOW_SPIN: 1 (the default) busy-polls idle NCCL ranks, 0 sleeps; other values name the valid ones."""
+    from runtime.transport.zmq_dist import spin_from_env
+    monkeypatch.delenv("DATAFLOW_SPIN", raising=False)
+    assert spin_from_env() is True
+    monkeypatch.setenv("DATAFLOW_SPIN", "0")
+    assert spin_from_env() is False
+    monkeypatch.setenv("DATAFLOW_SPIN", "yes")
+    with pytest.raises(ValueError, match=r"DATAFLOW_SPIN='yes': valid values are 1 .* and 0"):
+        spin_from_env()

@@ -161,6 +161,14 @@ def _p2p_mode(nccl: bool) -> tuple[str, Optional[object]]:
         return "c10d", None
 
 
+def spin_from_env() -> bool:
+    """DATAFLOW_SPIN: 1 (default) busy-polls an idle NCCL rank, 0 sleeps; anything else is an error."""
+    spin = os.environ.get("DATAFLOW_SPIN", "1")
+    if spin not in ("0", "1"):
+        raise ValueError(f"DATAFLOW_SPIN={spin!r}: valid values are 1 (busy-poll, the default) and 0 (sleep)")
+    return spin == "1"
+
+
 class ZmqDistTransport:
     def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
                  inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
@@ -183,14 +191,11 @@ class ZmqDistTransport:
         if receive_on not in ("engine", "thread"):
             raise ValueError(f"receive_on must be 'engine' or 'thread', got {receive_on!r}")
         self._engine_receives = receive_on == "engine"
-        # Engine receives (NCCL): an idle poll(timeout) busy-polls the header socket and the lanes' events
+        # NCCL with engine receives: an idle poll(timeout) busy-polls the header socket and the lanes' events
         # instead of sleeping or blocking, so the engine thread's core stays awake: on 2 x H200 every torch
         # call of the loop got ~25% cheaper and streaming +43% tok/s (run 39, benchmarks/NOTES.md §20). It
         # costs one core per rank at 100%, as in other serving engines' busy loops. DATAFLOW_SPIN=0: sleep.
-        spin = os.environ.get("DATAFLOW_SPIN", "1")
-        if spin not in ("0", "1"):
-            raise ValueError(f"DATAFLOW_SPIN={spin!r}: valid values are 1 (busy-poll, the default) and 0 (sleep)")
-        self._spin = self._engine_receives and spin == "1"
+        self._spin = self._nccl and self._engine_receives and spin_from_env()  # CPU ranks share cores with their math
         # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send / receive, printed at close.
         profile = bool(os.environ.get("DATAFLOW_PROFILE_TRANSPORT"))
         self._post_timer = StepTimer(f"rank {rank} send post", profile)
