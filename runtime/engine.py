@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Optional
@@ -110,6 +111,13 @@ class Batch:
     out: dict = field(default_factory=dict)  # executor results, filled by execute()
 
 
+def _async_sample_from_env() -> bool:
+    v = os.environ.get("DATAFLOW_ASYNC_SAMPLE", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"DATAFLOW_ASYNC_SAMPLE={v!r}: valid values are 0 (the default: wait for the tokens) and 1")
+    return v == "1"
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, executor, transport, clock, policy=None,
                  trace=None) -> None:
@@ -144,6 +152,12 @@ class Engine:
         # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
         self._announced: list[dict[int, float]] = [{} for _ in range(cfg.num_layers)]
         self.hold_s = 0.0
+        # Asynchronous sampling (DATAFLOW_ASYNC_SAMPLE=1, an executor with `sample_batch_start`): a sample
+        # batch whose tokens are still being copied to the host is completed later, when they are there,
+        # instead of the host waiting for the copy (and the GPU work queued before it) in `execute`.
+        # Deferred batches complete at the next `next_batch()` that finds them ready, in any driver.
+        self.async_sample = _async_sample_from_env()
+        self.deferred: deque = deque()
         if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
             transport.recv_into = self._landing
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of an attention batch's dispatch, printed at exit
@@ -181,8 +195,9 @@ class Engine:
         return sum(len(q) for q in self.queues)
 
     def idle(self) -> bool:
-        """Nothing queued and no merge waiting: only new admissions or messages can wake this rank."""
-        return self.queued_items() == 0 and len(self.merge) == 0
+        """Nothing queued, no merge waiting, no sample batch deferred: only new admissions or messages can
+        wake this rank."""
+        return self.queued_items() == 0 and len(self.merge) == 0 and not self.deferred
 
     def oldest_wait(self) -> float:
         """How long the longest-waiting queued item has waited so far (0 when all queues are empty)."""
@@ -196,7 +211,7 @@ class Engine:
     def state(self) -> str:
         """One line for stall reports."""
         qs = ", ".join(f"{s.name}={len(q)}" for s, q in zip(self.stages, self.queues) if len(q))
-        return (f"rank {self.rank}: live={len(self.requests)} merges={len(self.merge)} "
+        return (f"rank {self.rank}: live={len(self.requests)} merges={len(self.merge)} deferred={len(self.deferred)} "
                 f"free_blocks={self.free_blocks()} queues[{qs or 'empty'}]")
 
     # ------------------------------------------------------------------ events: admission
@@ -370,6 +385,8 @@ class Engine:
         """Ask the policy for a stage and assemble its batch (popped from the queue), or None. A HOLD
         decision also returns None and sets `hold_s`: the driver should look again within that long
         even if no message arrives."""
+        if self.deferred:
+            self.complete_deferred()
         decision = self.policy.choose(self.views(), self.next_of)
         self.hold_s = 0.0
         if decision is None:
@@ -410,8 +427,13 @@ class Engine:
             rids = items[0].rids if len(items) == 1 else [r for it in items for r in it.rids]
             reqs = [self.requests[r] for r in rids]
             logits = self.executor.logits(h)
-            batch.out["tokens"] = self.executor.sample_batch(logits, [r.params for r in reqs],
-                                                             [len(r.output) for r in reqs])
+            params, steps = [r.params for r in reqs], [len(r.output) for r in reqs]
+            start = getattr(self.executor, "sample_batch_start", None) if self.async_sample else None
+            pending = start(logits, params, steps) if start is not None else None
+            if pending is None:
+                batch.out["tokens"] = self.executor.sample_batch(logits, params, steps)
+            else:  # ready() / tokens(): completed by complete() or complete_deferred()
+                batch.out["pending"] = pending
             batch.out["reqs"] = reqs
 
     def _exec_attn(self, batch: Batch) -> None:
@@ -455,7 +477,15 @@ class Engine:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def complete(self, batch: Batch) -> None:
-        """The batch finished (now): record it and dispatch its outputs to their next stages."""
+        """The batch finished (now): record it and dispatch its outputs to their next stages. A sample
+        batch whose tokens are not on the host yet is deferred (see `async_sample`)."""
+        pending = batch.out.get("pending")
+        if pending is not None:
+            if not pending.ready():
+                self.deferred.append(batch)
+                return
+            del batch.out["pending"]
+            batch.out["tokens"] = pending.tokens()
         now = self.clock.now()
         t0 = batch.t_start
         rec = BatchRecord(self.rank, batch.stage.id, batch.stage.kind, batch.stage.layer, batch.rows,
@@ -475,6 +505,18 @@ class Engine:
             self._complete_expert(batch)
         else:
             self._complete_sample(batch)
+
+    def complete_deferred(self) -> int:
+        """Complete the deferred sample batches whose tokens arrived; returns how many."""
+        n = 0
+        for _ in range(len(self.deferred)):
+            batch = self.deferred.popleft()
+            if batch.out["pending"].ready():
+                self.complete(batch)
+                n += 1
+            else:
+                self.deferred.append(batch)
+        return n
 
     def step(self) -> bool:
         """Wall-clock convenience: receive, pick, run, dispatch one batch. False when nothing ran."""

@@ -97,7 +97,17 @@ class DeviceLogits:
     def greedy(self, i: int) -> int:
         if self._host is None:
             self._host = self._argmax.wait().tolist()
+            self._argmax.release()
         return self._host[i]
+
+    # the engine's asynchronous sampling (CudaExecutor.sample_batch_start): the greedy ids, read once copied
+    def ready(self) -> bool:
+        return self._host is not None or self._argmax.ready()
+
+    def tokens(self) -> list[int]:
+        if len(self):
+            self.greedy(0)  # reads the copy once (and releases its slot)
+        return list(self._host or [])
 
     def __getitem__(self, i: int) -> "LogitsRow":
         return LogitsRow(self, i)
@@ -645,6 +655,16 @@ class CudaExecutor:
                 return logits.parent.greedy(logits.index)
             logits = logits.tensor
         return sample(logits, params, step)
+
+    def sample_batch_start(self, logits: DeviceLogits, params: list[Optional[SamplingParams]],
+                           steps: list[int]) -> Optional[DeviceLogits]:
+        """The engine's asynchronous sampling: for an all-greedy batch, the logits whose argmax copy is already
+        on its way to a pinned slot (held until read: the ring must not reuse it meanwhile), with ready() /
+        tokens(); None (sample synchronously) when any row samples."""
+        if not params or not all(p is None or p.greedy for p in params):
+            return None
+        logits._argmax.hold()
+        return logits
 
     def sample_batch(self, logits: DeviceLogits, params: list[Optional[SamplingParams]], steps: list[int]) -> list[int]:
         """sample() of every row; greedy rows come from the batch argmax DeviceLogits copied once."""

@@ -34,15 +34,21 @@ class HostStaging:
         self._events: list[Optional[torch.cuda.Event]] = [None] * slots
         self._typed: list[dict] = [{} for _ in range(slots)]  # slot -> {(shape, dtype): (tensor, ndarray)}
         self._i = 0
+        self._held = [False] * slots  # a device -> host result not read yet (PendingHost.hold): skipped
         self.wait_s = 0.0  # host time spent blocked on a slot (should stay ~0)
 
     def _alloc(self, nbytes: int) -> Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
     def _next(self) -> int:
-        """The next slot of the ring, once the copy that last read it has run."""
-        i = self._i
-        self._i = (i + 1) % self.slots
+        """The next slot of the ring that no reader holds, once the copy that last used it has run."""
+        for _ in range(self.slots):
+            i = self._i
+            self._i = (i + 1) % self.slots
+            if not self._held[i]:
+                break
+        else:
+            raise RuntimeError(f"all {self.slots} pinned staging slots are held by unread device -> host results")
         ev = self._events[i]
         if ev is not None and not ev.query():
             t = time.perf_counter()
@@ -61,7 +67,8 @@ class HostStaging:
         """acquire() of a slot viewed as a [shape] dtype tensor (+ its numpy view), the views cached
         per slot: the hot path's few (shape, dtype) pairs cost no view creation per batch."""
         key = (shape, dtype)
-        hit = self._typed[self._i].get(key)
+        i = self._i
+        hit = self._typed[i].get(key) if not self._held[i] else None
         if hit is not None:  # the slot is large enough: the cache is cleared when a slot grows
             return self._next(), hit[0], hit[1]
         i, buf = self.acquire(math.prod(shape) * dtype.itemsize)
@@ -130,17 +137,31 @@ class HostStaging:
     def d2h(self, src: Tensor) -> "PendingHost":
         """Start a copy of src (device) into a pinned slot; the result is read after `wait()`."""
         if not self.cuda:
-            return PendingHost(src.detach().to("cpu").clone(), None, self)
+            return PendingHost(src.detach().to("cpu").clone(), None, self, -1)
         i, view, _ = self._acquire_typed(tuple(src.shape), src.dtype)
         view.copy_(src, non_blocking=True)
-        return PendingHost(view, self.mark(i), self)
+        return PendingHost(view, self.mark(i), self, i)
 
 
 @dataclass
 class PendingHost:
-    view: Tensor  # pinned host tensor (valid after wait; copy out before the ring wraps)
+    view: Tensor  # pinned host tensor (valid after wait; copy out before the ring wraps, or hold() it)
     event: Optional[torch.cuda.Event]
     staging: HostStaging
+    slot: int  # -1 on the CPU (a plain tensor)
+
+    def ready(self) -> bool:
+        """The copy has landed (never blocks)."""
+        return self.event is None or self.event.query()
+
+    def hold(self) -> None:
+        """Keep the ring from reusing this slot until release(): for a result read much later."""
+        if self.slot >= 0:
+            self.staging._held[self.slot] = True
+
+    def release(self) -> None:
+        if self.slot >= 0:
+            self.staging._held[self.slot] = False
 
     def wait(self) -> Tensor:
         if self.event is not None and not self.event.query():

@@ -18,6 +18,7 @@ import torch
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
+from models.sampling import SamplingParams
 from models.weights import random_weights
 from runtime.capture import bucket_for
 from runtime.cluster import RunOptions, run_workload
@@ -233,6 +234,12 @@ def test_combine_bit_equal_and_greedy_sampling():
     assert torch.equal(ref.combine(h_res, sh, rows, wts, row_index), ref.combine(h_res, sh, y, wts))
     lg, rl = ex.logits(h_res), ref.logits(h_res)
     assert [ex.sample(lg[i], None, 0) for i in range(T)] == [ref.sample(rl[i], None, 0) for i in range(T)]
+    # the engine's asynchronous sampling: greedy batches only; tokens equal the synchronous ones
+    want = ref.sample_batch(rl, [None] * T, [0] * T)
+    pending = ex.sample_batch_start(ex.logits(h_res), [None] * T, [0] * T)
+    assert pending.ready() and pending.tokens() == want
+    assert ex.sample_batch_start(ex.logits(h_res), [None, SamplingParams(temperature=0.7, seed=1)] + [None] * (T - 2),
+                                 [0] * T) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -232,3 +232,57 @@ def test_wall_clock_with_link_delays():
     reqs = make_requests(spec.vocab_size, 4, seed=31, max_new=4, max_prompt=20)
     res = run("tiny-mixtral", 3, reqs, policy="aging", clock="wall", delay=jitter(2e-3), delay_seed=5)
     assert assert_matches_reference("tiny-mixtral", res.requests) > 10
+
+
+class _TokensLater:
+    """A sample batch's tokens that reach the host only after a few looks (an argmax copy in flight)."""
+
+    def __init__(self, owner, tokens: list[int], looks: int) -> None:
+        self.owner, self._tokens, self.looks = owner, tokens, looks
+
+    def ready(self) -> bool:
+        self.looks -= 1
+        if self.looks >= 0:
+            self.owner.not_ready += 1
+        return self.looks < 0
+
+    def tokens(self) -> list[int]:
+        assert self.looks < 0, "tokens read before they were ready"
+        return self._tokens
+
+
+class _AsyncSampleExecutor:
+    """The CPU executor plus `sample_batch_start`, whose tokens are 'not yet on the host' for 3 looks."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.not_ready = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def sample_batch_start(self, logits, params, steps):
+        return _TokensLater(self, self._inner.sample_batch(logits, params, steps), 3)
+
+
+@pytest.mark.parametrize("policy", ["defrag", HELD[0]])
+def test_async_sampling_defers_sample_batches_and_keeps_tokens_exact(monkeypatch, policy):
+    """DATAFLOW_ASYNC_SAMPLE=1: a sample batch whose tokens are not on the host yet is completed later (by
+    next_batch), the rank keeps working meanwhile, no request or token is lost."""
+    from runtime.cluster import build_executor
+    monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "1")
+    spec, w, _ = model("tiny-mixtral")
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    options = RunOptions(kv_blocks=128, clock="wall", policy=policy)
+    ex = _AsyncSampleExecutor(build_executor(plan, options, weights=w))
+    reqs = make_requests(spec.vocab_size, 5, seed=7, spread=1e-3)
+    res = Cluster(plan, ex, options).run(reqs)
+    assert ex.not_ready > 0  # batches really were deferred
+    assert assert_matches_reference("tiny-mixtral", res.requests) > 15
+    assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
+
+
+def test_async_sampling_setting_is_validated(monkeypatch):
+    from runtime.engine import _async_sample_from_env
+    monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "on")
+    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_SAMPLE='on': valid values are 0 .* and 1"):
+        _async_sample_from_env()

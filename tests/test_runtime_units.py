@@ -298,3 +298,19 @@ def test_expert_wire_forms_round_trip():
         back = decode_ids(wire, id_dtype(n))
         assert back.dtype == np.int64 and back.tolist() == ids.tolist()
     assert decode_ids(np.array([3, 1]), id_dtype(32)).tolist() == [3, 1]
+
+
+def test_staging_ring_skips_held_slots():
+    """A device -> host result held for a later read (asynchronous sampling) keeps its pinned slot out of the
+    ring's rotation until released; a ring whose every slot is held says so instead of overwriting one."""
+    from runtime.host_staging import HostStaging, PendingHost
+    ring = HostStaging(torch.device("cpu"), slots=4, nbytes=64)
+    held = PendingHost(torch.zeros(1), None, ring, 1)
+    held.hold()
+    assert [ring._next() for _ in range(6)] == [0, 2, 3, 0, 2, 3]
+    held.release()
+    assert [ring._next() for _ in range(4)] == [0, 1, 2, 3]
+    for i in range(4):
+        PendingHost(torch.zeros(1), None, ring, i).hold()
+    with pytest.raises(RuntimeError, match="all 4 pinned staging slots are held"):
+        ring._next()
