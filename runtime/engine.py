@@ -112,9 +112,10 @@ class Batch:
 
 
 def _async_sample_from_env() -> bool:
-    v = os.environ.get("DATAFLOW_ASYNC_SAMPLE", "0")
+    v = os.environ.get("DATAFLOW_ASYNC_SAMPLE", "1")
     if v not in ("0", "1"):
-        raise ValueError(f"DATAFLOW_ASYNC_SAMPLE={v!r}: valid values are 0 (the default: wait for the tokens) and 1")
+        raise ValueError(f"DATAFLOW_ASYNC_SAMPLE={v!r}: valid values are 1 (the default: complete a sample batch "
+                         f"when its tokens arrive) and 0 (wait for them)")
     return v == "1"
 
 
@@ -152,10 +153,11 @@ class Engine:
         # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
         self._announced: list[dict[int, float]] = [{} for _ in range(cfg.num_layers)]
         self.hold_s = 0.0
-        # Asynchronous sampling (DATAFLOW_ASYNC_SAMPLE=1, an executor with `sample_batch_start`): a sample
-        # batch whose tokens are still being copied to the host is completed later, when they are there,
-        # instead of the host waiting for the copy (and the GPU work queued before it) in `execute`.
-        # Deferred batches complete at the next `next_batch()` that finds them ready, in any driver.
+        # Asynchronous sampling (an executor with `sample_batch_start`, i.e. the CUDA one; DATAFLOW_ASYNC_SAMPLE=0
+        # turns it off): a sample batch whose tokens are still being copied to the host is completed later,
+        # when they are there, instead of the host waiting for the copy (and the GPU work queued before it) in
+        # `execute`; +15% tok/s on 2 x H200 (run 42, benchmarks/NOTES.md §20). Deferred batches complete at the
+        # next `next_batch()` that finds them ready, in any driver.
         self.async_sample = _async_sample_from_env()
         self.deferred: deque = deque()
         if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place

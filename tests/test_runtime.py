@@ -266,8 +266,8 @@ class _AsyncSampleExecutor:
 
 @pytest.mark.parametrize("policy", ["defrag", HELD[0]])
 def test_async_sampling_defers_sample_batches_and_keeps_tokens_exact(monkeypatch, policy):
-    """DATAFLOW_ASYNC_SAMPLE=1: a sample batch whose tokens are not on the host yet is completed later (by
-    next_batch), the rank keeps working meanwhile, no request or token is lost."""
+    """Asynchronous sampling (the default; DATAFLOW_ASYNC_SAMPLE=1): a sample batch whose tokens are not on the
+    host yet is completed later (by next_batch), the rank keeps working meanwhile, no request or token is lost."""
     from runtime.cluster import build_executor
     monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "1")
     spec, w, _ = model("tiny-mixtral")
@@ -284,5 +284,5 @@ def test_async_sampling_defers_sample_batches_and_keeps_tokens_exact(monkeypatch
 def test_async_sampling_setting_is_validated(monkeypatch):
     from runtime.engine import _async_sample_from_env
     monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "on")
-    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_SAMPLE='on': valid values are 0 .* and 1"):
+    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_SAMPLE='on': valid values are 1 .* and 0"):
         _async_sample_from_env()
