@@ -262,7 +262,7 @@ class Engine:
                                       decode_ids(meta["e"], self._id_dtype), tensor, meta.get("more", 0.0),
                                       meta.get("next", 0.0))
         elif t == MSG_EXPERT_OUT:
-            self._merge_rows(meta["layer"], decode_tags(meta["rows"]), tensor, meta.get("landed", False))
+            self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))  # array or run form
         elif self.on_control is not None:
             self.on_control(src, meta, tensor)
         else:
@@ -665,10 +665,11 @@ class Engine:
             else:
                 part = torch.cat([y[a:b] for a, b, _ in parts])
                 tags = np.concatenate([t for _, _, t in parts])
+            rows = encode_tags(tags)  # usually one run: bookkept with slices (MergeTable.add), 3 ints on the wire
             if dst == self.rank:
-                self._merge_rows(layer, tags, part)
+                self._merge_rows(layer, rows, part)
             else:
-                self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": encode_tags(tags)}, part)
+                self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": rows}, part)
 
     def _complete_sample(self, batch: Batch) -> None:
         now = self.clock.now()

@@ -179,7 +179,13 @@ class MergeTable:
         """Store expert output rows y[i] at tags[i] (`landed`: they were received in place, see
         `landing`: only the bookkeeping is left). Returns (group, completed segments ascending) for
         every group that this message completed segments of, in ascending group order; a group
-        whose segments are all complete leaves the table."""
+        whose segments are all complete leaves the table. `tags`: an array, or the wire's run form
+        (first, count) (runtime/expert_wire.py), which is bookkept with slices instead of index arrays."""
+        if type(tags) is tuple:
+            done = self._add_run(tags[0], tags[1], y, landed)
+            if done is not None:
+                return done
+            tags = np.arange(tags[0], tags[0] + tags[1], dtype=np.int64)  # an error case: named below
         tags = np.asarray(tags, dtype=np.int64)
         if len(tags) == 0:
             return []
@@ -217,22 +223,48 @@ class MergeTable:
             g.nfilled = nfilled
             if not landed:
                 _store(g.y, p, y, idx)
-            if self.whole_groups:  # complete only with the group's last part: all segments at once
-                done = np.arange(len(g.missing)) if nfilled == len(g.filled) else _NONE
-                if len(done):
-                    g.missing[:] = 0
-            else:
-                dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
-                g.missing -= dec
-                done = np.flatnonzero((g.missing == 0) & (dec > 0))
+            done = self._completed(g, p)
             if len(done):
-                g.open_segments -= len(done)
-                self._open_segments -= len(done)
-                self._open_rows[g.layer] -= int(g.n[done].sum())
-                if g.open_segments == 0:
-                    del self._groups[gid]
                 out.append((g, done))
         return out
+
+    def _add_run(self, first: int, n: int, y: torch.Tensor, landed: bool) -> Optional[list]:
+        """add() of positions p0 .. p0 + n - 1 of one group (the run form); None when the message is not
+        simply that (unknown group, out of range, a duplicate): the general path then names the error."""
+        if n == 0:
+            return []
+        gid, p0 = first >> TAG_SHIFT, first & TAG_MASK
+        g = self._groups.get(gid)
+        if g is None or p0 + n > len(g.filled):
+            return None
+        filled = g.filled[p0:p0 + n]
+        if filled.any():
+            return None
+        filled[:] = True
+        g.nfilled += n
+        if not landed:
+            g.y[p0:p0 + n].copy_(y)
+        done = self._completed(g, slice(p0, p0 + n))
+        return [(g, done)] if len(done) else []
+
+    def _completed(self, g: MergeGroup, p) -> np.ndarray:
+        """Account for positions `p` (an index array or a slice) just filled in group g: the segments this
+        completed (ascending); a group with no open segment left leaves the table."""
+        if self.whole_groups:  # complete only with the group's last part: all segments at once
+            done = np.arange(len(g.missing)) if g.nfilled == len(g.filled) else _NONE
+            if len(done):
+                g.missing[:] = 0
+        else:
+            dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
+            g.missing -= dec
+            done = np.flatnonzero((g.missing == 0) & (dec > 0))
+        if len(done):
+            g.open_segments -= len(done)
+            self._open_segments -= len(done)
+            self._open_rows[g.layer] -= int(g.n[done].sum())
+            if g.open_segments == 0:
+                del self._groups[g.gid]
+        return done
 
     @staticmethod
     def combine_inputs(g: MergeGroup, rows: Optional[np.ndarray] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -314,3 +314,33 @@ def test_staging_ring_skips_held_slots():
         PendingHost(torch.zeros(1), None, ring, i).hold()
     with pytest.raises(RuntimeError, match="all 4 pinned staging slots are held"):
         ring._next()
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_merge_add_run_form_equals_array_form(whole):
+    """MergeTable.add of the wire's run form (first, count) bookkeeps with slices: the same completed segments,
+    buffer and open rows as the array form, message by message; a duplicate run is named like an array's."""
+    k, H = 2, 3
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        n_per_seg = rng.integers(1, 4, size=rng.integers(1, 6)).tolist()
+        R = sum(n_per_seg)
+        cuts = np.sort(rng.choice(np.arange(1, R * k), size=min(3, R * k - 1), replace=False)).tolist()
+        runs = list(zip([0] + cuts, cuts + [R * k]))
+        rng.shuffle(runs)
+        tables = [MergeTable(k, whole_groups=whole) for _ in range(2)]
+        groups = [_group(t, n_per_seg, H) for t in tables]
+        for a, b in runs:
+            y = torch.arange((b - a) * H, dtype=torch.float32).view(b - a, H) + 100 * a
+            base = groups[0].gid << TAG_SHIFT
+            via_array = tables[0].add(np.arange(a, b) + base, y)
+            via_run = tables[1].add((base + a, b - a), y)
+            assert [(g.gid, d.tolist()) for g, d in via_array] == [(g.gid, d.tolist()) for g, d in via_run]
+            assert tables[0].open_rows(1) == tables[1].open_rows(1) and len(tables[0]) == len(tables[1])
+        assert torch.equal(groups[0].y, groups[1].y) and len(tables[1]) == 0
+    t = MergeTable(k, whole_groups=whole)
+    g = _group(t, [2, 2], H)
+    base = g.gid << TAG_SHIFT
+    t.add((base, 3), torch.zeros(3, H))
+    with pytest.raises(ValueError, match="duplicate expert output"):
+        t.add((base + 2, 2), torch.zeros(2, H))
