@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run 36 (nvidia-h200-x2, ~8 minutes): WRITTEN IN SESSION 4, NOT RUN YET (device time was spent). Measures
+# Device run 36 (nvidia-h200-x2, ~5 minutes): written in session 4, run in session 5 (results/h200/README.md "Session 5"). Measures
 # what session 4 could only measure on the CPU: decode tokens as AttnBlocks (149eaf0) and the scheduler's shared
 # empty views (8366051), against the tree before them (a57c86e: merge by dispatch position, pinned ring, compiled
 # router, whole-group merges already in). Before the call, on the CPU machine:
