@@ -476,13 +476,16 @@ class RankNode:
                 _timed(ph, n, f) for n, f in (("tick", tick), ("poll", poll), ("feed", feed),
                                              ("next_batch", next_batch), ("finish", finish)))
             execute, complete = _timed(ph, "execute", execute, True), _timed(ph, "complete", complete, True)
+        fresh = False  # the idle wait just polled (and fed what came): no second poll before deciding
         while not self.stopped:
             if ph is not None:
                 ph.iterations += 1
             ran = False
             if tick is not None:
                 ran |= tick()
-            ran |= feed(poll()) > 0
+            if not fresh:
+                ran |= feed(poll()) > 0
+            fresh = False
             batch = next_batch()
             if batch is not None:
                 execute(batch)
@@ -508,9 +511,9 @@ class RankNode:
                 t0 = time.perf_counter()
                 arrivals = tr.poll(timeout=wait)
                 ph.add("hold_wait" if e.hold_s > 0 else "idle_wait", time.perf_counter() - t0)
-                feed(arrivals)
+                fresh = feed(arrivals) > 0
             else:
-                feed(tr.poll(timeout=wait))
+                fresh = feed(tr.poll(timeout=wait)) > 0
 
     def _send_finished(self) -> None:
         e = self.engine
