@@ -11,7 +11,7 @@ the home rank and forwarding completed segments; recv@r1 is the expert owner rec
 rows, recv@r0 the home receiving expert outputs). The executor's own time is measured by a
 wrapper and reported separately, so "engine" = host - executor.
 
-    python benchmarks/engine_overhead.py [--rows 64 256 1024] [--hidden 64] [--steps 12]
+    python benchmarks/engine_overhead.py [--rows 64 256 1024] [--hidden 64] [--steps 12] [--count-calls]
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from typing import Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from runtime.clock import WallClock
 from runtime.engine import Engine, EngineConfig, StageInfo
@@ -29,6 +31,26 @@ from runtime.scheduler import make_policy
 from runtime.transport.inproc import InprocHub
 
 E, K, LAYERS, WORLD, VOCAB = 32, 4, 2, 2, 64
+
+
+class TorchCalls(TorchFunctionMode):
+    """Counts the torch calls (functions and Tensor methods, top level only) made while active and not
+    paused: with `--count-calls`, the engine's own calls per batch (the executor's are paused). On the H200
+    host each costs 25-90 us inside a serving loop (benchmarks/NOTES.md §20), so the count is the
+    hardware-independent half of the engine's host cost there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+        self.paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+CALLS: Optional[TorchCalls] = None  # set by run(count_calls=True)
 
 
 class NullExecutor:
@@ -41,9 +63,13 @@ class NullExecutor:
 
     def _timed(self, f, *a):
         t0 = time.perf_counter()
+        if CALLS is not None:
+            CALLS.paused += 1
         try:
             return f(*a)
         finally:
+            if CALLS is not None:
+                CALLS.paused -= 1
             self.t += time.perf_counter() - t0
 
     def embed(self, token_ids):
@@ -94,7 +120,18 @@ def config(rank: int, rows: int, max_new: int) -> EngineConfig:
                         block_size=16, num_blocks=rows * (max_new // 16 + 2))
 
 
-def run(rows: int, hidden: int, steps: int, warmup: int = 2) -> dict:
+def run(rows: int, hidden: int, steps: int, warmup: int = 2, count_calls: bool = False) -> dict:
+    """Per batch key: (median host us, median engine us, batches), or with `count_calls` the median number
+    of the engine's torch calls per batch in place of both times (timings under the counter are not clean)."""
+    global CALLS
+    CALLS = TorchCalls() if count_calls else None
+    if CALLS is not None:
+        with CALLS:
+            return _run(rows, hidden, steps, warmup)
+    return _run(rows, hidden, steps, warmup)
+
+
+def _run(rows: int, hidden: int, steps: int, warmup: int) -> dict:
     clock = WallClock()
     hub = InprocHub(WORLD, clock)
     ts = hub.transports()
@@ -109,30 +146,31 @@ def run(rows: int, hidden: int, steps: int, warmup: int = 2) -> dict:
         measuring = engines[0].metrics.tokens >= warmup * rows
         progressed = False
         for e in engines:
-            ex0 = ex.t
+            ex0, c0 = ex.t, CALLS.n if CALLS else 0
             t0 = time.perf_counter()
             n = e.poll()
             dt = time.perf_counter() - t0
             if n and measuring:
                 key = f"recv@r{e.rank}"
-                host[key].append(dt)
-                engine_only[key].append(dt - (ex.t - ex0))
+                host[key].append(dt if CALLS is None else CALLS.n - c0)
+                engine_only[key].append(dt - (ex.t - ex0) if CALLS is None else CALLS.n - c0)
             b = e.next_batch()
             if b is None:
                 continue
             progressed = True
-            ex0 = ex.t
+            ex0, c0 = ex.t, CALLS.n if CALLS else 0
             b0 = time.perf_counter()
             e.execute(b)
             e.complete(b)
             dt = time.perf_counter() - b0
             if measuring:
                 key = f"{b.stage.kind}:{b.rows}@r{e.rank}"
-                host[key].append(dt)
-                engine_only[key].append(dt - (ex.t - ex0))
+                host[key].append(dt if CALLS is None else CALLS.n - c0)
+                engine_only[key].append(dt - (ex.t - ex0) if CALLS is None else CALLS.n - c0)
         if not progressed and not any(len(q) for e in engines for q in e.queues) and not hub.in_flight():
             raise RuntimeError("stalled: " + "; ".join(e.state() for e in engines) + f" tokens={engines[0].metrics.tokens}")
-    return {k: (statistics.median(v) * 1e6, statistics.median(engine_only[k]) * 1e6, len(v)) for k, v in host.items()}
+    scale = 1e6 if CALLS is None else 1
+    return {k: (statistics.median(v) * scale, statistics.median(engine_only[k]) * scale, len(v)) for k, v in host.items()}
 
 
 def main() -> None:
@@ -140,16 +178,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--count-calls", action="store_true",
+                    help="also count the engine's torch calls per batch (a second pass under a TorchFunctionMode)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"{'R':>6} {'batch':>14} {'host us':>10} {'engine us':>10} {'us/row':>8} {'n':>4}")
+    calls_col = f" {'torch calls':>11}" if a.count_calls else ""
+    print(f"{'R':>6} {'batch':>14} {'host us':>10} {'engine us':>10} {'us/row':>8} {'n':>4}{calls_col}")
     for R in a.rows:
         res = run(R, a.hidden, a.steps)
+        calls = run(R, a.hidden, a.steps, count_calls=True) if a.count_calls else {}
         for key in sorted(res, key=lambda s: ({"attn": 0, "expert": 1, "recv": 2, "sample": 3}[s.split(":")[0].split("@")[0]], s)):
             h, eng, n = res[key]
             rows = int(key.split(":")[1].split("@")[0]) if ":" in key else 0
             per = f"{eng / rows:8.2f}" if rows else f"{'':>8}"
-            print(f"{R:>6} {key:>14} {h:10.1f} {eng:10.1f} {per} {n:>4}")
+            c = f" {calls[key][1]:11.0f}" if key in calls else (f" {'-':>11}" if a.count_calls else "")
+            print(f"{R:>6} {key:>14} {h:10.1f} {eng:10.1f} {per} {n:>4}{c}")
 
 
 if __name__ == "__main__":
