@@ -52,7 +52,7 @@ def cpu_rows(reps: int) -> list[tuple[str, float]]:
     z = ZipfRouting(32, 4, s=1.2)
     rids = [f"r{i}" for i in range(192)]
     pos = list(range(100, 292))
-    rows.append(("ZipfRouting(32 experts, k=4) of 192 rows", per_call_us(lambda: z(3, None, rids, pos), reps // 4)))
+    rows.append(("ZipfRouting(32 experts, k=4) of 192 rows", per_call_us(lambda: z(3, None, rids, pos), max(1, reps // 4))))
     return rows
 
 
@@ -85,14 +85,14 @@ def cuda_rows(reps: int) -> list[tuple[str, float]]:
     with torch.cuda.graph(g):
         for _ in range(40):  # a layer's worth of small kernels in one graph
             y.mul_(1.0001)
-    rows.append(("cuda: graph replay (40 small kernels)", per_call_us(g.replay, reps // 4)))
+    rows.append(("cuda: graph replay (40 small kernels)", per_call_us(g.replay, max(1, reps // 4))))
     try:
         from kernels.topk_merge import topk_merge
         h = torch.randn(192, 2880, dtype=torch.bfloat16, device=dev)
         ys = torch.randn(192 * 4, 2880, dtype=torch.bfloat16, device=dev)
         ri = torch.arange(192 * 4, device=dev).view(192, 4)
         w = torch.rand(192, 4, device=dev)
-        rows.append(("cuda: topk_merge (Triton launch, 192 rows)", per_call_us(lambda: topk_merge(h, None, ys, ri, w), reps // 4)))
+        rows.append(("cuda: topk_merge (Triton launch, 192 rows)", per_call_us(lambda: topk_merge(h, None, ys, ri, w), max(1, reps // 4))))
     except Exception as err:  # noqa: BLE001 - a missing Triton is a line of the report, not a failure
         rows.append((f"cuda: topk_merge unavailable ({type(err).__name__})", float("nan")))
     torch.cuda.synchronize()
