@@ -226,13 +226,15 @@ def _check_exchange(result, world: int, n: int) -> None:
         assert r["counts"] == {s: n for s in range(world)}, f"rank {rank} lost or duplicated messages"
 
 
-@pytest.mark.parametrize("world,inflight,receive_on", [(2, 16, "thread"), (4, 2, "engine")])
-def test_exchange_fifo_no_loss(world, inflight, receive_on):
+@pytest.mark.parametrize("world,inflight,receive_on,spin", [(2, 16, "thread", ""), (4, 2, "engine", ""),
+                                                            (2, 4, "engine", "1")])
+def test_exchange_fifo_no_loss(world, inflight, receive_on, spin):
     """receive_on="engine" (the NCCL default: headers read and receives posted by the engine thread in
-    poll(), no receptor thread) runs here over gloo: same ordering and delivery guarantees."""
+    poll(), no receptor thread) runs here over gloo: same ordering and delivery guarantees; so does the
+    busy-polling idle wait (DATAFLOW_SPIN=1; the NCCL default)."""
     n = 60
     res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight), timeout=80,
-                       env={**CHILD_ENV, "DATAFLOW_RECEIVE_ON": receive_on})
+                       env={**CHILD_ENV, "DATAFLOW_RECEIVE_ON": receive_on, "DATAFLOW_SPIN": spin})
     _check_exchange(res, world, n)
     # a small in-flight cap forces the per-peer backlogs to be used
     assert all(r["stats"]["local"] == n for r in res.results)
@@ -373,12 +375,14 @@ def test_nccl_poll_notices_event_completion_without_waiting_out_a_slice():
 
 
 def test_spin_setting_is_validated(monkeypatch):
-    """DATAFLOW_SPIN: 1 (the default) busy-polls idle NCCL ranks, 0 sleeps; other values name the valid ones."""
+    """DATAFLOW_SPIN: unset busy-polls idle NCCL ranks only, 1 every rank, 0 none; other values name the valid ones."""
     from runtime.transport.zmq_dist import spin_from_env
     monkeypatch.delenv("DATAFLOW_SPIN", raising=False)
-    assert spin_from_env() is True
+    assert spin_from_env() is None  # the default: busy-poll on NCCL ranks only
     monkeypatch.setenv("DATAFLOW_SPIN", "0")
     assert spin_from_env() is False
+    monkeypatch.setenv("DATAFLOW_SPIN", "1")
+    assert spin_from_env() is True
     monkeypatch.setenv("DATAFLOW_SPIN", "yes")
-    with pytest.raises(ValueError, match=r"DATAFLOW_SPIN='yes': valid values are 1 .* and 0"):
+    with pytest.raises(ValueError, match=r"DATAFLOW_SPIN='yes': valid values are 1 \(busy-poll\), 0 \(sleep\), or unset"):
         spin_from_env()

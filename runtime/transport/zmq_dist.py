@@ -161,11 +161,15 @@ def _p2p_mode(nccl: bool) -> tuple[str, Optional[object]]:
         return "c10d", None
 
 
-def spin_from_env() -> bool:
-    """DATAFLOW_SPIN: 1 (default) busy-polls an idle NCCL rank, 0 sleeps; anything else is an error."""
-    spin = os.environ.get("DATAFLOW_SPIN", "1")
+def spin_from_env() -> Optional[bool]:
+    """DATAFLOW_SPIN: unset (busy-poll on NCCL ranks only), 1 (busy-poll, on CPU ranks too), 0 (sleep); anything
+    else is an error."""
+    spin = os.environ.get("DATAFLOW_SPIN")
+    if spin is None or spin == "":
+        return None
     if spin not in ("0", "1"):
-        raise ValueError(f"DATAFLOW_SPIN={spin!r}: valid values are 1 (busy-poll, the default) and 0 (sleep)")
+        raise ValueError(f"DATAFLOW_SPIN={spin!r}: valid values are 1 (busy-poll), 0 (sleep), or unset "
+                         f"(busy-poll on NCCL ranks, the default)")
     return spin == "1"
 
 
@@ -194,8 +198,11 @@ class ZmqDistTransport:
         # NCCL with engine receives: an idle poll(timeout) busy-polls the header socket and the lanes' events
         # instead of sleeping or blocking, so the engine thread's core stays awake: on 2 x H200 every torch
         # call of the loop got ~25% cheaper and streaming +43% tok/s (run 39, benchmarks/NOTES.md §20). It
-        # costs one core per rank at 100%, as in other serving engines' busy loops. DATAFLOW_SPIN=0: sleep.
-        self._spin = self._nccl and self._engine_receives and spin_from_env()  # CPU ranks share cores with their math
+        # costs one core per rank at 100%, as in other serving engines' busy loops. DATAFLOW_SPIN=0: sleep;
+        # DATAFLOW_SPIN=1: busy-poll on CPU ranks too.
+        spin = spin_from_env()
+        # By default CPU ranks sleep: they share their cores with their math.
+        self._spin = self._engine_receives and (self._nccl if spin is None else spin)
         # DATAFLOW_PROFILE_TRANSPORT=1: wall time of each step of posting a send / receive, printed at close.
         profile = bool(os.environ.get("DATAFLOW_PROFILE_TRANSPORT"))
         self._post_timer = StepTimer(f"rank {rank} send post", profile)
