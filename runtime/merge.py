@@ -27,7 +27,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from runtime.cuda_stream import current_stream
 from runtime.device_index import to_device, to_device_marked
+from runtime.expert_wire import decode_tags, encode_tags
 
 TAG_SHIFT = 32
 TAG_MASK = (1 << TAG_SHIFT) - 1
@@ -142,7 +144,7 @@ class MergeTable:
                 gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
             if y.is_cuda:
                 ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(y.device))
+                ready.record(current_stream(y.device))
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
                        y, ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k,
                        S, now)
@@ -158,15 +160,10 @@ class MergeTable:
         anywhere; `add` copies). In place needs one contiguous run of positions of one group and the
         buffer's row shape and dtype; `add(..., landed=True)` then only does the bookkeeping. `tags`: an
         array or the wire's run form (first, count) (runtime/expert_wire.py)."""
-        if type(tags) is tuple:
-            t0, n = tags
-        else:
-            n = len(tags)
-            if n == 0:
-                return None
-            t0 = int(tags[0])
-            if int(tags[-1]) - t0 != n - 1 or (n > 2 and not (np.diff(tags) == 1).all()):
-                return None
+        run = tags if type(tags) is tuple else encode_tags(tags)
+        if type(run) is not tuple:  # not one run of positions
+            return None
+        t0, n = run
         if n == 0 or shape[0] != n:
             return None
         g = self._groups.get(t0 >> TAG_SHIFT)
@@ -185,7 +182,7 @@ class MergeTable:
             done = self._add_run(tags[0], tags[1], y, landed)
             if done is not None:
                 return done
-            tags = np.arange(tags[0], tags[0] + tags[1], dtype=np.int64)  # an error case: named below
+            tags = decode_tags(tags)  # an error case: named below
         tags = np.asarray(tags, dtype=np.int64)
         if len(tags) == 0:
             return []
