@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run 43 (nvidia-h200-x2, ~9 minutes): WRITTEN IN SESSION 5, NOT RUN YET (device time was spent). The session's
+# Device run 43 (nvidia-h200-x2, ~4 minutes; written in session 5, run in session 6). The session's
 # final tree (busy-polling ranks, asynchronous sampling, merges of one run bookkept with slices) against the barriers,
 # every scenario in alternating launches (run 40's one-launch-per-family matrix drifted ~45% between its first and
 # last cells). (1) GPU tests and fp32 2-GPU tokens == CPU (defrag, defrag + hold); (2) GPT-OSS-20B cut to 8 layers,
