@@ -475,7 +475,7 @@ def token_stats(reqs: list[Request], wall: float) -> dict:
 
 
 def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
-    from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting
+    from runtime.experiments.routing_override import ZipfRouting, routed
     out = results.setdefault("e2e", [])
     spec = cut_spec(S["model"], args.layers, S.get("dtype"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -484,7 +484,7 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
     router = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=args.zipf, seed=0)
     P, M = S["prompt"], S["max_new"]
     inner = CudaExecutor(spec, w, plan, dev, max_context=P + M + 32)
-    ex = KeyedRoutingExecutor(inner, router)
+    ex = routed(inner, router)
     copy_bps = measure_copy_bps(dev)
     block = plan.kv.block_size
     log(f"e2e: {spec.name} ranks={args.ranks} (in-process, one device) prompt={P} (random KV) max_new={M} "

@@ -246,8 +246,8 @@ def build_executor(plan, options: RunOptions, weights=None):
     `options.router` when one is given."""
     ex = _build_executor(plan, options, weights)
     if options.router is not None:
-        from runtime.experiments.routing_override import KeyedRoutingExecutor
-        ex = KeyedRoutingExecutor(ex, options.router)
+        from runtime.experiments.routing_override import routed
+        ex = routed(ex, options.router)
     return ex
 
 

@@ -419,8 +419,8 @@ class Engine:
             items = batch.items
             if len(items) == 1:
                 x, ids = items[0].x, items[0].expert
-            else:
-                x = torch.cat([it.x for it in items])
+            else:  # row blocks: the executor concatenates them where the batch's input lives
+                x = [it.x for it in items]
                 ids = np.concatenate([it.expert for it in items])
             batch.out["y"] = self.executor.experts(batch.stage.layer, x, torch.from_numpy(ids))
         else:

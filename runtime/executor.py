@@ -24,6 +24,14 @@ from models.weights import ModelWeights
 _GREEDY = SamplingParams()
 
 
+def row_blocks(x) -> Tensor:
+    """An expert batch's input: one [N, H] tensor, or its row blocks (a list, concatenated here; the
+    CUDA executor concatenates them straight into its graph's static input instead)."""
+    if isinstance(x, Tensor):
+        return x
+    return x[0] if len(x) == 1 else torch.cat(x)
+
+
 def sample_batch(logits, params: list, steps: list[int], one) -> list[int]:
     """Shared by the executors: batched greedy argmax over a [B, V] tensor, `one(i, params, step)`
     for the rows that sample with parameters."""
@@ -71,10 +79,11 @@ class TorchExecutor:
         return layers.shared_expert(self.spec, self.w, layer, x)
 
     @torch.no_grad()
-    def experts(self, layer: int, x: Tensor, expert_ids: Tensor) -> Tensor:
-        """expert_ids: int64 [N] (a CPU tensor from the engine; a list of ints is accepted too)."""
+    def experts(self, layer: int, x, expert_ids: Tensor) -> Tensor:
+        """x: [N, H] or its row blocks (`row_blocks`); expert_ids: int64 [N] (a CPU tensor from the engine;
+        a list of ints is accepted too)."""
         ids = torch.as_tensor(expert_ids, dtype=torch.long).to(self.device)
-        return layers.experts_forward(self.spec, self.w, layer, x, ids)
+        return layers.experts_forward(self.spec, self.w, layer, row_blocks(x), ids)
 
     @torch.no_grad()
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,

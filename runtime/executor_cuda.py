@@ -215,6 +215,9 @@ class CudaExecutor:
         self._views: dict[int, DeviceBlockTables] = {}  # kv serial -> device tables
         self._serial = 0
         self._pending: Optional[_Pending] = None
+        # A router keyed by (request, position, layer) that runs inside the attention graph instead of
+        # the model's (use_keyed_router); None: the model's router.
+        self.keyed_router = None
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._attn_timer = StepTimer("executor attention", profile)
@@ -257,6 +260,8 @@ class CudaExecutor:
             self._serial += 1
             kv._cuda_exec_serial = self._serial
             dv = DeviceBlockTables(kv, width, self.table_rows, self.device, self.staging.h2d)
+            if self.keyed_router is not None:
+                dv.track_keys(self.keyed_router.request_base)
             self._views[self._serial] = dv
         return dv
 
@@ -270,6 +275,18 @@ class CudaExecutor:
             kv.device_view = None
         self.graphs.drop(lambda k: k[0] == "attn" and k[3] == serial)
         kv._cuda_exec_serial = None
+
+    def use_keyed_router(self, router) -> None:
+        """Route MoE layers with `router` inside the attention graph instead of the model's router.
+        `router.request_base(seq_id) -> int` is hashed once per sequence into its device table row's
+        key; `router.route_torch(layer, base0 [T], pos [T]) -> (ids, weights)` runs capturable torch ops
+        (runtime/experiments/zipf_torch.py). Same answers as wrapping this executor in
+        KeyedRoutingExecutor, without the host work per batch (the bench's synthetic routing)."""
+        self.keyed_router = router
+        for dv in self._views.values():
+            dv.track_keys(router.request_base)
+        self.graphs.drop(lambda k: k[0] == "attn")  # captured with the previous router
+        self._pending = None
 
     # ------------------------------------------------------------------ small pieces
     def _rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
@@ -386,7 +403,14 @@ class CudaExecutor:
         h_res, x = layers.attention_stage(self.spec, self.w, layer, h, pos, segments, kv)
         if self.spec.is_moe_layer(layer):
             lw = self.w.layers[layer]
-            ids, wts = route_tokens(self.spec, lw, x)
+            if self.keyed_router is None:
+                ids, wts = route_tokens(self.spec, lw, x)
+            else:
+                base = [0] * h.shape[0]
+                for seq, start, n in segments:
+                    base[start:start + n] = [self.keyed_router.request_base(seq)] * n
+                base0 = self._to_dev(torch.tensor(base, dtype=torch.int64))
+                ids, wts = self.keyed_router.route_torch(layer, base0, pos)
             shared = shared_expert_out(self.spec, lw, x)
             route = self.staging.d2h(torch.cat([ids.to(torch.float32), wts], dim=1))
             self._pending = _Pending(x, route, shared, ids.shape[1])
@@ -418,6 +442,7 @@ class CudaExecutor:
         eps, fp32w, k = spec.rms_norm_eps, self._fp32w, self.top_k
         attn_fn = paged_decode_attention_triton if self.attn_impl == "triton" else paged_decode_attention_torch
         b = h_in.shape[0]
+        router, keys = self.keyed_router, dv.keys
 
         def body() -> None:
             pos = meta[0].to(torch.int64)
@@ -437,7 +462,10 @@ class CudaExecutor:
             out[0].copy_(h_res)
             out[1].copy_(x)
             if moe:
-                ids, wts = route_tokens(spec, lw, x)
+                if router is None:
+                    ids, wts = route_tokens(spec, lw, x)
+                else:  # keyed by (request, position, layer): the row's request base from its table row
+                    ids, wts = router.route_torch(layer, keys.index_select(0, rows), pos)
                 route_out[:, :k].copy_(ids)
                 route_out[:, k:].copy_(wts)
                 if out.shape[0] > 2:
@@ -577,13 +605,15 @@ class CudaExecutor:
         finally:
             self._marked("expert", start)
 
-    def _experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
+    def _experts(self, layer: int, x, expert_ids: list[int]) -> Tensor:
         tm = self._expert_timer
         tm.start()
-        x = self._to_dev(x)
-        N = x.shape[0]
+        # x: [N, H], or its row blocks (runtime/executor.row_blocks), concatenated below straight into
+        # the static input (one copy, not a cat and then a copy).
+        blocks = [self._to_dev(x)] if isinstance(x, Tensor) else [self._to_dev(b) for b in x]
+        N = sum(b.shape[0] for b in blocks)
         if N == 0:
-            return x.new_zeros(x.shape)
+            return blocks[0].new_zeros((0, self.spec.hidden_size))
         b = bucket_for(N, self.buckets["expert"])
         static = b is not None
         if not static:
@@ -607,7 +637,10 @@ class CudaExecutor:
         tm.lap("ids_prep")
         self.staging.h2d_array(bufs._t["ids"], fill)
         tm.lap("ids_h2d")
-        bufs._t["x"][:N].copy_(x)
+        if len(blocks) == 1:
+            bufs._t["x"][:N].copy_(blocks[0])
+        else:
+            torch.cat(blocks, out=bufs._t["x"][:N])
         tm.lap("x_copy")
         if static:
             g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from runtime.executor import row_blocks
+
 _MOD = float(2 ** 40)  # keep values exact in float64
 
 
@@ -51,8 +53,8 @@ class SimExecutor:
     def shared_expert(self, layer: int, x: Tensor) -> Optional[Tensor]:
         return None
 
-    def experts(self, layer: int, x: Tensor, expert_ids: Tensor) -> Tensor:
-        return torch.zeros_like(x)
+    def experts(self, layer: int, x, expert_ids: Tensor) -> Tensor:
+        return torch.zeros_like(row_blocks(x))
 
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
                 row_index: Optional[Tensor] = None) -> Tensor:

@@ -41,6 +41,10 @@ class DeviceBlockTables:
         self._row: dict[int, int] = {}
         self._free = list(range(rows - 1, -1, -1))  # pop() gives the lowest row first
         self.overflow = 0  # sequences that got no row (too long, or no row free)
+        # Optional per-row int64 key of the row's sequence (`track_keys`): what a router inside the
+        # attention graph hashes (CudaExecutor.use_keyed_router).
+        self.keys: Optional[torch.Tensor] = None
+        self._key_of: Optional[Callable[[int], int]] = None
         for seq_id, blocks in kv.tables().items():
             self.on_reserve(seq_id, blocks)
         kv.device_view = self
@@ -52,6 +56,18 @@ class DeviceBlockTables:
         r = self._free.pop()
         self._row[seq_id] = r
         self._h2d(self.table[r, : len(blocks)], torch.tensor(blocks, dtype=torch.int32))
+        if self._key_of is not None:
+            self._h2d(self.keys[r: r + 1], torch.tensor([self._key_of(seq_id)], dtype=torch.int64))
+
+    def track_keys(self, key_of: Callable[[int], int]) -> torch.Tensor:
+        """Keep `keys[row] = key_of(sequence)` for every row from now on (the trash row's key is 0);
+        returns the device tensor, whose address never changes (graphs may bake it)."""
+        if self.keys is None:
+            self.keys = torch.zeros(self.rows + 1, dtype=torch.int64, device=self.device)
+        self._key_of = key_of
+        for seq_id, r in self._row.items():
+            self._h2d(self.keys[r: r + 1], torch.tensor([key_of(seq_id)], dtype=torch.int64))
+        return self.keys
 
     def on_release(self, seq_id: int) -> None:
         r = self._row.pop(seq_id, None)

@@ -118,9 +118,8 @@ def build_executor(es: ExecSpec, plan, device, rank: Optional[int] = None):
         inner = TorchExecutor(spec, load_weights(spec, experts=mine).to(device))
     ex = inner
     if es.zipf_s is not None:
-        from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting
-        ex = KeyedRoutingExecutor(inner, ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=es.zipf_s,
-                                                     seed=es.seed))
+        from runtime.experiments.routing_override import ZipfRouting, routed
+        ex = routed(inner, ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=es.zipf_s, seed=es.seed))
     return ex, inner
 
 

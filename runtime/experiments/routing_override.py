@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from graph_ir.errors import UserError
 from runtime.experiments.zipf_kernel import warm_up as warm_up_kernel
 from runtime.experiments.zipf_kernel import zipf_topk
+from runtime.experiments.zipf_torch import zipf_route
 
 Router = Callable[[int, Optional[torch.Tensor], Sequence[Hashable], Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -99,6 +101,8 @@ class ZipfRouting:
     _req_keys: dict = field(default_factory=dict, init=False, repr=False)
     _orders: dict = field(default_factory=dict, init=False, repr=False)
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _bases: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _dev_tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -156,6 +160,26 @@ class ZipfRouting:
                 if r not in cache:
                     cache[r] = _key64(r)
             return np.fromiter(map(cache.__getitem__, seq_ids), dtype=np.uint64, count=T)
+
+    # ---- the same draw on the device (zipf_torch.py): a router that runs inside the attention graph
+    def request_base(self, seq_id: Hashable) -> int:
+        """sm(request key ^ seed), the per-request part of every draw, as the int64 with its bits
+        (hashed once per request; CudaExecutor keeps it per device table row)."""
+        b = self._bases.get(seq_id)
+        if b is None:
+            z = np.array([_key64(seq_id)], dtype=np.uint64) ^ self._seed64
+            b = self._bases[seq_id] = int(_splitmix64_inplace(z).view(np.int64)[0])
+        return b
+
+    def route_torch(self, layer: int, base0: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """__call__'s answer as torch ops on base0's device (request bases [T], positions [T] int64):
+        capturable, so CudaExecutor can route inside its attention graph."""
+        key = (layer, base0.device)
+        t = self._dev_tables.get(key)
+        if t is None:
+            t = self._dev_tables[key] = torch.from_numpy(self._table(layer)).to(base0.device)
+        return zipf_route(base0, pos, layer, t, self.top_k, drift_every=self.drift_every,
+                          drift_stride=self.drift_stride)
 
     def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
                  positions: Sequence[int], steps: Optional[Sequence[int]] = None):
@@ -281,6 +305,21 @@ class RoutingRecorder:
                     f.write(json.dumps({"request": key[0], "position": key[1], "layer": key[2],
                                         "experts": ids.tolist(), "weights": [float(v) for v in w]}) + "\n")
         return path
+
+
+def routed(executor: Any, router: Router) -> Any:
+    """`executor` routing MoE layers by `router`. Where both can (CudaExecutor, a router with
+    `route_torch`, such as ZipfRouting), the router runs inside the executor's attention graph, as a
+    learned router does (no host work per batch); otherwise KeyedRoutingExecutor calls it on the host.
+    The answers are the same either way (zipf_torch.py). DATAFLOW_KEYED_ROUTER=host forces the host
+    path (an A/B of what the in-graph router saves)."""
+    where = os.environ.get("DATAFLOW_KEYED_ROUTER", "").strip().lower() or "graph"
+    if where not in ("graph", "host"):
+        raise UserError(f"DATAFLOW_KEYED_ROUTER={where!r}: expected graph or host")
+    if where == "graph" and hasattr(executor, "use_keyed_router") and hasattr(router, "route_torch"):
+        executor.use_keyed_router(router)
+        return executor
+    return KeyedRoutingExecutor(executor, router)
 
 
 class KeyedRoutingExecutor:
