@@ -22,4 +22,4 @@ timeout 290 python3 benchmarks/gpu_ep_bench.py --out "$P/120" --model gpt-oss-12
   --systems "streaming-defrag:hold_fill=1;hold_us=30000,ag-ep" --scenarios clean,compute-hog --concurrency 128 \
   --new-tokens 48:96 > "$P/ep120.log" 2>&1
 echo "ep120 exit $?" | tee -a "$OUT/env.txt"; cp "$P/120/ep_bench.md" "$OUT/ep120.md"; grep "^| " "$OUT/ep120.md" | cut -c1-200
-tail -3 "$P/ep20.log" "$P/ep120.log" > "$OUT/logs_tail.txt"
+for f in "$P/ep20.log" "$P/ep120.log"; do tail -n 3 "$f"; done > "$OUT/logs_tail.txt"
