@@ -50,6 +50,11 @@ class RankEnv:
     master_port: int
 
 
+def local_world(env: RankEnv) -> int:
+    """Ranks on this host (LOCAL_WORLD_SIZE as torchrun sets it; else every rank is local)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+
+
 def set_rank_threads(env: RankEnv, on_gpu: bool) -> int:
     """Intra-op (OpenMP) threads of a rank process; call before its first torch op. Returns the count.
 

@@ -49,7 +49,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from runtime.launch import RankEnv, from_torchrun_env, launch_local, run_rank
+from runtime.cpu_bind import bind_rank_threads
+from runtime.launch import RankEnv, from_torchrun_env, launch_local, local_world, run_rank
 
 CTRL_READY, CTRL_SYNC, CTRL_SYNCED = "ready", "sync", "synced"
 CTRL_ADMIT, CTRL_FIN, CTRL_STOP, CTRL_DONE = "adm", "fin", "stop", "done"
@@ -383,6 +384,9 @@ class RankNode:
             # Capture every CUDA graph of this workload's KV store before serving, so no capture
             # runs while messages flow (and no timed batch pays for one). No-op on the CPU.
             self.executor.prepare(self.engine.kv)
+        # The serving loop gets a physical core of its own near its GPU (runtime/cpu_bind.py); repeated per
+        # workload, because threads started since inherit the loop's single CPU.
+        bind_rank_threads(self.env.local_rank, local_world(self.env), self.transport.device.type)
         self.sent_at_start = self.transport.stats["sent"]
         self.control_at_start = self.control_sent
 

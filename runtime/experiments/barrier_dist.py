@@ -46,6 +46,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from runtime.cpu_bind import bind_rank_threads
+from runtime.launch import local_world
 from runtime.experiments.barrier import step_batch
 from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps
 
@@ -355,6 +357,8 @@ def barrier_dist_rank_main(env, job: DistJob):
         for w in job.workloads:
             _scenario_on(job, w, hogs_state, env.rank)
             mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[w.system]
+            # the serving thread on a core of its own, as the streaming ranks do (runtime/cpu_bind.py)
+            bind_rank_threads(env.local_rank, local_world(env), device.type)
             res = run_barrier_workload(env.rank, env.world_size, job, w, mode, ex, inner, device)
             res["copy_bps"] = copy_bps
             allr = [None] * env.world_size
