@@ -4,8 +4,8 @@ A GPU rank's throughput is set by one Python thread (the engine loop: every batc
 on it). Left to the OS scheduler, that thread shares physical cores with other busy threads (the
 other ranks' loops, which busy-poll, NCCL's proxy threads, ZeroMQ's I/O thread) as hyperthread
 siblings, or runs on the socket far from its GPU. On 2 x H200 a profiled launch showed one rank
-paying 1.5-2x the other's time for every phase of the same loop (benchmarks/NOTES.md §21), and
-launches drift by 10-45%.
+paying 1.5-2x the other's time for every phase of the same loop (run 46, benchmarks/NOTES.md §21),
+and launches drift by 10-45%.
 
 `bind_rank_threads` gives the calling (serving) thread a physical core alone: the first free core
 among the CPUs local to its GPU (sysfs `local_cpulist` of the GPU's PCI device), its hyperthread
@@ -14,9 +14,12 @@ serving core uses. Each rank computes every local rank's choice the same way (ra
 so ranks never pick the same core. Threads created later inherit the serving thread's single CPU,
 so the call is repeated at every workload start.
 
-On by default for CUDA ranks; `DATAFLOW_CPU_BIND=0` turns it off, `=1` also binds CPU ranks (whose
-torch intra-op threads need the cores: for tests). Anything it cannot read (no sysfs, no affinity
-API) leaves the process as it was.
+Off by default: `DATAFLOW_CPU_BIND=1` turns it on. Measured on the lent 2 x H200 VM (32 vCPUs, one
+thread per core, one NUMA node), binding changed nothing beyond the drift (run 47: streaming / all-gather
+EP 0.91x bound against 0.96x unbound, medians of 3 alternating rounds), so it stays a knob for hosts with
+hyperthreads or several sockets (issue 8's machines), where it is unmeasured. CPU ranks should not use it
+(their torch intra-op threads, started later, would inherit the serving thread's single CPU). Anything it
+cannot read (no sysfs, no affinity API) leaves the process as it was.
 """
 from __future__ import annotations
 
@@ -79,11 +82,11 @@ def plan_serving_cores(world: int, allowed: list[int], local_of: Callable[[int],
     return plan
 
 
-def bind_enabled(device_type: str) -> bool:
+def bind_enabled() -> bool:
     v = os.environ.get("DATAFLOW_CPU_BIND", "").strip()
     if v not in ("", "0", "1"):
-        raise ValueError(f"DATAFLOW_CPU_BIND={v!r}: expected 1 (bind every rank), 0 (none) or unset (CUDA ranks)")
-    return v == "1" or (v == "" and device_type == "cuda")
+        raise ValueError(f"DATAFLOW_CPU_BIND={v!r}: expected 1 (bind each rank's serving thread) or 0 / unset (off)")
+    return v == "1"
 
 
 _said: set = set()
@@ -93,7 +96,7 @@ _original: Optional[list[int]] = None
 def bind_rank_threads(local_rank: int, local_world: int, device_type: str) -> Optional[str]:
     """Bind the calling thread (the rank's serving loop) to its own core and the process's other threads
     to the CPUs left; returns what it did (printed once per process), or None when off or impossible."""
-    if not bind_enabled(device_type) or not hasattr(os, "sched_setaffinity"):
+    if not bind_enabled() or not hasattr(os, "sched_setaffinity"):
         return None
     try:
         global _original

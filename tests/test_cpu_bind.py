@@ -32,16 +32,16 @@ def test_ranks_take_distinct_cores_near_their_gpus_siblings_left_out():
         plan_serving_cores(2, [0, 4], lambda i: None, _ht)
 
 
-def test_bind_enabled_by_device_and_env(monkeypatch):
+def test_bind_enabled_only_when_asked(monkeypatch):
     monkeypatch.delenv("DATAFLOW_CPU_BIND", raising=False)
-    assert bind_enabled("cuda") and not bind_enabled("cpu")
+    assert not bind_enabled()
     monkeypatch.setenv("DATAFLOW_CPU_BIND", "1")
-    assert bind_enabled("cpu")
+    assert bind_enabled()
     monkeypatch.setenv("DATAFLOW_CPU_BIND", "0")
-    assert not bind_enabled("cuda")
+    assert not bind_enabled()
     monkeypatch.setenv("DATAFLOW_CPU_BIND", "yes")
     with pytest.raises(ValueError, match="DATAFLOW_CPU_BIND='yes'"):
-        bind_enabled("cuda")
+        bind_enabled()
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
