@@ -308,12 +308,15 @@ class RoutingRecorder:
 
 
 def routed(executor: Any, router: Router) -> Any:
-    """`executor` routing MoE layers by `router`. Where both can (CudaExecutor, a router with
-    `route_torch`, such as ZipfRouting), the router runs inside the executor's attention graph, as a
-    learned router does (no host work per batch); otherwise KeyedRoutingExecutor calls it on the host.
-    The answers are the same either way (zipf_torch.py). DATAFLOW_KEYED_ROUTER=host forces the host
-    path (an A/B of what the in-graph router saves)."""
-    where = os.environ.get("DATAFLOW_KEYED_ROUTER", "").strip().lower() or "graph"
+    """`executor` routing MoE layers by `router`: KeyedRoutingExecutor calls it on the host per
+    attention batch (the default), or, with DATAFLOW_KEYED_ROUTER=graph where both can (CudaExecutor, a
+    router with `route_torch`, such as ZipfRouting), it runs inside the executor's attention graph as a
+    learned router does. The answers are the same either way (zipf_torch.py). Neither matches a learned
+    router's cost exactly: the host path charges the host ~200 us per batch that a learned router does
+    not; the graph path adds ~50 small kernels to every attention graph where a learned router adds a
+    few, which under a compute hog on the same GPU cost streaming 1.92x against 3.28x (benchmarks/NOTES.md
+    §21 item 9). The host path stays the default so results compare with every earlier run."""
+    where = os.environ.get("DATAFLOW_KEYED_ROUTER", "").strip().lower() or "host"
     if where not in ("graph", "host"):
         raise UserError(f"DATAFLOW_KEYED_ROUTER={where!r}: expected graph or host")
     if where == "graph" and hasattr(executor, "use_keyed_router") and hasattr(router, "route_torch"):
