@@ -9,6 +9,7 @@
 set -u
 OUT=${1:?out dir}
 . benchmarks/device/prelude.sh
+export DATAFLOW_KEYED_ROUTER=graph  # the default when this run was made (session 6 made the host router the default again)
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); date -u > "$OUT/env.txt"
 { lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA)"; nvidia-smi topo -m; } > "$OUT/topo.txt" 2>&1
 P=$(mktemp -d /tmp/run47.XXXX)

@@ -8,6 +8,7 @@
 set -u
 OUT=${1:?out dir}
 . benchmarks/device/prelude.sh
+export DATAFLOW_KEYED_ROUTER=graph  # the default when this run was made (session 6 made the host router the default again)
 mkdir -p "$OUT"; date -u > "$OUT/env.txt"
 bash benchmarks/device/gpu_checks.sh "$OUT" "defrag:hold_fill=1,hold_us=3000"
 P=$(mktemp -d /tmp/run48.XXXX)
