@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -108,7 +109,7 @@ def bind_rank_threads(local_rank: int, local_world: int, device_type: str) -> Op
         main, _ = plan[local_rank]
         reserved = frozenset().union(*(core for _, core in plan))
         rest = [c for c in allowed if c not in reserved] or [c for c in allowed if c not in plan[local_rank][1]]
-        me = _native_id()
+        me = threading.get_native_id()
         moved = 0
         for tid in _thread_ids():
             if tid != me and rest:
@@ -135,7 +136,3 @@ def _thread_ids() -> list[int]:
     except OSError:
         return []
 
-
-def _native_id() -> int:
-    import threading
-    return threading.get_native_id()

@@ -57,21 +57,15 @@ def _served(where: str, monkeypatch):
     w = random_weights(spec)
     plan = compile_plan(spec, 2)
     seen = []
-    real = CudaExecutor.route
+    # Whoever answers route(): the executor itself (graph), or the wrapper that calls the router (host).
+    answers = CudaExecutor if where == "graph" else KeyedRoutingExecutor
+    real = answers.route
 
     def spy(self, layer, x):
         ids, wts = real(self, layer, x)
         seen.append((layer, ids.clone(), wts.clone()))
         return ids, wts
-    monkeypatch.setattr(CudaExecutor, "route", spy)
-    if where == "host":  # the wrapper answers route() itself: record its answers instead
-        real_k = KeyedRoutingExecutor.route
-
-        def spy_k(self, layer, x):
-            ids, wts = real_k(self, layer, x)
-            seen.append((layer, ids.clone(), wts.clone()))
-            return ids, wts
-        monkeypatch.setattr(KeyedRoutingExecutor, "route", spy_k)
+    monkeypatch.setattr(answers, "route", spy)
     res = run_workload(plan, _requests(spec), RunOptions(policy="defrag", executor="cuda", kv_blocks=64,
                                                          clock="virtual", router=ZipfRouting(spec.experts.num_experts,
                                                                                              spec.experts.top_k, s=1.2)),

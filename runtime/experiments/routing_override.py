@@ -167,7 +167,7 @@ class ZipfRouting:
         (hashed once per request; CudaExecutor keeps it per device table row)."""
         b = self._bases.get(seq_id)
         if b is None:
-            z = np.array([_key64(seq_id)], dtype=np.uint64) ^ self._seed64
+            z = self._request_keys((seq_id,), 1) ^ self._seed64  # the host draw's cached request key
             b = self._bases[seq_id] = int(_splitmix64_inplace(z).view(np.int64)[0])
         return b
 
