@@ -43,6 +43,40 @@ def test_route_torch_equals_the_host_router_bit_for_bit(E, k, drift_every):
         assert torch.equal(ids, ids2) and torch.equal(w, w2)
 
 
+_TRITON_CHECK = """
+import numpy as np, torch
+from runtime.experiments.routing_override import ZipfRouting
+from runtime.experiments.zipf_torch import zipf_route
+for E, k, drift in [(32, 4, 0), (128, 4, 50), (8, 8, 0), (128, 8, 7), (5, 2, 3)]:
+    z = ZipfRouting(E, k, s=1.2, drift_every=drift, drift_stride=3, seed=4)
+    rng = np.random.default_rng(E + k + drift)
+    reqs = [f"r{i}" if i % 2 else int(i) for i in rng.integers(0, 300, 300)]
+    pos = [int(p) for p in rng.integers(0, 5000, 300)]
+    base = torch.tensor([z.request_base(r) for r in reqs])
+    for layer in (0, 1, 5):   # 1: a value Triton specializes as a constant on the GPU
+        ids, w = z(layer, None, reqs, pos)                      # the host router
+        ids2, w2 = z.route_torch(layer, base, torch.tensor(pos))  # DATAFLOW_KERNELS=triton: the kernel
+        assert torch.equal(ids, ids2) and torch.equal(w, w2), (E, k, drift, layer)
+        neg = torch.tensor(rng.integers(-40, 40, 300))          # padded rows carry position -1
+        t = torch.from_numpy(z._table(layer))
+        a, b = zipf_route(base, neg, layer, t, k, drift_every=drift, drift_stride=3), z.route_torch(layer, base, neg)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (E, k, drift, layer, "negative positions")
+print("ok")
+"""
+
+
+def test_the_triton_router_kernel_draws_the_same_bits():
+    """runtime/experiments/zipf_triton.py in Triton's CPU interpreter (a subprocess: Triton fixes the
+    mode at import) against the host router and its torch twin, incl. negative (padded) positions."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1", DATAFLOW_KERNELS="triton")
+    r = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 def _requests(spec, n=8, seed=3):
     g = random.Random(seed)
     # one-token prompts take the bucketed decode body from step 0; longer ones the eager path first

@@ -1,10 +1,13 @@
-"""Device check of the in-graph Zipf router (runtime/experiments/zipf_torch.py): `python3 benchmarks/device/keyed_router_check.py`.
+"""Device check of the in-graph Zipf router: `python3 benchmarks/device/keyed_router_check.py`.
 
-(1) Bits: the host router (numba, glibc logarithms) against route_torch on the GPU (the device's
-    logarithms) for 200,000 random (request, position, layer) keys, with GPT-OSS-20B's (32 experts,
-    top-4) and GPT-OSS-120B's (128, top-4) shapes: rows whose expert ids differ, weights that differ,
-    the largest weight difference. On the CPU both are bit-equal (tests/test_keyed_router_graph.py).
-(2) Served: the tiny model in fp32 on one GPU (CUDA graphs, virtual clock) routed in the graph and on
+(1) Bits: the host router (numba, glibc logarithms) against the device draws for 200,000 random
+    (request, position, layer) keys, with GPT-OSS-20B's (32 experts, top-4) and GPT-OSS-120B's (128,
+    top-4) shapes, both ways: torch ops (runtime/experiments/zipf_torch.py) and the one Triton kernel
+    (zipf_triton.py, the GPU default): rows whose expert ids differ, weights that differ, the largest
+    weight difference, and the kernel's rows that differ from the torch draw. On the CPU all are
+    bit-equal (tests/test_keyed_router_graph.py).
+(2) Timing: device time of one 192-row draw each way, replayed from a CUDA graph.
+(3) Served: the tiny model in fp32 on one GPU (CUDA graphs, virtual clock) routed in the graph and on
     the host: requests whose tokens are equal.
 Prints one line per result.
 """
@@ -21,27 +24,74 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from runtime.experiments.routing_override import ZipfRouting  # noqa: E402
+from runtime.experiments.zipf_torch import zipf_route  # noqa: E402
+from runtime.experiments.zipf_triton import zipf_route_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script (bit-equal there)
 
 
-def bits(E: int, k: int, n: int = 200_000) -> str:
+def _draws(z, layer, base, pos):
+    """The device draw both ways: torch ops (zipf_torch.py) and the one Triton kernel (zipf_triton.py)."""
+    t = torch.from_numpy(z._table(layer)).to(base.device)
+    kw = dict(drift_every=z.drift_every, drift_stride=z.drift_stride)
+    out = {"torch": zipf_route(base, pos, layer, t, z.top_k, **kw)}
+    if DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        out["triton"] = zipf_route_triton(base, pos, layer, t, z.top_k, **kw)
+    return out
+
+
+def bits(E: int, k: int, n: int = 200_000) -> list[str]:
     z = ZipfRouting(E, k, s=1.2, seed=0)
     rng = np.random.default_rng(E)
     reqs = [int(r) for r in rng.integers(0, 4096, n)]
     pos = [int(p) for p in rng.integers(0, 4096, n)]
-    bad_ids = bad_w = 0
-    dmax = 0.0
+    bad: dict = {}
     for layer in range(4):
         ids, w = z(layer, None, reqs, pos)
         base = torch.tensor([z.request_base(r) for r in reqs], device=DEV)
-        ids2, w2 = z.route_torch(layer, base, torch.tensor(pos, device=DEV))
-        ids2, w2 = ids2.cpu(), w2.cpu()
-        bad_ids += int((ids != ids2).any(dim=1).sum())
-        bad_w += int((w != w2).any(dim=1).sum())
-        dmax = max(dmax, float((w - w2).abs().max()))
-    return (f"bits E={E} k={k}: {4 * n} tokens, rows with other expert ids {bad_ids}, rows with other weights "
-            f"{bad_w}, max |weight difference| {dmax:.3g}")
+        draws = _draws(z, layer, base, torch.tensor(pos, device=DEV))
+        for name, (ids2, w2) in draws.items():
+            ids2, w2 = ids2.cpu(), w2.cpu()
+            b = bad.setdefault(name, [0, 0, 0.0, 0])
+            b[0] += int((ids != ids2).any(dim=1).sum())
+            b[1] += int((w != w2).any(dim=1).sum())
+            b[2] = max(b[2], float((w - w2).abs().max()))
+            if name == "triton":  # the kernel against the torch draw on the same device (same logarithms?)
+                a_ids, a_w = draws["torch"]
+                b[3] += int(((a_ids.cpu() != ids2) | (a_w.cpu() != w2)).any(dim=1).sum())
+    return [f"bits E={E} k={k} {name} draw on {DEV} vs host: {4 * n} tokens, rows with other expert ids {b[0]}, "
+            f"rows with other weights {b[1]}, max |weight difference| {b[2]:.3g}"
+            + (f"; rows differing from the torch draw {b[3]}" if name == "triton" else "")
+            for name, b in bad.items()]
+
+
+def timing(E: int, k: int, T: int = 192, reps: int = 500) -> str:
+    """Device time of one draw for a T-row attention batch, each way, captured in a CUDA graph as the
+    executor runs it (replays timed with events)."""
+    if DEV != "cuda":
+        return f"timing E={E}: skipped on {DEV}"
+    z = ZipfRouting(E, k, s=1.2, seed=0)
+    base = torch.randint(-2**62, 2**62, (T,), device=DEV)
+    pos = torch.randint(0, 4096, (T,), device=DEV)
+    res = []
+    for name in ("torch", "triton"):
+        def draw():
+            return _draws(z, 3, base, pos)[name]
+        for _ in range(3):
+            draw()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            draw()
+        g.replay()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        res.append(f"{name} {start.elapsed_time(stop) * 1000 / reps:.1f} us")
+    return f"timing E={E} k={k} T={T}, one draw in a CUDA graph: " + ", ".join(res)
 
 
 def served() -> str:
@@ -69,5 +119,5 @@ def served() -> str:
 
 
 if __name__ == "__main__":
-    for line in (bits(32, 4), bits(128, 4), served()):
+    for line in (*bits(32, 4), *bits(128, 4), timing(32, 4), timing(128, 4), served()):
         print(line, flush=True)

@@ -33,9 +33,11 @@ import numpy as np
 import torch
 
 from graph_ir.errors import UserError
+from kernels.dispatch import backend_for
 from runtime.experiments.zipf_kernel import warm_up as warm_up_kernel
 from runtime.experiments.zipf_kernel import zipf_topk
 from runtime.experiments.zipf_torch import zipf_route
+from runtime.experiments.zipf_triton import zipf_route_triton
 
 Router = Callable[[int, Optional[torch.Tensor], Sequence[Hashable], Sequence[int]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -178,8 +180,9 @@ class ZipfRouting:
         t = self._dev_tables.get(key)
         if t is None:
             t = self._dev_tables[key] = torch.from_numpy(self._table(layer)).to(base0.device)
-        return zipf_route(base0, pos, layer, t, self.top_k, drift_every=self.drift_every,
-                          drift_stride=self.drift_stride)
+        # One Triton launch on the GPU (zipf_triton.py), its torch twin elsewhere: same bits.
+        draw = zipf_route_triton if backend_for(base0, pos) == "triton" else zipf_route
+        return draw(base0, pos, layer, t, self.top_k, drift_every=self.drift_every, drift_stride=self.drift_stride)
 
     def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
                  positions: Sequence[int], steps: Optional[Sequence[int]] = None):
