@@ -30,7 +30,8 @@ One launch per system family (barrier: ag + a2a; streaming: every policy), each 
 unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
 after each launch), ep_bench.md (the table). Progress lines carry seconds since start. Per system and
 scenario the table has tok/s and its ratios, ITL p50/p99, mean batch rows, host us per attention and
-expert batch with the share hidden behind the batch's device work, and the expert batches' GB/s
+expert batch with the share hidden behind the batch's own device work and behind any device work of the
+rank (the paper's definition; runtime/experiments/busy_timeline.py), and the expert batches' GB/s
 against the measured device copy ceiling (runtime/experiments/barrier_dist.HostProbe).
 """
 from __future__ import annotations
@@ -106,6 +107,7 @@ def summarize(w: dict) -> dict:
             s[f"{kind}_batches"] = b[kind]["batches"]
             s[f"{kind}_device_us"] = b[kind].get("device_us")
             s[f"{kind}_hidden"] = b[kind].get("hidden_share")
+            s[f"{kind}_busy"] = b[kind].get("busy_share")
     if "expert" in b:
         s["expert_GBps"] = b["expert"].get("GBps")
         s["expert_pct_copy"] = b["expert"].get("pct_copy")
@@ -426,16 +428,18 @@ def _f(x, fmt="{:.1f}"):
 
 def table_lines(results: dict) -> list[str]:
     L = ["| system | scenario | C/rank | tok/s | vs clean | /ag-ep | /a2a-ep | ITL p50 ms | ITL p99 ms | attn batch | "
-         "expert batch | host us attn (hidden) | host us expert (hidden) | expert GB/s (% copy) | unfinished | tokens |",
+         "expert batch | host us attn (hidden own/any) | host us expert (hidden own/any) | expert GB/s (% copy) | unfinished | tokens |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    pct = lambda x: "" if x is None else f" ({100 * x:.0f}%)"  # noqa: E731
+    def pct(own, any_):
+        return "" if own is None else f" ({100 * own:.0f}%" + ("" if any_ is None else f" / {100 * any_:.0f}%") + ")"
+
     for r in results["runs"]:
         L.append(f"| {r['system']} | {r['name'].split('/')[1]} | {r['name'].split('/')[2][1:]} | {_f(r.get('tokens_per_s'))} | "
                  f"{_f(r.get('vs_clean'), '{:.2f}')} | {_f(r.get('ratio_vs_ag-ep'), '{:.2f}x')} | "
                  f"{_f(r.get('ratio_vs_a2a-ep'), '{:.2f}x')} | {_f(r.get('itl_p50_ms'), '{:.2f}')} | "
                  f"{_f(r.get('itl_p99_ms'), '{:.2f}')} | {_f(r.get('attn_mean_batch'))} | {_f(r.get('expert_mean_batch'))} | "
-                 f"{_f(r.get('attn_host_us'), '{:.0f}')}{pct(r.get('attn_hidden'))} | "
-                 f"{_f(r.get('expert_host_us'), '{:.0f}')}{pct(r.get('expert_hidden'))} | "
+                 f"{_f(r.get('attn_host_us'), '{:.0f}')}{pct(r.get('attn_hidden'), r.get('attn_busy'))} | "
+                 f"{_f(r.get('expert_host_us'), '{:.0f}')}{pct(r.get('expert_hidden'), r.get('expert_busy'))} | "
                  f"{_f(r.get('expert_GBps'), '{:.0f}')}{_f(r.get('expert_pct_copy'), ' ({:.0f}%)') if r.get('expert_pct_copy') else ''} | "
                  f"{r['unfinished']} | "
                  f"{r.get('tokens_equal_to', 'reference')} |")
@@ -453,8 +457,10 @@ def write_md(path: Path, results: dict) -> None:
          "tok/s = generated tokens / (last finish - start); ratios = streaming / baseline at the same scenario and C; "
          "host us = wall of the executor calls of a batch minus time blocked on the device (streaming: "
          "execute+complete of a batch; barrier: attention+route+shared, and expert compute incl. index ops); "
-         "(hidden) = share of that host time overlapped by the batch's device work (per batch exposed = "
-         "max(0, wall - device time of its attention/expert graphs); 1 - exposed / host); expert GB/s = "
+         "(hidden own/any) = share of that host time overlapped by device work: own = the batch's own (per batch "
+         "exposed = max(0, wall - device time of its attention/expert graphs); 1 - exposed / host), any = any "
+         "graph of the rank (the paper's: exposed = the part of the batch's wall with the GPU idle; "
+         "runtime/experiments/busy_timeline.py); expert GB/s = "
          "bytes an expert batch cannot avoid (active experts' weights + rows in/out) / its device time, "
          "and its share of the measured device copy bandwidth.", ""]
     L += table_lines(results)

@@ -121,6 +121,53 @@ def test_hog_start_stop_cpu():
         assert info["returncode"] == 0 and info["iters"] > 0, info
 
 
+def test_busy_timeline_merges_intervals_and_measures_spans():
+    from runtime.experiments.busy_timeline import BusyTimeline
+    tl = BusyTimeline([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (3.0, 4.0), (9.0, 9.0), (8.0, 10.0)])
+    assert (tl.starts, tl.ends) == ([0.0, 5.0, 8.0], [4.0, 7.0, 10.0])  # overlapping and touching merged, empty dropped
+    assert tl.busy(-1.0, 11.0) == 8.0 and tl.busy(4.0, 5.0) == 0.0 and tl.busy(3.5, 8.5) == 3.0
+    assert tl.busy(6.0, 6.5) == 0.5 and tl.busy(7.0, 3.0) == 0.0 and BusyTimeline([]).busy(0.0, 1.0) == 0.0
+
+
+def test_host_probe_credits_host_time_behind_any_device_work():
+    """The paper's definition (busy_share): a batch's host time is hidden while the GPU runs anything of the
+    rank, e.g. the batch before it; the own-work definition (hidden_share) credits only its own graphs."""
+    import types
+
+    import torch
+
+    from runtime.experiments.barrier_dist import HostProbe, merge_probes
+
+    class Ev:  # CUDA event stand-in: a device timestamp in ms
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    inner = types.SimpleNamespace(device=torch.device("cuda"))
+    probe = HostProbe(inner)
+    probe._make_anchor = lambda: (Ev(0.0), 100.0)  # device time 0 ms == host time 100 s
+    clock = iter([100.000, 100.010, 100.010, 100.020])
+    import runtime.experiments.barrier_dist as bd
+    real = bd.time.perf_counter
+    bd.time.perf_counter = lambda: next(clock)
+    try:
+        t = probe.start()
+        inner.profile.append(("expert", Ev(4.0), Ev(12.0)))   # runs on past the batch's host span
+        probe.add("expert", 8, t)
+        t = probe.start()
+        inner.profile.append(("attn", Ev(19.5), Ev(20.0)))    # 0.5 ms of its own work at the end
+        probe.add("attn", 4, t)
+    finally:
+        bd.time.perf_counter = real
+    m = merge_probes([probe.summary()])
+    # attn: own work hides 0.5 of 10 ms; any work: the expert graph until 12 ms and its own 0.5 ms: 2.5 ms
+    assert abs(m["attn"]["hidden_share"] - 0.05) < 1e-9 and abs(m["attn"]["busy_share"] - 0.25) < 1e-9
+    # expert: own work 8 ms against 10 ms of wall; any work: busy 4..10 ms of its span
+    assert abs(m["expert"]["hidden_share"] - 0.8) < 1e-9 and abs(m["expert"]["busy_share"] - 0.6) < 1e-9
+
+
 def test_host_probe_hidden_share_and_expert_bandwidth():
     """The GPU bench's columns from a probe fed known times: a batch whose wall time is covered by its
     device time is fully hidden, one with no device work fully exposed; expert GB/s = the floor bytes
@@ -142,6 +189,7 @@ def test_host_probe_hidden_share_and_expert_bandwidth():
 
     inner = types.SimpleNamespace(device=torch.device("cuda"))  # a CUDA executor turns its event list on
     probe = HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, 8, 4, 2))
+    probe._make_anchor = lambda: (Ev(0.0), 0.0)
     assert inner.profile == []
     clock = iter([0.0, 0.010, 1.0, 1.010])  # two batches of 10 ms wall each
     import runtime.experiments.barrier_dist as bd

@@ -49,6 +49,7 @@ import torch
 from runtime.cpu_bind import bind_rank_threads
 from runtime.launch import local_world
 from runtime.experiments.barrier import step_batch
+from runtime.experiments.busy_timeline import BusyTimeline
 from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,9 +136,11 @@ class HostProbe:
     """Per batch kind, what issue 7 asks a GPU bench to print: host time per batch (wall of the batch's
     executor work minus the time blocked on the device), device time (the CUDA events the executor
     records around its attention and expert calls while its `profile` is a list; `__init__` turns that
-    on), the share of the host time hidden behind device work (NOTES §5: per batch exposed = max(0,
-    wall - device time); hidden = 1 - sum(exposed) / sum(host)), and for expert batches the bytes they
-    cannot avoid (runtime/experiments/floors.py) for their achieved bandwidth.
+    on), the share of the host time hidden behind device work, two ways (runtime/experiments/busy_timeline.py):
+    behind the batch's own device work (NOTES §5: per batch exposed = max(0, wall - device time); hidden =
+    1 - sum(exposed) / sum(host)) and behind any of the rank's device work (the paper's: per batch exposed =
+    the part of its wall during which the GPU ran none of the recorded graphs), and for expert batches the
+    bytes they cannot avoid (runtime/experiments/floors.py) for their achieved bandwidth.
 
         t = probe.start(); <batch work>; probe.add(kind, rows, t, expert_ids)
         probe.summary()   # after the device finished (reads the events): sums, merged by merge_probes
@@ -148,13 +151,23 @@ class HostProbe:
         self.expert_bytes = expert_bytes  # (active experts, rows) -> bytes; None: no bandwidth column
         if inner is not None and getattr(inner, "device", torch.device("cpu")).type == "cuda":
             inner.profile = []
-        self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids)
+        self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids, host start)
+        self._anchor: Optional[tuple] = None  # (CUDA event, perf_counter when it ran): maps device time to host time
+
+    def _make_anchor(self) -> tuple:
+        torch.cuda.synchronize(self.inner.device)  # once, before the first timed batch: the event runs at once
+        ev = torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        ev.record()
+        return ev, t
 
     def _events(self) -> Optional[list]:
         return getattr(self.inner, "profile", None) if self.inner is not None else None
 
     def start(self) -> tuple:
         ev = self._events()
+        if ev is not None and self._anchor is None:
+            self._anchor = self._make_anchor()
         return time.perf_counter(), _waited(self.inner), len(ev) if ev is not None else 0
 
     def add(self, kind: str, rows: int, started: tuple, experts=None) -> None:
@@ -164,16 +177,22 @@ class HostProbe:
         wall = time.perf_counter() - t0
         ev = self._events()
         self.recs.append((kind, rows, max(wall - (_waited(self.inner) - w0), 0.0), wall,
-                          ev[i0:] if ev is not None else [], experts))
+                          ev[i0:] if ev is not None else [], experts, t0))
 
     def summary(self) -> dict:
-        """Per kind: sums (batches, rows, host_s, device_s, exposed_s, timed, expert_bytes, expert_device_s)."""
+        """Per kind: sums (batches, rows, host_s, device_s, exposed_s, exposed_any_s, timed, expert_bytes,
+        expert_device_s)."""
         out: dict = {}
-        if torch.cuda.is_available() and any(evs for *_, evs, _ in self.recs):
+        if torch.cuda.is_available() and any(r[4] for r in self.recs):
             torch.cuda.synchronize()  # the events of the last batches may still be pending
-        for kind, rows, host, wall, evs, experts in self.recs:
-            a = out.setdefault(kind, dict(batches=0, rows=0, host_s=0.0, device_s=0.0, exposed_s=0.0, timed=0,
-                                          expert_bytes=0, expert_device_s=0.0))
+        busy = None
+        if self._anchor is not None:
+            ref, t_ref = self._anchor
+            busy = BusyTimeline((t_ref + ref.elapsed_time(s) / 1e3, t_ref + ref.elapsed_time(e) / 1e3)
+                                for r in self.recs for _, s, e in r[4] if s is not None and e is not None)
+        for kind, rows, host, wall, evs, experts, t0 in self.recs:
+            a = out.setdefault(kind, dict(batches=0, rows=0, host_s=0.0, device_s=0.0, exposed_s=0.0, exposed_any_s=0.0,
+                                          timed=0, expert_bytes=0, expert_device_s=0.0))
             a["batches"] += 1
             a["rows"] += rows
             a["host_s"] += host
@@ -181,6 +200,7 @@ class HostProbe:
                 dev = sum(s.elapsed_time(e) for _, s, e in evs if s is not None and e is not None) / 1e3
                 a["device_s"] += dev
                 a["exposed_s"] += min(host, max(0.0, wall - dev))
+                a["exposed_any_s"] += min(host, max(0.0, wall - busy.busy(t0, t0 + wall))) if busy is not None else 0.0
                 a["timed"] += 1
                 if kind == "expert" and self.expert_bytes is not None and experts is not None and rows:
                     ids = np.concatenate([np.asarray(e).reshape(-1) for e in experts])
@@ -215,8 +235,8 @@ def probe_engine(engine, probe: HostProbe) -> None:
 
 
 def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
-    """Per kind over ranks: batches, mean_rows, host_us, device_us, hidden_share (None when no batch had
-    device events), and for expert batches GBps and pct_copy (of the measured copy ceiling)."""
+    """Per kind over ranks: batches, mean_rows, host_us, device_us, hidden_share and busy_share (behind the
+    batch's own / any device work; None when no batch had device events), and for expert batches GBps and pct_copy (of the measured copy ceiling)."""
     tot: dict = {}
     for summ in summaries:
         for kind, a in summ.items():
@@ -228,7 +248,8 @@ def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
         n = t["batches"]
         r = {"batches": n, "mean_rows": t["rows"] / n if n else 0.0, "host_us": 1e6 * t["host_s"] / n if n else 0.0,
              "device_us": 1e6 * t["device_s"] / t["timed"] if t["timed"] else None,
-             "hidden_share": max(0.0, 1 - t["exposed_s"] / t["host_s"]) if t["timed"] and t["host_s"] else None}
+             "hidden_share": max(0.0, 1 - t["exposed_s"] / t["host_s"]) if t["timed"] and t["host_s"] else None,
+             "busy_share": max(0.0, 1 - t.get("exposed_any_s", 0.0) / t["host_s"]) if t["timed"] and t["host_s"] else None}
         if t["expert_device_s"]:
             r["GBps"] = t["expert_bytes"] / t["expert_device_s"] / 1e9
             r["pct_copy"] = 100 * t["expert_bytes"] / t["expert_device_s"] / copy_bps if copy_bps else None
