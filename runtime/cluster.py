@@ -96,7 +96,7 @@ class Cluster:
                 e.enable_decode_only()
         if options.clock == "virtual":  # simulated batch ends: a batch's results are there when it completes
             for e in self.engines:
-                e.async_sample = False
+                e.async_sample = e.async_route = False
         self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
                                    options.home_policy or plan.placement.home_policy)
 
@@ -186,7 +186,7 @@ class Cluster:
             if self.hub is not None and self.hub.next_delivery() is not None:
                 wake.append(self.hub.next_delivery())
             wake += [now + e.hold_s for e in engines if e.hold_s > 0]  # wave holds expire
-            wake += [now + 0.0002 for e in engines if e.deferred]  # sample tokens on their way to the host
+            wake += [now + 0.0002 for e in engines if e.deferred]  # sample tokens or routing on their way to the host
             if not wake and self.hub is not None and not self.admission.waiting:
                 raise self._stalled("nothing queued, nothing in flight, requests unfinished")
             gap = min(wake) - clock.now() if wake else 0.001

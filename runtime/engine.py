@@ -111,12 +111,19 @@ class Batch:
     out: dict = field(default_factory=dict)  # executor results, filled by execute()
 
 
-def _async_sample_from_env() -> bool:
-    v = os.environ.get("DATAFLOW_ASYNC_SAMPLE", "1")
+def _flag_from_env(name: str, on: str) -> bool:
+    v = os.environ.get(name, "1")
     if v not in ("0", "1"):
-        raise ValueError(f"DATAFLOW_ASYNC_SAMPLE={v!r}: valid values are 1 (the default: complete a sample batch "
-                         f"when its tokens arrive) and 0 (wait for them)")
+        raise ValueError(f"{name}={v!r}: valid values are 1 (the default: {on}) and 0 (wait for them)")
     return v == "1"
+
+
+def _async_sample_from_env() -> bool:
+    return _flag_from_env("DATAFLOW_ASYNC_SAMPLE", "complete a sample batch when its tokens arrive")
+
+
+def _async_route_from_env() -> bool:
+    return _flag_from_env("DATAFLOW_ASYNC_ROUTE", "dispatch an attention batch when its routing arrives")
 
 
 class Engine:
@@ -159,7 +166,14 @@ class Engine:
         # `execute`; +15% tok/s on 2 x H200 (run 42, benchmarks/NOTES.md §20). Deferred batches complete at the
         # next `next_batch()` that finds them ready, in any driver.
         self.async_sample = _async_sample_from_env()
+        # Asynchronous dispatch, the same for attention batches (an executor with `route_start`: the CUDA one
+        # routing inside its attention graph; DATAFLOW_ASYNC_ROUTE=0 turns it off): the host needs the routing
+        # (which ranks get how many rows) before it can dispatch, and a router inside the graph answers only
+        # once the device ran the batch. Instead of waiting for that, the rank runs other batches and
+        # dispatches this one when its routing has arrived (benchmarks/NOTES.md §22).
+        self.async_route = _async_route_from_env()
         self.deferred: deque = deque()
+        self._deferred_attn_rows = [0] * cfg.num_layers  # rows of deferred attention batches per layer (_incoming)
         if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
             transport.recv_into = self._landing
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of an attention batch's dispatch, printed at exit
@@ -197,7 +211,7 @@ class Engine:
         return sum(len(q) for q in self.queues)
 
     def idle(self) -> bool:
-        """Nothing queued, no merge waiting, no sample batch deferred: only new admissions or messages can
+        """Nothing queued, no merge waiting, no batch deferred: only new admissions or messages can
         wake this rank."""
         return self.queued_items() == 0 and len(self.merge) == 0 and not self.deferred
 
@@ -380,8 +394,8 @@ class Engine:
         if st.kind == "sample":
             return float(self.merge.open_rows(last))
         if st.layer == 0:
-            return self.queues[self.sample_stage].depth + self.merge.open_rows(last)
-        return float(self.merge.open_rows(st.layer - 1))
+            return self.queues[self.sample_stage].depth + self.merge.open_rows(last) + self._deferred_attn_rows[last]
+        return float(self.merge.open_rows(st.layer - 1) + self._deferred_attn_rows[st.layer - 1])
 
     def next_batch(self) -> Optional[Batch]:
         """Ask the policy for a stage and assemble its batch (popped from the queue), or None. A HOLD
@@ -462,9 +476,14 @@ class Engine:
         if not self.cfg.expert_rank[layer]:
             batch.out["h_next"] = h_res + self.executor.dense_mlp(layer, x)
         else:
-            ids, weights = self.executor.route(layer, x)
-            batch.out.update(h_res=h_res, x=x, ids=ids, weights=weights,
-                             shared=self.executor.shared_expert(layer, x))
+            start = getattr(self.executor, "route_start", None) if self.async_route else None
+            routing = start(layer, x) if start is not None else None
+            if routing is None:
+                ids, weights = self.executor.route(layer, x)
+                batch.out.update(h_res=h_res, x=x, ids=ids, weights=weights,
+                                 shared=self.executor.shared_expert(layer, x))
+            else:  # ready() / result(): read by complete() once on the host
+                batch.out.update(h_res=h_res, x=x, routing=routing, shared=routing.shared)
 
     @staticmethod
     def _gather_h(items: list) -> torch.Tensor:
@@ -480,14 +499,28 @@ class Engine:
 
     def complete(self, batch: Batch) -> None:
         """The batch finished (now): record it and dispatch its outputs to their next stages. A sample
-        batch whose tokens are not on the host yet is deferred (see `async_sample`)."""
-        pending = batch.out.get("pending")
+        batch whose tokens are not on the host yet, or an attention batch whose routing is not, is deferred
+        (see `async_sample`, `async_route`)."""
+        out = batch.out
+        pending = out.get("pending")
         if pending is not None:
             if not pending.ready():
                 self.deferred.append(batch)
                 return
-            del batch.out["pending"]
-            batch.out["tokens"] = pending.tokens()
+            del out["pending"]
+            out["tokens"] = pending.tokens()
+        routing = out.get("routing")
+        if routing is not None:
+            if not routing.ready():
+                if not out.get("deferred"):
+                    out["deferred"] = True
+                    self._deferred_attn_rows[batch.stage.layer] += batch.rows
+                self.deferred.append(batch)
+                return
+            del out["routing"]
+            if out.pop("deferred", False):
+                self._deferred_attn_rows[batch.stage.layer] -= batch.rows
+            out["ids"], out["weights"] = routing.result()
         now = self.clock.now()
         t0 = batch.t_start
         rec = BatchRecord(self.rank, batch.stage.id, batch.stage.kind, batch.stage.layer, batch.rows,
@@ -509,11 +542,14 @@ class Engine:
             self._complete_sample(batch)
 
     def complete_deferred(self) -> int:
-        """Complete the deferred sample batches whose tokens arrived; returns how many."""
+        """Complete the deferred batches whose tokens or routing arrived; returns how many."""
         n = 0
         for _ in range(len(self.deferred)):
             batch = self.deferred.popleft()
-            if batch.out["pending"].ready():
+            waiting = batch.out.get("pending")
+            if waiting is None:
+                waiting = batch.out["routing"]
+            if waiting.ready():
                 self.complete(batch)
                 n += 1
             else:

@@ -129,12 +129,25 @@ class LogitsRow:
 
 @dataclass
 class _Pending:
-    """What the last attention call computed beyond (h_res, x): served to route / shared_expert."""
+    """What the last attention call computed beyond (h_res, x): served to route / shared_expert, or handed
+    to the engine as a whole by route_start (asynchronous dispatch: ready() / result())."""
 
     x: Tensor
     route: Optional[PendingHost]
     shared: Optional[Tensor]
     k: int
+
+    def ready(self) -> bool:
+        """The routing has reached the host (never blocks)."""
+        return self.route.ready()
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """(ids [T,k] int64, weights [T,k] fp32) on the host, copied out of the pinned ring slot (it is
+        reused a few batches later) and the slot released."""
+        v = self.route.wait()
+        out = v[:, : self.k].to(torch.int64), v[:, self.k:].clone()
+        self.route.release()
+        return out
 
 
 @dataclass
@@ -518,13 +531,23 @@ class CudaExecutor:
         p = self._pending
         if p is not None and p.x is x and p.route is not None:
             t = time.perf_counter()
-            v = p.route.wait()
+            p.route.wait()
             self.stats.route_wait_s += time.perf_counter() - t
-            # Copy out of the pinned ring slot (it is reused a few batches later).
-            return v[:, : p.k].to(torch.int64), v[:, p.k:].clone()
+            return p.result()
         self.stats.note("route: not the last attention's x (eager route + sync)")
         ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))
         return ids.cpu(), wts.cpu()
+
+    def route_start(self, layer: int, x: Tensor) -> Optional[_Pending]:
+        """The engine's asynchronous dispatch: the routing of the attention call that returned `x`, still on
+        its way to the host, as a handle with ready() / result() and `shared` (the shared-expert output);
+        None when there is none (the engine then calls route()). Its pinned slot is held until read."""
+        p = self._pending
+        if p is None or p.x is not x or p.route is None:
+            return None
+        self._pending = None
+        p.route.hold()
+        return p
 
     @torch.no_grad()
     def shared_expert(self, layer: int, x: Tensor) -> Optional[Tensor]:

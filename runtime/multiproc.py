@@ -56,7 +56,7 @@ CTRL_READY, CTRL_SYNC, CTRL_SYNCED = "ready", "sync", "synced"
 CTRL_ADMIT, CTRL_FIN, CTRL_STOP, CTRL_DONE = "adm", "fin", "stop", "done"
 COORDINATOR = 0
 DEFAULT_STARTUP_TIMEOUT_S = 300.0  # loading a real checkpoint can take minutes; liveness is the heartbeat's job
-_DEFERRED_POLL_S = 0.0002  # idle wait while a deferred sample batch's tokens are being copied (engine.async_sample)
+_DEFERRED_POLL_S = 0.0002  # idle wait while a deferred batch's tokens or routing are being copied (engine.async_*)
 _IDLE_WAIT_S = 0.002  # longest blocking poll when idle (the coordinator's next arrival may be sooner)
 _PROGRESS_EVERY_S = 0.1
 
@@ -509,7 +509,7 @@ class RankNode:
             wait = _IDLE_WAIT_S if coord is None else coord.wait_budget(_IDLE_WAIT_S)
             if e.hold_s > 0:  # a wave hold: look again when its bound expires, message or not
                 wait = min(wait, e.hold_s)
-            if e.deferred:  # a sample batch's tokens are on their way to the host: look again soon
+            if e.deferred:  # a batch's tokens or routing are on their way to the host: look again soon
                 wait = min(wait, _DEFERRED_POLL_S)
             if ph is not None:  # a wave hold's wait is told apart from having nothing to run
                 t0 = time.perf_counter()

@@ -148,7 +148,7 @@ def test_host_probe_credits_host_time_behind_any_device_work():
     inner = types.SimpleNamespace(device=torch.device("cuda"))
     probe = HostProbe(inner)
     probe._make_anchor = lambda: (Ev(0.0), 100.0)  # device time 0 ms == host time 100 s
-    clock = iter([100.000, 100.010, 100.010, 100.020])
+    clock = iter([100.000, 100.010, 100.010, 100.020, 100.020, 100.025])
     import runtime.experiments.barrier_dist as bd
     real = bd.time.perf_counter
     bd.time.perf_counter = lambda: next(clock)
@@ -159,11 +159,15 @@ def test_host_probe_credits_host_time_behind_any_device_work():
         t = probe.start()
         inner.profile.append(("attn", Ev(19.5), Ev(20.0)))    # 0.5 ms of its own work at the end
         probe.add("attn", 4, t)
+        t = probe.start()                                      # its deferred completion: 5 ms, GPU idle
+        probe.add("attn", 4, t, first=False)
     finally:
         bd.time.perf_counter = real
     m = merge_probes([probe.summary()])
-    # attn: own work hides 0.5 of 10 ms; any work: the expert graph until 12 ms and its own 0.5 ms: 2.5 ms
-    assert abs(m["attn"]["hidden_share"] - 0.05) < 1e-9 and abs(m["attn"]["busy_share"] - 0.25) < 1e-9
+    # attn, 15 ms of host time in two parts: own work hides 0.5 ms; any work: the expert graph until 12 ms and
+    # its own 0.5 ms: 2.5 ms; one batch of 4 rows
+    assert m["attn"]["batches"] == 1 and m["attn"]["mean_rows"] == 4 and abs(m["attn"]["host_us"] - 15_000) < 1e-6
+    assert abs(m["attn"]["hidden_share"] - 0.5 / 15) < 1e-9 and abs(m["attn"]["busy_share"] - 2.5 / 15) < 1e-9
     # expert: own work 8 ms against 10 ms of wall; any work: busy 4..10 ms of its span
     assert abs(m["expert"]["hidden_share"] - 0.8) < 1e-9 and abs(m["expert"]["busy_share"] - 0.6) < 1e-9
 

@@ -281,8 +281,66 @@ def test_async_sampling_defers_sample_batches_and_keeps_tokens_exact(monkeypatch
     assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
 
 
+class _RoutingLater:
+    """An attention batch's routing that reaches the host only after a few looks (a copy in flight)."""
+
+    def __init__(self, owner, ids, weights, shared, looks: int) -> None:
+        self.owner, self._out, self.shared, self.looks = owner, (ids, weights), shared, looks
+
+    def ready(self) -> bool:
+        self.looks -= 1
+        if self.looks >= 0:
+            self.owner.not_ready += 1
+        return self.looks < 0
+
+    def result(self):
+        assert self.looks < 0, "routing read before it was ready"
+        self.owner.read += 1
+        return self._out
+
+
+class _AsyncRouteExecutor:
+    """The CPU executor plus `route_start`, whose routing is 'not yet on the host' for 2 looks."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.not_ready, self.started, self.read = inner, 0, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def route_start(self, layer, x):
+        ids, w = self._inner.route(layer, x)
+        self.started += 1
+        return _RoutingLater(self, ids, w, self._inner.shared_expert(layer, x), 2)
+
+
+@pytest.mark.parametrize("policy", ["defrag", HELD[0]])
+def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch, policy):
+    """Asynchronous dispatch (the default; DATAFLOW_ASYNC_ROUTE=1): an attention batch whose routing is not on
+    the host yet is dispatched later (by next_batch), the rank runs other batches meanwhile, every routing is
+    read once, and the tokens equal the reference decoder's."""
+    from runtime.cluster import build_executor
+    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
+    spec, w, _ = model("tiny-mixtral")
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    options = RunOptions(kv_blocks=128, clock="wall", policy=policy)
+    ex = _AsyncRouteExecutor(build_executor(plan, options, weights=w))
+    reqs = make_requests(spec.vocab_size, 5, seed=7, spread=1e-3)
+    res = Cluster(plan, ex, options).run(reqs)
+    assert ex.not_ready > 0 and ex.started == ex.read > 0  # deferred, and none lost or read twice
+    assert assert_matches_reference("tiny-mixtral", res.requests) > 15
+    assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
+    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "0")  # off: route() as before, route_start never asked
+    ex = _AsyncRouteExecutor(build_executor(plan, options, weights=w))
+    res = Cluster(plan, ex, options).run(make_requests(spec.vocab_size, 5, seed=7, spread=1e-3))
+    assert ex.started == 0 and assert_matches_reference("tiny-mixtral", res.requests) > 15
+
+
 def test_async_sampling_setting_is_validated(monkeypatch):
-    from runtime.engine import _async_sample_from_env
+    from runtime.engine import _async_route_from_env, _async_sample_from_env
     monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "on")
     with pytest.raises(ValueError, match="DATAFLOW_ASYNC_SAMPLE='on': valid values are 1 .* and 0"):
         _async_sample_from_env()
+    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "yes")
+    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_ROUTE='yes': valid values are 1 .* and 0"):
+        _async_route_from_env()

@@ -151,7 +151,7 @@ class HostProbe:
         self.expert_bytes = expert_bytes  # (active experts, rows) -> bytes; None: no bandwidth column
         if inner is not None and getattr(inner, "device", torch.device("cpu")).type == "cuda":
             inner.profile = []
-        self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids, host start)
+        self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids, host start, first part of its batch)
         self._anchor: Optional[tuple] = None  # (CUDA event, perf_counter when it ran): maps device time to host time
 
     def _make_anchor(self) -> tuple:
@@ -170,14 +170,15 @@ class HostProbe:
             self._anchor = self._make_anchor()
         return time.perf_counter(), _waited(self.inner), len(ev) if ev is not None else 0
 
-    def add(self, kind: str, rows: int, started: tuple, experts=None) -> None:
+    def add(self, kind: str, rows: int, started: tuple, experts=None, first: bool = True) -> None:
         """`experts`: the batch's expert ids (arrays or tensors; their distinct count is taken in
-        summary(), off the timed path)."""
+        summary(), off the timed path). `first=False`: a later part of a batch already counted (the
+        completion of a deferred batch): its host time adds to the kind's, not its batch count."""
         t0, w0, i0 = started
         wall = time.perf_counter() - t0
         ev = self._events()
-        self.recs.append((kind, rows, max(wall - (_waited(self.inner) - w0), 0.0), wall,
-                          ev[i0:] if ev is not None else [], experts, t0))
+        self.recs.append((kind, rows if first else 0, max(wall - (_waited(self.inner) - w0), 0.0), wall,
+                          ev[i0:] if ev is not None else [], experts if first else None, t0, first))
 
     def summary(self) -> dict:
         """Per kind: sums (batches, rows, host_s, device_s, exposed_s, exposed_any_s, timed, expert_bytes,
@@ -190,18 +191,18 @@ class HostProbe:
             ref, t_ref = self._anchor
             busy = BusyTimeline((t_ref + ref.elapsed_time(s) / 1e3, t_ref + ref.elapsed_time(e) / 1e3)
                                 for r in self.recs for _, s, e in r[4] if s is not None and e is not None)
-        for kind, rows, host, wall, evs, experts, t0 in self.recs:
+        for kind, rows, host, wall, evs, experts, t0, first in self.recs:
             a = out.setdefault(kind, dict(batches=0, rows=0, host_s=0.0, device_s=0.0, exposed_s=0.0, exposed_any_s=0.0,
                                           timed=0, expert_bytes=0, expert_device_s=0.0))
-            a["batches"] += 1
+            a["batches"] += first
             a["rows"] += rows
             a["host_s"] += host
-            if evs:
+            if evs or (not first and busy is not None):  # a deferred batch's completion: no device work of its own
                 dev = sum(s.elapsed_time(e) for _, s, e in evs if s is not None and e is not None) / 1e3
                 a["device_s"] += dev
                 a["exposed_s"] += min(host, max(0.0, wall - dev))
                 a["exposed_any_s"] += min(host, max(0.0, wall - busy.busy(t0, t0 + wall))) if busy is not None else 0.0
-                a["timed"] += 1
+                a["timed"] += bool(evs)
                 if kind == "expert" and self.expert_bytes is not None and experts is not None and rows:
                     ids = np.concatenate([np.asarray(e).reshape(-1) for e in experts])
                     a["expert_bytes"] += self.expert_bytes(len(np.unique(ids)), rows)
@@ -218,7 +219,9 @@ def new_probe(inner, spec, dtype: str) -> HostProbe:
 
 def probe_engine(engine, probe: HostProbe) -> None:
     """Time every batch of a streaming engine into `probe`: wraps its execute/complete (the wall of
-    both, the device events of its executor calls in between, the expert ids of expert batches)."""
+    both, the device events of its executor calls in between, the expert ids of expert batches). A
+    deferred batch (Engine.async_sample / async_route) is completed later by the engine, through this
+    wrapper again: that call's host time is added to the batch's kind as a second part."""
     ex_exec, ex_comp = engine.execute, engine.complete
 
     def execute(batch):
@@ -226,11 +229,13 @@ def probe_engine(engine, probe: HostProbe) -> None:
         ex_exec(batch)
 
     def complete(batch):
-        ex_comp(batch)
         started = batch.out.pop("_hp", None)
-        if started is not None:
-            probe.add(batch.stage.kind, batch.rows, started,
-                      [it.expert for it in batch.items] if batch.stage.kind == "expert" else None)
+        first = started is not None
+        if not first:
+            started = probe.start()
+        ex_comp(batch)
+        probe.add(batch.stage.kind, batch.rows, started,
+                  [it.expert for it in batch.items] if batch.stage.kind == "expert" else None, first)
     engine.execute, engine.complete = execute, complete
 
 
