@@ -100,11 +100,13 @@ class LazyJit:
     bound into the module's globals here, at the first launch.
     """
 
-    def __init__(self, fn: Callable[..., Any], helpers: tuple[Callable[..., Any], ...] = ()):
+    def __init__(self, fn: Callable[..., Any], helpers: tuple[Callable[..., Any], ...] = (), **jit_kwargs: Any):
         # helpers: module-level Triton device functions the kernel calls; they are jitted and
         # bound under their own names in their module before the kernel is jitted.
+        # jit_kwargs: passed to triton.jit (e.g. do_not_specialize: one compile for every value of an int).
         self.fn = fn
         self.helpers = helpers
+        self.jit_kwargs = jit_kwargs
         self._jitted: Any = None
         functools.update_wrapper(self, fn)
 
@@ -118,7 +120,7 @@ class LazyJit:
                 if helper.__globals__.get(helper.__name__) is helper:  # not yet jitted
                     helper.__globals__[helper.__name__] = triton.jit(helper)
             self.fn.__globals__["tl"] = tl
-            self._jitted = triton.jit(self.fn)
+            self._jitted = triton.jit(self.fn, **self.jit_kwargs)
         return self._jitted
 
     def __getitem__(self, grid: Any) -> Any:

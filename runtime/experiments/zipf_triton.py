@@ -51,7 +51,7 @@ def _zipf_route_kernel(base0_ptr, pos_ptr, table_ptr, ids_ptr, w_ptr, T, layer, 
     pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
     z = tl.load(base0_ptr + rows, mask=rmask, other=0).to(tl.uint64, bitcast=True)
     z = _splitmix64(z ^ pos.to(tl.uint64, bitcast=True))
-    z = _splitmix64(z ^ (tl.zeros_like(z) + layer))  # layer may arrive as a constexpr (Triton specializes 1)
+    z = _splitmix64(z ^ layer.to(tl.uint64))
     h = _splitmix64(z[:, None] ^ e.to(tl.uint64)[None, :])
     u = ((h >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53, exact
     if DRIFT:  # the popularity rotation of the row's step: ((pos // every) * stride) mod E
@@ -82,7 +82,10 @@ def _zipf_route_kernel(base0_ptr, pos_ptr, table_ptr, ids_ptr, w_ptr, T, layer, 
     tl.store(w_ptr + out, w, mask=omask)
 
 
-_ZIPF_ROUTE = LazyJit(_zipf_route_kernel, helpers=(_splitmix64, _floor_div_nonneg_divisor))
+# One compile per model shape: Triton would otherwise specialize the row count and the layer on their values
+# (1, multiples of 16), a compile in each rank for each new class while the first graphs are captured.
+_ZIPF_ROUTE = LazyJit(_zipf_route_kernel, helpers=(_splitmix64, _floor_div_nonneg_divisor),
+                      do_not_specialize=("T", "layer", "drift_every", "drift_stride"))
 
 
 def zipf_route_triton(base0: torch.Tensor, pos: torch.Tensor, layer: int, table: torch.Tensor, k: int,
