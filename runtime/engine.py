@@ -556,6 +556,22 @@ class Engine:
                 self.deferred.append(batch)
         return n
 
+    def wait_deferred(self) -> bool:
+        """Block until the oldest deferred batch's tokens or routing are on the host, if its handle can be
+        waited on (a driver calls this when nothing else can run: sleeping a fixed time instead would add
+        up to that long to every deferred batch). True when it waited."""
+        if not self.deferred:
+            return False
+        out = self.deferred[0].out
+        waiting = out.get("pending")
+        if waiting is None:
+            waiting = out["routing"]
+        wait = getattr(waiting, "wait", None)
+        if wait is None:
+            return False
+        wait()
+        return True
+
     def step(self) -> bool:
         """Wall-clock convenience: receive, pick, run, dispatch one batch. False when nothing ran."""
         self.poll()

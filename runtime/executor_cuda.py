@@ -105,6 +105,11 @@ class DeviceLogits:
     def ready(self) -> bool:
         return self._host is not None or self._argmax.ready()
 
+    def wait(self) -> None:
+        """Block until ready() (the engine's driver, when it has nothing else to run)."""
+        if self._host is None:
+            self._argmax.wait()
+
     def tokens(self) -> list[int]:
         if len(self):
             self.greedy(0)  # reads the copy once (and releases its slot)
@@ -140,6 +145,10 @@ class _Pending:
     def ready(self) -> bool:
         """The routing has reached the host (never blocks)."""
         return self.route.ready()
+
+    def wait(self) -> None:
+        """Block until ready() (the engine's driver, when it has nothing else to run)."""
+        self.route.wait()
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(ids [T,k] int64, weights [T,k] fp32) on the host, copied out of the pinned ring slot (it is

@@ -121,10 +121,10 @@ def test_routed_picks_the_graph_only_where_both_sides_can(monkeypatch):
     spec = load_spec("models/specs/tiny-gpt-oss.yaml")
     ex = CudaExecutor(spec, random_weights(spec), device="cpu")
     z = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.0)
+    monkeypatch.setenv("DATAFLOW_KEYED_ROUTER", "host")
+    assert isinstance(routed(ex, z), KeyedRoutingExecutor) and ex.keyed_router is None
     monkeypatch.delenv("DATAFLOW_KEYED_ROUTER", raising=False)
-    assert isinstance(routed(ex, z), KeyedRoutingExecutor) and ex.keyed_router is None  # the default: host
-    monkeypatch.setenv("DATAFLOW_KEYED_ROUTER", "graph")
-    assert routed(ex, z) is ex and ex.keyed_router is z
+    assert routed(ex, z) is ex and ex.keyed_router is z  # the default: in the graph
     other = CudaExecutor(spec, random_weights(spec), device="cpu")
     assert isinstance(routed(other, lambda *a: None), KeyedRoutingExecutor)  # no route_torch: host
     monkeypatch.setenv("DATAFLOW_KEYED_ROUTER", "host")

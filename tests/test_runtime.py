@@ -336,6 +336,25 @@ def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch
     assert ex.started == 0 and assert_matches_reference("tiny-mixtral", res.requests) > 15
 
 
+def test_wait_deferred_blocks_on_the_oldest_deferred_batch_only_when_it_can():
+    """Engine.wait_deferred (a driver's idle path): waits on the oldest deferred batch's handle when it has
+    wait(), else reports it could not (the driver then polls)."""
+    import types
+    from collections import deque
+
+    from runtime.engine import Engine
+    waited = []
+    routing = types.SimpleNamespace(wait=lambda: waited.append("routing"))
+    tokens = types.SimpleNamespace(ready=lambda: False)  # no wait(): e.g. a test double
+    e = types.SimpleNamespace(deferred=deque([types.SimpleNamespace(out={"routing": routing}),
+                                              types.SimpleNamespace(out={"pending": tokens})]))
+    assert Engine.wait_deferred(e) is True and waited == ["routing"]
+    e.deferred.popleft()
+    assert Engine.wait_deferred(e) is False and waited == ["routing"]
+    e.deferred.clear()
+    assert Engine.wait_deferred(e) is False
+
+
 def test_async_sampling_setting_is_validated(monkeypatch):
     from runtime.engine import _async_route_from_env, _async_sample_from_env
     monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "on")

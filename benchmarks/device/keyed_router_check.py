@@ -6,7 +6,8 @@
     (zipf_triton.py, the GPU default): rows whose expert ids differ, weights that differ, the largest
     weight difference, and the kernel's rows that differ from the torch draw. On the CPU all are
     bit-equal (tests/test_keyed_router_graph.py).
-(2) Timing: device time of one 192-row draw each way, replayed from a CUDA graph.
+(2) Timing: device time of one 192-row draw each way, replayed from a CUDA graph, and of a learned router
+    (linear + top-k + softmax, GPT-OSS's shape) on the same rows (`--timing`: only this).
 (3) Served: the tiny model in fp32 on one GPU (CUDA graphs, virtual clock) routed in the graph and on
     the host: requests whose tokens are equal.
 Prints one line per result.
@@ -33,14 +34,17 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this s
 _TABLES: dict = {}
 
 
-def _draws(z, layer, base, pos):
-    """The device draw both ways: torch ops (zipf_torch.py) and the one Triton kernel (zipf_triton.py)."""
+def _draws(z, layer, base, pos, only=None):
+    """The device draw both ways (or only one): torch ops (zipf_torch.py) and the one Triton kernel
+    (zipf_triton.py)."""
     t = _TABLES.get((id(z), layer))
     if t is None:  # uploaded once, before any capture (a pageable copy cannot be captured)
         t = _TABLES[(id(z), layer)] = torch.from_numpy(z._table(layer)).to(base.device)
     kw = dict(drift_every=z.drift_every, drift_stride=z.drift_stride)
-    out = {"torch": zipf_route(base, pos, layer, t, z.top_k, **kw)}
-    if DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    out = {}
+    if only in (None, "torch"):
+        out["torch"] = zipf_route(base, pos, layer, t, z.top_k, **kw)
+    if only in (None, "triton") and (DEV == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         out["triton"] = zipf_route_triton(base, pos, layer, t, z.top_k, **kw)
     return out
 
@@ -78,10 +82,17 @@ def timing(E: int, k: int, T: int = 192, reps: int = 500) -> str:
     z = ZipfRouting(E, k, s=1.2, seed=0)
     base = torch.randint(-2**62, 2**62, (T,), device=DEV)
     pos = torch.randint(0, 4096, (T,), device=DEV)
+    # what a learned router costs on the same rows (GPT-OSS: a linear layer to E logits, top-k, softmax of the k)
+    x = torch.randn(T, 2880, device=DEV, dtype=torch.bfloat16)
+    w, b = torch.randn(E, 2880, device=DEV, dtype=torch.bfloat16), torch.randn(E, device=DEV, dtype=torch.bfloat16)
+
+    def learned():
+        vals, ids = torch.topk(torch.nn.functional.linear(x, w, b), k, dim=-1)
+        return ids, torch.softmax(vals.float(), dim=-1)
     res = []
-    for name in ("torch", "triton"):
+    for name in ("torch", "triton", "learned"):
         def draw():
-            return _draws(z, 3, base, pos)[name]
+            return learned() if name == "learned" else _draws(z, 3, base, pos, only=name)[name]
         for _ in range(3):
             draw()
         g = torch.cuda.CUDAGraph()
@@ -124,7 +135,10 @@ def served() -> str:
 
 
 if __name__ == "__main__":
-    for check in (lambda: bits(32, 4), lambda: bits(128, 4), lambda: [timing(32, 4)], lambda: [timing(128, 4)],
-                  lambda: [served()]):
+    checks = [lambda: bits(32, 4), lambda: bits(128, 4), lambda: [timing(32, 4)], lambda: [timing(128, 4)],
+              lambda: [served()]]
+    if sys.argv[1:] == ["--timing"]:  # only the device times
+        checks = checks[2:4]
+    for check in checks:
         for line in check():  # printed as each check ends: a later failure keeps the earlier lines
             print(line, flush=True)

@@ -311,15 +311,15 @@ class RoutingRecorder:
 
 
 def routed(executor: Any, router: Router) -> Any:
-    """`executor` routing MoE layers by `router`: KeyedRoutingExecutor calls it on the host per
-    attention batch (the default), or, with DATAFLOW_KEYED_ROUTER=graph where both can (CudaExecutor, a
-    router with `route_torch`, such as ZipfRouting), it runs inside the executor's attention graph as a
-    learned router does. The answers are the same either way (zipf_torch.py). Neither matches a learned
-    router's cost exactly: the host path charges the host ~200 us per batch that a learned router does
-    not; the graph path adds ~50 small kernels to every attention graph where a learned router adds a
-    few, which under a compute hog on the same GPU cost streaming 1.92x against 3.28x (benchmarks/NOTES.md
-    §21 item 9). The host path stays the default so results compare with every earlier run."""
-    where = os.environ.get("DATAFLOW_KEYED_ROUTER", "").strip().lower() or "host"
+    """`executor` routing MoE layers by `router`: inside the executor's attention graph as a learned router
+    runs (the default where both can: CudaExecutor and a router with `route_torch`, such as ZipfRouting; one
+    Triton kernel on the GPU, zipf_triton.py), or, with DATAFLOW_KEYED_ROUTER=host, by KeyedRoutingExecutor
+    on the host per attention batch. The answers are the same either way (bit for bit). The graph is the
+    default since session 7 (benchmarks/NOTES.md §22): a learned router's answer exists only once the device
+    ran the batch, so a streaming rank must wait for it before it can dispatch, and the host path, which
+    knows the routing without the device, spared streaming exactly that round trip (3.0x against 2.0x under
+    a compute hog, runs 49-50). Runs 1-48 used the host path unless they say otherwise."""
+    where = os.environ.get("DATAFLOW_KEYED_ROUTER", "").strip().lower() or "graph"
     if where not in ("graph", "host"):
         raise UserError(f"DATAFLOW_KEYED_ROUTER={where!r}: expected graph or host")
     if where == "graph" and hasattr(executor, "use_keyed_router") and hasattr(router, "route_torch"):
