@@ -111,19 +111,19 @@ class Batch:
     out: dict = field(default_factory=dict)  # executor results, filled by execute()
 
 
-def _flag_from_env(name: str, on: str) -> bool:
-    v = os.environ.get(name, "1")
+def _flag_from_env(name: str, on: str, default: str) -> bool:
+    v = os.environ.get(name, default)
     if v not in ("0", "1"):
-        raise ValueError(f"{name}={v!r}: valid values are 1 (the default: {on}) and 0 (wait for them)")
+        raise ValueError(f"{name}={v!r}: valid values are 1 ({on}) and 0 (wait for them); default {default}")
     return v == "1"
 
 
 def _async_sample_from_env() -> bool:
-    return _flag_from_env("DATAFLOW_ASYNC_SAMPLE", "complete a sample batch when its tokens arrive")
+    return _flag_from_env("DATAFLOW_ASYNC_SAMPLE", "complete a sample batch when its tokens arrive", "1")
 
 
 def _async_route_from_env() -> bool:
-    return _flag_from_env("DATAFLOW_ASYNC_ROUTE", "dispatch an attention batch when its routing arrives")
+    return _flag_from_env("DATAFLOW_ASYNC_ROUTE", "dispatch an attention batch when its routing arrives", "0")
 
 
 class Engine:
@@ -167,10 +167,11 @@ class Engine:
         # next `next_batch()` that finds them ready, in any driver.
         self.async_sample = _async_sample_from_env()
         # Asynchronous dispatch, the same for attention batches (an executor with `route_start`: the CUDA one
-        # routing inside its attention graph; DATAFLOW_ASYNC_ROUTE=0 turns it off): the host needs the routing
+        # routing inside its attention graph; DATAFLOW_ASYNC_ROUTE=1, off by default): the host needs the routing
         # (which ranks get how many rows) before it can dispatch, and a router inside the graph answers only
         # once the device ran the batch. Instead of waiting for that, the rank runs other batches and
-        # dispatches this one when its routing has arrived (benchmarks/NOTES.md §22).
+        # dispatches this one when its routing has arrived. Measured off by default (run 51, benchmarks/NOTES.md
+        # §22): the expert batches run meanwhile are smaller (385 rows against 440), 0.88x against 1.07x clean.
         self.async_route = _async_route_from_env()
         self.deferred: deque = deque()
         self._deferred_attn_rows = [0] * cfg.num_layers  # rows of deferred attention batches per layer (_incoming)

@@ -316,7 +316,7 @@ class _AsyncRouteExecutor:
 
 @pytest.mark.parametrize("policy", ["defrag", HELD[0]])
 def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch, policy):
-    """Asynchronous dispatch (the default; DATAFLOW_ASYNC_ROUTE=1): an attention batch whose routing is not on
+    """Asynchronous dispatch (DATAFLOW_ASYNC_ROUTE=1, off by default): an attention batch whose routing is not on
     the host yet is dispatched later (by next_batch), the rank runs other batches meanwhile, every routing is
     read once, and the tokens equal the reference decoder's."""
     from runtime.cluster import build_executor
@@ -330,7 +330,7 @@ def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch
     assert ex.not_ready > 0 and ex.started == ex.read > 0  # deferred, and none lost or read twice
     assert assert_matches_reference("tiny-mixtral", res.requests) > 15
     assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
-    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "0")  # off: route() as before, route_start never asked
+    monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE")  # off by default: route() as before, route_start never asked
     ex = _AsyncRouteExecutor(build_executor(plan, options, weights=w))
     res = Cluster(plan, ex, options).run(make_requests(spec.vocab_size, 5, seed=7, spread=1e-3))
     assert ex.started == 0 and assert_matches_reference("tiny-mixtral", res.requests) > 15
@@ -361,5 +361,5 @@ def test_async_sampling_setting_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="DATAFLOW_ASYNC_SAMPLE='on': valid values are 1 .* and 0"):
         _async_sample_from_env()
     monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "yes")
-    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_ROUTE='yes': valid values are 1 .* and 0"):
+    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_ROUTE='yes': valid values are 1 .* and 0 .*default 0"):
         _async_route_from_env()
