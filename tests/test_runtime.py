@@ -320,14 +320,23 @@ def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch
     the host yet is dispatched later (by next_batch), the rank runs other batches meanwhile, every routing is
     read once, and the tokens equal the reference decoder's."""
     from runtime.cluster import build_executor
+    from runtime.engine import Engine
     monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
+    real_execute, experts_run = Engine.execute, []
+
+    def execute(self, batch):  # a rank's expert(l) waits while its own attn(l) batch waits for its routing
+        if batch.stage.kind == "expert":
+            assert self._deferred_attn_rows[batch.stage.layer] == 0
+            experts_run.append(batch.stage.layer)
+        real_execute(self, batch)
+    monkeypatch.setattr(Engine, "execute", execute)
     spec, w, _ = model("tiny-mixtral")
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
     options = RunOptions(kv_blocks=128, clock="wall", policy=policy)
     ex = _AsyncRouteExecutor(build_executor(plan, options, weights=w))
     reqs = make_requests(spec.vocab_size, 5, seed=7, spread=1e-3)
     res = Cluster(plan, ex, options).run(reqs)
-    assert ex.not_ready > 0 and ex.started == ex.read > 0  # deferred, and none lost or read twice
+    assert ex.not_ready > 0 and ex.started == ex.read > 0 and experts_run  # deferred, none lost or read twice
     assert assert_matches_reference("tiny-mixtral", res.requests) > 15
     assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
     monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE")  # off by default: route() as before, route_start never asked
