@@ -166,7 +166,7 @@ class ExecStats:
     attn_eager: int = 0  # prefill or mixed batches
     expert_graph: int = 0
     expert_eager: int = 0
-    route_wait_s: float = 0.0
+    route_wait_s: float = 0.0  # route()'s waits for the routing copy (also counted in staging.wait_s)
     eager_reasons: dict = field(default_factory=dict)
 
     def note(self, why: str) -> None:

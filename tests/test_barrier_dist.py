@@ -172,6 +172,28 @@ def test_host_probe_credits_host_time_behind_any_device_work():
     assert abs(m["expert"]["hidden_share"] - 0.8) < 1e-9 and abs(m["expert"]["busy_share"] - 0.6) < 1e-9
 
 
+def test_host_probe_subtracts_a_routing_wait_once():
+    """CudaExecutor counts a wait for the routing copy in staging.wait_s (PendingHost.wait) and again in
+    stats.route_wait_s: a batch's host time is its wall minus that wait once (it was subtracted twice)."""
+    import types
+
+    import runtime.experiments.barrier_dist as bd
+    from runtime.experiments.barrier_dist import HostProbe
+    inner = types.SimpleNamespace(stats=types.SimpleNamespace(route_wait_s=0.0), staging=types.SimpleNamespace(wait_s=0.0))
+    probe = HostProbe(inner)
+    clock = iter([0.0, 0.010])
+    real = bd.time.perf_counter
+    bd.time.perf_counter = lambda: next(clock)
+    try:
+        t = probe.start()
+        inner.stats.route_wait_s += 0.004   # route() timing its PendingHost.wait() ...
+        inner.staging.wait_s += 0.004       # ... which counts the same 4 ms itself
+        probe.add("attn", 8, t)
+    finally:
+        bd.time.perf_counter = real
+    assert abs(probe.summary()["attn"]["host_s"] - 0.006) < 1e-12
+
+
 def test_host_probe_hidden_share_and_expert_bandwidth():
     """The GPU bench's columns from a probe fed known times: a batch whose wall time is covered by its
     device time is fully hidden, one with no device work fully exposed; expert GB/s = the floor bytes

@@ -127,9 +127,11 @@ def build_executor(es: ExecSpec, plan, device, rank: Optional[int] = None):
 
 
 def _waited(inner) -> float:
-    """Seconds the executor spent blocked on the device (CudaExecutor exposes it; others: 0)."""
-    st, sg = getattr(inner, "stats", None), getattr(inner, "staging", None)
-    return float(getattr(st, "route_wait_s", 0.0) or 0.0) + float(getattr(sg, "wait_s", 0.0) or 0.0)
+    """Seconds the executor spent blocked on the device (CudaExecutor exposes it; others: 0). Every such wait
+    goes through its pinned staging (a routing or token copy, a ring slot), which counts it in `wait_s`.
+    (`stats.route_wait_s` is the routing's share of that same time: until session 7 it was added too, so a
+    routing wait was subtracted twice from a batch's host time; NOTES §22 item 10.)"""
+    return float(getattr(getattr(inner, "staging", None), "wait_s", 0.0) or 0.0)
 
 
 class HostProbe:
