@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from runtime.cpu_bind import bind_rank_threads
+from runtime.cuda_stream import current_stream
 from runtime.launch import local_world
 from runtime.experiments.barrier import step_batch
 from runtime.experiments.busy_timeline import BusyTimeline
@@ -160,7 +161,7 @@ class HostProbe:
         torch.cuda.synchronize(self.inner.device)  # once, before the first timed batch: the event runs at once
         ev = torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
-        ev.record()
+        ev.record(current_stream(self.inner.device))  # the stream the executor records its graphs' events on
         return ev, t
 
     def _events(self) -> Optional[list]:
