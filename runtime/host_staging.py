@@ -4,10 +4,15 @@ copies of the hot path (batch metadata in the CUDA executor, index arrays in the
 A non-blocking copy from pinned memory returns before the DMA ran, so a buffer may only be refilled once
 the copy that read it finished: each slot carries the event recorded after its copy, and `acquire`
 waits on it (normally long complete: ~2 us query). On CPU there is no DMA and no event: plain tensors.
+
+Every wait for the device is bounded (`wait_event`): a copy that has not completed after
+DATAFLOW_DEVICE_WAIT_S seconds (default 300) raises TimeoutError naming what it was, instead of hanging
+the rank on a wedged GPU.
 """
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -21,6 +26,34 @@ from runtime.cuda_stream import current_stream
 # numpy dtype -> torch dtype, for the arrays `upload` ships (index arrays, fp32 weights, masks); keyed by dtype
 # objects, which compare equal across aliases ('l' and 'q' are both int64)
 _TORCH_DTYPES = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32", "float64", "bool", "uint8")}
+
+
+def _device_wait_s() -> float:
+    v = os.environ.get("DATAFLOW_DEVICE_WAIT_S", "300")
+    try:
+        s = float(v)
+    except ValueError:
+        s = -1.0
+    if not s > 0:
+        raise ValueError(f"DATAFLOW_DEVICE_WAIT_S={v!r}: expected a number of seconds > 0 (default 300)")
+    return s
+
+
+def wait_event(ev, what: str, timeout_s: Optional[float] = None) -> float:
+    """Block until CUDA event `ev` has completed; returns the seconds waited. Polls it, yielding the GIL
+    between looks (as cudaEventSynchronize's default spin does, but with a bound): after `timeout_s`
+    (DATAFLOW_DEVICE_WAIT_S) raises TimeoutError naming `what` it waited for."""
+    if ev.query():
+        return 0.0
+    t0 = time.perf_counter()
+    deadline = t0 + (timeout_s if timeout_s is not None else _device_wait_s())
+    while not ev.query():
+        now = time.perf_counter()
+        if now > deadline:
+            raise TimeoutError(f"waited {now - t0:.0f} s for {what} to complete on the device: the GPU is wedged or "
+                               f"far behind (DATAFLOW_DEVICE_WAIT_S bounds this wait)")
+        time.sleep(0)  # lets the transport's threads run
+    return time.perf_counter() - t0
 
 
 class HostStaging:
@@ -50,10 +83,8 @@ class HostStaging:
         else:
             raise RuntimeError(f"all {self.slots} pinned staging slots are held by unread device -> host results")
         ev = self._events[i]
-        if ev is not None and not ev.query():
-            t = time.perf_counter()
-            ev.synchronize()
-            self.wait_s += time.perf_counter() - t
+        if ev is not None and not ev.query():  # (the label is only built when there is a wait)
+            self.wait_s += wait_event(ev, f"the copy through pinned staging slot {i} (its reuse waits for it)")
         return i
 
     def acquire(self, nbytes: int) -> tuple[int, Tensor]:
@@ -164,8 +195,7 @@ class PendingHost:
             self.staging._held[self.slot] = False
 
     def wait(self) -> Tensor:
-        if self.event is not None and not self.event.query():
-            t = time.perf_counter()
-            self.event.synchronize()
-            self.staging.wait_s += time.perf_counter() - t
+        if self.event is not None and not self.event.query():  # (the label is only built when there is a wait)
+            self.staging.wait_s += wait_event(self.event, f"a device -> host copy of {tuple(self.view.shape)} "
+                                                          f"{self.view.dtype} (a batch's routing or tokens)")
         return self.view

@@ -344,3 +344,29 @@ def test_merge_add_run_form_equals_array_form(whole):
     t.add((base, 3), torch.zeros(3, H))
     with pytest.raises(ValueError, match="duplicate expert output"):
         t.add((base + 2, 2), torch.zeros(2, H))
+
+
+def test_device_waits_are_bounded_and_name_what_they_waited_for(monkeypatch):
+    """host_staging.wait_event: returns once the event completes (polling), raises TimeoutError naming the
+    wait after DATAFLOW_DEVICE_WAIT_S; an invalid setting is an error naming the valid values."""
+    from runtime.host_staging import _device_wait_s, wait_event
+
+    class Ev:  # completes after `n` looks (None: never)
+        def __init__(self, n):
+            self.n = n
+
+        def query(self):
+            if self.n is None:
+                return False
+            self.n -= 1
+            return self.n < 0
+
+    assert wait_event(Ev(0), "x") == 0.0 and wait_event(Ev(5), "x") >= 0.0
+    with pytest.raises(TimeoutError, match="for the routing copy to complete on the device"):
+        wait_event(Ev(None), "the routing copy", timeout_s=0.05)
+    monkeypatch.setenv("DATAFLOW_DEVICE_WAIT_S", "0.05")
+    with pytest.raises(TimeoutError, match="DATAFLOW_DEVICE_WAIT_S"):
+        wait_event(Ev(None), "a copy")
+    monkeypatch.setenv("DATAFLOW_DEVICE_WAIT_S", "soon")
+    with pytest.raises(ValueError, match="DATAFLOW_DEVICE_WAIT_S='soon': expected a number of seconds > 0"):
+        _device_wait_s()
