@@ -1,11 +1,10 @@
-"""ZipfRouting's draw as one Triton kernel: the in-graph router at the cost of a learned router's.
+"""ZipfRouting's draw as one Triton kernel: the in-graph router at about a learned router's cost.
 
 zipf_torch.py draws the benches' synthetic routing with torch ops inside the attention graph, bit for
-bit the host router's. That is ~50 small kernels (three SplitMix rounds per row, one per (row,
-expert), two logarithms, topk, the weight sum), and on a GPU shared with a compute hog every one of
-them waits for its share of the SMs: run 48 measured 1.92x under the hog against 3.28x with the host
-router (NOTES §21 item 9). A learned router is a GEMM, a topk and a softmax; this kernel is one launch,
-as close to that as the synthetic draw gets.
+bit the host router's: ~50 small kernels, 81-91 us of device time per 192-row batch on an H200. This
+kernel draws the same in one launch, 11 us (a learned router's linear + top-k + softmax: 21 us; run 51,
+benchmarks/NOTES.md §22 item 1). It did not change streaming's result under a compute hog, which the
+kernel count had been blamed for: §22 item 2 traces that to the routing round trip every in-graph router costs.
 
 Same draw, same bits as `zipf_torch.zipf_route` (its docstring has the formulas): uint64 SplitMix64
 natively (Triton has unsigned 64-bit integers), Gumbel scores in float64, top-k by repeated argmax
