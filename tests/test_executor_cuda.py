@@ -253,6 +253,26 @@ def _margin(logits):
 
 @pytest.mark.parametrize("policy", ["defrag", "mtfs", "flfs"])
 def test_engine_with_twin_matches_reference(policy):
+    _twin_matches_reference(policy)
+
+
+def test_asynchronous_dispatch_with_twin_matches_reference(monkeypatch):
+    """DATAFLOW_ASYNC_ROUTE=1 through the real route_start / result path of the CUDA executor (its CPU twin:
+    the routing is always there at once, so nothing is deferred, but every batch's routing goes that way)."""
+    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
+    started = []
+    real = CudaExecutor.route_start
+
+    def spy(self, layer, x):
+        p = real(self, layer, x)
+        started.append(p is not None)
+        return p
+    monkeypatch.setattr(CudaExecutor, "route_start", spy)
+    _twin_matches_reference("defrag:hold_fill=1,hold_us=2000")
+    assert started and all(started)
+
+
+def _twin_matches_reference(policy):
     name = "tiny-gpt-oss"
     spec, w = model(name)
     ref = ReferenceDecoder(spec, w)
