@@ -108,6 +108,7 @@ def summarize(w: dict) -> dict:
             s[f"{kind}_device_us"] = b[kind].get("device_us")
             s[f"{kind}_hidden"] = b[kind].get("hidden_share")
             s[f"{kind}_busy"] = b[kind].get("busy_share")
+            s["gpu_busy"] = b[kind].get("gpu_busy_share")
     if "expert" in b:
         s["expert_GBps"] = b["expert"].get("GBps")
         s["expert_pct_copy"] = b["expert"].get("pct_copy")
@@ -428,8 +429,9 @@ def _f(x, fmt="{:.1f}"):
 
 def table_lines(results: dict) -> list[str]:
     L = ["| system | scenario | C/rank | tok/s | vs clean | /ag-ep | /a2a-ep | ITL p50 ms | ITL p99 ms | attn batch | "
-         "expert batch | host us attn (hidden own/any) | host us expert (hidden own/any) | expert GB/s (% copy) | unfinished | tokens |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "expert batch | host us attn (hidden own/any) | host us expert (hidden own/any) | expert GB/s (% copy) | GPU busy | "
+         "unfinished | tokens |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def pct(own, any_):
         return "" if own is None else f" ({100 * own:.0f}%" + ("" if any_ is None else f" / {100 * any_:.0f}%") + ")"
 
@@ -441,7 +443,7 @@ def table_lines(results: dict) -> list[str]:
                  f"{_f(r.get('attn_host_us'), '{:.0f}')}{pct(r.get('attn_hidden'), r.get('attn_busy'))} | "
                  f"{_f(r.get('expert_host_us'), '{:.0f}')}{pct(r.get('expert_hidden'), r.get('expert_busy'))} | "
                  f"{_f(r.get('expert_GBps'), '{:.0f}')}{_f(r.get('expert_pct_copy'), ' ({:.0f}%)') if r.get('expert_pct_copy') else ''} | "
-                 f"{r['unfinished']} | "
+                 f"{_f(r.get('gpu_busy'), '{:.0%}')} | {r['unfinished']} | "
                  f"{r.get('tokens_equal_to', 'reference')} |")
     return L
 
@@ -462,7 +464,8 @@ def write_md(path: Path, results: dict) -> None:
          "graph of the rank (the paper's: exposed = the part of the batch's wall with the GPU idle; "
          "runtime/experiments/busy_timeline.py); expert GB/s = "
          "bytes an expert batch cannot avoid (active experts' weights + rows in/out) / its device time, "
-         "and its share of the measured device copy bandwidth.", ""]
+         "and its share of the measured device copy bandwidth; GPU busy = share of the ranks' batch span during which "
+         "their GPUs ran any recorded graph (low: the host is the bottleneck).", ""]
     L += table_lines(results)
     med = median_lines(results)
     if med:

@@ -170,6 +170,8 @@ def test_host_probe_credits_host_time_behind_any_device_work():
     assert abs(m["attn"]["hidden_share"] - 0.5 / 15) < 1e-9 and abs(m["attn"]["busy_share"] - 2.5 / 15) < 1e-9
     # expert: own work 8 ms against 10 ms of wall; any work: busy 4..10 ms of its span
     assert abs(m["expert"]["hidden_share"] - 0.8) < 1e-9 and abs(m["expert"]["busy_share"] - 0.6) < 1e-9
+    # the GPU ran 8 + 0.5 ms of the batches' 25 ms span (host 100.000-100.025 s), the same figure in every kind
+    assert abs(m["attn"]["gpu_busy_share"] - 8.5 / 25) < 1e-9 and m["expert"]["gpu_busy_share"] == m["attn"]["gpu_busy_share"]
 
 
 def test_host_probe_subtracts_a_routing_wait_once():

@@ -6,7 +6,7 @@
 #   mkdir -p .df/ab && git archive 1508b2a | gzip > .df/ab/old.tgz      # then: carry [".whl", ".df/ab"]
 # (1) GPU tests and fp32 2-GPU tokens == CPU (defrag, defrag + hold); (2) old vs new, streaming/defrag + 30 ms hold,
 # GPT-OSS-20B cut to 8 layers, bf16, C=256, clean, 3 alternating rounds, phase timers of both ranks; (3) all-gather
-# EP once with this tree (host us per batch, both definitions). Output: env.txt, tokens.txt, ab.txt, phases.txt, agep.md.
+# EP once with this tree (host us per batch, both definitions, and the new GPU busy column). Output: env.txt, tokens.txt, ab.txt, phases.txt, agep.md.
 set -u
 OUT=${1:?out dir}
 . benchmarks/device/prelude.sh

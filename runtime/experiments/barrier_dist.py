@@ -185,7 +185,7 @@ class HostProbe:
 
     def summary(self) -> dict:
         """Per kind: sums (batches, rows, host_s, device_s, exposed_s, exposed_any_s, timed, expert_bytes,
-        expert_device_s)."""
+        expert_device_s), and with device events the rank's gpu_busy_s / gpu_span_s (in every kind)."""
         out: dict = {}
         if torch.cuda.is_available() and any(r[4] for r in self.recs):
             torch.cuda.synchronize()  # the events of the last batches may still be pending
@@ -210,6 +210,13 @@ class HostProbe:
                     ids = np.concatenate([np.asarray(e).reshape(-1) for e in experts])
                     a["expert_bytes"] += self.expert_bytes(len(np.unique(ids)), rows)
                     a["expert_device_s"] += dev
+        if busy is not None and self.recs:
+            # The rank's GPU busy share over its batches' span (the same in every kind, so merge_probes can sum
+            # it over ranks per kind): low means the host is the bottleneck, high the device.
+            a0 = min(r[6] for r in self.recs)
+            b0 = max(r[6] + r[3] for r in self.recs)
+            for a in out.values():
+                a["gpu_busy_s"], a["gpu_span_s"] = busy.busy(a0, b0), b0 - a0
         return out
 
 
@@ -244,20 +251,23 @@ def probe_engine(engine, probe: HostProbe) -> None:
 
 def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
     """Per kind over ranks: batches, mean_rows, host_us, device_us, hidden_share and busy_share (behind the
-    batch's own / any device work; None when no batch had device events), and for expert batches GBps and pct_copy (of the measured copy ceiling)."""
+    batch's own / any device work; None when no batch had device events), gpu_busy_share (the ranks' GPUs busy
+    over their batches' span, the same in every kind), and for expert batches GBps and pct_copy (of the measured
+    copy ceiling)."""
     tot: dict = {}
     for summ in summaries:
         for kind, a in summ.items():
             t = tot.setdefault(kind, {k: 0 for k in a})
             for k, v in a.items():
-                t[k] += v
+                t[k] = t.get(k, 0) + v
     out = {}
     for kind, t in tot.items():
         n = t["batches"]
         r = {"batches": n, "mean_rows": t["rows"] / n if n else 0.0, "host_us": 1e6 * t["host_s"] / n if n else 0.0,
              "device_us": 1e6 * t["device_s"] / t["timed"] if t["timed"] else None,
              "hidden_share": max(0.0, 1 - t["exposed_s"] / t["host_s"]) if t["timed"] and t["host_s"] else None,
-             "busy_share": max(0.0, 1 - t.get("exposed_any_s", 0.0) / t["host_s"]) if t["timed"] and t["host_s"] else None}
+             "busy_share": max(0.0, 1 - t.get("exposed_any_s", 0.0) / t["host_s"]) if t["timed"] and t["host_s"] else None,
+             "gpu_busy_share": t["gpu_busy_s"] / t["gpu_span_s"] if t.get("gpu_span_s") else None}
         if t["expert_device_s"]:
             r["GBps"] = t["expert_bytes"] / t["expert_device_s"] / 1e9
             r["pct_copy"] = 100 * t["expert_bytes"] / t["expert_device_s"] / copy_bps if copy_bps else None
