@@ -97,7 +97,9 @@ def kv_blocks_for(reqs: list, block: int, ranks: int) -> int:
 
 def summarize(w: dict) -> dict:
     from runtime.experiments.barrier_dist import token_stats
+    from runtime.experiments.itl_tail import describe, itl_tail
     s = token_stats(w["requests"], w["wall_s"] or 0.0)
+    s["itl_tail"] = describe(itl_tail(w["requests"]))
     s.update(system=w["system"], scenario=w["scenario"], name=w["name"])
     b = w.get("batches", {})
     for kind in ("attn", "expert"):
@@ -470,6 +472,10 @@ def write_md(path: Path, results: dict) -> None:
     med = median_lines(results)
     if med:
         L += ["", "Medians over rounds (ratios: each round's streaming against the same round's barrier):", ""] + med
+    tails = [f"- {r['system']} / {r['name'].split('/')[1]}: {r['itl_tail']}" for r in results["runs"] if r.get("itl_tail")]
+    if tails:
+        L += ["", "ITL tails (inter-token gaps >= the p99, overlapping ones merged into stall windows: few long windows "
+              "= rank-wide stalls; runtime/experiments/itl_tail.py):", ""] + tails
     if results.get("hogs"):
         L += ["", "Hogs (rate while running):", ""] + [f"- {json.dumps(h)}" for h in results["hogs"]]
     if results.get("errors"):

@@ -240,3 +240,23 @@ def test_host_probe_hidden_share_and_expert_bandwidth():
     assert abs(m["expert"]["pct_copy"] - 100 * m["expert"]["GBps"]) < 1e-9
     assert m["attn"]["hidden_share"] is None and m["attn"]["device_us"] is None
     assert abs(m["attn"]["host_us"] - 10_000) < 1e-6
+
+
+def test_itl_tail_tells_a_rank_wide_stall_from_scattered_slow_steps():
+    from runtime.experiments.itl_tail import describe, itl_tail
+    # 10 requests homed on rank 0 stall together once (1.0 -> 1.3 s); rank 1's requests are steady
+    reqs = []
+    for i in range(10):
+        tt = [0.1 * s for s in range(10)] + [1.3 + 0.1 * s for s in range(10)]
+        reqs.append({"home": 0, "token_times": tt})
+    for i in range(10):
+        reqs.append({"home": 1, "token_times": [0.1 * s for s in range(20)]})
+    t = itl_tail(reqs)  # the 10 stall gaps are the top 2.6%: the p99 is one of them
+    assert t["gaps"] == 10 and t["windows"] == 1 and abs(t["threshold_ms"] - 400) < 1e-6
+    w = t["top"][0]
+    assert abs(w["t_s"] - 0.9) < 1e-9 and abs(w["ms"] - 400) < 1e-6 and w["homes"] == {0: 1.0}
+    assert describe(t) == "10 gaps >= 400 ms in 1 window(s); longest 400 ms at 0.9 s (10 gaps, home 0: 100%)"
+    # scattered: each request slow at its own time -> as many windows as gaps
+    reqs = [{"home": i % 2, "token_times": [10.0 * i, 10.0 * i + 0.1, 10.0 * i + 0.6]} for i in range(6)]
+    t = itl_tail(reqs, q=60)
+    assert t["gaps"] == t["windows"] == 6 and itl_tail([]) == {} and describe({}) == "no gaps"
