@@ -486,8 +486,9 @@ class Engine:
         else:
             start = getattr(self.executor, "route_start", None) if self.async_route else None
             routing = start(layer, x) if start is not None else None
-            if routing is None:
-                ids, weights = self.executor.route(layer, x)
+            if routing is None:  # numpy arrays where the executor hands them out (route_arrays), else tensors
+                arrays = getattr(self.executor, "route_arrays", None)
+                ids, weights = (arrays or self.executor.route)(layer, x)
                 batch.out.update(h_res=h_res, x=x, ids=ids, weights=weights,
                                  shared=self.executor.shared_expert(layer, x))
             else:  # ready() / result(): read by complete() once on the host
@@ -652,8 +653,10 @@ class Engine:
         if keep is not None and len(keep) != row:
             sel = np.asarray(keep, dtype=np.int64)
 
-        def rows_of(t: torch.Tensor) -> torch.Tensor:
-            return t if sel is None else t.index_select(0, to_device(sel, t.device))
+        def rows_of(t):
+            if sel is None:
+                return t
+            return t[sel] if type(t) is np.ndarray else t.index_select(0, to_device(sel, t.device))
 
         nxt = batch.stage.next
         if "ids" not in out:
@@ -661,7 +664,8 @@ class Engine:
             return
         tm.lap("bookkeeping")
         ids = rows_of(out["ids"])
-        ids = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+        if type(ids) is not np.ndarray:
+            ids = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
         # Dispatch: the destination of every (row, slot), flat index f = row * k + slot; rows of a
         # destination keep ascending f order (stable sort), one message per destination per batch,
         # destinations in rank order (deterministic). The merge addresses rows by their position in

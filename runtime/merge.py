@@ -135,10 +135,13 @@ class MergeTable:
         # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
         # per attention batch became one of each; benchmarks/NOTES.md §20).
         gather = row_index = None
-        if h_res.is_cuda and weights.device.type == "cpu":  # a host-side router's weights
+        on_host = type(weights) is np.ndarray or weights.device.type == "cpu"  # numpy: CudaExecutor.route_arrays
+        if h_res.is_cuda and on_host:  # the routing came to the host
             dev, ready = to_device_marked(pack_group_inputs(row_of_pos, inv, weights), h_res.device)
             gather, row_index, weights = unpack_group_inputs(dev, R, k, order is not None)
         else:  # weights already where the rows are (a host-side executor: these "uploads" are views)
+            if type(weights) is np.ndarray:
+                weights = torch.from_numpy(weights)
             ready = None
             if order is not None:
                 gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
@@ -276,16 +279,18 @@ class MergeTable:
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def pack_group_inputs(row_of_pos: Optional[np.ndarray], inv: Optional[np.ndarray], weights: torch.Tensor) -> np.ndarray:
+def pack_group_inputs(row_of_pos: Optional[np.ndarray], inv: Optional[np.ndarray], weights) -> np.ndarray:
     """One int64 host array holding [row_of_pos = order // k, inv] (when there is an order) and then the
-    fp32 weights [R, k], two per element: what a merge group's device side needs, uploaded in one copy."""
+    fp32 weights [R, k] (a numpy array or CPU tensor), two per element: what a merge group's device side
+    needs, uploaded in one copy."""
     R, k = weights.shape
     nw = (R * k + 1) // 2
     host = np.empty((2 * R * k if row_of_pos is not None else 0) + nw, dtype=np.int64)
     if row_of_pos is not None:
         host[:R * k] = row_of_pos
         host[R * k:2 * R * k] = inv.reshape(-1)
-    host[len(host) - nw:].view(np.float32)[:R * k] = weights.to(torch.float32).numpy().reshape(-1)
+    w = weights if type(weights) is np.ndarray else weights.to(torch.float32).numpy()
+    host[len(host) - nw:].view(np.float32)[:R * k] = w.reshape(-1)
     return host
 
 

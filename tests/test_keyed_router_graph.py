@@ -91,15 +91,16 @@ def _served(where: str, monkeypatch):
     w = random_weights(spec)
     plan = compile_plan(spec, 2)
     seen = []
-    # Whoever answers route(): the executor itself (graph), or the wrapper that calls the router (host).
-    answers = CudaExecutor if where == "graph" else KeyedRoutingExecutor
-    real = answers.route
+    # Whoever answers the engine: the executor itself (graph; route_arrays, numpy), or the wrapper that calls
+    # the router (host; route(), tensors).
+    answers, method = (CudaExecutor, "route_arrays") if where == "graph" else (KeyedRoutingExecutor, "route")
+    real = getattr(answers, method)
 
     def spy(self, layer, x):
         ids, wts = real(self, layer, x)
-        seen.append((layer, ids.clone(), wts.clone()))
+        seen.append((layer, torch.as_tensor(ids).clone(), torch.as_tensor(wts).clone()))
         return ids, wts
-    monkeypatch.setattr(answers, "route", spy)
+    monkeypatch.setattr(answers, method, spy)
     res = run_workload(plan, _requests(spec), RunOptions(policy="defrag", executor="cuda", kv_blocks=64,
                                                          clock="virtual", router=ZipfRouting(spec.experts.num_experts,
                                                                                              spec.experts.top_k, s=1.2)),

@@ -151,6 +151,11 @@ def test_merge_group_inputs_pack_into_one_upload(R, k, with_order):
         inv = inv.reshape(R, k)
     w = torch.from_numpy(rng.random((R, k), dtype=np.float32))
     host = pack_group_inputs(order // k if with_order else None, inv, w)
+    # the weights as numpy (CudaExecutor.route_arrays hands them out so) pack the same (odd R*k: the last
+    # int64's padding half is left unset, so compare the indices and the R*k weights)
+    host2, nw = pack_group_inputs(order // k if with_order else None, inv, w.numpy().copy()), (R * k + 1) // 2
+    assert np.array_equal(host[:-nw], host2[:-nw])
+    assert np.array_equal(host[-nw:].view(np.float32)[:R * k], host2[-nw:].view(np.float32)[:R * k])
     packed = torch.cat([torch.full((3,), -1, dtype=torch.int64), torch.from_numpy(host)])[3:]  # a storage offset
     gather, row_index, weights = unpack_group_inputs(packed, R, k, with_order)
     assert weights.dtype == torch.float32 and torch.equal(weights, w)

@@ -342,7 +342,7 @@ class KeyedRoutingExecutor:
         self._router = router
         self._keys: Optional[tuple[list, list[int]]] = None
 
-    route_start = None  # the routing is this wrapper's (route()), not the inner executor's graph's
+    route_start = route_arrays = None  # the routing is this wrapper's (route()), not the inner executor's graph's
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
