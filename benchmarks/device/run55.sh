@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Device run 55 (nvidia-h200-x2, ~6 minutes): written in session 7, not run yet. Measures what session 7 could not: the
-# bounded device waits (3e5aeba: host_staging.wait_event polls the event instead of cudaEventSynchronize) against the tree
-# before them (1508b2a), and the attention host time per batch on a normal instance after the routing-wait fix (NOTES §22
-# items 9, 11). Before the call, on the CPU machine:
+# Device run 55 (nvidia-h200-x2, ~6 minutes): written in session 7, not run yet. Measures what session 7 could not: its two
+# host-path changes made after the last device run, together, against the tree before them (1508b2a): the bounded
+# device waits (3e5aeba: host_staging.wait_event polls the event instead of cudaEventSynchronize; NOTES §22 item 11)
+# and the routing read as numpy arrays (CudaExecutor.route_arrays: ~7 fewer torch calls per attention batch; item 14).
+# A loss means splitting them (git revert one of the two commits for a third tree). Also the attention host time per
+# batch on a normal instance after the routing-wait fix (item 9) and the GPU busy column (item 12).
+# Before the call, on the CPU machine:
 #   mkdir -p .df/ab && git archive 1508b2a | gzip > .df/ab/old.tgz      # then: carry [".whl", ".df/ab"]
 # (1) GPU tests and fp32 2-GPU tokens == CPU (defrag, defrag + hold); (2) old vs new, streaming/defrag + 30 ms hold,
 # GPT-OSS-20B cut to 8 layers, bf16, C=256, clean, 3 alternating rounds, phase timers of both ranks; (3) all-gather
