@@ -1,0 +1,70 @@
+"""Torch calls per attention batch on the streaming engine's routing and dispatch path, counted on the CUDA
+executor's CPU twin: `python benchmarks/twin_torch_calls.py`.
+
+On the H200 host a torch call inside the serving loop costs 10-25 us (benchmarks/NOTES.md §20), so the count
+is the hardware-free half of a host-path change's cost: a served run of the tiny GPT-OSS model (2 in-process
+ranks, 16 one-token requests, 8 new tokens each), with the calls made inside CudaExecutor.route /
+route_arrays (reading the routing) and Engine._complete_attn (the dispatch) counted per attention batch.
+The twin's dispatch takes the CPU branch of the merge (no packed upload), so the CUDA path's count differs
+by the upload's calls; the routing read is the same code.
+"""
+from __future__ import annotations
+
+import collections
+import random
+import sys
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graph_ir.spec import load_spec  # noqa: E402
+from lowering.plan import compile_plan  # noqa: E402
+from models.weights import random_weights  # noqa: E402
+from runtime.cluster import RunOptions, run_workload  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.executor_cuda import CudaExecutor  # noqa: E402
+from runtime.requests import Request  # noqa: E402
+
+
+class _Count(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.where, self.n = None, collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.where:
+            self.n[self.where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    count = _Count()
+    for cls, name in ((Engine, "_complete_attn"), (CudaExecutor, "route"), (CudaExecutor, "route_arrays")):
+        real = getattr(cls, name, None)
+        if real is None:
+            continue
+
+        def wrapped(self, *a, real=real, name=name):
+            outer, count.where = count.where, count.where or name  # the outermost counted call owns its calls
+            try:
+                return real(self, *a)
+            finally:
+                count.where = outer
+        setattr(cls, name, wrapped)
+    spec = load_spec("models/specs/tiny-gpt-oss.yaml")
+    g = random.Random(1)
+    reqs = [Request(i, f"r{i}", [g.randrange(3, spec.vocab_size)], 8, ignore_eos=True, arrival=0.0) for i in range(16)]
+    with count:
+        res = run_workload(compile_plan(spec, 2), reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=64),
+                           weights=random_weights(spec))
+    n = res.metrics["attn_batches"]
+    print(f"{n} attention batches; torch calls per batch: "
+          + ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(count.n.items())))
+
+
+if __name__ == "__main__":
+    main()
