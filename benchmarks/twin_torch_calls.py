@@ -4,7 +4,9 @@ executor's CPU twin: `python benchmarks/twin_torch_calls.py`.
 On the H200 host a torch call inside the serving loop costs 10-25 us (benchmarks/NOTES.md §20), so the count
 is the hardware-free half of a host-path change's cost: a served run of the tiny GPT-OSS model (2 in-process
 ranks, 16 one-token requests, 8 new tokens each), with the calls made inside CudaExecutor.route /
-route_arrays (reading the routing) and Engine._complete_attn (the dispatch) counted per attention batch.
+route_arrays (reading the routing), CudaExecutor._attn_decode (the executor's host side of a decode attention
+batch: staging, copies, the graph launch counted as one call, not the body the CPU twin runs eagerly) and
+Engine._complete_attn (the dispatch) counted per attention batch.
 The twin's dispatch takes the CPU branch of the merge (no packed upload), so the CUDA path's count differs
 by the upload's calls; the routing read is the same code.
 """
@@ -24,6 +26,7 @@ from graph_ir.spec import load_spec  # noqa: E402
 from lowering.plan import compile_plan  # noqa: E402
 from models.weights import random_weights  # noqa: E402
 from runtime.cluster import RunOptions, run_workload  # noqa: E402
+from runtime.capture import StepGraph  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.executor_cuda import CudaExecutor  # noqa: E402
 from runtime.requests import Request  # noqa: E402
@@ -43,7 +46,19 @@ class _Count(TorchFunctionMode):
 def main() -> None:
     torch.set_num_threads(1)
     count = _Count()
-    for cls, name in ((Engine, "_complete_attn"), (CudaExecutor, "route"), (CudaExecutor, "route_arrays")):
+    real_run = StepGraph.run
+
+    def run(self):  # on the GPU one replay call; the twin runs the body's math here: not counted
+        where, count.where = count.where, None
+        try:
+            if where is not None:
+                count.n[where] += 1
+            return real_run(self)
+        finally:
+            count.where = where
+    StepGraph.run = run
+    for cls, name in ((Engine, "_complete_attn"), (CudaExecutor, "route"), (CudaExecutor, "route_arrays"),
+                      (CudaExecutor, "_attn_decode")):
         real = getattr(cls, name, None)
         if real is None:
             continue

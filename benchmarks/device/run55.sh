@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Device run 55 (nvidia-h200-x2, ~6 minutes): written in session 7, not run yet. Measures what session 7 could not: its two
+# Device run 55 (nvidia-h200-x2, ~6 minutes): written in session 7, not run yet. Measures what session 7 could not: its
 # host-path changes made after the last device run, together, against the tree before them (1508b2a): the bounded
 # device waits (3e5aeba: host_staging.wait_event polls the event instead of cudaEventSynchronize; NOTES §22 item 11)
-# and the routing read as numpy arrays (CudaExecutor.route_arrays: ~7 fewer torch calls per attention batch; item 14).
-# A loss means splitting them (git revert one of the two commits for a third tree). Also the attention host time per
+# the routing read as numpy arrays (CudaExecutor.route_arrays) and cached static-buffer views in the decode attention
+# (~12 fewer torch calls per attention batch together; items 14-15).
+# A loss means splitting them (git revert the commits one at a time for more trees). Also the attention host time per
 # batch on a normal instance after the routing-wait fix (item 9) and the GPU busy column (item 12).
 # Before the call, on the CPU machine:
 #   mkdir -p .df/ab && git archive 1508b2a | gzip > .df/ab/old.tgz      # then: carry [".whl", ".df/ab"]
