@@ -6,7 +6,8 @@ is the hardware-free half of a host-path change's cost: a served run of the tiny
 ranks, 16 one-token requests, 8 new tokens each), with the calls made inside CudaExecutor.route /
 route_arrays (reading the routing), CudaExecutor._attn_decode (the executor's host side of a decode attention
 batch: staging, copies, the graph launch counted as one call, not the body the CPU twin runs eagerly) and
-Engine._complete_attn (the dispatch) counted per attention batch.
+Engine._complete_attn (the dispatch) counted per attention batch, and CudaExecutor._experts (the host side of an
+expert batch) per expert batch.
 The twin's dispatch takes the CPU branch of the merge (no packed upload), so the CUDA path's count differs
 by the upload's calls; the routing read is the same code.
 """
@@ -58,7 +59,7 @@ def main() -> None:
             count.where = where
     StepGraph.run = run
     for cls, name in ((Engine, "_complete_attn"), (CudaExecutor, "route"), (CudaExecutor, "route_arrays"),
-                      (CudaExecutor, "_attn_decode")):
+                      (CudaExecutor, "_attn_decode"), (CudaExecutor, "_experts")):
         real = getattr(cls, name, None)
         if real is None:
             continue
@@ -76,9 +77,9 @@ def main() -> None:
     with count:
         res = run_workload(compile_plan(spec, 2), reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=64),
                            weights=random_weights(spec))
-    n = res.metrics["attn_batches"]
-    print(f"{n} attention batches; torch calls per batch: "
-          + ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(count.n.items())))
+    n, ne = res.metrics["attn_batches"], res.metrics["expert_batches"]
+    print(f"{n} attention batches, {ne} expert batches; torch calls per batch: "
+          + ", ".join(f"{k} {v / (ne if k == '_experts' else n):.1f}" for k, v in sorted(count.n.items())))
 
 
 if __name__ == "__main__":

@@ -246,6 +246,7 @@ class CudaExecutor:
         # the model's (use_keyed_router); None: the model's router.
         self.keyed_router = None
         self._attn_views: dict = {}  # (bucket, rows) -> views of that bucket's static buffers (_attn_decode)
+        self._expert_views: dict = {}  # the same for expert batches (_experts)
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._attn_timer = StepTimer("executor attention", profile)
@@ -688,10 +689,16 @@ class CudaExecutor:
         tm.lap("ids_prep")
         self.staging.h2d_array(bufs._t["ids"], fill)
         tm.lap("ids_h2d")
+        views = self._expert_views.get((b, N)) if static else None  # as _attn_decode's: made once per (bucket, N)
+        if views is None:
+            views = (bufs._t["x"][:N], bufs._t["y"][:N])
+            if static:
+                self._expert_views[(b, N)] = views
+        x_in, y_out = views
         if len(blocks) == 1:
-            bufs._t["x"][:N].copy_(blocks[0])
+            x_in.copy_(blocks[0])
         else:
-            torch.cat(blocks, out=bufs._t["x"][:N])
+            torch.cat(blocks, out=x_in)
         tm.lap("x_copy")
         if static:
             g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
@@ -703,7 +710,7 @@ class CudaExecutor:
             self._expert_body(layer, bufs)()
             self.stats.expert_eager += 1
         tm.lap("replay")
-        y = bufs._t["y"][:N].clone()
+        y = y_out.clone()
         tm.lap("y_clone")
         return y
 

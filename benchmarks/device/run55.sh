@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device run 55 (nvidia-h200-x2, ~6 minutes): written in session 7, not run yet. Measures what session 7 could not: its
 # host-path changes made after the last device run, together, against the tree before them (1508b2a): the bounded
-# device waits (3e5aeba: host_staging.wait_event polls the event instead of cudaEventSynchronize; NOTES §22 item 11)
+# device waits (3e5aeba: host_staging.wait_event polls the event instead of cudaEventSynchronize; NOTES §22 item 11),
 # the routing read as numpy arrays (CudaExecutor.route_arrays) and cached static-buffer views in the decode attention
 # (~12 fewer torch calls per attention batch together; items 14-15).
 # A loss means splitting them (git revert the commits one at a time for more trees). Also the attention host time per
