@@ -171,7 +171,7 @@ class ExecStats:
     attn_eager: int = 0  # prefill or mixed batches
     expert_graph: int = 0
     expert_eager: int = 0
-    route_wait_s: float = 0.0  # route()'s waits for the routing copy (also counted in staging.wait_s)
+    route_wait_s: float = 0.0  # route_arrays()'s waits for the routing copy (also counted in staging.wait_s)
     eager_reasons: dict = field(default_factory=dict)
 
     def note(self, why: str) -> None:
@@ -555,6 +555,7 @@ class CudaExecutor:
         ids, wts = self.route_arrays(layer, x)
         return torch.from_numpy(ids), torch.from_numpy(wts)
 
+    @torch.no_grad()
     def route_arrays(self, layer: int, x: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """route() as numpy arrays, the form the streaming engine dispatches with (fewer torch calls)."""
         p = self._pending
