@@ -110,7 +110,7 @@ def summarize(w: dict) -> dict:
             s[f"{kind}_device_us"] = b[kind].get("device_us")
             s[f"{kind}_hidden"] = b[kind].get("hidden_share")
             s[f"{kind}_busy"] = b[kind].get("busy_share")
-            s["gpu_busy"] = b[kind].get("gpu_busy_share")
+            s["gpu_busy"] = b[kind].get("gpu_busy_share")  # (a rank-level share: the same in every kind)
     if "expert" in b:
         s["expert_GBps"] = b["expert"].get("GBps")
         s["expert_pct_copy"] = b["expert"].get("pct_copy")

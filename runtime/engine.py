@@ -111,6 +111,12 @@ class Batch:
     out: dict = field(default_factory=dict)  # executor results, filled by execute()
 
 
+def _waiting_on(batch: "Batch"):
+    """A deferred batch's handle: its sample tokens ("pending") or its attention routing ("routing")."""
+    handle = batch.out.get("pending")
+    return handle if handle is not None else batch.out["routing"]
+
+
 def _flag_from_env(name: str, on: str, default: str) -> bool:
     v = os.environ.get(name, default)
     if v not in ("0", "1"):
@@ -555,10 +561,7 @@ class Engine:
         n = 0
         for _ in range(len(self.deferred)):
             batch = self.deferred.popleft()
-            waiting = batch.out.get("pending")
-            if waiting is None:
-                waiting = batch.out["routing"]
-            if waiting.ready():
+            if _waiting_on(batch).ready():
                 self.complete(batch)
                 n += 1
             else:
@@ -571,11 +574,7 @@ class Engine:
         up to that long to every deferred batch). True when it waited."""
         if not self.deferred:
             return False
-        out = self.deferred[0].out
-        waiting = out.get("pending")
-        if waiting is None:
-            waiting = out["routing"]
-        wait = getattr(waiting, "wait", None)
+        wait = getattr(_waiting_on(self.deferred[0]), "wait", None)
         if wait is None:
             return False
         wait()

@@ -245,8 +245,7 @@ class CudaExecutor:
         # A router keyed by (request, position, layer) that runs inside the attention graph instead of
         # the model's (use_keyed_router); None: the model's router.
         self.keyed_router = None
-        self._attn_views: dict = {}  # (bucket, rows) -> views of that bucket's static buffers (_attn_decode)
-        self._expert_views: dict = {}  # the same for expert batches (_experts)
+        self._row_views: dict = {}  # (kind, bucket, rows) -> views of that bucket's static buffers (_first_rows)
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._attn_timer = StepTimer("executor attention", profile)
@@ -445,6 +444,17 @@ class CudaExecutor:
             self._pending = _Pending(x, route, shared, ids.shape[1])
         return h_res, x
 
+    def _first_rows(self, key: tuple, static: bool, make) -> tuple:
+        """The views `make()` returns of a batch's first rows of its bucket's static buffers, made once per
+        (kind, bucket, rows) when static (a slice is a torch call, ~10-25 us on the H200 host; the static buffers
+        never change once made); made each time for an eager batch's own buffers."""
+        if not static:
+            return make()
+        views = self._row_views.get(key)
+        if views is None:
+            views = self._row_views[key] = make()
+        return views
+
     def _attn_bufs(self, b: int, static: bool) -> StaticBuffers:
         if static:  # the static buffers of a bucket never change once made: one dict hit per batch
             bufs = self._bufs_cache.get(("attn", b))
@@ -516,14 +526,8 @@ class CudaExecutor:
         tm = self._attn_timer
         self.staging.h2d_array(bufs._t["meta"], fill)
         tm.lap("meta_h2d")
-        # The first T rows of the bucket's static input, outputs and routing: views made once per (bucket, T) (a
-        # slice is a torch call, ~10-25 us on the H200 host; the static buffers never change once made)
-        views = self._attn_views.get((b, T)) if static else None
-        if views is None:
-            views = (bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T])
-            if static:
-                self._attn_views[(b, T)] = views
-        h_in, out_T, route_T = views
+        h_in, out_T, route_T = self._first_rows(("attn", b, T), static, lambda: (
+            bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T]))
         h_in.copy_(h)
         tm.lap("h_copy")
         if static:
@@ -555,7 +559,6 @@ class CudaExecutor:
         ids, wts = self.route_arrays(layer, x)
         return torch.from_numpy(ids), torch.from_numpy(wts)
 
-    @torch.no_grad()
     def route_arrays(self, layer: int, x: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """route() as numpy arrays, the form the streaming engine dispatches with (fewer torch calls)."""
         p = self._pending
@@ -565,7 +568,8 @@ class CudaExecutor:
             self.stats.route_wait_s += time.perf_counter() - t
             return p.read(v)
         self.stats.note("route: not the last attention's x (eager route + sync)")
-        ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))
+        with torch.no_grad():  # (only here: entering no_grad is two more torch calls on the hot path above)
+            ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))
         return ids.cpu().numpy(), wts.cpu().to(torch.float32).numpy()
 
     def route_start(self, layer: int, x: Tensor) -> Optional[_Pending]:
@@ -690,12 +694,7 @@ class CudaExecutor:
         tm.lap("ids_prep")
         self.staging.h2d_array(bufs._t["ids"], fill)
         tm.lap("ids_h2d")
-        views = self._expert_views.get((b, N)) if static else None  # as _attn_decode's: made once per (bucket, N)
-        if views is None:
-            views = (bufs._t["x"][:N], bufs._t["y"][:N])
-            if static:
-                self._expert_views[(b, N)] = views
-        x_in, y_out = views
+        x_in, y_out = self._first_rows(("expert", b, N), static, lambda: (bufs._t["x"][:N], bufs._t["y"][:N]))
         if len(blocks) == 1:
             x_in.copy_(blocks[0])
         else:

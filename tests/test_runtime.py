@@ -234,11 +234,11 @@ def test_wall_clock_with_link_delays():
     assert assert_matches_reference("tiny-mixtral", res.requests) > 10
 
 
-class _TokensLater:
-    """A sample batch's tokens that reach the host only after a few looks (an argmax copy in flight)."""
+class _Later:
+    """A device -> host result that reaches the host only after a few looks at ready() (a copy in flight)."""
 
-    def __init__(self, owner, tokens: list[int], looks: int) -> None:
-        self.owner, self._tokens, self.looks = owner, tokens, looks
+    def __init__(self, owner, value, looks: int) -> None:
+        self.owner, self._value, self.looks = owner, value, looks
 
     def ready(self) -> bool:
         self.looks -= 1
@@ -246,9 +246,16 @@ class _TokensLater:
             self.owner.not_ready += 1
         return self.looks < 0
 
+    def _take(self, what: str):
+        assert self.looks < 0, f"{what} read before they were ready"
+        return self._value
+
+
+class _TokensLater(_Later):
+    """A sample batch's tokens (an argmax copy in flight)."""
+
     def tokens(self) -> list[int]:
-        assert self.looks < 0, "tokens read before they were ready"
-        return self._tokens
+        return self._take("tokens")
 
 
 class _AsyncSampleExecutor:
@@ -264,39 +271,39 @@ class _AsyncSampleExecutor:
         return _TokensLater(self, self._inner.sample_batch(logits, params, steps), 3)
 
 
+def _served_wall(wrapper, policy):
+    """(the wrapped CPU executor, the result, the requests) of a 2-rank wall-clock run of tiny-mixtral."""
+    from runtime.cluster import build_executor
+    spec, w, _ = model("tiny-mixtral")
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    options = RunOptions(kv_blocks=128, clock="wall", policy=policy)
+    ex = wrapper(build_executor(plan, options, weights=w))
+    reqs = make_requests(spec.vocab_size, 5, seed=7, spread=1e-3)
+    return ex, Cluster(plan, ex, options).run(reqs), reqs
+
+
 @pytest.mark.parametrize("policy", ["defrag", HELD[0]])
 def test_async_sampling_defers_sample_batches_and_keeps_tokens_exact(monkeypatch, policy):
     """Asynchronous sampling (the default; DATAFLOW_ASYNC_SAMPLE=1): a sample batch whose tokens are not on the
     host yet is completed later (by next_batch), the rank keeps working meanwhile, no request or token is lost."""
-    from runtime.cluster import build_executor
     monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "1")
-    spec, w, _ = model("tiny-mixtral")
-    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
-    options = RunOptions(kv_blocks=128, clock="wall", policy=policy)
-    ex = _AsyncSampleExecutor(build_executor(plan, options, weights=w))
-    reqs = make_requests(spec.vocab_size, 5, seed=7, spread=1e-3)
-    res = Cluster(plan, ex, options).run(reqs)
+    ex, res, reqs = _served_wall(_AsyncSampleExecutor, policy)
     assert ex.not_ready > 0  # batches really were deferred
     assert assert_matches_reference("tiny-mixtral", res.requests) > 15
     assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
 
 
-class _RoutingLater:
-    """An attention batch's routing that reaches the host only after a few looks (a copy in flight)."""
+class _RoutingLater(_Later):
+    """An attention batch's routing (its copy in flight), with the shared-expert output route_start hands over."""
 
     def __init__(self, owner, ids, weights, shared, looks: int) -> None:
-        self.owner, self._out, self.shared, self.looks = owner, (ids, weights), shared, looks
-
-    def ready(self) -> bool:
-        self.looks -= 1
-        if self.looks >= 0:
-            self.owner.not_ready += 1
-        return self.looks < 0
+        super().__init__(owner, (ids, weights), looks)
+        self.shared = shared
 
     def result(self):
-        assert self.looks < 0, "routing read before it was ready"
+        out = self._take("routing")
         self.owner.read += 1
-        return self._out
+        return out
 
 
 class _AsyncRouteExecutor:
@@ -319,7 +326,6 @@ def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch
     """Asynchronous dispatch (DATAFLOW_ASYNC_ROUTE=1, off by default): an attention batch whose routing is not on
     the host yet is dispatched later (by next_batch), the rank runs other batches meanwhile, every routing is
     read once, and the tokens equal the reference decoder's."""
-    from runtime.cluster import build_executor
     from runtime.engine import Engine
     monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
     real_execute, experts_run = Engine.execute, []
@@ -330,18 +336,12 @@ def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch
             experts_run.append(batch.stage.layer)
         real_execute(self, batch)
     monkeypatch.setattr(Engine, "execute", execute)
-    spec, w, _ = model("tiny-mixtral")
-    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
-    options = RunOptions(kv_blocks=128, clock="wall", policy=policy)
-    ex = _AsyncRouteExecutor(build_executor(plan, options, weights=w))
-    reqs = make_requests(spec.vocab_size, 5, seed=7, spread=1e-3)
-    res = Cluster(plan, ex, options).run(reqs)
+    ex, res, reqs = _served_wall(_AsyncRouteExecutor, policy)
     assert ex.not_ready > 0 and ex.started == ex.read > 0 and experts_run  # deferred, none lost or read twice
     assert assert_matches_reference("tiny-mixtral", res.requests) > 15
     assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
     monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE")  # off by default: route() as before, route_start never asked
-    ex = _AsyncRouteExecutor(build_executor(plan, options, weights=w))
-    res = Cluster(plan, ex, options).run(make_requests(spec.vocab_size, 5, seed=7, spread=1e-3))
+    ex, res, _ = _served_wall(_AsyncRouteExecutor, policy)
     assert ex.started == 0 and assert_matches_reference("tiny-mixtral", res.requests) > 15
 
 
