@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from runtime.device_index import to_device
+from runtime.dispatch_plan import plan_dispatch, warm_up as warm_up_dispatch
 from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags, id_dtype
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
@@ -154,6 +155,7 @@ class Engine:
         self.merge = MergeTable(k, self._whole_groups())
         # expert -> rank per layer as an array, for dispatching a whole batch at once
         self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
+        warm_up_dispatch()  # numba: load (or compile) now, not in the first timed batch
         self._id_dtype = id_dtype(max((len(er) for er in cfg.expert_rank), default=1))  # expert ids on the wire
         self.requests: dict[int, Request] = {}  # live requests homed here
         self.finished: list[Request] = []  # done, not yet collected by the driver (take_finished)
@@ -669,23 +671,21 @@ class Engine:
         # destination keep ascending f order (stable sort), one message per destination per batch,
         # destinations in rank order (deterministic). The merge addresses rows by their position in
         # this order (tags = positions), so each message's outputs come back as one contiguous range.
+        # The order, its inverse and the merge's packed device inputs come from one compiled call.
         T, k = ids.shape
-        flat = ids.reshape(-1)
-        dst = self._expert_rank[layer][flat]
-        counts = np.bincount(dst, minlength=self.cfg.world_size)
-        order = np.argsort(dst, kind="stable") if np.count_nonzero(counts) > 1 else None
+        weights = rows_of(out["weights"])
+        plan = plan_dispatch(ids, weights, self._expert_rank[layer], self.cfg.world_size)
         shared = rows_of(out["shared"]) if out["shared"] is not None else None
-        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), np.asarray(ns, dtype=np.int64),
-                            rows_of(out["h_res"]), shared, rows_of(out["weights"]), batch.t_start, order)
+        n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)  # (a list -> array is ~1 us per 30 rows)
+        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), n,
+                            rows_of(out["h_res"]), shared, weights, batch.t_start, plan)
         tm.lap("order+merge_open")
         x = rows_of(out["x"])
-        tags = np.arange(T * k, dtype=np.int64) + (g.gid << TAG_SHIFT)
+        tag0 = g.gid << TAG_SHIFT  # the tag of dispatch position p is tag0 + p
         # The routed rows in dispatch order, one gather for all destinations: each destination's rows are
         # then a contiguous slice (a view: nothing more to copy before the send or the local enqueue).
-        if order is None:
-            experts, x_sorted = flat, x.repeat_interleave(k, dim=0)
-        else:
-            experts, x_sorted = flat[order], x.index_select(0, g.gather)
+        experts = plan.experts
+        x_sorted = x.repeat_interleave(k, dim=0) if plan.order is None else x.index_select(0, g.gather)
         # Wave announcement: this home's tokens still headed for attn(layer) soon (queued, or in merges of
         # the layer before), times this batch's rows per token to each owner: what that owner's expert
         # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").
@@ -694,21 +694,22 @@ class Engine:
         announce_next = getattr(self.policy, "hold_ahead", 0) and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
         tm.lap("gather")
         off = 0
-        for d in np.flatnonzero(counts).tolist():
-            c = int(counts[d])
-            xd = x_sorted[off:off + c]
-            td, ed = tags[off:off + c], experts[off:off + c]
-            off += c
+        for d, c in enumerate(plan.counts.tolist()):
+            if not c:
+                continue
+            xd, ed = x_sorted[off:off + c], experts[off:off + c]
             more = ahead * c / T
             nxt = float(c) if announce_next else 0.0
             if d == self.rank:
+                td = np.arange(tag0 + off, tag0 + off + c, dtype=np.int64)
                 self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more, nxt)
             else:
-                meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (int(td[0]), c),
+                meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (tag0 + off, c),
                         "e": encode_ids(ed, self._id_dtype), "more": more}  # wire forms: runtime/expert_wire.py
                 if nxt:
                     meta["next"] = nxt
                 self.transport.send(d, meta, xd)
+            off += c
         tm.lap("send+enqueue")
 
     def _complete_expert(self, batch: Batch) -> None:

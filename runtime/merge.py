@@ -29,6 +29,7 @@ import torch
 
 from runtime.cuda_stream import current_stream
 from runtime.device_index import to_device, to_device_marked
+from runtime.dispatch_plan import DispatchPlan, pack_group_inputs, unpack_group_inputs
 from runtime.expert_wire import decode_tags, encode_tags
 
 TAG_SHIFT = 32
@@ -104,22 +105,20 @@ class MergeTable:
                 for s in np.flatnonzero(g.missing > 0).tolist()]
 
     def open(self, layer: int, rids: list[int], pos0: list[int], first: np.ndarray, n: np.ndarray,
-             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights: torch.Tensor, now: float,
-             order: Optional[np.ndarray] = None) -> MergeGroup:
+             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, now: float,
+             plan: Optional[DispatchPlan] = None) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
-        start[s] .. start[s]+n[s]-1 (segments back to back, in order). `order`: the dispatch order
-        (f at position p; None = identity). Tags: `group.gid << TAG_SHIFT | p`."""
+        start[s] .. start[s]+n[s]-1 (segments back to back, in order). `plan`: the batch's dispatch plan
+        (runtime/dispatch_plan.py: its order, f at position p, and the packed device inputs; None = identity
+        order, weights packed here). `weights` [R, k]: numpy or a tensor. Tags: `group.gid << TAG_SHIFT | p`."""
         k = self.top_k
         S = len(rids)
         R = int(n.sum())
         if R * k > TAG_MASK:
             raise ValueError(f"merge group of {R} rows x {k} slots does not fit a tag")
-        inv = row_of_pos = None
-        if order is not None:
-            inv = np.empty(R * k, dtype=np.int64)
-            inv[order] = np.arange(R * k, dtype=np.int64)
-            inv = inv.reshape(R, k)
-            row_of_pos = order // k
+        order = inv = row_of_pos = None
+        if plan is not None:
+            order, inv, row_of_pos = plan.order, plan.inv, plan.row_of_pos
         if R == S:  # decode: every segment one row (fewer numpy calls: each is ~5-10 us on the H200 host)
             start = seg_of_row = np.arange(S, dtype=np.int64)
             seg_of_pos = row_of_pos if order is not None else np.repeat(seg_of_row, k)
@@ -137,7 +136,8 @@ class MergeTable:
         gather = row_index = None
         on_host = type(weights) is np.ndarray or weights.device.type == "cpu"  # numpy: CudaExecutor.route_arrays
         if h_res.is_cuda and on_host:  # the routing came to the host
-            dev, ready = to_device_marked(pack_group_inputs(row_of_pos, inv, weights), h_res.device)
+            packed = plan.packed if plan is not None else pack_group_inputs(None, None, weights)
+            dev, ready = to_device_marked(packed, h_res.device)
             gather, row_index, weights = unpack_group_inputs(dev, R, k, order is not None)
         else:  # weights already where the rows are (a host-side executor: these "uploads" are views)
             if type(weights) is np.ndarray:
@@ -277,34 +277,6 @@ class MergeTable:
 
 
 _NONE = np.zeros(0, dtype=np.int64)
-
-
-def pack_group_inputs(row_of_pos: Optional[np.ndarray], inv: Optional[np.ndarray], weights) -> np.ndarray:
-    """One int64 host array holding [row_of_pos = order // k, inv] (when there is an order) and then the
-    fp32 weights [R, k] (a numpy array or CPU tensor), two per element: what a merge group's device side
-    needs, uploaded in one copy."""
-    R, k = weights.shape
-    nw = (R * k + 1) // 2
-    host = np.empty((2 * R * k if row_of_pos is not None else 0) + nw, dtype=np.int64)
-    if row_of_pos is not None:
-        host[:R * k] = row_of_pos
-        host[R * k:2 * R * k] = inv.reshape(-1)
-    w = weights if type(weights) is np.ndarray else weights.to(torch.float32).numpy()
-    host[len(host) - nw:].view(np.float32)[:R * k] = w.reshape(-1)
-    return host
-
-
-def unpack_group_inputs(packed: torch.Tensor, R: int, k: int, has_order: bool):
-    """(gather [R*k] int64, row_index [R, k] int64, weights [R, k] fp32) views of `pack_group_inputs`'s
-    array (gather and row_index None without an order); one as_strided per view (torch calls are what
-    costs on the H200 host, not bytes)."""
-    nw = (R * k + 1) // 2
-    base = packed.storage_offset()  # as_strided offsets count from the storage's start
-    off = base + len(packed) - nw  # int64 elements before the weights
-    weights = packed.view(torch.float32).as_strided((R, k), (k, 1), 2 * off)
-    if not has_order:
-        return None, None, weights
-    return packed.as_strided((R * k,), (1,), base), packed.as_strided((R, k), (k, 1), base + R * k), weights
 
 
 def _runs(p: np.ndarray) -> np.ndarray:
