@@ -145,6 +145,10 @@ class TeacherForcing:
         self.forced = forced
         self.recorded: dict[tuple[int, int], torch.Tensor] = {}
 
+    # The engine samples asynchronously through an executor's sample_batch_start when it has one (session 5):
+    # that path would bypass sample_batch below and record nothing. None makes the engine call sample_batch.
+    sample_batch_start = None
+
     def __getattr__(self, name):
         return getattr(self._inner, name)
 

@@ -24,3 +24,20 @@ def test_host_speed_prices_the_cpu_building_blocks():
     import host_speed
     rows = host_speed.cpu_rows(3)
     assert len(rows) >= 6 and all(us > 0 for _, us in rows)
+
+
+def test_gpu_bench_correctness_section_passes_on_the_cpu_twin(tmp_path):
+    """gpu_bench's correctness section on CPU shapes: fp32 tokens == the reference and the bf16 teacher-forced logits
+    within the stated tolerance, for every policy. Its teacher forcing had silently recorded nothing since sampling
+    became asynchronous (session 5) and failed every bf16 row on the GPU (run 56): this keeps it honest."""
+    import json
+    import subprocess
+
+    # a process of its own: importing gpu_bench sets TRITON_INTERPRET=1 and torch's thread count for the process
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_bench.py"
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--smoke", "--sections", "correctness"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]["correctness"]
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"} and all(r["ok"] for r in rows)
+    assert all(r["tf_ratio"] <= r["tf_tol"] for r in rows if r["dtype"] == "bfloat16")
