@@ -88,11 +88,16 @@ class HostStaging:
         return i
 
     def acquire(self, nbytes: int) -> tuple[int, Tensor]:
+        i = self._slot(nbytes)
+        return i, self._bufs[i][:nbytes]
+
+    def _slot(self, nbytes: int) -> int:
+        """The next free slot, grown to `nbytes` if smaller (no view made: a slice is a torch call)."""
         i = self._next()
         if self._bufs[i].numel() < nbytes:
             self._bufs[i] = self._alloc(max(nbytes, 2 * self._bufs[i].numel()))
             self._typed[i].clear()
-        return i, self._bufs[i][:nbytes]
+        return i
 
     def _acquire_typed(self, shape: tuple, dtype: torch.dtype) -> tuple[int, Tensor, np.ndarray]:
         """acquire() of a slot viewed as a [shape] dtype tensor (+ its numpy view), the views cached
@@ -119,16 +124,16 @@ class HostStaging:
             return torch.from_numpy(a), None
         dtype = _TORCH_DTYPES[a.dtype]
         n = a.size
-        i, buf = self.acquire(n * a.itemsize)
+        i = self._slot(n * a.itemsize)
         key = ("flat", dtype)
         flat = self._typed[i].get(key)
-        if flat is None:  # cleared by acquire() when the slot grew
+        if flat is None:  # cleared by _slot() when the slot grew
             t = self._bufs[i][: self._bufs[i].numel() // a.itemsize * a.itemsize].view(dtype)
             flat = self._typed[i][key] = (t, t.numpy())
         flat[1][:n] = a.reshape(-1)
         src = flat[0][:n]
-        out = torch.empty(a.shape, dtype=dtype, device=self.device)
-        out.copy_(src if a.ndim == 1 else src.view(a.shape), non_blocking=True)
+        # allocation and copy in one call (`.to` of a pinned view stays non-blocking)
+        out = (src if a.ndim == 1 else src.view(a.shape)).to(self.device, non_blocking=True)
         return out, self.mark(i)
 
     def mark(self, i: int) -> Optional[torch.cuda.Event]:
