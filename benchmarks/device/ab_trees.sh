@@ -2,7 +2,9 @@
 # Helper of the A/B runs (31's pattern; used by 36): `bash benchmarks/device/ab_trees.sh OUT OLD_TGZ ROUNDS BENCH_ARGS...`
 # (from the repository root, after prelude.sh). Alternates launches of the bench from the tree in OLD_TGZ (a
 # `git archive | gzip` of the commit before, carried with the device tool's `carry`) and from this tree, ROUNDS
-# times. Appends to OUT/ab.txt (the table row of each launch), OUT/phases.txt and OUT/env.txt (exit codes).
+# times, the order swapped every round (old new, new old, ...: until session 8 old always ran first, and runs 57-59
+# hint that the second launch of a pair runs faster, NOTES §23). Appends to OUT/ab.txt (the table row of each launch),
+# OUT/phases.txt and OUT/env.txt (exit codes).
 # AB_BENCH=gpu_ep_bench (default: 2 GPUs, one process per rank, both ranks' phase timers in phases.txt) or
 # AB_BENCH=gpu_bench (one GPU, in-process ranks; pass --sections e2e; the engine's and executor's step timers,
 # DATAFLOW_PROFILE_EXEC=1, in phases.txt). AB_TIMEOUT: seconds per launch (120).
@@ -11,10 +13,12 @@ OUT=$(cd "${1:?out dir}" && pwd); TGZ=${2:?old tree tarball}; ROUNDS=${3:?rounds
 BENCH=${AB_BENCH:-gpu_ep_bench}
 case $BENCH in gpu_ep_bench) MD=ep_bench.md;; gpu_bench) MD=gpu_bench.md;; *) echo "AB_BENCH: gpu_ep_bench or gpu_bench, not $BENCH"; exit 2;; esac
 OLD=$(mktemp -d /tmp/old_tree.XXXX); tar -xzf "$TGZ" -C "$OLD"
-NEW=$PWD
+# this tree copied next to the old one, so that both run from the same kind of place (fresh, no caches)
+NEW=$(mktemp -d /tmp/new_tree.XXXX); tar --exclude=./.df --exclude=./.whl --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$NEW"
 P=$(mktemp -d /tmp/ab.XXXX)
 for r in $(seq 1 "$ROUNDS"); do
-  for v in old new; do
+  ORDER="old new"; [ $((r % 2)) = 0 ] && ORDER="new old"
+  for v in $ORDER; do
     T=$NEW; [ $v = old ] && T=$OLD
     mkdir -p "$P/$v$r"
     (cd "$T" && PYTHONPATH=/tmp/site:$T DATAFLOW_PROFILE_EXEC=$([ $BENCH = gpu_bench ] && echo 1 || echo 0) \
