@@ -2,9 +2,10 @@
 # Helper of the A/B runs (31's pattern; used by 36): `bash benchmarks/device/ab_trees.sh OUT OLD_TGZ ROUNDS BENCH_ARGS...`
 # (from the repository root, after prelude.sh). Alternates launches of the bench from the tree in OLD_TGZ (a
 # `git archive | gzip` of the commit before, carried with the device tool's `carry`) and from this tree, ROUNDS
-# times, the order swapped every round (old new, new old, ...: until session 8 old always ran first, and runs 57-59
-# hint that the second launch of a pair runs faster, NOTES §23). Appends to OUT/ab.txt (the table row of each launch),
-# OUT/phases.txt and OUT/env.txt (exit codes).
+# times, the order swapped every round (old new, new old, ...; until session 8 old always ran first: an A/A check,
+# run 60, found no slot bias either way, but swapping costs nothing). Appends to OUT/ab.txt (the table row of each
+# launch), OUT/phases.txt and OUT/env.txt (exit codes, and `git status` of this tree: the device tool copies the
+# working tree when the call starts, uncommitted edits included; run 57's "new" was such a tree, NOTES §23).
 # AB_BENCH=gpu_ep_bench (default: 2 GPUs, one process per rank, both ranks' phase timers in phases.txt) or
 # AB_BENCH=gpu_bench (one GPU, in-process ranks; pass --sections e2e; the engine's and executor's step timers,
 # DATAFLOW_PROFILE_EXEC=1, in phases.txt). AB_TIMEOUT: seconds per launch (120).
@@ -16,6 +17,7 @@ OLD=$(mktemp -d /tmp/old_tree.XXXX); tar -xzf "$TGZ" -C "$OLD"
 # this tree copied next to the old one, so that both run from the same kind of place (fresh, no caches)
 NEW=$(mktemp -d /tmp/new_tree.XXXX); tar --exclude=./.df --exclude=./.whl --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$NEW"
 P=$(mktemp -d /tmp/ab.XXXX)
+{ echo "new tree: $(git rev-parse --short HEAD 2>/dev/null) uncommitted:"; git status --short -uno 2>/dev/null; } >> "$OUT/env.txt"
 for r in $(seq 1 "$ROUNDS"); do
   ORDER="old new"; [ $((r % 2)) = 0 ] && ORDER="new old"
   for v in $ORDER; do
