@@ -10,10 +10,11 @@ needs, derived from them and the layer's expert -> rank table (`owner`):
 - `packed`: what the merge group's device side needs, one int64 host array uploaded in one copy:
   [order // k (the dispatch gather), inv, the fp32 weights two per element] (`pack_group_inputs`' layout).
 
-The numpy version (`plan_from_order`, kept as the reference the tests compare against) makes ~20 numpy calls
-per batch (a bincount, a stable argsort, a scatter for the inverse, a division, the packing); each costs
-~5-10 us inside the serving loop on the H200 host (benchmarks/NOTES.md §20). `plan_dispatch` does one counting
-sort in numba: one call. The result is identical (test_dispatch_plan.py).
+The numpy version (`plan_reference`, kept as the reference the tests compare against) makes ~20 numpy calls
+per batch (a bincount, a stable argsort, a scatter for the inverse, a division, the packing); `plan_dispatch`
+does one counting sort in numba: one call, the identical result (tests/test_dispatch_plan.py). On the H200 host
+that saved ~30 us per attention batch (device run 61; benchmarks/NOTES.md §23 item 5), not the 100-150 us
+predicted: the step's remaining cost is its ~12 torch calls, not numpy.
 """
 from __future__ import annotations
 
