@@ -256,6 +256,7 @@ class CudaExecutor:
         # When a list: (kind, start event, end event) per attention / expert call, recorded around
         # the call's device work (benchmarks/gpu_bench.py derives GPU time per batch from it).
         self.profile: Optional[list] = None
+        self._timing_events: list = []  # made before a timed run (reserve_timing_events), used by _mark
         self._index_cache: dict[tuple[int, int], Tensor] = {}
         self._bufs_cache: dict[tuple[str, int], StaticBuffers] = {}  # (kind, bucket) -> its static buffers
         ex = spec.experts
@@ -347,9 +348,21 @@ class CudaExecutor:
     def _mark(self) -> Optional[torch.cuda.Event]:
         if self.profile is None or self.device.type != "cuda":
             return None
-        ev = torch.cuda.Event(enable_timing=True)
+        pool = self._timing_events
+        ev = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
         ev.record(current_stream(self.device))  # (Event.record() would build a Stream object: ~7 us)
         return ev
+
+    def reserve_timing_events(self, n: int) -> None:
+        """Make `n` timing events for _mark now, outside the timed run: an Event object and its CUDA event
+        (created at its first record) cost two more calls inside every timed executor call otherwise."""
+        if self.device.type != "cuda":
+            return
+        stream = current_stream(self.device)
+        for _ in range(n - len(self._timing_events)):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)
+            self._timing_events.append(ev)
 
     def _marked(self, kind: str, start) -> None:
         if start is not None:

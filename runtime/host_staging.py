@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -56,6 +57,40 @@ def wait_event(ev, what: str, timeout_s: Optional[float] = None) -> float:
     return time.perf_counter() - t0
 
 
+class StreamOrder:
+    """What the host already knows has run on each CUDA stream. Work on one stream runs in the order it was queued,
+    so once an event is seen complete, every event recorded before it on that stream is complete too. Marks get a
+    process-wide sequence number and are keyed by (device, raw stream handle); `seen` raises the stream's
+    watermark. A staging slot whose last mark is at or below its stream's watermark is known free without asking
+    the device: the routing copy each attention batch waits for anyway is recorded after the batch's uploads, so
+    reusing a slot usually costs no event query (a torch call, ~10-15 us on the H200 host in the serving loop;
+    benchmarks/NOTES.md §24)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.done: dict[tuple, int] = {}
+        self.lock = threading.Lock()  # a record and its number are one step (two threads may share a stream)
+
+    def record(self, ev, stream) -> int:
+        """Record `ev` on `stream` and number it: on one stream, a larger number was recorded later."""
+        with self.lock:
+            ev.record(stream)
+            self.seq += 1
+            return self.seq
+
+    def seen(self, key: tuple, seq: int) -> None:
+        """Mark `seq` on stream `key` complete (so every earlier mark on it). Unlocked: a lost race can only
+        lower the watermark, which is safe (a query more)."""
+        if seq > self.done.get(key, 0):
+            self.done[key] = seq
+
+    def known_done(self, key: tuple, seq: int) -> bool:
+        return seq <= self.done.get(key, 0)
+
+
+STREAM_ORDER = StreamOrder()  # one per process: every ring's marks on a stream share its order
+
+
 class HostStaging:
     """`slots` pinned buffers used round robin, each guarded by the event of the copy that last read it."""
 
@@ -65,6 +100,8 @@ class HostStaging:
         self.slots = slots
         self._bufs = [self._alloc(nbytes) for _ in range(slots)]
         self._events: list[Optional[torch.cuda.Event]] = [None] * slots
+        self._marks: list[tuple] = [((), 0)] * slots  # slot -> (stream key, sequence number) of its last mark
+        self._dev = device.index if device.index is not None else (torch.cuda.current_device() if self.cuda else -1)
         self._typed: list[dict] = [{} for _ in range(slots)]  # slot -> {(shape, dtype): (tensor, ndarray)}
         self._i = 0
         self._held = [False] * slots  # a device -> host result not read yet (PendingHost.hold): skipped
@@ -83,8 +120,12 @@ class HostStaging:
         else:
             raise RuntimeError(f"all {self.slots} pinned staging slots are held by unread device -> host results")
         ev = self._events[i]
-        if ev is not None and not ev.query():  # (the label is only built when there is a wait)
-            self.wait_s += wait_event(ev, f"the copy through pinned staging slot {i} (its reuse waits for it)")
+        if ev is not None:
+            key, seq = self._marks[i]
+            if not STREAM_ORDER.known_done(key, seq):  # else a later mark on its stream was seen complete
+                if not ev.query():  # (the label is only built when there is a wait)
+                    self.wait_s += wait_event(ev, f"the copy through pinned staging slot {i} (its reuse waits for it)")
+                STREAM_ORDER.seen(key, seq)
         return i
 
     def acquire(self, nbytes: int) -> tuple[int, Tensor]:
@@ -143,7 +184,9 @@ class HostStaging:
         ev = self._events[i]
         if ev is None:
             ev = self._events[i] = torch.cuda.Event()
-        ev.record(current_stream(self.device))
+        stream = current_stream(self.device)
+        key = (self._dev, stream.cuda_stream)
+        self._marks[i] = (key, STREAM_ORDER.record(ev, stream))
         return ev
 
     def h2d(self, dst: Tensor, src: Tensor) -> None:
@@ -176,7 +219,8 @@ class HostStaging:
             return PendingHost(src.detach().to("cpu").clone(), None, self, -1)
         i, view, _ = self._acquire_typed(tuple(src.shape), src.dtype)
         view.copy_(src, non_blocking=True)
-        return PendingHost(view, self.mark(i), self, i)
+        ev = self.mark(i)
+        return PendingHost(view, ev, self, i, self._marks[i])
 
 
 @dataclass
@@ -185,10 +229,16 @@ class PendingHost:
     event: Optional[torch.cuda.Event]
     staging: HostStaging
     slot: int  # -1 on the CPU (a plain tensor)
+    mark: tuple = ((), 0)  # (stream key, sequence number) of the copy's event (StreamOrder)
 
     def ready(self) -> bool:
         """The copy has landed (never blocks)."""
-        return self.event is None or self.event.query()
+        if self.event is None:
+            return True
+        if self.event.query():
+            STREAM_ORDER.seen(*self.mark)
+            return True
+        return False
 
     def hold(self) -> None:
         """Keep the ring from reusing this slot until release(): for a result read much later."""
@@ -200,7 +250,9 @@ class PendingHost:
             self.staging._held[self.slot] = False
 
     def wait(self) -> Tensor:
-        if self.event is not None and not self.event.query():  # (the label is only built when there is a wait)
-            self.staging.wait_s += wait_event(self.event, f"a device -> host copy of {tuple(self.view.shape)} "
-                                                          f"{self.view.dtype} (a batch's routing or tokens)")
+        if self.event is not None:
+            if not self.event.query():  # (the label is only built when there is a wait)
+                self.staging.wait_s += wait_event(self.event, f"a device -> host copy of {tuple(self.view.shape)} "
+                                                              f"{self.view.dtype} (a batch's routing or tokens)")
+            STREAM_ORDER.seen(*self.mark)
         return self.view

@@ -321,6 +321,44 @@ def test_staging_ring_skips_held_slots():
         ring._next()
 
 
+class _Ev:
+    """A CUDA event stand-in: complete or not, counting the host's queries."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.queries = done, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+def test_staging_ring_reuses_a_slot_without_a_query_once_a_later_mark_on_its_stream_completed(monkeypatch):
+    """Work on one stream completes in order: once a mark is seen complete (a routing copy waited for, a slot's
+    query), every earlier mark on that stream is free without asking the device; a mark on another stream, or
+    a later one, is still queried, and a pending one is waited for."""
+    import runtime.host_staging as hs
+    order = hs.StreamOrder()
+    monkeypatch.setattr(hs, "STREAM_ORDER", order)
+    ring = hs.HostStaging(torch.device("cpu"), slots=4, nbytes=64)
+    a, b = (0, 11), (0, 22)  # two streams of device 0
+    evs = [_Ev(True), _Ev(True), _Ev(True), _Ev(True)]
+    ring._events = list(evs)
+    ring._marks = [(a, 1), (b, 2), (a, 3), (a, 4)]
+    hs.PendingHost(torch.zeros(1), _Ev(True), ring, 2, (a, 3)).wait()  # e.g. the routing copy of a batch
+    assert order.known_done(a, 1) and order.known_done(a, 3) and not order.known_done(a, 4)
+    assert not order.known_done(b, 2)
+    assert [ring._next() for _ in range(4)] == [0, 1, 2, 3]
+    assert [e.queries for e in evs] == [0, 1, 0, 1]  # slot 1: another stream; slot 3: later than the watermark
+    assert order.known_done(b, 2) and order.known_done(a, 4)  # the queries that found them complete raised them
+    # a pending copy is still waited for (bounded), and a lost race can only lower the watermark
+    ring._events[0], ring._marks[0] = _Ev(False), (a, 9)
+    monkeypatch.setenv("DATAFLOW_DEVICE_WAIT_S", "0.05")
+    with pytest.raises(TimeoutError, match="pinned staging slot 0"):
+        ring._next()
+    order.seen(a, 2)
+    assert order.known_done(a, 4)
+
+
 @pytest.mark.parametrize("whole", [False, True])
 def test_merge_add_run_form_equals_array_form(whole):
     """MergeTable.add of the wire's run form (first, count) bookkeeps with slices: the same completed segments,

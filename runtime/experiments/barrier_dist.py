@@ -135,6 +135,9 @@ def _waited(inner) -> float:
     return float(getattr(getattr(inner, "staging", None), "wait_s", 0.0) or 0.0)
 
 
+TIMING_EVENTS = 16384  # timing events a probe's executor makes before the run (more are made as needed)
+
+
 class HostProbe:
     """Per batch kind, what issue 7 asks a GPU bench to print: host time per batch (wall of the batch's
     executor work minus the time blocked on the device), device time (the CUDA events the executor
@@ -154,6 +157,9 @@ class HostProbe:
         self.expert_bytes = expert_bytes  # (active experts, rows) -> bytes; None: no bandwidth column
         if inner is not None and getattr(inner, "device", torch.device("cpu")).type == "cuda":
             inner.profile = []
+            reserve = getattr(inner, "reserve_timing_events", None)
+            if reserve is not None:  # 2 per executor call; a 20B-L8 bench rank makes ~5k calls
+                reserve(TIMING_EVENTS)
         self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids, host start, first part of its batch)
         self._anchor: Optional[tuple] = None  # (CUDA event, perf_counter when it ran): maps device time to host time
 
