@@ -4,7 +4,7 @@
 # `git archive | gzip` of the commit before, carried with the device tool's `carry`) and from this tree, ROUNDS
 # times, the order swapped every round (old new, new old, ...; until session 8 old always ran first: an A/A check,
 # run 60, found no slot bias either way, but swapping costs nothing). Appends to OUT/ab.txt (the table row of each
-# launch), OUT/phases.txt and OUT/env.txt (exit codes, and `git status` of this tree: the device tool copies the
+# launch), OUT/phases.txt and OUT/env.txt (exit codes, and a hash of this tree's sources: the device tool copies the
 # working tree when the call starts, uncommitted edits included; run 57's "new" was such a tree, NOTES §23).
 # AB_BENCH=gpu_ep_bench (default: 2 GPUs, one process per rank, both ranks' phase timers in phases.txt) or
 # AB_BENCH=gpu_bench (one GPU, in-process ranks; pass --sections e2e; the engine's and executor's step timers,
@@ -17,7 +17,9 @@ OLD=$(mktemp -d /tmp/old_tree.XXXX); tar -xzf "$TGZ" -C "$OLD"
 # this tree copied next to the old one, so that both run from the same kind of place (fresh, no caches)
 NEW=$(mktemp -d /tmp/new_tree.XXXX); tar --exclude=./.df --exclude=./.whl --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$NEW"
 P=$(mktemp -d /tmp/ab.XXXX)
-{ echo "new tree: $(git rev-parse --short HEAD 2>/dev/null) uncommitted:"; git status --short -uno 2>/dev/null; } >> "$OUT/env.txt"
+# What the new tree is, by content: the device copy's .git is stale (it named a540828 in run 63), so record a hash of
+# the tracked Python sources; `bash benchmarks/device/tree_hash.sh` in a checkout gives the same hash for the same files.
+echo "new tree sources: $(bash "$(dirname "$0")/tree_hash.sh")" >> "$OUT/env.txt"
 for r in $(seq 1 "$ROUNDS"); do
   ORDER="old new"; [ $((r % 2)) = 0 ] && ORDER="new old"
   for v in $ORDER; do
