@@ -36,18 +36,24 @@ def _device_wait_s() -> float:
     except ValueError:
         s = -1.0
     if not s > 0:
-        raise ValueError(f"DATAFLOW_DEVICE_WAIT_S={v!r}: expected a number of seconds > 0 (default 300)")
+        raise ValueError(f"DATAFLOW_DEVICE_WAIT_S={v!r}: expected a number of seconds > 0 (default 300), or inf "
+                         f"(block in cudaEventSynchronize, unbounded: the wait before session 7, for A/B runs)")
     return s
 
 
 def wait_event(ev, what: str, timeout_s: Optional[float] = None) -> float:
     """Block until CUDA event `ev` has completed; returns the seconds waited. Polls it, yielding the GIL
     between looks (as cudaEventSynchronize's default spin does, but with a bound): after `timeout_s`
-    (DATAFLOW_DEVICE_WAIT_S) raises TimeoutError naming `what` it waited for."""
+    (DATAFLOW_DEVICE_WAIT_S) raises TimeoutError naming `what` it waited for. A bound of inf waits in
+    `ev.synchronize()` instead (unbounded)."""
     if ev.query():
         return 0.0
     t0 = time.perf_counter()
-    deadline = t0 + (timeout_s if timeout_s is not None else _device_wait_s())
+    bound = timeout_s if timeout_s is not None else _device_wait_s()
+    if bound == math.inf:  # no bound asked for: the driver's blocking wait (NOTES §22 item 11 asks for this A/B)
+        ev.synchronize()
+        return time.perf_counter() - t0
+    deadline = t0 + bound
     while not ev.query():
         now = time.perf_counter()
         if now > deadline:

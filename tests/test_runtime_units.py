@@ -411,5 +411,10 @@ def test_device_waits_are_bounded_and_name_what_they_waited_for(monkeypatch):
     with pytest.raises(TimeoutError, match="DATAFLOW_DEVICE_WAIT_S"):
         wait_event(Ev(None), "a copy")
     monkeypatch.setenv("DATAFLOW_DEVICE_WAIT_S", "soon")
-    with pytest.raises(ValueError, match="DATAFLOW_DEVICE_WAIT_S='soon': expected a number of seconds > 0"):
+    with pytest.raises(ValueError, match="DATAFLOW_DEVICE_WAIT_S='soon': expected a number of seconds > 0.*or inf"):
         _device_wait_s()
+    # inf: the unbounded blocking wait (cudaEventSynchronize), kept for the A/B against polling
+    monkeypatch.setenv("DATAFLOW_DEVICE_WAIT_S", "inf")
+    ev = Ev(None)
+    ev.synchronize = lambda: setattr(ev, "n", -1)  # the driver returns once the event ran
+    assert wait_event(ev, "a copy") >= 0.0 and ev.query()
