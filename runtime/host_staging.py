@@ -69,8 +69,7 @@ class StreamOrder:
     process-wide sequence number and are keyed by (device, raw stream handle); `seen` raises the stream's
     watermark. A staging slot whose last mark is at or below its stream's watermark is known free without asking
     the device: the routing copy each attention batch waits for anyway is recorded after the batch's uploads, so
-    reusing a slot usually costs no event query (a torch call, ~10-15 us on the H200 host in the serving loop;
-    benchmarks/NOTES.md §24)."""
+    reusing a slot usually costs no event query (~1.5-2 us in-process on the H200 host: benchmarks/NOTES.md §24)."""
 
     def __init__(self) -> None:
         self.seq = 0
