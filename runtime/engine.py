@@ -48,7 +48,8 @@ from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
-from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, SampleItem
+from runtime.routed_rows import device_routed_from_env, pack as pack_routed, unpack as unpack_routed
+from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, RoutedItem, SampleItem
 from runtime.requests import Request
 from runtime.scheduler import HOLD, Decision, StageView, make_policy
 from runtime.step_timer import StepTimer
@@ -58,6 +59,7 @@ _EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: no
 # Message kinds on the wire (meta["t"]).
 MSG_EXPERT_IN = "x"  # home -> expert owner: routed rows
 MSG_EXPERT_OUT = "y"  # expert owner -> home: expert output rows
+MSG_EXPERT_ROUTED = "r"  # home -> expert owner: a whole attention batch with its expert ids (DATAFLOW_DISPATCH=device)
 
 
 @dataclass(slots=True)
@@ -155,6 +157,7 @@ class Engine:
         self.merge = MergeTable(k, self._whole_groups())
         # expert -> rank per layer as an array, for dispatching a whole batch at once
         self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
+        self._owners: dict[int, list[int]] = {}  # layer -> ranks holding its experts (device-routed dispatch)
         warm_up_dispatch()  # numba: load (or compile) now, not in the first timed batch
         self._id_dtype = id_dtype(max((len(er) for er in cfg.expert_rank), default=1))  # expert ids on the wire
         self.requests: dict[int, Request] = {}  # live requests homed here
@@ -182,6 +185,11 @@ class Engine:
         # dispatches this one when its routing has arrived. Measured off by default (run 51, benchmarks/NOTES.md
         # §22): the expert batches run meanwhile are smaller (385 rows against 440), 0.88x against 1.07x clean.
         self.async_route = _async_route_from_env()
+        self.device_routed = device_routed_from_env()
+        if self.device_routed and not hasattr(executor, "experts_routed"):
+            raise ValueError(f"DATAFLOW_DISPATCH=device needs an executor with experts_routed(); "
+                             f"{type(executor).__name__} has none (use DATAFLOW_DISPATCH=host)")
+        self._owned: dict = {}  # (layer, device) -> bool tensor [E]: experts this rank holds (device-routed dispatch)
         self.deferred: deque = deque()
         self._deferred_attn_rows = [0] * cfg.num_layers  # rows of deferred attention batches per layer (_incoming)
         if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
@@ -285,6 +293,9 @@ class Engine:
             self._enqueue_expert_rows(meta["layer"], meta["home"], decode_tags(meta["rows"]),
                                       decode_ids(meta["e"], self._id_dtype), tensor, meta.get("more", 0.0),
                                       meta.get("next", 0.0))
+        elif t == MSG_EXPERT_ROUTED:
+            x, ids = unpack_routed(tensor, meta["H"])
+            self._enqueue_routed(meta["layer"], meta["home"], x, ids, meta["rows"][0], meta.get("more", 0.0))
         elif t == MSG_EXPERT_OUT:
             self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))  # array or run form
         elif self.on_control is not None:
@@ -305,6 +316,21 @@ class Engine:
         tags = np.asarray(tags, dtype=np.int64)
         self.queues[self._expert_stage(layer)].push(
             ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
+
+    def _enqueue_routed(self, layer: int, home: int, x: torch.Tensor, ids: torch.Tensor, tag0: int,
+                        more: float = 0.0) -> None:
+        """One RoutedItem for a home's whole attention batch (device-routed dispatch)."""
+        self._announced[layer][home] = more
+        n = ids.shape[0] * ids.shape[1]
+        self.queues[self._expert_stage(layer)].push(RoutedItem(home, layer, x, ids, tag0, self.clock.now(), n))
+
+    def _owned_experts(self, layer: int, device: torch.device) -> torch.Tensor:
+        """bool [E] on `device`: the experts of `layer` this rank holds."""
+        key = (layer, device)
+        owned = self._owned.get(key)
+        if owned is None:
+            owned = self._owned[key] = torch.from_numpy(self._expert_rank[layer] == self.rank).to(device)
+        return owned
 
     def _merge_rows(self, layer: int, tags, y: torch.Tensor, landed: bool = False) -> None:
         for group, segs in self.merge.add(tags, y, landed):
@@ -447,6 +473,12 @@ class Engine:
             self._exec_attn(batch)
         elif kind == "expert":
             items = batch.items
+            if type(items[0]) is RoutedItem:  # device-routed: whole batches, selected on the device
+                layer = batch.stage.layer
+                owned = self._owned_experts(layer, items[0].x.device)
+                batch.out["y"] = self.executor.experts_routed(layer, [it.x for it in items], [it.ids for it in items],
+                                                              owned)
+                return
             if len(items) == 1:
                 x, ids = items[0].x, items[0].expert
             else:  # row blocks: the executor concatenates them where the batch's input lives
@@ -492,6 +524,12 @@ class Engine:
         if not self.cfg.expert_rank[layer]:
             batch.out["h_next"] = h_res + self.executor.dense_mlp(layer, x)
         else:
+            if self.device_routed:  # the routing stays where the graph made it (device tensors)
+                route = getattr(self.executor, "route_device", None) or self.executor.route
+                ids, weights = route(layer, x)
+                batch.out.update(h_res=h_res, x=x, ids=ids, weights=weights, routed_on_device=True,
+                                 shared=self.executor.shared_expert(layer, x))
+                return
             start = getattr(self.executor, "route_start", None) if self.async_route else None
             routing = start(layer, x) if start is not None else None
             if routing is None:  # numpy arrays where the executor hands them out (route_arrays), else tensors
@@ -664,6 +702,9 @@ class Engine:
             self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
             return
         tm.lap("bookkeeping")
+        if out.get("routed_on_device"):
+            self._dispatch_routed(batch, layer, rids, pos0s, first, ns, multi, rows_of)
+            return
         ids = rows_of(out["ids"])
         if type(ids) is not np.ndarray:
             ids = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
@@ -711,6 +752,31 @@ class Engine:
                 self.transport.send(d, meta, xd)
             off += c
         tm.lap("send+enqueue")
+
+    def _dispatch_routed(self, batch: Batch, layer: int, rids, pos0s, first, ns, multi: bool, rows_of) -> None:
+        """Device-routed dispatch (runtime/routed_rows.py): the whole batch and its expert ids to every rank holding
+        experts of the layer; the merge group sums their parts (each zero where its rank holds no expert)."""
+        out = batch.out
+        ids, x = rows_of(out["ids"]), rows_of(out["x"])
+        T, k = ids.shape
+        owners = self._owners.get(layer)
+        if owners is None:
+            owners = self._owners[layer] = np.unique(self._expert_rank[layer]).tolist()
+        shared = rows_of(out["shared"]) if out["shared"] is not None else None
+        n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)
+        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), n, rows_of(out["h_res"]), shared,
+                            rows_of(out["weights"]), batch.t_start, parts=len(owners))
+        tag0 = g.gid << TAG_SHIFT
+        ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
+        payload = None
+        for d in owners:
+            if d == self.rank:
+                self._enqueue_routed(layer, self.rank, x, ids, tag0, ahead * k)
+                continue
+            if payload is None:
+                payload = pack_routed(x, ids)
+            self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank, "rows": (tag0, T * k),
+                                    "H": x.shape[1], "more": ahead * k}, payload)
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer

@@ -86,6 +86,22 @@ class TorchExecutor:
         return layers.experts_forward(self.spec, self.w, layer, row_blocks(x), ids)
 
     @torch.no_grad()
+    def experts_routed(self, layer: int, xs: list[Tensor], ids: list[Tensor], owned: Tensor) -> Tensor:
+        """The device-routed dispatch's expert batch (runtime/routed_rows.py): items of T_i token rows xs[i] and
+        their top-k expert ids ids[i] [T_i, k]; returns [sum T_i*k, H], row t*k + j of an item = the output of its
+        token t's expert ids[t, j] where owned[that expert] (this rank holds it), zero elsewhere. Here the held
+        slots are selected on the host (data-dependent shapes) and run through experts()."""
+        x = torch.cat(xs) if len(xs) > 1 else xs[0]
+        flat = (torch.cat(ids) if len(ids) > 1 else ids[0]).to(torch.long).reshape(-1)
+        k = ids[0].shape[1]
+        held = owned[flat]
+        rows = torch.nonzero(held).squeeze(1)
+        y = torch.zeros((flat.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+        if rows.numel():
+            y[rows] = self.experts(layer, x.index_select(0, rows // k), flat[rows])
+        return y
+
+    @torch.no_grad()
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
                 row_index: Optional[Tensor] = None) -> Tensor:
         """h_res + sum_j weights[:, j] * y[:, j] (+ shared). y is [T, k, H], or, with `row_index` [T, k],

@@ -65,6 +65,7 @@ from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
+from runtime.routed_rows import device_routed_from_env
 from runtime.step_timer import StepTimer
 
 _GREEDY = SamplingParams()
@@ -141,6 +142,7 @@ class _Pending:
     route: Optional[PendingHost]
     shared: Optional[Tensor]
     k: int
+    on_device: Optional[Tensor] = None  # [T, 2k] fp32 ids | weights, kept on the device (DATAFLOW_DISPATCH=device)
 
     def ready(self) -> bool:
         """The routing has reached the host (never blocks)."""
@@ -224,6 +226,8 @@ class CudaExecutor:
         self.expert_graphs = graphs and self.ffn_impl != "torch"
         self.graphs = GraphCache(self.device, graphs)
         self.staging = HostStaging(self.device)
+        self.route_on_device = device_routed_from_env()  # keep each batch's routing on the device (no copy to host)
+        self._routed_tables: dict[int, Tensor] = {}  # layer -> int32 [E]: global expert id -> held row
         self.stats = ExecStats()
         a = spec.attention
         self._mla = a.kind == "mla"
@@ -453,8 +457,11 @@ class CudaExecutor:
                 base0 = self._to_dev(torch.tensor(base, dtype=torch.int64))
                 ids, wts = self.keyed_router.route_torch(layer, base0, pos)
             shared = shared_expert_out(self.spec, lw, x)
-            route = self.staging.d2h(torch.cat([ids.to(torch.float32), wts], dim=1))
-            self._pending = _Pending(x, route, shared, ids.shape[1])
+            both = torch.cat([ids.to(torch.float32), wts], dim=1)
+            if self.route_on_device:
+                self._pending = _Pending(x, None, shared, ids.shape[1], both)
+            else:
+                self._pending = _Pending(x, self.staging.d2h(both), shared, ids.shape[1])
         return h_res, x
 
     def _first_rows(self, key: tuple, static: bool, make) -> tuple:
@@ -557,8 +564,11 @@ class CudaExecutor:
         h_res, x = out[0], out[1]
         tm.lap("out_clone")
         if self.spec.is_moe_layer(layer):
-            route = self.staging.d2h(route_T)
-            self._pending = _Pending(x, route, out[2] if len(out) > 2 else None, self.top_k)
+            shared = out[2] if len(out) > 2 else None
+            if self.route_on_device:  # the static buffer is reused by the next batch: one copy, on the device
+                self._pending = _Pending(x, None, shared, self.top_k, route_T.clone())
+            else:
+                self._pending = _Pending(x, self.staging.d2h(route_T), shared, self.top_k)
         tm.lap("route_d2h")
         return h_res, x
 
@@ -580,10 +590,83 @@ class CudaExecutor:
             v = p.route.wait()
             self.stats.route_wait_s += time.perf_counter() - t
             return p.read(v)
+        if p is not None and p.x is x and p.on_device is not None:  # kept on the device (DATAFLOW_DISPATCH=device):
+            a = p.on_device.cpu().numpy()  # a caller that needs it on the host (the barriers) waits for a copy
+            return a[:, :p.k].astype(np.int64), a[:, p.k:].copy()
         self.stats.note("route: not the last attention's x (eager route + sync)")
         with torch.no_grad():  # (only here: entering no_grad is two more torch calls on the hot path above)
             ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))
         return ids.cpu().numpy(), wts.cpu().to(torch.float32).numpy()
+
+    def route_device(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        """route() left on the device (the device-routed dispatch, runtime/routed_rows.py): (ids [T, k] as fp32
+        integer values, weights [T, k] fp32), no host copy and no wait."""
+        p = self._pending
+        if p is not None and p.x is x and p.on_device is not None:
+            r, k = p.on_device, p.k
+            return r[:, :k], r[:, k:].contiguous()  # (the combine kernel reads the weights densely)
+        self.stats.note("route_device: not the last attention's x (eager route)")
+        with torch.no_grad():
+            return layers.route(self.spec, self.w, layer, self._to_dev(x))
+
+    def _routed_table(self, layer: int) -> Tensor:
+        """int32 [E] on the device: global expert id -> row of this executor's stacked weights (identity when it
+        holds every expert; -1 where it holds none)."""
+        tab = self._routed_tables.get(layer)
+        if tab is None:
+            lut = self._rows_of.get(layer)
+            tab = torch.arange(self.num_experts, dtype=torch.int32) if lut is None else torch.from_numpy(lut).to(torch.int32)
+            tab = self._routed_tables[layer] = tab.to(self.device)
+        return tab
+
+    @torch.no_grad()
+    def experts_routed(self, layer: int, xs: list[Tensor], ids: list[Tensor], owned: Tensor) -> Tensor:
+        """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync: each
+        item's rows are copied once per slot into the bucket's static input, its ids mapped on the device to held
+        rows (slots of experts this rank does not own -> the padding id), the expert graph replayed, and the
+        outputs of those slots zeroed."""
+        start = self._mark()
+        try:
+            return self._experts_routed(layer, xs, ids, owned)
+        finally:
+            self._marked("expert", start)
+
+    def _experts_routed(self, layer, xs, ids, owned):
+        k, H = ids[0].shape[1], self.spec.hidden_size
+        N = sum(x.shape[0] for x in xs) * k
+        b = bucket_for(N, self.buckets["expert"])
+        static = b is not None
+        if not static:
+            b = N
+            self.stats.note("expert: batch above the largest bucket")
+        bufs = self._expert_bufs(b, static)
+        x_in, ids_in, y_out = bufs._t["x"], bufs._t["ids"], bufs._t["y"]
+        # padding / not-owned slots: the sentinel expert, or (grouped_mm, which has none) a held row, masked after
+        pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
+        tab = self._routed_table(layer)
+        keep, o = [], 0
+        for x, e in zip(xs, ids):
+            T = x.shape[0]
+            n = T * k
+            x_in[o:o + n].view(T, k, H).copy_(self._to_dev(x).unsqueeze(1).expand(T, k, H))
+            sel = e.to(torch.long).reshape(-1)
+            mine = owned[sel]
+            ids_in[o:o + n].copy_(torch.where(mine, tab[sel], pad))
+            keep.append(mine)
+            o += n
+        ids_in[N:].fill_(pad)
+        if static:
+            g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
+                                self.expert_graphs)
+            g.run()
+            self.stats.expert_graph += int(g.capture)
+            self.stats.expert_eager += int(not g.capture)
+        else:
+            self._expert_body(layer, bufs)()
+            self.stats.expert_eager += 1
+        y = y_out[:N].clone()
+        mask = keep[0] if len(keep) == 1 else torch.cat(keep)
+        return y.masked_fill_(~mask.unsqueeze(1), 0)
 
     def route_start(self, layer: int, x: Tensor) -> Optional[_Pending]:
         """The engine's asynchronous dispatch: the routing of the attention call that returned `x`, still on
@@ -639,7 +722,7 @@ class CudaExecutor:
         return order, offsets
 
     def _expert_body(self, layer: int, bufs: StaticBuffers):
-        spec, lw, ex = self.spec, self.w.layers[layer], self.spec.experts
+        lw, ex = self.w.layers[layer], self.spec.experts
         x_in, ids_buf, y_out, ar = bufs._t["x"], bufs._t["ids"], bufs._t["y"], bufs._t["arange"]
         E = self._held_count(layer)
         # The ids buffer is shared by every layer of a bucket and padded with num_experts: a shard
@@ -649,6 +732,7 @@ class CudaExecutor:
         bg, bu, bd = (lw["experts.gate_b"], lw["experts.up_b"], lw["experts.down_b"]) if ex.bias else (None,) * 3
         ffn = {"triton": grouped_ffn_triton, "grouped_mm": grouped_ffn_grouped_mm, "torch": grouped_ffn_torch}[self.ffn_impl]
         sentinel = self.ffn_impl != "grouped_mm"
+        routed = self.route_on_device
 
         def body() -> None:
             ids = ids_buf.to(torch.int64)
@@ -661,7 +745,10 @@ class CudaExecutor:
                 # themselves (the Triton sort leaves them unwritten), so order is a permutation.
                 n_real = (ids < E).sum()
                 offsets = torch.minimum(offsets, n_real)
-                order = torch.where(ar < n_real, order, ar)
+                # Device-routed batches (runtime/routed_rows.py) have sentinel slots anywhere, not only in the
+                # padded tail: the positions past n_real then take the sentinel rows in index order.
+                fill = torch.argsort((ids >= E).to(torch.int32), stable=True) if routed else ar
+                order = torch.where(ar < n_real, order, fill)
             xs = x_in.index_select(0, order)
             ys = ffn(xs, offsets, wg, wu, wd, bg, bu, bd, ex.activation, ex.glu_alpha, ex.glu_limit)
             y_out.index_copy_(0, order, ys)

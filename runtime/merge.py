@@ -62,6 +62,7 @@ class MergeGroup:
     missing: np.ndarray  # int64 [S]: parts still missing per segment
     open_segments: int
     t_open: float
+    parts: int = 0  # device-routed dispatch: owners whose parts are summed into y (0: positions, one part each)
 
     @property
     def rows(self) -> int:
@@ -106,11 +107,14 @@ class MergeTable:
 
     def open(self, layer: int, rids: list[int], pos0: list[int], first: np.ndarray, n: np.ndarray,
              h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, now: float,
-             plan: Optional[DispatchPlan] = None) -> MergeGroup:
+             plan: Optional[DispatchPlan] = None, parts: int = 0) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
         start[s] .. start[s]+n[s]-1 (segments back to back, in order). `plan`: the batch's dispatch plan
         (runtime/dispatch_plan.py: its order, f at position p, and the packed device inputs; None = identity
-        order, weights packed here). `weights` [R, k]: numpy or a tensor. Tags: `group.gid << TAG_SHIFT | p`."""
+        order, weights packed here). `weights` [R, k]: numpy or a tensor. Tags: `group.gid << TAG_SHIFT | p`.
+        `parts` > 0: the device-routed dispatch (runtime/routed_rows.py): identity order, and each of `parts`
+        owners returns every position, zero where it holds none of the slot's experts; y starts at zero and sums
+        them."""
         k = self.top_k
         S = len(rids)
         R = int(n.sum())
@@ -128,7 +132,8 @@ class MergeTable:
             seg_of_pos = np.repeat(seg_of_row, k)
             if order is not None:
                 seg_of_pos = seg_of_pos[order]
-        y = torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
+        alloc = torch.zeros if parts else torch.empty
+        y = alloc((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
         # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
         # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
         # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
@@ -145,12 +150,12 @@ class MergeTable:
             ready = None
             if order is not None:
                 gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
-            if y.is_cuda:
+            if y.is_cuda and not parts:  # (device-routed parts are added, never received in place)
                 ready = torch.cuda.Event()
                 ready.record(current_stream(y.device))
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
                        y, ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k,
-                       S, now)
+                       S, now, parts)
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S
@@ -171,7 +176,7 @@ class MergeTable:
             return None
         g = self._groups.get(t0 >> TAG_SHIFT)
         p0 = t0 & TAG_MASK
-        if g is None or p0 + n > len(g.filled) or tuple(shape[1:]) != tuple(g.y.shape[1:]) or dtype != g.y.dtype:
+        if g is None or g.parts or p0 + n > len(g.filled) or tuple(shape[1:]) != tuple(g.y.shape[1:]) or dtype != g.y.dtype:
             return None
         return g.y[p0:p0 + n], g.ready
 
@@ -204,6 +209,9 @@ class MergeTable:
             p = (tags if idx is None else tags[idx]) & TAG_MASK
             if g is None:
                 raise KeyError(f"expert output for unknown merge group {gid} (positions {p[:4].tolist()}...)")
+            if g.parts:  # device-routed: summed, not placed
+                out += self._add_sum(g, p, y if idx is None else y.index_select(0, to_device(idx, y.device)))
+                continue
             if len(p) and int(p.max()) >= len(g.filled):
                 raise KeyError(f"expert output position {int(p.max())} beyond merge group {gid} of {g.rows} rows")
             seen = g.filled[p]
@@ -237,6 +245,8 @@ class MergeTable:
         g = self._groups.get(gid)
         if g is None or p0 + n > len(g.filled):
             return None
+        if g.parts:
+            return self._add_sum(g, slice(p0, p0 + n), y)
         filled = g.filled[p0:p0 + n]
         if filled.any():
             return None
@@ -246,6 +256,30 @@ class MergeTable:
             g.y[p0:p0 + n].copy_(y)
         done = self._completed(g, slice(p0, p0 + n))
         return [(g, done)] if len(done) else []
+
+    def _add_sum(self, g: MergeGroup, p, y: torch.Tensor) -> list:
+        """A device-routed part (positions `p` of group g: a slice or an array) added into y; the group completes,
+        all its segments at once, when every owner's part of every position is in."""
+        if type(p) is slice:
+            g.y[p].add_(y)
+            n = p.stop - p.start
+        else:  # positions within the group
+            g.y.index_add_(0, to_device(p, g.y.device), y.to(g.y.device))
+            n = len(p)
+        g.nfilled += n
+        total = g.parts * len(g.filled)
+        if g.nfilled > total:
+            raise ValueError(f"merge group {g.gid} (layer {g.layer}) got {g.nfilled} device-routed rows, "
+                             f"expected {g.parts} parts of {len(g.filled)}")
+        if g.nfilled < total:
+            return []
+        done = np.arange(len(g.missing))
+        g.missing[:] = 0
+        g.open_segments = 0
+        self._open_segments -= len(done)
+        self._open_rows[g.layer] -= int(g.n.sum())
+        del self._groups[g.gid]
+        return [(g, done)]
 
     def _completed(self, g: MergeGroup, p) -> np.ndarray:
         """Account for positions `p` (an index array or a slice) just filled in group g: the segments this

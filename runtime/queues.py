@@ -94,6 +94,35 @@ class ExpertItem:
 
 
 @dataclass(slots=True)
+class RoutedItem:
+    """A home's whole attention batch for one expert stage, routed on the device (DATAFLOW_DISPATCH=device,
+    runtime/routed_rows.py): T token rows and their top-k expert ids, which the owner maps to its own experts on
+    the device. Its n = T*k slots, slot j of token t at tag tag0 + t*k + j; the owner returns every slot's output,
+    zero where it holds none of the slot's expert (the home sums the owners' parts)."""
+
+    home: int
+    layer: int
+    x: torch.Tensor  # [T, H]
+    ids: torch.Tensor  # [T, k] expert ids (any integer-valued dtype), on x's device
+    tag0: int
+    t_enq: float
+    n: int  # T * k
+
+    @property
+    def tag(self) -> np.ndarray:
+        return np.arange(self.tag0, self.tag0 + self.n, dtype=np.int64)
+
+    def split(self, m: int) -> tuple["RoutedItem", "RoutedItem"]:
+        """(first tokens up to m slots, the rest): cut between tokens (a token's k slots stay together), at
+        least one token."""
+        k = self.ids.shape[1]
+        t = max(m // k, 1)
+        return (RoutedItem(self.home, self.layer, self.x[:t], self.ids[:t], self.tag0, self.t_enq, t * k),
+                RoutedItem(self.home, self.layer, self.x[t:], self.ids[t:], self.tag0 + t * k, self.t_enq,
+                           self.n - t * k))
+
+
+@dataclass(slots=True)
 class SampleItem:
     """Final hidden rows of requests waiting for logits + sampling: one row per request (its last
     position), a block per merge that completed them."""
@@ -165,9 +194,13 @@ class MuQueue:
                 continue
             if rows + n > cap:
                 if not isinstance(item, AttnItem) and rows < cap:
-                    head, items[0] = item.split(cap - rows)
+                    head, rest = item.split(cap - rows)
                     out.append(head)
                     rows += head.n
+                    if rest.n:
+                        items[0] = rest
+                    else:  # a RoutedItem of one token, whose k slots cannot be cut, went whole
+                        items.popleft()
                     break
                 if out:
                     break  # (a segment larger than the cap alone still runs, so nothing can stick forever)

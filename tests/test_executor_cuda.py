@@ -272,6 +272,45 @@ def test_asynchronous_dispatch_with_twin_matches_reference(monkeypatch):
     assert started and all(started)
 
 
+def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch):
+    """DATAFLOW_DISPATCH=device through the CUDA executor's twin: the routing stays in a device copy (no host
+    copy), owners select their slots through the expert graph's static buffers (padding id for the rest, zeroed
+    after; grouped_mm has no sentinel and masks a held row instead), and the home sums the parts."""
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    calls = []
+    real = CudaExecutor.experts_routed
+
+    def spy(self, layer, xs, ids, owned):
+        calls.append(len(xs))
+        return real(self, layer, xs, ids, owned)
+    monkeypatch.setattr(CudaExecutor, "experts_routed", spy)
+    monkeypatch.setattr(CudaExecutor, "route_arrays", lambda *a: pytest.fail("the routing went to the host"))
+    _twin_matches_reference("defrag:hold_fill=1,hold_us=2000")
+    assert calls
+
+
+def test_experts_routed_equals_the_torch_executors_host_side_selection(monkeypatch):
+    """The CUDA executor's device-side selection (static buffers, the expert graph with not-owned slots as
+    sentinels anywhere in the batch, zeroed after) equals TorchExecutor.experts_routed's host-side one, bit for bit,
+    for several items, float or integer ids, and batches below and above the largest bucket."""
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    spec, w = model("tiny-gpt-oss")
+    ce = CudaExecutor(spec, w, compile_plan(spec, 2), torch.device("cpu"))
+    te = TorchExecutor(spec, w)
+    E, k, H = spec.experts.num_experts, spec.experts.top_k, spec.hidden_size
+    g = torch.Generator().manual_seed(0)
+    layer = spec.moe_layers[0]
+    owned = torch.zeros(E, dtype=torch.bool)
+    owned[::2] = True
+    for T in (1, 3, 7, 300):  # 300 tokens x k slots: above the largest expert bucket (eager)
+        xs = [torch.randn(T, H, generator=g), torch.randn(2, H, generator=g)]
+        ids = [torch.randint(0, E, (T, k), generator=g), torch.randint(0, E, (2, k), generator=g).float()]
+        got, want = ce.experts_routed(layer, xs, ids, owned), te.experts_routed(layer, xs, ids, owned)
+        assert got.shape == ((T + 2) * k, H) and torch.equal(got, want)
+        flat = torch.cat(ids).long().reshape(-1)
+        assert not got[~owned[flat]].any()  # slots of experts this rank does not hold are zero
+
+
 def _twin_matches_reference(policy):
     name = "tiny-gpt-oss"
     spec, w = model(name)
@@ -319,3 +358,25 @@ def test_expert_ids_tensor_or_list_same_result():
             continue
         ex = CudaExecutor(spec, w, device="cpu", ffn_impl=ffn, buckets={"attn": [8], "expert": [16]})
         torch.testing.assert_close(ex.experts(1, x, ids), ex.experts(1, x, ids.tolist()), rtol=0, atol=0)
+
+
+def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monkeypatch):
+    """With DATAFLOW_DISPATCH=device the executor keeps each batch's routing on the device; a caller that asks for
+    it on the host (the barrier baselines' route()) must still get the graph's routing (here the keyed Zipf router
+    inside the attention graph), not a fresh eager learned routing: the same barrier tokens in both modes."""
+    from runtime.experiments.barrier import run_barrier
+    from runtime.experiments.barrier_dist import ExecSpec, build_executor, cut_spec
+    es = ExecSpec(model="tiny-gpt-oss", dtype="float32", executor="cuda", zipf_s=1.2)
+    spec = cut_spec(es.model, None, es.dtype)
+    plan = compile_plan(spec, 2)
+    outs = {}
+    for mode in ("host", "device"):
+        monkeypatch.setenv("DATAFLOW_DISPATCH", mode)
+        ex, inner = build_executor(es, plan, torch.device("cpu"))
+        assert inner.route_on_device == (mode == "device")
+        g = random.Random(1)
+        reqs = [Request(i, f"r{i}", [g.randrange(3, spec.vocab_size - 8) for _ in range(3)], 4, ignore_eos=True,
+                        arrival=0.0) for i in range(4)]
+        run_barrier(plan, ex, reqs, "a2a", clock="wall", kv_blocks=64, decode_only=True)
+        outs[mode] = [r.output for r in reqs]
+    assert outs["host"] == outs["device"] and all(outs["host"])

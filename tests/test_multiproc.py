@@ -66,6 +66,16 @@ def test_every_policy_matches_the_reference(ranks):
         assert {r.home for r in wl[sorted(POLICIES).index("mtfs")][0]} == set(range(4))
 
 
+def test_device_routed_dispatch_in_rank_processes_matches_the_reference(monkeypatch):
+    """DATAFLOW_DISPATCH=device over the real transport (ZeroMQ metadata + gloo tensors, 3 rank processes): the
+    packed rows-and-ids messages cross processes and every policy keeps the reference tokens."""
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")  # the rank processes inherit it
+    spec, _, _ = model(NAME)
+    plan = compile_plan(spec, 3, attn_cap=16, block_size=4)
+    wl = _workloads(3, seed=500)
+    _check(run_workloads_multiprocess(plan, wl, timeout=80), wl, 3)
+
+
 def test_chaos_delays_change_timings_not_tokens():
     """3 ranks, every lane of the real transport delayed at random (seeded): same tokens as the
     reference for every policy; the runs are measurably slower than without the delays."""

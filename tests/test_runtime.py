@@ -372,3 +372,35 @@ def test_async_sampling_setting_is_validated(monkeypatch):
     monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "yes")
     with pytest.raises(ValueError, match="DATAFLOW_ASYNC_ROUTE='yes': valid values are 1 .* and 0 .*default 0"):
         _async_route_from_env()
+
+
+# ------------------------------------------------------------------ device-routed dispatch
+@pytest.mark.parametrize("policy", ["defrag", "flfs", HELD[0]])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_device_routed_dispatch_matches_reference(monkeypatch, ranks, policy):
+    """DATAFLOW_DISPATCH=device (runtime/routed_rows.py): every owner gets the whole batch with its expert ids,
+    returns all slots (zero where it holds none) and the home sums them: the same tokens as the reference."""
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    spec, _, _ = model("tiny-mixtral")
+    reqs = make_requests(spec.vocab_size, 6, seed=ranks * 10 + len(policy))
+    res = run("tiny-mixtral", ranks, reqs, policy=policy, clock="virtual", delay=jitter(400e-6), delay_seed=ranks)
+    assert assert_matches_reference("tiny-mixtral", res.requests) > 20
+    assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
+
+
+@pytest.mark.parametrize("name,ranks", [("tiny-qwen2-moe", 3), ("tiny-deepseek-v2", 2), ("tiny-gpt-oss", 3)])
+def test_device_routed_dispatch_other_families_and_wall_clock(monkeypatch, name, ranks):
+    """Shared experts (gated), MLA, sinks + windows; prompts longer than the attention cap (chunked prefill
+    segments in the summed merge groups); the wall clock."""
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    spec, _, _ = model(name)
+    reqs = make_requests(spec.vocab_size, 4, seed=7, max_prompt=24)
+    res = run(name, ranks, reqs, policy="defrag", clock="wall")
+    assert assert_matches_reference(name, res.requests) > 10
+
+
+def test_dispatch_setting_is_validated(monkeypatch):
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "gpu")
+    spec, _, _ = model("tiny-mixtral")
+    with pytest.raises(ValueError, match=r"DATAFLOW_DISPATCH='gpu': valid values are host .* and device"):
+        run("tiny-mixtral", 2, make_requests(spec.vocab_size, 1, seed=1), policy="defrag", clock="virtual")

@@ -418,3 +418,57 @@ def test_device_waits_are_bounded_and_name_what_they_waited_for(monkeypatch):
     ev = Ev(None)
     ev.synchronize = lambda: setattr(ev, "n", -1)  # the driver returns once the event ran
     assert wait_event(ev, "a copy") >= 0.0 and ev.query()
+
+
+def test_routed_rows_pack_and_unpack_every_row_dtype():
+    """The device-routed wire form: rows then the int32 ids viewed as the row dtype; an odd hidden size (the ids'
+    bytes unaligned in a bf16 row) still unpacks, by a copy."""
+    from runtime.routed_rows import pack, unpack
+    ids = torch.tensor([[3.0, 250.0], [0.0, 7.0]])  # float ids, as the CUDA executor's routing buffer holds them
+    for dtype, H in ((torch.float32, 6), (torch.bfloat16, 6), (torch.bfloat16, 5), (torch.float16, 4)):
+        x = torch.randn(2, H).to(dtype)
+        t = pack(x, ids)
+        assert t.dtype == dtype and t.shape == (2, H + 2 * 4 // dtype.itemsize)
+        x2, ids2 = unpack(t, H)
+        assert torch.equal(x2, x) and ids2.dtype == torch.int32 and ids2.tolist() == [[3, 250], [0, 7]]
+    with pytest.raises(ValueError, match="at most 4 bytes"):
+        pack(torch.zeros(1, 2, dtype=torch.float64), ids[:1])
+
+
+def test_routed_item_splits_between_tokens_and_a_one_token_item_goes_whole():
+    from runtime.queues import RoutedItem
+    k, H = 3, 2
+    it = RoutedItem(1, 0, torch.arange(4.0 * H).view(4, H), torch.arange(4 * k).view(4, k), 100, 0.0, 4 * k)
+    head, rest = it.split(7)  # 7 slots: two whole tokens (6 slots)
+    assert (head.n, rest.n, head.tag0, rest.tag0) == (6, 6, 100, 106)
+    assert head.x.shape[0] == 2 and rest.ids[0].tolist() == [6, 7, 8] and rest.tag.tolist() == list(range(106, 112))
+    q = MuQueue(0, "expert", 0, cap=2, token_weight=1 / k)
+    q.push(RoutedItem(0, 0, torch.zeros(1, H), torch.zeros(1, k), 0, 0.0, k))
+    got = q.take()  # a token's 3 slots cannot be cut to fit 2: it goes whole, nothing is left behind
+    assert [i.n for i in got] == [k] and len(q) == 0 and q.rows == 0
+
+
+def test_summed_merge_group_completes_after_every_part_and_sums_exactly():
+    """A device-routed group (parts > 0): every owner returns all positions, zero where it holds none; y sums them
+    (v + 0 = v: the combine sees exactly the owner's value) and the group completes once, after the last part,
+    whatever the order, the message cuts (slices or tag arrays) and other groups in the same message."""
+    k, H = 2, 3
+    table = MergeTable(k)
+    n = np.array([1, 2])
+    g = table.open(1, [7, 8], [10, 10], np.array([10, 10]), n, torch.zeros(3, H), None, torch.ones(3, k), 0.0,
+                   parts=2)
+    other = _group(table, [1], H)  # a positional group sharing a message with g
+    assert table.landing((g.gid << TAG_SHIFT, 6), (6, H), torch.float32) is None  # parts are added, not landed
+    vals = torch.randn(6, H)
+    owner0 = torch.where(torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)[:, None], vals, torch.zeros(()))
+    owner1 = vals - owner0
+    base = g.gid << TAG_SHIFT
+    assert table.add((base, 4), owner1[:4]) == []
+    mixed = np.array([base + 4, base + 5, (other.gid << TAG_SHIFT) + 0])
+    done = table.add(mixed, torch.cat([owner1[4:], torch.zeros(1, H)]))
+    assert [(d.gid, s.tolist()) for d, s in done] == []  # `other` still misses a slot; g still misses owner 0
+    done = table.add(np.arange(6)[::-1] + base, owner0.flip(0))
+    assert [(d.gid, s.tolist()) for d, s in done] == [(g.gid, [0, 1])]
+    assert torch.equal(g.y, vals) and table.open_rows(1) == 1
+    with pytest.raises(KeyError):
+        table.add((base, 1), vals[:1])  # the group is gone

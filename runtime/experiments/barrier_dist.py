@@ -250,8 +250,10 @@ def probe_engine(engine, probe: HostProbe) -> None:
         if not first:
             started = probe.start()
         ex_comp(batch)
-        probe.add(batch.stage.kind, batch.rows, started,
-                  [it.expert for it in batch.items] if batch.stage.kind == "expert" else None, first)
+        items = batch.items
+        # (device-routed items carry every slot's id, this rank's or not: no bandwidth figure for them)
+        experts = [it.expert for it in items] if batch.stage.kind == "expert" and hasattr(items[0], "expert") else None
+        probe.add(batch.stage.kind, batch.rows, started, experts, first)
     engine.execute, engine.complete = execute, complete
 
 

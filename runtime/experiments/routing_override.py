@@ -342,7 +342,9 @@ class KeyedRoutingExecutor:
         self._router = router
         self._keys: Optional[tuple[list, list[int]]] = None
 
-    route_start = route_arrays = None  # the routing is this wrapper's (route()), not the inner executor's graph's
+    # the routing is this wrapper's (route()), not the inner executor's graph's (route_device too: the device-routed
+    # dispatch then takes route()'s tensors)
+    route_start = route_arrays = route_device = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

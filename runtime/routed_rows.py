@@ -1,0 +1,47 @@
+"""The wire form of a device-routed attention batch (DATAFLOW_DISPATCH=device; benchmarks/NOTES.md §24 item 7).
+
+With a router inside the attention graph, the host learns a batch's routing only after a device -> host copy, and
+the two-phase exchange's first phase needs the per-destination sizes: one GPU -> host -> GPU round trip per
+attention batch, during which the rank's stream runs dry (NOTES §22 item 2). The device-routed dispatch sends the
+whole batch instead, whose size the host knows before the graph runs: T token rows and their top-k expert ids,
+to every rank holding experts of the layer, as ONE tensor [T, H + c]: the rows, then the ids as int32 viewed as
+the rows' dtype (c = 2k columns for bf16/fp16, k for fp32). Each owner maps the ids to its own experts on the
+device and returns all T*k slots' outputs, zero where it holds none (runtime/queues.RoutedItem); the home sums
+the parts, and since exactly one part is non-zero at each slot (v + 0 = v exactly) the combine is bit-identical to
+the host-routed dispatch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+
+def device_routed_from_env() -> bool:
+    """DATAFLOW_DISPATCH: host (default: the routing comes to the host, each owner gets its routed rows) or device
+    (the whole batch and its expert ids go to every owner, which selects its own slots on the device: no routing
+    round trip; runtime/routed_rows.py)."""
+    v = os.environ.get("DATAFLOW_DISPATCH", "host")
+    if v not in ("host", "device"):
+        raise ValueError(f"DATAFLOW_DISPATCH={v!r}: valid values are host (default: route on the host) and device "
+                         f"(send whole batches with their expert ids; owners select on the device)")
+    return v == "device"
+
+
+def pack(x: Tensor, ids: Tensor) -> Tensor:
+    """[T, H + c]: x's rows, then the int32 ids viewed as x's dtype (ids: any integer-valued dtype on x's device)."""
+    ids32 = ids.to(torch.int32)
+    if x.element_size() > 4:
+        raise ValueError(f"device-routed dispatch packs expert ids into rows of at most 4 bytes, not {x.dtype}")
+    return torch.cat([x, ids32.view(x.dtype)], dim=1)
+
+
+def unpack(t: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
+    """(rows [T, H], ids [T, k] int32) of a packed tensor (views where the layout allows)."""
+    tail = t[:, hidden:]
+    try:
+        ids = tail.view(torch.int32)
+    except RuntimeError:  # an odd hidden size leaves the ids' bytes unaligned in the row
+        ids = tail.contiguous().view(torch.int32)
+    return t[:, :hidden], ids
