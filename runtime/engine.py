@@ -766,6 +766,8 @@ class Engine:
         n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)
         g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), n, rows_of(out["h_res"]), shared,
                             rows_of(out["weights"]), batch.t_start, parts=len(owners))
+        tm = self._dispatch_timer
+        tm.lap("routed:merge_open")
         tag0 = g.gid << TAG_SHIFT
         ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
         payload = None
@@ -777,6 +779,7 @@ class Engine:
                 payload = pack_routed(x, ids)
             self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank, "rows": (tag0, T * k),
                                     "H": x.shape[1], "more": ahead * k}, payload)
+        tm.lap("routed:pack+send+enqueue")
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer

@@ -632,6 +632,8 @@ class CudaExecutor:
             self._marked("expert", start)
 
     def _experts_routed(self, layer, xs, ids, owned):
+        tm = self._expert_timer
+        tm.start()
         k, H = ids[0].shape[1], self.spec.hidden_size
         N = sum(x.shape[0] for x in xs) * k
         b = bucket_for(N, self.buckets["expert"])
@@ -655,6 +657,7 @@ class CudaExecutor:
             keep.append(mine)
             o += n
         ids_in[N:].fill_(pad)
+        tm.lap("routed:rows+ids_in")
         if static:
             g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
                                 self.expert_graphs)
@@ -664,9 +667,12 @@ class CudaExecutor:
         else:
             self._expert_body(layer, bufs)()
             self.stats.expert_eager += 1
+        tm.lap("replay")
         y = y_out[:N].clone()
         mask = keep[0] if len(keep) == 1 else torch.cat(keep)
-        return y.masked_fill_(~mask.unsqueeze(1), 0)
+        y.masked_fill_(~mask.unsqueeze(1), 0)
+        tm.lap("routed:y_clone+mask")
+        return y
 
     def route_start(self, layer: int, x: Tensor) -> Optional[_Pending]:
         """The engine's asynchronous dispatch: the routing of the attention call that returned `x`, still on
