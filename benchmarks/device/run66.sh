@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
-# Device run 66 (nvidia-h200, ONE GPU, ~3 minutes): run 65 again with 4 rounds and step timers in the device-routed path (NOTES §25)
-# on a GPU for the first time. (1) gpu_bench's correctness section with it on: fp32 GPU tokens == CPU and bf16
-# teacher-forced logits within tolerance, every policy, both FFN implementations (grouped_mm masks a held row
-# instead of a sentinel: only a GPU runs it); (2) gpu_bench e2e, run 57's shape (20B-L8, bf16, 2 in-process ranks
-# on GPU 0, C=256, 64 new tokens), DATAFLOW_DISPATCH=host and =device alternating, 3 rounds, same tree.
-# Output: env.txt, gpu_bench.md (correctness), ab.txt, phases.txt.
+# Device run 66 (nvidia-h200, ONE GPU, ~3 minutes): run 65's e2e comparison again, 4 rounds, with step timers in the
+# device-routed path (NOTES §25): gpu_bench e2e, run 57's shape (20B-L8, bf16, 2 in-process ranks on GPU 0, C=256,
+# 64 new tokens), DATAFLOW_DISPATCH=host and =device alternating (order swapped every round), same tree.
+# (Correctness of the device-routed path on the GPU: run 65.) Output: env.txt, ab.txt, phases.txt.
 set -u
 OUT=${1:?out dir}
 . benchmarks/device/prelude.sh
 mkdir -p "$OUT"; date -u > "$OUT/env.txt"; echo "tree sources: $(bash benchmarks/device/tree_hash.sh)" >> "$OUT/env.txt"
-: correctness: see run 65
 P=$(mktemp -d /tmp/run66.XXXX)
 for r in 1 2 3 4; do
   ORDER="host device"; [ $((r % 2)) = 0 ] && ORDER="device host"
