@@ -758,6 +758,8 @@ class Engine:
         experts of the layer; the merge group sums their parts (each zero where its rank holds no expert)."""
         out = batch.out
         ids, x = rows_of(out["ids"]), rows_of(out["x"])
+        if ids.device != x.device:  # a host-side router (DATAFLOW_KEYED_ROUTER=host) on a GPU executor: one copy
+            ids = ids.to(x.device)
         T, k = ids.shape
         owners = self._owners.get(layer)
         if owners is None:
