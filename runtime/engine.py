@@ -48,9 +48,9 @@ from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
-from runtime.routed_rows import device_routed_from_env, pack as pack_routed, unpack as unpack_routed
 from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, RoutedItem, SampleItem
 from runtime.requests import Request
+from runtime.routed_rows import device_routed_from_env, pack as pack_routed, unpack as unpack_routed
 from runtime.scheduler import HOLD, Decision, StageView, make_policy
 from runtime.step_timer import StepTimer
 
