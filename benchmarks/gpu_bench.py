@@ -484,7 +484,7 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
     spec = cut_spec(S["model"], args.layers, S.get("dtype"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     w = device_weights(spec, dev, dtype)
-    plan = compile_plan(spec, args.ranks, "cuda" if dev.type == "cuda" else "cpu")
+    plan = compile_plan(spec, args.ranks, "cuda" if dev.type == "cuda" else "cpu", expert_cap=args.expert_cap)
     router = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=args.zipf, seed=0)
     P, M = S["prompt"], S["max_new"]
     inner = CudaExecutor(spec, w, plan, dev, max_context=P + M + 32)
@@ -659,6 +659,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=None)
     p.add_argument("--prompt", type=int, default=None)
     p.add_argument("--zipf", type=float, default=1.2)
+    p.add_argument("--expert-cap", type=int, default=1024,
+                   help="e2e: routed rows (slots, with DATAFLOW_DISPATCH=device) per expert batch and largest expert bucket")
     p.add_argument("--mp-ranks", type=int, default=0, help="also run the multi-process path on this many GPUs")
     p.add_argument("--mp-layers", type=int, default=2)
     p.add_argument("--mp-timeout", type=float, default=240.0)

@@ -137,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt", type=int, default=None, help="ShareGPT prompt lengths clipped here (1024)")
     p.add_argument("--new-tokens", default=None, help="A:B new tokens per request, uniform (32:64)")
     p.add_argument("--zipf", type=float, default=1.2)
+    p.add_argument("--expert-cap", type=int, default=1024,
+                   help="routed rows (slots, with DATAFLOW_DISPATCH=device) per expert batch; also the largest captured "
+                        "expert bucket (lowering/capture.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--burst-us", type=float, default=2000.0, help="extra us per burst of the `delay` scenario "
                    "(delay-<N>ms: N ms)")
@@ -204,7 +207,8 @@ def main(argv=None) -> int:
     from lowering.plan import compile_plan
     from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
     spec = cut_spec(model, layers, dtype)
-    plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy)
+    plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy,
+                        expert_cap=args.expert_cap)
     es = ExecSpec(model=model, layers=layers, dtype=dtype, executor=executor, zipf_s=args.zipf, seed=args.seed,
                   max_context=max_prompt + new_hi + 32)
     delays = BurstDelays(args.burst_period_ms, args.burst_duty, args.burst_us, links=links,
