@@ -186,6 +186,9 @@ class Engine:
         # §22): the expert batches run meanwhile are smaller (385 rows against 440), 0.88x against 1.07x clean.
         self.async_route = _async_route_from_env()
         self.device_routed = device_routed_from_env()
+        if self.device_routed and self.async_route:
+            raise ValueError("DATAFLOW_ASYNC_ROUTE=1 and DATAFLOW_DISPATCH=device together: the device-routed dispatch "
+                             "never waits for the routing, so there is nothing to defer; set one of them")
         if self.device_routed and not hasattr(executor, "experts_routed"):
             raise ValueError(f"DATAFLOW_DISPATCH=device needs an executor with experts_routed(); "
                              f"{type(executor).__name__} has none (use DATAFLOW_DISPATCH=host)")

@@ -18,6 +18,11 @@ combine then reads y through row_index[t, j] = position of (t, j) (the inverse o
 topk_merge kernel gathers through an index anyway), in slot order j = 0..k-1, the order
 `moe_combine` sums them in, so the result is bit-identical to the reference decoder no matter how
 the network reordered the messages.
+
+Summed groups (`parts` > 0, the device-routed dispatch of runtime/routed_rows.py): the order is the identity
+(p = f), every owner returns all R*k positions, zero where it holds none of the slot's expert, and the parts are
+added into a zeroed y; exactly one part is non-zero at each position (v + 0 = v), so the same slot-order combine
+stays bit-identical. Such a group completes, all its segments at once, when every part of every position is in.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ one-row segments (decode tokens: one item per wave fragment instead of one objec
 layer); blocks, expert and sample items are blocks of rows (a batch takes whole blocks and splits
 the last one only when the cap demands it). Depth is counted in *tokens*: attention and sample items count their rows, expert
 rows count 1/k each (a token routed to k experts is one token of work for the layer, as the defragmenting
-scheduler's Q(s) defines it).
+scheduler's Q(s) defines it). A RoutedItem (the device-routed dispatch) counts its T*k slots as expert rows, though
+only the slots of this rank's experts are real work.
 """
 from __future__ import annotations
 

@@ -404,3 +404,7 @@ def test_dispatch_setting_is_validated(monkeypatch):
     spec, _, _ = model("tiny-mixtral")
     with pytest.raises(ValueError, match=r"DATAFLOW_DISPATCH='gpu': valid values are host .* and device"):
         run("tiny-mixtral", 2, make_requests(spec.vocab_size, 1, seed=1), policy="defrag", clock="virtual")
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
+    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_ROUTE=1 and DATAFLOW_DISPATCH=device together"):
+        run("tiny-mixtral", 2, make_requests(spec.vocab_size, 1, seed=1), policy="defrag", clock="virtual")
