@@ -621,10 +621,10 @@ class CudaExecutor:
 
     @torch.no_grad()
     def experts_routed(self, layer: int, xs: list[Tensor], ids: list[Tensor], owned: Tensor) -> Tensor:
-        """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync: each
-        item's rows are copied once per slot into the bucket's static input, its ids mapped on the device to held
-        rows (slots of experts this rank does not own -> the padding id), the expert graph replayed, and the
-        outputs of those slots zeroed."""
+        """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync: the items'
+        token rows gathered into their k slots each of the bucket's static input, their ids mapped on the device to
+        held rows (slots of experts this rank does not own -> the padding id), the expert graph replayed (it takes
+        sentinel slots anywhere in this mode), and the output with those slots zeroed."""
         start = self._mark()
         try:
             return self._experts_routed(layer, xs, ids, owned)
