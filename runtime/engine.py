@@ -36,6 +36,7 @@ import os
 import sys
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import repeat
 from typing import Optional
 
@@ -157,7 +158,7 @@ class Engine:
         self.merge = MergeTable(k, self._whole_groups())
         # expert -> rank per layer as an array, for dispatching a whole batch at once
         self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
-        self._owners: dict[int, list[int]] = {}  # layer -> ranks holding its experts (device-routed dispatch)
+        self._owners = [np.unique(er).tolist() for er in self._expert_rank]  # ranks holding each layer's experts
         warm_up_dispatch()  # numba: load (or compile) now, not in the first timed batch
         self._id_dtype = id_dtype(max((len(er) for er in cfg.expert_rank), default=1))  # expert ids on the wire
         self.requests: dict[int, Request] = {}  # live requests homed here
@@ -705,8 +706,14 @@ class Engine:
             self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
             return
         tm.lap("bookkeeping")
+        # The batch's merge group, opened below with its dispatch order (host-routed) or its parts (device-routed).
+        weights = rows_of(out["weights"])
+        shared = rows_of(out["shared"]) if out["shared"] is not None else None
+        n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)  # (a list -> array is ~1 us per 30 rows)
+        open_group = partial(self.merge.open, layer, rids, pos0s, np.asarray(first, dtype=np.int64), n,
+                             rows_of(out["h_res"]), shared, weights, batch.t_start)
         if out.get("routed_on_device"):
-            self._dispatch_routed(batch, layer, rids, pos0s, first, ns, multi, rows_of)
+            self._dispatch_routed(batch, layer, open_group, rows_of)
             return
         ids = rows_of(out["ids"])
         if type(ids) is not np.ndarray:
@@ -717,12 +724,8 @@ class Engine:
         # this order (tags = positions), so each message's outputs come back as one contiguous range.
         # The order, its inverse and the merge's packed device inputs come from one compiled call.
         T, k = ids.shape
-        weights = rows_of(out["weights"])
         plan = plan_dispatch(ids, weights, self._expert_rank[layer], self.cfg.world_size)
-        shared = rows_of(out["shared"]) if out["shared"] is not None else None
-        n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)  # (a list -> array is ~1 us per 30 rows)
-        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), n,
-                            rows_of(out["h_res"]), shared, weights, batch.t_start, plan)
+        g = open_group(plan=plan)
         tm.lap("order+merge_open")
         x = rows_of(out["x"])
         tag0 = g.gid << TAG_SHIFT  # the tag of dispatch position p is tag0 + p
@@ -756,7 +759,7 @@ class Engine:
             off += c
         tm.lap("send+enqueue")
 
-    def _dispatch_routed(self, batch: Batch, layer: int, rids, pos0s, first, ns, multi: bool, rows_of) -> None:
+    def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of) -> None:
         """Device-routed dispatch (runtime/routed_rows.py): the whole batch and its expert ids to every rank holding
         experts of the layer; the merge group sums their parts (each zero where its rank holds no expert)."""
         out = batch.out
@@ -764,13 +767,8 @@ class Engine:
         if ids.device != x.device:  # a host-side router (DATAFLOW_KEYED_ROUTER=host) on a GPU executor: one copy
             ids = ids.to(x.device)
         T, k = ids.shape
-        owners = self._owners.get(layer)
-        if owners is None:
-            owners = self._owners[layer] = np.unique(self._expert_rank[layer]).tolist()
-        shared = rows_of(out["shared"]) if out["shared"] is not None else None
-        n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)
-        g = self.merge.open(layer, rids, pos0s, np.asarray(first, dtype=np.int64), n, rows_of(out["h_res"]), shared,
-                            rows_of(out["weights"]), batch.t_start, parts=len(owners))
+        owners = self._owners[layer]
+        g = open_group(parts=len(owners))
         tm = self._dispatch_timer
         tm.lap("routed:merge_open")
         tag0 = g.gid << TAG_SHIFT

@@ -91,8 +91,8 @@ class TorchExecutor:
         their top-k expert ids ids[i] [T_i, k]; returns [sum T_i*k, H], row t*k + j of an item = the output of its
         token t's expert ids[t, j] where owned[that expert] (this rank holds it), zero elsewhere. Here the held
         slots are selected on the host (data-dependent shapes) and run through experts()."""
-        x = torch.cat(xs) if len(xs) > 1 else xs[0]
-        flat = (torch.cat(ids) if len(ids) > 1 else ids[0]).to(torch.long).reshape(-1)
+        x = row_blocks(xs)
+        flat = row_blocks(ids).to(torch.long).reshape(-1)
         k = ids[0].shape[1]
         held = owned[flat]
         rows = torch.nonzero(held).squeeze(1)

@@ -63,6 +63,7 @@ from models.sampling import SamplingParams, sample
 from models.weights import ModelWeights
 from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
+from runtime.executor import row_blocks
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
 from runtime.routed_rows import device_routed_from_env
@@ -636,19 +637,14 @@ class CudaExecutor:
         tm.start()
         k = ids[0].shape[1]
         N = sum(x.shape[0] for x in xs) * k
-        b = bucket_for(N, self.buckets["expert"])
-        static = b is not None
-        if not static:
-            b = N
-            self.stats.note("expert: batch above the largest bucket")
-        bufs = self._expert_bufs(b, static)
+        b, static, bufs = self._expert_bucket(N)
         x_in, ids_in, y_out = bufs._t["x"], bufs._t["ids"], bufs._t["y"]
         # padding / not-owned slots: the sentinel expert, or (grouped_mm, which has none) a held row, masked after
         pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
         tab = self._routed_table(layer)
         # All items at once (one set of calls per batch, not per item: each is ~10-15 us on the H200 host).
-        x = self._to_dev(xs[0]) if len(xs) == 1 else torch.cat(xs)
-        sel = (ids[0] if len(ids) == 1 else torch.cat(ids)).reshape(-1).to(torch.long)
+        x = row_blocks(xs)
+        sel = row_blocks(ids).reshape(-1).to(torch.long)
         mine = owned[sel]
         x_N, ids_N, ids_pad, y_N = self._first_rows(("routed", b, N), static, lambda: (
             x_in[:N], ids_in[:N], ids_in[N:], y_out[:N]))
@@ -656,15 +652,7 @@ class CudaExecutor:
         torch.where(mine, tab[sel], self._pad_id(pad), out=ids_N)
         ids_pad.fill_(pad)
         tm.lap("routed:rows+ids_in")
-        if static:
-            g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
-                                self.expert_graphs)
-            g.run()
-            self.stats.expert_graph += int(g.capture)
-            self.stats.expert_eager += int(not g.capture)
-        else:
-            self._expert_body(layer, bufs)()
-            self.stats.expert_eager += 1
+        self._run_expert(layer, b, bufs, static)
         tm.lap("replay")
         y = torch.where(mine.unsqueeze(1), y_N, 0)  # a new tensor (the static output is reused): no clone needed
         tm.lap("routed:y_masked")
@@ -722,6 +710,29 @@ class CudaExecutor:
         if static:
             self._bufs_cache[("expert", b)] = bufs
         return bufs
+
+    def _expert_bucket(self, N: int) -> tuple[int, bool, StaticBuffers]:
+        """(bucket, static, its buffers) for an expert batch of N rows: the smallest captured bucket that fits,
+        or an eager batch of exactly N rows above the largest."""
+        b = bucket_for(N, self.buckets["expert"])
+        static = b is not None
+        if not static:
+            b = N
+            self.stats.note("expert: batch above the largest bucket")
+        return b, static, self._expert_bufs(b, static)
+
+    def _run_expert(self, layer: int, b: int, bufs: StaticBuffers, static: bool) -> None:
+        """The expert body over the bucket's static buffers: its graph replayed (captured at first use), or
+        eagerly for an eager batch's own buffers."""
+        if static:
+            g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
+                                self.expert_graphs)
+            g.run()
+            self.stats.expert_graph += int(g.capture)
+            self.stats.expert_eager += int(not g.capture)
+        else:
+            self._expert_body(layer, bufs)()
+            self.stats.expert_eager += 1
 
     def _held_count(self, layer: int) -> int:
         """Experts whose weights layer `layer` holds here (rows of its stacked tensors)."""
@@ -791,12 +802,7 @@ class CudaExecutor:
         N = sum(b.shape[0] for b in blocks)
         if N == 0:
             return blocks[0].new_zeros((0, self.spec.hidden_size))
-        b = bucket_for(N, self.buckets["expert"])
-        static = b is not None
-        if not static:
-            b = N
-            self.stats.note("expert: batch above the largest bucket")
-        bufs = self._expert_bufs(b, static)
+        b, static, bufs = self._expert_bucket(N)
         # The engine hands a CPU int64 tensor (a numpy block): read it as numpy directly
         # (assigning a tensor to an ndarray goes through Tensor.__array__ in Python).
         ids = expert_ids.numpy() if isinstance(expert_ids, Tensor) and expert_ids.device.type == "cpu" else expert_ids
@@ -820,15 +826,7 @@ class CudaExecutor:
         else:
             torch.cat(blocks, out=x_in)
         tm.lap("x_copy")
-        if static:
-            g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
-                                self.expert_graphs)
-            g.run()
-            self.stats.expert_graph += int(g.capture)
-            self.stats.expert_eager += int(not g.capture)
-        else:
-            self._expert_body(layer, bufs)()
-            self.stats.expert_eager += 1
+        self._run_expert(layer, b, bufs, static)
         tm.lap("replay")
         y = y_out.clone()
         tm.lap("y_clone")

@@ -272,25 +272,17 @@ class MergeTable:
             g.y.index_add_(0, to_device(p, g.y.device), y.to(g.y.device))
             n = len(p)
         g.nfilled += n
-        total = g.parts * len(g.filled)
-        if g.nfilled > total:
+        if g.nfilled > g.parts * len(g.filled):
             raise ValueError(f"merge group {g.gid} (layer {g.layer}) got {g.nfilled} device-routed rows, "
                              f"expected {g.parts} parts of {len(g.filled)}")
-        if g.nfilled < total:
-            return []
-        done = np.arange(len(g.missing))
-        g.missing[:] = 0
-        g.open_segments = 0
-        self._open_segments -= len(done)
-        self._open_rows[g.layer] -= int(g.n.sum())
-        del self._groups[g.gid]
-        return [(g, done)]
+        done = self._completed(g, p)
+        return [(g, done)] if len(done) else []
 
     def _completed(self, g: MergeGroup, p) -> np.ndarray:
         """Account for positions `p` (an index array or a slice) just filled in group g: the segments this
         completed (ascending); a group with no open segment left leaves the table."""
-        if self.whole_groups:  # complete only with the group's last part: all segments at once
-            done = np.arange(len(g.missing)) if g.nfilled == len(g.filled) else _NONE
+        if self.whole_groups or g.parts:  # complete only with the group's last part: all segments at once
+            done = np.arange(len(g.missing)) if g.nfilled == max(g.parts, 1) * len(g.filled) else _NONE
             if len(done):
                 g.missing[:] = 0
         else:
