@@ -63,7 +63,6 @@ from models.sampling import SamplingParams, sample
 from models.weights import ModelWeights
 from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
-from runtime.executor import row_blocks
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
 from runtime.routed_rows import device_routed_from_env
@@ -228,7 +227,7 @@ class CudaExecutor:
         self.graphs = GraphCache(self.device, graphs)
         self.staging = HostStaging(self.device)
         self.route_on_device = device_routed_from_env()  # keep each batch's routing on the device (no copy to host)
-        self._routed_tables: dict[int, Tensor] = {}  # layer -> int32 [E]: global expert id -> held row
+        self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self.stats = ExecStats()
         a = spec.attention
         self._mla = a.kind == "mla"
@@ -610,22 +609,30 @@ class CudaExecutor:
         with torch.no_grad():
             return layers.route(self.spec, self.w, layer, self._to_dev(x))
 
-    def _routed_table(self, layer: int) -> Tensor:
-        """int32 [E] on the device: global expert id -> row of this executor's stacked weights (identity when it
-        holds every expert; -1 where it holds none)."""
-        tab = self._routed_tables.get(layer)
-        if tab is None:
+    def _routed_select(self, layer: int, owned: Tensor) -> tuple[Tensor, Tensor]:
+        """(row, mine) on the device, each indexed by a global expert id or the token padding id num_experts
+        (E + 1 entries): row int32 = the held row of an expert this rank owns, else the padding id of the expert
+        body; mine bool = owned here. Derived once per (layer, owned tensor): ranks in one process share an
+        executor, each engine keeps one owned tensor per layer, and the entry holds it so that its id stays unique."""
+        t = self._routed_tables.get((layer, id(owned)))
+        if t is None or t[0] is not owned:
+            E = self.num_experts
             lut = self._rows_of.get(layer)
-            tab = torch.arange(self.num_experts, dtype=torch.int32) if lut is None else torch.from_numpy(lut).to(torch.int32)
-            tab = self._routed_tables[layer] = tab.to(self.device)
-        return tab
+            held = torch.arange(E, dtype=torch.int32) if lut is None else torch.from_numpy(lut).to(torch.int32)
+            mine = torch.cat([owned.to("cpu", torch.bool), torch.zeros(1, dtype=torch.bool)])
+            # not owned (or padding): the sentinel expert, or (grouped_mm, which has none) a held row, masked after
+            pad = E if self.ffn_impl != "grouped_mm" else 0
+            row = torch.where(mine, torch.cat([held, torch.zeros(1, dtype=torch.int32)]), pad).to(torch.int32)
+            t = self._routed_tables[(layer, id(owned))] = (owned, row.to(self.device), mine.to(self.device))
+        return t[1:]
 
     @torch.no_grad()
     def experts_routed(self, layer: int, xs: list[Tensor], ids: list[Tensor], owned: Tensor) -> Tensor:
-        """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync: the items'
-        token rows gathered into their k slots each of the bucket's static input, their ids mapped on the device to
-        held rows (slots of experts this rank does not own -> the padding id), the expert graph replayed (it takes
-        sentinel slots anywhere in this mode), and the output with those slots zeroed."""
+        """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync. Its own
+        graph kind ("expert_routed", bucketed in slots): the host copies the items' token rows and expert ids into
+        the bucket's static inputs (token rows, not slots) and replays; inside the graph each token row goes to its
+        k slots, the ids map to held rows (slots of experts this rank does not own -> the padding id), the expert
+        FFN runs, and the slots it does not own are zeroed (NOTES §24 item 7's second graph kind)."""
         start = self._mark()
         try:
             return self._experts_routed(layer, xs, ids, owned)
@@ -636,45 +643,68 @@ class CudaExecutor:
         tm = self._expert_timer
         tm.start()
         k = ids[0].shape[1]
-        N = sum(x.shape[0] for x in xs) * k
-        b, static, bufs = self._expert_bucket(N)
-        x_in, ids_in, y_out = bufs._t["x"], bufs._t["ids"], bufs._t["y"]
-        # padding / not-owned slots: the sentinel expert, or (grouped_mm, which has none) a held row, masked after
-        pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
-        tab = self._routed_table(layer)
-        # All items at once (one set of calls per batch, not per item: each is ~10-15 us on the H200 host).
-        x = row_blocks(xs)
-        sel = row_blocks(ids).reshape(-1).to(torch.long)
-        mine = owned[sel]
-        x_N, ids_N, ids_pad, y_N = self._first_rows(("routed", b, N), static, lambda: (
-            x_in[:N], ids_in[:N], ids_in[N:], y_out[:N]))
-        torch.index_select(x, 0, self._slot_rows(N, k), out=x_N)  # token t's row into its k slots
-        torch.where(mine, tab[sel], self._pad_id(pad), out=ids_N)
-        ids_pad.fill_(pad)
+        T = sum(x.shape[0] for x in xs)
+        b = bucket_for(T * k, self.buckets["expert"])
+        static = b is not None
+        if not static:
+            b = T * k
+            self.stats.note("expert: batch above the largest bucket")
+        bufs = self._routed_bufs(b, k, static)
+        x_T, ids_T, ids_pad, y_N = self._first_rows(("routed", b, T), static, lambda: (
+            bufs._t["xt"][:T], bufs._t["idt"][:T], bufs._t["idt"][T:], bufs._t["y"][:T * k]))
+        for dst, src in ((x_T, xs), (ids_T, ids)):
+            if len(src) == 1:
+                dst.copy_(src[0])
+            else:  # (a home's own items carry its routing's fp32 ids, received ones int32: cat does not cast)
+                torch.cat([t if t.dtype == dst.dtype else t.to(dst.dtype) for t in src], out=dst)
+        if ids_pad.shape[0]:
+            ids_pad.fill_(self.num_experts)  # padding tokens: owned by nobody
         tm.lap("routed:rows+ids_in")
-        self._run_expert(layer, b, bufs, static)
+        select = self._routed_select(layer, owned)
+        if static:
+            g = self.graphs.get(("expert_routed", layer, b, id(owned)), "expert_routed", b,
+                                lambda: self._routed_body(layer, bufs, select), self.expert_graphs)
+            g.run()
+            self.stats.expert_graph += int(g.capture)
+            self.stats.expert_eager += int(not g.capture)
+        else:
+            self._routed_body(layer, bufs, select)()
+            self.stats.expert_eager += 1
         tm.lap("replay")
-        y = torch.where(mine.unsqueeze(1), y_N, 0)  # a new tensor (the static output is reused): no clone needed
-        tm.lap("routed:y_masked")
+        y = y_N.clone()
+        tm.lap("y_clone")
         return y
 
-    def _pad_id(self, pad: int) -> Tensor:
-        """The padding id as a 0-d int32 device tensor (torch.where with out= takes no Python scalar)."""
-        t = self._index_cache.get(("pad", pad))
-        if t is None:
-            t = self._index_cache[("pad", pad)] = torch.tensor(pad, dtype=torch.int32, device=self.device)
-        return t
+    def _routed_bufs(self, b: int, k: int, static: bool) -> StaticBuffers:
+        """Static buffers of a routed expert bucket of b slots: b // k token rows and their ids in, b // k * k slot
+        rows out, and the fixed slot -> token row index."""
+        key = ("expert_routed", b)
+        if static and key in self._bufs_cache:
+            return self._bufs_cache[key]
+        bufs = self.graphs.buffers(*key) if static else StaticBuffers()
+        H, dev, bt = self.spec.hidden_size, self.device, b // k
+        bufs.get("xt", (bt, H), self.dtype, dev)
+        bufs.get("idt", (bt, k), torch.int32, dev, fill=self.num_experts)
+        bufs.get("y", (bt * k, H), self.dtype, dev)
+        if "slot_row" not in bufs._t:  # filled once, outside any capture
+            bufs.get("slot_row", (bt * k,), torch.int64, dev).copy_(
+                torch.div(torch.arange(bt * k, device=dev), k, rounding_mode="floor"))
+            bufs.get("arange", (bt * k,), torch.int64, dev).copy_(torch.arange(bt * k, device=dev))
+        if static:
+            self._bufs_cache[key] = bufs
+        return bufs
 
-    def _slot_rows(self, N: int, k: int) -> Tensor:
-        """int64 [N] on the device: slot i takes token row i // k (cached per (N, k): N is a multiple of k up to the
-        largest expert bucket or an eager batch's size)."""
-        key = ("slots", N, k)
-        idx = self._index_cache.get(key)
-        if idx is None:
-            idx = torch.div(torch.arange(N, device=self.device), k, rounding_mode="floor")
-            if len(self._index_cache) < 4096:
-                self._index_cache[key] = idx
-        return idx
+    def _routed_body(self, layer: int, bufs: StaticBuffers, select: tuple[Tensor, Tensor]):
+        row, mine_of = select
+        xt, idt, y_out, slot_row, ar = (bufs._t[n] for n in ("xt", "idt", "y", "slot_row", "arange"))
+        ffn = self._ffn_rows(layer)
+
+        def body() -> None:
+            sel = idt.reshape(-1).to(torch.int64)
+            mine = mine_of[sel]
+            ffn(xt.index_select(0, slot_row), row[sel].to(torch.int64), ar, y_out, sentinels_anywhere=True)
+            y_out.masked_fill_(~mine.unsqueeze(1), 0)
+        return body
 
     def route_start(self, layer: int, x: Tensor) -> Optional[_Pending]:
         """The engine's asynchronous dispatch: the routing of the attention call that returned `x`, still on
@@ -753,20 +783,29 @@ class CudaExecutor:
         return order, offsets
 
     def _expert_body(self, layer: int, bufs: StaticBuffers):
-        lw, ex = self.w.layers[layer], self.spec.experts
         x_in, ids_buf, y_out, ar = bufs._t["x"], bufs._t["ids"], bufs._t["y"], bufs._t["arange"]
+        ffn = self._ffn_rows(layer)
+
+        def body() -> None:
+            ffn(x_in, ids_buf.to(torch.int64), ar, y_out, sentinels_anywhere=False)
+        return body
+
+    def _ffn_rows(self, layer: int):
+        """The expert FFN of one layer over rows and their ids (capturable): f(x [b, H], ids int64 [b] in
+        [0, num_experts], arange [b], y_out [b, H], sentinels_anywhere) writes row i's output to y_out[i]; ids
+        num_experts (the padding sentinel) give rows that are not real. With sentinels_anywhere False they sit
+        in the padded tail only (host-routed batches); the routed graph kind has them anywhere."""
+        lw, ex = self.w.layers[layer], self.spec.experts
         E = self._held_count(layer)
-        # The ids buffer is shared by every layer of a bucket and padded with num_experts: a shard
-        # holding fewer experts clamps that sentinel to its own count E.
+        # The padding id is num_experts in every layer's buffers: a shard holding fewer experts clamps that
+        # sentinel to its own count E.
         clamp = E < self.num_experts
         wg, wu, wd = lw["experts.gate"], lw["experts.up"], lw["experts.down"]
         bg, bu, bd = (lw["experts.gate_b"], lw["experts.up_b"], lw["experts.down_b"]) if ex.bias else (None,) * 3
         ffn = {"triton": grouped_ffn_triton, "grouped_mm": grouped_ffn_grouped_mm, "torch": grouped_ffn_torch}[self.ffn_impl]
         sentinel = self.ffn_impl != "grouped_mm"
-        routed = self.route_on_device
 
-        def body() -> None:
-            ids = ids_buf.to(torch.int64)
+        def run(x_in: Tensor, ids: Tensor, ar: Tensor, y_out: Tensor, sentinels_anywhere: bool) -> None:
             if clamp:
                 ids = ids.clamp(max=E)
             order, offsets = self._permute(ids, E)
@@ -776,14 +815,13 @@ class CudaExecutor:
                 # themselves (the Triton sort leaves them unwritten), so order is a permutation.
                 n_real = (ids < E).sum()
                 offsets = torch.minimum(offsets, n_real)
-                # Device-routed batches (runtime/routed_rows.py) have sentinel slots anywhere, not only in the
-                # padded tail: the positions past n_real then take the sentinel rows in index order.
-                fill = torch.argsort((ids >= E).to(torch.int32), stable=True) if routed else ar
+                # With sentinels anywhere, the positions past n_real take the sentinel rows in index order.
+                fill = torch.argsort((ids >= E).to(torch.int32), stable=True) if sentinels_anywhere else ar
                 order = torch.where(ar < n_real, order, fill)
             xs = x_in.index_select(0, order)
             ys = ffn(xs, offsets, wg, wu, wd, bg, bu, bd, ex.activation, ex.glu_alpha, ex.glu_limit)
             y_out.index_copy_(0, order, ys)
-        return body
+        return run
 
     @torch.no_grad()
     def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
