@@ -523,9 +523,14 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                     else:
                         from runtime.experiments.barrier import run_barrier
                         mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[system]
+                        # a barrier reads every batch's routing on the host: its copy starts as the graph ends
+                        keep, inner.route_on_device = inner.route_on_device, False
                         t = time.perf_counter()
-                        res = run_barrier(plan, ex, reqs, mode, clock="wall", router=router, kv_blocks=kv_blocks,
-                                          decode_only=True, stall_timeout_s=120)
+                        try:
+                            res = run_barrier(plan, ex, reqs, mode, clock="wall", router=router, kv_blocks=kv_blocks,
+                                              decode_only=True, stall_timeout_s=120)
+                        finally:
+                            inner.route_on_device = keep
                         sync(dev)
                         rec.update(token_stats(reqs, time.perf_counter() - t))
                         rec["note"] = ("barrier collectives are in-process messages between ranks on one GPU "

@@ -186,7 +186,10 @@ class Engine:
         # dispatches this one when its routing has arrived. Measured off by default (run 51, benchmarks/NOTES.md
         # §22): the expert batches run meanwhile are smaller (385 rows against 440), 0.88x against 1.07x clean.
         self.async_route = _async_route_from_env()
-        self.device_routed = device_routed_from_env()
+        # The executor's choice where it makes one (the CUDA executor keeps the routing on the device or brings it
+        # to the host); else the environment's (runtime/routed_rows.py), for a host-side executor.
+        routed = getattr(executor, "route_on_device", None)
+        self.device_routed = routed if isinstance(routed, bool) else device_routed_from_env(on_gpu=False)
         if self.device_routed and self.async_route:
             raise ValueError("DATAFLOW_ASYNC_ROUTE=1 and DATAFLOW_DISPATCH=device together: the device-routed dispatch "
                              "never waits for the routing, so there is nothing to defer; set one of them")

@@ -191,12 +191,15 @@ class CudaExecutor:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
                  graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
                  permute_impl: Optional[str] = None, max_context: Optional[int] = None,
-                 table_rows: int = 4096, buckets: Optional[dict] = None) -> None:
+                 table_rows: int = 4096, buckets: Optional[dict] = None,
+                 route_on_device: Optional[bool] = None) -> None:
         """`plan`: its capture buckets are used (else the published ones); `device`: default the
         weights' device. Implementation choices default to the fast ones on CUDA and the torch
         references on CPU; env DATAFLOW_ATTN_IMPL / DATAFLOW_FFN_IMPL / DATAFLOW_PERMUTE_IMPL or
         the arguments override. `max_context`: tokens a sequence may have for the graph path
-        (device page-table width); longer ones run eagerly."""
+        (device page-table width); longer ones run eagerly. `route_on_device`: keep each attention batch's
+        routing on the device for the device-routed dispatch (default: DATAFLOW_DISPATCH, runtime/routed_rows.py;
+        the barrier baselines, which read the routing on the host, pass False)."""
         self.spec = spec
         self.device = torch.device(device) if device is not None else weights.embed.device
         if self.device.type == "cuda" and self.device.index is None:
@@ -226,7 +229,8 @@ class CudaExecutor:
         self.expert_graphs = graphs and self.ffn_impl != "torch"
         self.graphs = GraphCache(self.device, graphs)
         self.staging = HostStaging(self.device)
-        self.route_on_device = device_routed_from_env()  # keep each batch's routing on the device (no copy to host)
+        # keep each batch's routing on the device (no copy to the host); the engine follows this choice
+        self.route_on_device = device_routed_from_env(on_cuda) if route_on_device is None else route_on_device
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self.stats = ExecStats()
         a = spec.attention

@@ -363,7 +363,8 @@ def test_expert_ids_tensor_or_list_same_result():
 def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monkeypatch):
     """With DATAFLOW_DISPATCH=device the executor keeps each batch's routing on the device; a caller that asks for
     it on the host (the barrier baselines' route()) must still get the graph's routing (here the keyed Zipf router
-    inside the attention graph), not a fresh eager learned routing: the same barrier tokens in both modes."""
+    inside the attention graph), not a fresh eager learned routing: the same barrier tokens in both modes. The
+    executors the barrier baselines build read it on the host whatever the setting (route_on_device=False)."""
     from runtime.experiments.barrier import run_barrier
     from runtime.experiments.barrier_dist import ExecSpec, build_executor, cut_spec
     es = ExecSpec(model="tiny-gpt-oss", dtype="float32", executor="cuda", zipf_s=1.2)
@@ -372,6 +373,7 @@ def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monke
     outs = {}
     for mode in ("host", "device"):
         monkeypatch.setenv("DATAFLOW_DISPATCH", mode)
+        assert not build_executor(es, plan, torch.device("cpu"), route_on_device=False)[1].route_on_device
         ex, inner = build_executor(es, plan, torch.device("cpu"))
         assert inner.route_on_device == (mode == "device")
         g = random.Random(1)

@@ -399,10 +399,27 @@ def test_device_routed_dispatch_other_families_and_wall_clock(monkeypatch, name,
     assert assert_matches_reference(name, res.requests) > 10
 
 
+def test_dispatch_default_is_device_on_a_gpu_and_host_elsewhere(monkeypatch):
+    """DATAFLOW_DISPATCH=auto (the default): the device-routed dispatch where the routing is made on a GPU, the
+    host-routed one on the CPU and with DATAFLOW_ASYNC_ROUTE=1 (an option of the host-routed dispatch); an explicit
+    value wins either way."""
+    from runtime.routed_rows import device_routed_from_env
+    monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
+    monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE", raising=False)
+    assert device_routed_from_env(on_gpu=True) and not device_routed_from_env(on_gpu=False)
+    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
+    assert not device_routed_from_env(on_gpu=True)
+    monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE")
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "host")
+    assert not device_routed_from_env(on_gpu=True)
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    assert device_routed_from_env(on_gpu=False)
+
+
 def test_dispatch_setting_is_validated(monkeypatch):
     monkeypatch.setenv("DATAFLOW_DISPATCH", "gpu")
     spec, _, _ = model("tiny-mixtral")
-    with pytest.raises(ValueError, match=r"DATAFLOW_DISPATCH='gpu': valid values are host .* and device"):
+    with pytest.raises(ValueError, match=r"DATAFLOW_DISPATCH='gpu': valid values are auto .* host .* and device"):
         run("tiny-mixtral", 2, make_requests(spec.vocab_size, 1, seed=1), policy="defrag", clock="virtual")
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
     monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")

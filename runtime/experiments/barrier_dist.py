@@ -104,18 +104,20 @@ def device_weights(spec, device, dtype, seed: int = 0, experts=None):
     return random_weights(spec, seed, device=device, dtype=dtype, experts=experts)
 
 
-def build_executor(es: ExecSpec, plan, device, rank: Optional[int] = None):
+def build_executor(es: ExecSpec, plan, device, rank: Optional[int] = None, route_on_device: Optional[bool] = None):
     """(executor the engines call, inner executor). Same recipe on every rank and in every system.
     With `rank` the weights hold only that rank's experts of the plan's placement: ag-ep and a2a-ep
     run an expert on its owner (plan.placement.expert_rank) only, as the streaming engine does.
-    None: every expert (one executor shared by in-process ranks)."""
+    None: every expert (one executor shared by in-process ranks). `route_on_device`: CudaExecutor's (the barriers
+    pass False: they read every batch's routing on the host, so the attention graph copies it there as it finishes,
+    whatever DATAFLOW_DISPATCH says)."""
     spec = plan.spec
     mine = None if rank is None else plan.placement.held_by(rank)
     if es.executor == "cuda":
         from runtime.executor_cuda import CudaExecutor
         dt = getattr(torch, es.dtype)
         inner = CudaExecutor(spec, device_weights(spec, device, dt, es.seed, mine), plan, device,
-                             max_context=es.max_context)
+                             max_context=es.max_context, route_on_device=route_on_device)
     else:
         from models.weights import load_weights
         from runtime.executor import TorchExecutor
@@ -395,7 +397,7 @@ def barrier_dist_rank_main(env, job: DistJob):
     _threads(env, job)
     device, backend = _device(job.plan, env.local_rank)
     init_distributed(env.rank, env.world_size, backend)
-    ex, inner = build_executor(job.exec, job.plan, device, env.rank)
+    ex, inner = build_executor(job.exec, job.plan, device, env.rank, route_on_device=False)
     # the expert batches' bandwidth is reported against it; rank 0's is the one reported (1 GiB copies: once)
     copy_bps = measure_copy_bps(device) if env.rank == 0 else None
     hogs_state: dict = {"log": []}
