@@ -607,8 +607,8 @@ class CudaExecutor:
         integer values, weights [T, k] fp32), no host copy and no wait."""
         p = self._pending
         if p is not None and p.x is x and p.on_device is not None:
-            r, k = p.on_device, p.k
-            return r[:, :k], r[:, k:].contiguous()  # (the combine kernel reads the weights densely)
+            ids, wts = p.on_device.split(p.k, dim=1)  # (one call for both views)
+            return ids, wts.contiguous()  # (the combine kernel reads the weights densely)
         self.stats.note("route_device: not the last attention's x (eager route)")
         with torch.no_grad():
             return layers.route(self.spec, self.w, layer, self._to_dev(x))

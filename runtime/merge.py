@@ -55,7 +55,8 @@ class MergeGroup:
     h_res: torch.Tensor  # [R, H] residual stream after attention
     shared: Optional[torch.Tensor]  # [R, H] shared-expert output, None when the model has none
     weights: torch.Tensor  # [R, k] fp32 routing weights, slot order, on h_res's device
-    y: torch.Tensor  # [R*k, H] expert outputs by dispatch position p (allocated at open)
+    y: Optional[torch.Tensor]  # [R*k, H] expert outputs by dispatch position p (allocated at open; summed groups: at
+    # their first part, which becomes y when it covers the whole group)
     ready: object  # CUDA event recorded after y's allocation (a receive on another stream waits on it); None on CPU
     order: Optional[np.ndarray]  # int64 [R*k]: f = row*k + slot at position p; None = identity
     inv: Optional[np.ndarray]  # int64 [R, k]: position of (row, slot); None = identity
@@ -137,8 +138,8 @@ class MergeTable:
             seg_of_pos = np.repeat(seg_of_row, k)
             if order is not None:
                 seg_of_pos = seg_of_pos[order]
-        alloc = torch.zeros if parts else torch.empty
-        y = alloc((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
+        # Summed groups (parts) get y from their first part (_add_sum): no zeroed buffer per attention batch.
+        y = None if parts else torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
         # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
         # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
         # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
@@ -155,7 +156,7 @@ class MergeTable:
             ready = None
             if order is not None:
                 gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
-            if y.is_cuda and not parts:  # (device-routed parts are added, never received in place)
+            if not parts and y.is_cuda:  # (device-routed parts are added, never received in place)
                 ready = torch.cuda.Event()
                 ready.record(current_stream(y.device))
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
@@ -265,7 +266,25 @@ class MergeTable:
     def _add_sum(self, g: MergeGroup, p, y: torch.Tensor) -> list:
         """A device-routed part (positions `p` of group g: a slice or an array) added into y; the group completes,
         all its segments at once, when every owner's part of every position is in."""
-        if type(p) is slice:
+        whole = type(p) is slice and p.start == 0 and p.stop == len(g.filled)
+        if g.y is None:
+            if whole and y.dtype == g.h_res.dtype and y.device == g.h_res.device:
+                # The first part covers the group: it becomes y (v + 0 = v, so this is the sum so far, bit for bit).
+                # Safe to keep and add into: a part is the expert batch's own output (a fresh clone) or a received
+                # tensor, which the transport recorded on the engine's stream and which no one gives back to its
+                # receive pool (runtime/transport/buffer_pool.py).
+                g.y = y
+                p = None
+            else:
+                g.y = torch.zeros((len(g.filled),) + tuple(g.h_res.shape[1:]), dtype=g.h_res.dtype,
+                                  device=g.h_res.device)
+        if p is None:
+            n = len(g.filled)
+            p = slice(0, n)
+        elif whole:
+            g.y.add_(y)
+            n = len(g.filled)
+        elif type(p) is slice:
             g.y[p].add_(y)
             n = p.stop - p.start
         else:  # positions within the group

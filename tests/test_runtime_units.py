@@ -472,3 +472,21 @@ def test_summed_merge_group_completes_after_every_part_and_sums_exactly():
     assert torch.equal(g.y, vals) and table.open_rows(1) == 1
     with pytest.raises(KeyError):
         table.add((base, 1), vals[:1])  # the group is gone
+
+
+def test_summed_merge_group_takes_a_whole_first_part_as_its_buffer():
+    """A summed group allocates nothing at open: a first part that covers the whole group becomes y (no zeroed
+    buffer, no add), later parts are added into it; the sum equals the values exactly."""
+    k, H = 2, 3
+    table = MergeTable(k)
+    g = table.open(0, [5, 6], [3, 3], np.array([3, 3]), np.array([1, 1]), torch.zeros(2, H), None, torch.ones(2, k),
+                   0.0, parts=2)
+    assert g.y is None
+    vals = torch.randn(4, H)
+    mine = torch.tensor([1, 0, 0, 1], dtype=torch.bool)[:, None]
+    first, second = torch.where(mine, vals, 0.0), torch.where(mine, 0.0, vals)
+    base = g.gid << TAG_SHIFT
+    assert table.add((base, 4), first) == []
+    assert g.y is first
+    done = table.add((base, 4), second)
+    assert [(d.gid, s.tolist()) for d, s in done] == [(g.gid, [0, 1])] and torch.equal(g.y, vals)
