@@ -77,10 +77,14 @@ def _summary_table(metrics: dict, plan, policy: str):
     t.add_row("requests finished", f"{metrics['finished']} / {metrics['requests']}")
     procs = metrics.get("processes")  # set by the multi-process runner only
     t.add_row("processes", f"{procs} (one per rank)" if procs else "1 (all ranks in-process)")
+    if metrics.get("dispatch"):  # DATAFLOW_DISPATCH: device-routed on a GPU by default, host-routed on the CPU
+        t.add_row("dispatch", metrics["dispatch"])
     t.add_row("tokens generated", str(metrics["tokens"]))
     t.add_row("elapsed", f"{metrics['elapsed_s']:.3f} s")
     t.add_row("tokens/s", f"{metrics['tokens_per_s']:.1f}")
-    for kind, unit in (("attn", "tokens"), ("expert", "routed rows"), ("sample", "tokens")):
+    # a device-routed expert batch counts every slot of its tokens, this rank's experts or not
+    rows = "slots" if metrics.get("dispatch") == "device-routed" else "routed rows"
+    for kind, unit in (("attn", "tokens"), ("expert", rows), ("sample", "tokens")):
         t.add_row(f"mean {kind} batch", f"{metrics[f'{kind}_mean_batch']:.1f} {unit} ({metrics[f'{kind}_batches']} batches)")
     t.add_row("max queueing delay", f"{metrics['max_queue_delay_s'] * 1e3:.2f} ms")
     t.add_row("mean inter-token latency", f"{metrics['mean_itl_s'] * 1e3:.2f} ms")

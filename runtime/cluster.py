@@ -155,6 +155,7 @@ class Cluster:
         metrics["messages"] = self.hub.messages if self.hub else None
         metrics["policy"] = self.options.policy
         metrics["ranks"] = self.world_size
+        metrics["dispatch"] = self.engines[0].dispatch_name if self.engines else None
         return RunResult(list(requests), metrics, self.trace, self.world_size)
 
     def _run_wall(self, pending: list[Request], done: list[Request], total: int) -> None:

@@ -190,6 +190,7 @@ class Engine:
         # to the host); else the environment's (runtime/routed_rows.py), for a host-side executor.
         routed = getattr(executor, "route_on_device", None)
         self.device_routed = routed if isinstance(routed, bool) else device_routed_from_env(on_gpu=False)
+        self.dispatch_name = "device-routed" if self.device_routed else "host-routed"  # (run summaries say which)
         if self.device_routed and self.async_route:
             raise ValueError("DATAFLOW_ASYNC_ROUTE=1 and DATAFLOW_DISPATCH=device together: the device-routed dispatch "
                              "never waits for the routing, so there is nothing to defer; set one of them")

@@ -439,7 +439,7 @@ class RankNode:
             trace = (self.trace.events, self.trace.decisions) if self.trace is not None else None
             data_sent = (self.transport.stats["sent"] - self.sent_at_start) - (self.control_sent - self.control_at_start)
             self._send(COORDINATOR, {"t": CTRL_DONE, "w": self.workload, "metrics": e.metrics, "trace": trace,
-                                     "data_messages": data_sent})
+                                     "data_messages": data_sent, "dispatch": e.dispatch_name})
             if not self.is_coord:  # the coordinator stops when every rank's report is in
                 self.stopped = True
         elif self.is_coord and self.coord is not None:
@@ -675,6 +675,7 @@ class Coordinator:
         metrics["policy"] = self.options.policy
         metrics["ranks"] = self.node.world
         metrics["processes"] = self.node.world
+        metrics["dispatch"] = self.dones[COORDINATOR].get("dispatch")
         trace = None
         if self.options.trace:
             shift = self.t_begin

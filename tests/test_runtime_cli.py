@@ -26,6 +26,21 @@ def test_compile_then_run_with_no_arguments(in_tmp):
     assert "3 / 3" in res.output and "tokens/s" in res.output and "mean expert batch" in res.output
 
 
+@pytest.mark.parametrize("mode,shown,unit", [(None, "host-routed", "routed rows"), ("device", "device-routed", "slots")])
+def test_run_summary_names_the_dispatch(in_tmp, monkeypatch, mode, shown, unit):
+    """The summary says which dispatch ran (DATAFLOW_DISPATCH; the CPU default is host-routed) and counts expert
+    batches in that dispatch's unit."""
+    _, runner = in_tmp
+    if mode is None:
+        monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
+    else:
+        monkeypatch.setenv("DATAFLOW_DISPATCH", mode)
+    res = runner.invoke(app, ["run", "--in-process", "--max-new-tokens", "3", "--num-requests", "2"])
+    assert res.exit_code == 0, res.output
+    line = next(l for l in res.output.splitlines() if "dispatch" in l)
+    assert shown in line and unit in next(l for l in res.output.splitlines() if "mean expert batch" in l)
+
+
 def test_prompts_outputs_and_trace_files_match_the_reference(in_tmp):
     tmp, runner = in_tmp
     prompts = [{"id": "a", "prompt_token_ids": [5, 6, 7, 8], "max_new_tokens": 5},
