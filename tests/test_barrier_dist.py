@@ -242,6 +242,39 @@ def test_host_probe_hidden_share_and_expert_bandwidth():
     assert abs(m["attn"]["host_us"] - 10_000) < 1e-6
 
 
+def test_probe_counts_a_device_routed_expert_batch_by_its_owned_slots():
+    """A device-routed item carries every slot's id: the probe's bytes count the distinct experts this rank owns
+    among them and only the owned slots as rows, from a copy taken after the batch's wall."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from runtime.experiments.barrier_dist import HostProbe
+    from runtime.experiments.floors import expert_batch_bytes
+
+    class Ev:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    inner = types.SimpleNamespace(device=torch.device("cuda"))
+    probe = HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, 8, 4, 2))
+    probe._make_anchor = lambda: (Ev(0.0), 0.0)
+    owned = torch.tensor([True, False, True, False])
+    ids = torch.tensor([[0, 1], [2, 3], [0, 2]], dtype=torch.int32)  # owned slots: 0, 2, 0, 2 -> 2 experts, 4 rows
+    copied = []
+    t = probe.start()
+    inner.profile.append(("expert", Ev(0.0), Ev(1.0)))
+    probe.add("expert", 6, t, lambda: copied.append(1) or [(ids.float(), owned)])
+    assert copied == [1]
+    s = probe.summary()
+    assert s["expert"]["rows"] == 6 and s["expert"]["expert_bytes"] == expert_batch_bytes(2, 4, 8, 4, 2)
+    assert np.isclose(s["expert"]["expert_device_s"], 1e-3)
+
+
 def test_itl_tail_tells_a_rank_wide_stall_from_scattered_slow_steps():
     from runtime.experiments.itl_tail import describe, itl_tail
     # 10 requests homed on rank 0 stall together once (1.0 -> 1.3 s); rank 1's requests are steady

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import itertools
 import math
 import os
 import re
@@ -183,10 +184,15 @@ class HostProbe:
 
     def add(self, kind: str, rows: int, started: tuple, experts=None, first: bool = True) -> None:
         """`experts`: the batch's expert ids (arrays or tensors; their distinct count is taken in
-        summary(), off the timed path). `first=False`: a later part of a batch already counted (the
-        completion of a deferred batch): its host time adds to the kind's, not its batch count."""
+        summary(), off the timed path), or a callable returning them, called after the batch's wall is taken
+        (a copy that must not count); an item may be (ids, owned): a device-routed item's ids of every slot and
+        the bool [E] mask of this rank's experts, of which only the owned slots are this batch's rows.
+        `first=False`: a later part of a batch already counted (the completion of a deferred batch): its host
+        time adds to the kind's, not its batch count."""
         t0, w0, i0 = started
         wall = time.perf_counter() - t0
+        if callable(experts):
+            experts = experts()
         ev = self._events()
         self.recs.append((kind, rows if first else 0, max(wall - (_waited(self.inner) - w0), 0.0), wall,
                           ev[i0:] if ev is not None else [], experts if first else None, t0, first))
@@ -215,8 +221,8 @@ class HostProbe:
                 a["exposed_any_s"] += min(host, max(0.0, wall - busy.busy(t0, t0 + wall))) if busy is not None else 0.0
                 a["timed"] += bool(evs)
                 if kind == "expert" and self.expert_bytes is not None and experts is not None and rows:
-                    ids = np.concatenate([np.asarray(e).reshape(-1) for e in experts])
-                    a["expert_bytes"] += self.expert_bytes(len(np.unique(ids)), rows)
+                    ids = np.concatenate([_rows_experts(e) for e in experts])
+                    a["expert_bytes"] += self.expert_bytes(len(np.unique(ids)), len(ids))
                     a["expert_device_s"] += dev
         if busy is not None and self.recs:
             # The rank's GPU busy share over its batches' span (the same in every kind, so merge_probes can sum
@@ -228,11 +234,23 @@ class HostProbe:
         return out
 
 
+def _rows_experts(e) -> np.ndarray:
+    """The expert id of each row an expert batch ran: an item's ids, or (device-routed) its owned slots' ids."""
+    if type(e) is tuple:
+        ids, owned = e
+        ids = ids.cpu().numpy().reshape(-1).astype(np.int64)
+        return ids[owned.cpu().numpy()[ids]]
+    return np.asarray(e).reshape(-1)
+
+
 def new_probe(inner, spec, dtype: str) -> HostProbe:
     """A probe counting expert-batch bytes for `spec`'s expert shapes in `dtype` (ExecSpec.dtype)."""
     es = torch.finfo(getattr(torch, dtype)).bits // 8
     H, I = spec.hidden_size, spec.experts.intermediate_size
     return HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, H, I, es))
+
+
+ROUTED_SAMPLE = 8  # probe_engine: one device-routed expert batch in this many copies its ids for the GB/s column
 
 
 def probe_engine(engine, probe: HostProbe) -> None:
@@ -241,6 +259,7 @@ def probe_engine(engine, probe: HostProbe) -> None:
     deferred batch (Engine.async_sample / async_route) is completed later by the engine, through this
     wrapper again: that call's host time is added to the batch's kind as a second part."""
     ex_exec, ex_comp = engine.execute, engine.complete
+    routed_sample = itertools.cycle(range(ROUTED_SAMPLE))
 
     def execute(batch):
         batch.out["_hp"] = probe.start()
@@ -253,8 +272,16 @@ def probe_engine(engine, probe: HostProbe) -> None:
             started = probe.start()
         ex_comp(batch)
         items = batch.items
-        # (device-routed items carry every slot's id, this rank's or not: no bandwidth figure for them)
-        experts = [it.expert for it in items] if batch.stage.kind == "expert" and hasattr(items[0], "expert") else None
+        experts = None
+        if batch.stage.kind == "expert":
+            if hasattr(items[0], "expert"):
+                experts = [it.expert for it in items]
+            elif next(routed_sample) == 0:
+                # Device-routed: the ids of every slot are on the device; one batch in ROUTED_SAMPLE keeps a copy
+                # (after its wall is taken) for the bandwidth column, whose bytes and device time then both come
+                # from the sampled batches.
+                owned = engine._owned_experts(batch.stage.layer, items[0].ids.device)
+                experts = lambda: [(it.ids.clone(), owned) for it in items]  # noqa: E731
         probe.add(batch.stage.kind, batch.rows, started, experts, first)
     engine.execute, engine.complete = execute, complete
 
