@@ -68,6 +68,10 @@ def register(app: typer.Typer) -> None:
         attn_cap: int = typer.Option(256, "--attn-cap", help="max tokens per attention batch"),
         expert_cap: int = typer.Option(1024, "--expert-cap", help="max routed rows per expert batch"),
         home_policy: str = typer.Option("most_free_kv", "--home-policy", help="most_free_kv or round_robin"),
+        dispatch: str = typer.Option("auto", "--dispatch",
+                                     help="auto (device on cuda, host on cpu), host (routing read on the host, each "
+                                          "holder gets its routed rows) or device (whole batches with their expert "
+                                          "ids to every holder, selected on the device)"),
         min_kv_tokens: int = typer.Option(2048, "--min-kv-tokens",
                                           help="refuse plans whose ranks cannot cache this many tokens"),
         max_kv_tokens: Optional[int] = typer.Option(None, "--max-kv-tokens",
@@ -87,7 +91,7 @@ def register(app: typer.Typer) -> None:
         plan = compile_plan(spec, ranks, device, device_memory_gib=device_memory, placement=placement,
                             load_profile=load_profile, home_policy=home_policy, block_size=block_size,
                             attn_cap=attn_cap, expert_cap=expert_cap, min_kv_tokens=min_kv_tokens,
-                            max_kv_tokens=max_kv_tokens, source=source)
+                            max_kv_tokens=max_kv_tokens, dispatch=dispatch, source=source)
         path = save_plan(plan, out)
         _print_summary(plan, path)
 
@@ -102,7 +106,7 @@ def _print_summary(plan, path: Path) -> None:
     console = Console()
     console.print(f"[bold]{s.name}[/] ({s.family}): {s.num_layers} layers, {s.experts.num_experts} experts "
                   f"top-{s.experts.top_k}, {s.dtype} -> {c.ranks} x {c.device} ({c.device_memory_gib:g} GiB), "
-                  f"{len(plan.stages)} stages, placement {plan.placement.policy}")
+                  f"{len(plan.stages)} stages, placement {plan.placement.policy}, {c.dispatch}-routed dispatch")
     table = Table(show_edge=False)
     for col in ("rank", "experts/layer", "weights GiB", "KV tokens", "KV blocks", "graphs GiB"):
         table.add_column(col, justify="right" if col != "experts/layer" else "left")

@@ -147,9 +147,16 @@ def _print_routes(console, plan, rank: Optional[int]) -> None:
 
     from lowering.summary import compress_ids
 
-    console.print("[bold]routes[/]: dispatch = home ranks send normed hidden rows, one per (token, expert), "
-                  "to the expert holders; combine = expert outputs go back to the home rank's top-k merge; "
-                  "local = stays on the home rank. Metadata (ids, weights, positions) travels separately.")
+    if plan.cluster.dispatch == "device":
+        console.print("[bold]routes[/] (device-routed dispatch): dispatch = home ranks send each attention batch "
+                      "whole, a normed hidden row per token with its top-k expert ids, to every expert holder; "
+                      "combine = every slot comes back from each holder, zero where it has none of the slot's "
+                      "expert, and the home sums them; local = stays on the home rank. Metadata (weights, "
+                      "positions) travels separately.")
+    else:
+        console.print("[bold]routes[/]: dispatch = home ranks send normed hidden rows, one per (token, expert), "
+                      "to the expert holders; combine = expert outputs go back to the home rank's top-k merge; "
+                      "local = stays on the home rank. Metadata (ids, weights, positions) travels separately.")
     table = Table(title="per stage edge" + (f" (pairs involving rank {rank})" if rank is not None else ""),
                   show_edge=False)
     for col in ("edge", "kind", "from", "to", "remote pairs", "max rows", "max message"):
@@ -241,7 +248,7 @@ def register(app: typer.Typer) -> None:
         s, c = plan.spec, plan.cluster
         console.print(f"[bold]{s.name}[/] ({s.family}) plan v{plan.version} from {plan.source or '?'}: "
                       f"{c.ranks} x {c.device}, caps attn {plan.caps.attn_tokens} tokens / "
-                      f"expert {plan.caps.expert_rows} rows")
+                      f"expert {plan.caps.expert_rows} rows, dispatch {c.dispatch or 'by device'}")
         for name in ([section] if section else SECTIONS):
             console.print()
             PRINTERS[name](console, plan, rank)

@@ -52,6 +52,10 @@ StageKind = Literal["attn", "expert", "sample"]
 PlacementPolicy = Literal["contiguous", "round_robin", "profile"]
 HomePolicy = Literal["most_free_kv", "round_robin"]
 Device = Literal["cpu", "cuda"]
+# How a home sends an attention batch to the expert holders (runtime/routed_rows.py): host = the routing comes to
+# the host and each holder gets the rows routed to it; device = the whole batch and its expert ids go to every
+# holder, which selects its own slots on the device (no routing round trip through the host).
+Dispatch = Literal["host", "device"]
 
 
 class _Model(BaseModel):
@@ -62,6 +66,9 @@ class Cluster(_Model):
     ranks: int = Field(gt=0)
     device: Device = "cpu"
     device_memory_gib: float = Field(gt=0)
+    # compile's choice (auto: device on cuda, host on cpu); None in plans written before it was recorded (the
+    # runtime then picks by the executor's device). DATAFLOW_DISPATCH=host/device overrides it at run time.
+    dispatch: Optional[Dispatch] = None
 
 
 class Stage(_Model):
@@ -218,6 +225,7 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
                  expert_cap: int = DEFAULT_EXPERT_CAP,
                  min_kv_tokens: int = DEFAULT_MIN_KV_TOKENS,
                  max_kv_tokens: Optional[int] = None,
+                 dispatch: str = "auto",
                  source: str = "") -> Plan:
     """Lower `spec` onto `ranks` ranks of `device`. User mistakes raise UserError; the result is
     validated by `check_plan` before it is returned."""
@@ -234,6 +242,10 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
         raise _options_error("ranks", ranks, f"an integer 1..{MAX_RANKS}")
     if device not in DEFAULT_DEVICE_MEMORY_GIB:
         raise _options_error("device", device, "cpu, cuda")
+    if dispatch not in ("auto", "host", "device"):
+        raise _options_error("dispatch", dispatch, "auto (device on cuda, host on cpu), host, device")
+    if dispatch == "auto":
+        dispatch = "device" if device == "cuda" else "host"
     if home_policy not in ("most_free_kv", "round_robin"):
         raise _options_error("home_policy", home_policy, "most_free_kv, round_robin")
     for name, value in (("block_size", block_size), ("attn_cap", attn_cap), ("expert_cap", expert_cap),
@@ -248,7 +260,7 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
     if not isinstance(device_memory_gib, (int, float)) or not device_memory_gib > 0:
         raise _options_error("device_memory_gib", device_memory_gib, "a positive number of GiB")
 
-    cluster = Cluster(ranks=ranks, device=device, device_memory_gib=float(device_memory_gib))
+    cluster = Cluster(ranks=ranks, device=device, device_memory_gib=float(device_memory_gib), dispatch=dispatch)
     caps = BatchCaps(attn_tokens=attn_cap, expert_rows=expert_cap)
     stages = build_stages(spec)
     place = place_experts(spec, ranks, placement, load_profile, home_policy)
@@ -256,7 +268,7 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
     validate_graph(build_graph(spec, ranks, place.expert_rank, homes=[0]))
     rank_plans = build_queues(spec, stages, place, caps, ranks)
     capture = plan_capture(spec, stages, place, caps, cluster)
-    routes = plan_routes(spec, stages, place, caps, ranks)
+    routes = plan_routes(spec, stages, place, caps, ranks, dispatch)
     kv, memory = plan_memory(spec, place, caps, cluster, capture, block_size, min_kv_tokens,
                              max_kv_tokens)
     plan = Plan(spec=spec, source=source, cluster=cluster, caps=caps, stages=stages, placement=place,

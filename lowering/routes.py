@@ -9,6 +9,11 @@ expert(l) -> attn(l+1)/sample  combine: expert outputs go back to each row's hom
                             top-k merge waits for all k. One expert batch is <= expert cap rows.
 dense attn(l) -> next, sample -> attn(0): stays on the home rank; nothing crosses the wire.
 Routing weights, request ids and positions travel in the metadata message, not in these bytes.
+
+With the device-routed dispatch (plan.cluster.dispatch == "device", runtime/routed_rows.py) the dispatch carries
+the whole attention batch to every holder, one row per token with its top-k expert ids packed behind the hidden
+state (4k bytes), and the combine carries every slot of the home's tokens back, zero where the holder has none of
+the slot's expert (the home sums the holders' parts); an expert batch is then <= expert cap slots.
 """
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ from lowering.plan import BatchCaps, Placement, Route, Stage
 
 
 def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps: BatchCaps,
-                ranks: int) -> list[Route]:
+                ranks: int, dispatch: str = "host") -> list[Route]:
     row = spec.hidden_size * sizes.dtype_bytes(spec)
+    whole = dispatch == "device"
     everyone = list(range(ranks))
     k = spec.experts.top_k
     routes = []
@@ -27,6 +33,15 @@ def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps
         dst = stages[s.next]
         if s.kind == "attn" and dst.kind == "expert":
             holders = placement.holders(s.layer)
+            if whole:
+                packed = row + 4 * k  # the ids as int32 behind the row (runtime/routed_rows.pack)
+                routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="dispatch", pattern="all_to_holders",
+                                    src_ranks=everyone, dst_ranks=holders,
+                                    carries=f"whole attention batches of layer {s.layer}: each token's normed hidden "
+                                            f"row and its top-{k} expert ids, to every holder",
+                                    row_bytes=packed, max_rows=caps.attn_tokens,
+                                    max_message_bytes=caps.attn_tokens * packed))
+                continue
             most_held = max(len(placement.experts_on(s.layer, r)) for r in holders)
             rows = caps.attn_tokens * min(k, most_held)
             routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="dispatch", pattern="all_to_holders",
@@ -37,7 +52,10 @@ def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps
             rows = caps.expert_rows
             routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="combine", pattern="holders_to_all",
                                 src_ranks=placement.holders(s.layer), dst_ranks=everyone,
-                                carries=f"expert outputs of layer {s.layer} back to their home rank's top-k merge",
+                                carries=(f"every slot of layer {s.layer}'s tokens back to their home, zero where "
+                                         f"this holder has none of the slot's expert (the home sums the parts)"
+                                         if whole else
+                                         f"expert outputs of layer {s.layer} back to their home rank's top-k merge"),
                                 row_bytes=row, max_rows=rows, max_message_bytes=rows * row))
         else:
             what = "next decode token to layer 0" if s.kind == "sample" else \

@@ -26,7 +26,7 @@ def plan_summary(plan: Plan) -> str:
     moe = s.moe_layers
     lines = [
         f"dataflow plan v{plan.version}: {s.name} ({s.family}) from {plan.source or '<spec>'}",
-        f"cluster: {c.ranks} x {c.device}, {c.device_memory_gib:g} GiB each",
+        f"cluster: {c.ranks} x {c.device}, {c.device_memory_gib:g} GiB each; dispatch {c.dispatch or 'by device'}",
         f"model: {s.num_layers} layers ({len(moe)} MoE, dense {s.dense_layers or 'none'}), hidden {s.hidden_size}, "
         f"{s.experts.num_experts} experts top-{s.experts.top_k}, attention {s.attention.kind}, {s.dtype}",
         f"stages: {len(plan.stages)} (attn x {s.num_layers}, expert x {len(moe)}, sample); "

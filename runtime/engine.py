@@ -90,6 +90,7 @@ class EngineConfig:
     num_blocks: int
     eos_token_ids: frozenset = frozenset()
     max_position: int = 1 << 30
+    dispatch: Optional[str] = None  # the plan's ("host" / "device"; None: not recorded), DATAFLOW_DISPATCH overrides
 
 
 def config_from_plan(plan, rank: int, num_blocks: Optional[int] = None) -> EngineConfig:
@@ -102,7 +103,8 @@ def config_from_plan(plan, rank: int, num_blocks: Optional[int] = None) -> Engin
                         top_k=spec.experts.top_k, stages=stages, expert_rank=plan.placement.expert_rank,
                         block_size=plan.kv.block_size,
                         num_blocks=num_blocks if num_blocks is not None else plan.kv.num_blocks[rank],
-                        eos_token_ids=frozenset(spec.eos_token_ids), max_position=spec.max_position)
+                        eos_token_ids=frozenset(spec.eos_token_ids), max_position=spec.max_position,
+                        dispatch=plan.cluster.dispatch)
 
 
 @dataclass
@@ -187,9 +189,10 @@ class Engine:
         # §22): the expert batches run meanwhile are smaller (385 rows against 440), 0.88x against 1.07x clean.
         self.async_route = _async_route_from_env()
         # The executor's choice where it makes one (the CUDA executor keeps the routing on the device or brings it
-        # to the host); else the environment's (runtime/routed_rows.py), for a host-side executor.
+        # to the host); else the plan's, for an executor that can select on its own (runtime/routed_rows.py).
         routed = getattr(executor, "route_on_device", None)
-        self.device_routed = routed if isinstance(routed, bool) else device_routed_from_env(on_gpu=False)
+        self.device_routed = routed if isinstance(routed, bool) else device_routed_from_env(
+            cfg.dispatch == "device" and hasattr(executor, "experts_routed"))
         self.dispatch_name = "device-routed" if self.device_routed else "host-routed"  # (run summaries say which)
         if self.device_routed and self.async_route:
             raise ValueError("DATAFLOW_ASYNC_ROUTE=1 and DATAFLOW_DISPATCH=device together: the device-routed dispatch "

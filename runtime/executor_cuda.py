@@ -229,8 +229,12 @@ class CudaExecutor:
         self.expert_graphs = graphs and self.ffn_impl != "torch"
         self.graphs = GraphCache(self.device, graphs)
         self.staging = HostStaging(self.device)
-        # keep each batch's routing on the device (no copy to the host); the engine follows this choice
-        self.route_on_device = device_routed_from_env(on_cuda) if route_on_device is None else route_on_device
+        # keep each batch's routing on the device (no copy to the host); the engine follows this choice. Default:
+        # the plan's dispatch (by device for a plan that does not record one, or no plan)
+        if route_on_device is None:
+            planned = plan.cluster.dispatch if plan is not None else None
+            route_on_device = device_routed_from_env(planned == "device" if planned is not None else on_cuda)
+        self.route_on_device = route_on_device
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self.stats = ExecStats()
         a = spec.attention

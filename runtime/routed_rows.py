@@ -18,21 +18,22 @@ import torch
 from torch import Tensor
 
 
-def device_routed_from_env(on_gpu: bool) -> bool:
-    """DATAFLOW_DISPATCH: auto (default: device on a GPU executor, host elsewhere), host (the routing comes to the
-    host, each owner gets its routed rows) or device (the whole batch and its expert ids go to every owner, which
-    selects its own slots on the device: no routing round trip). auto picks device on a GPU because there the
-    routing is made inside the attention graph and the host would wait for it (2 x H200, run 67: 1.12x against
-    1.02x of all-gather EP clean, 3.56x against 1.99x under the compute hog; benchmarks/NOTES.md §26), and host
-    on the CPU, where the routing is on the host already and the whole batch would only add bytes. auto also picks
-    host with DATAFLOW_ASYNC_ROUTE=1, an option of the host-routed dispatch."""
+def device_routed_from_env(auto: bool) -> bool:
+    """Whether to use the device-routed dispatch. DATAFLOW_DISPATCH: auto (default: `auto`, the caller's default:
+    the plan's choice, which `dataflow compile --dispatch auto` makes device on cuda and host on cpu), host (the
+    routing comes to the host, each owner gets its routed rows) or device (the whole batch and its expert ids go to
+    every owner, which selects its own slots on the device: no routing round trip). Device on a GPU because there
+    the routing is made inside the attention graph and the host would wait for it (2 x H200, run 67: 1.12x against
+    1.02x of all-gather EP clean, 3.56x against 1.99x under the compute hog; benchmarks/NOTES.md §26); host on the
+    CPU, where the routing is on the host already and the whole batch would only add bytes. auto also picks host
+    with DATAFLOW_ASYNC_ROUTE=1, an option of the host-routed dispatch."""
     v = os.environ.get("DATAFLOW_DISPATCH", "auto")
     if v not in ("auto", "host", "device"):
-        raise ValueError(f"DATAFLOW_DISPATCH={v!r}: valid values are auto (default: device on a GPU, host on the CPU), "
+        raise ValueError(f"DATAFLOW_DISPATCH={v!r}: valid values are auto (default: the plan's, device on cuda, host on cpu), "
                          f"host (route on the host) and device (send whole batches with their expert ids; owners "
                          f"select on the device)")
     if v == "auto":
-        return on_gpu and os.environ.get("DATAFLOW_ASYNC_ROUTE", "0") != "1"
+        return auto and os.environ.get("DATAFLOW_ASYNC_ROUTE", "0") != "1"
     return v == "device"
 
 

@@ -49,6 +49,19 @@ def test_compile_shipped_name_to_default_dir_then_inspect(workdir, monkeypatch, 
     assert "mu-queues of rank 2" in out and "expert(1)" in out and "6-7" in out  # rank 2 holds experts 6-7
 
 
+def test_compile_records_the_dispatch_and_inspect_shows_its_routes(workdir, monkeypatch, capsys):
+    code, out, err = run(monkeypatch, capsys, "compile", "tiny", "--device", "cuda", "-o", "g")
+    assert code == 0, err
+    assert "device-routed dispatch" in " ".join(out.split())
+    code, out, err = run(monkeypatch, capsys, "inspect", "g", "--section", "routes")
+    assert code == 0 and "device-routed dispatch" in " ".join(out.split()), err
+    code, _, err = run(monkeypatch, capsys, "compile", "tiny", "--device", "cuda", "--dispatch", "host", "-o", "h")
+    code, out, _ = run(monkeypatch, capsys, "inspect", "h", "--section", "routes", "--json")
+    assert code == 0 and all("whole" not in r["carries"] for r in json.loads(out))
+    code, _, err = run(monkeypatch, capsys, "compile", "tiny", "--dispatch", "gpu")
+    assert code == 2 and "option 'dispatch': got 'gpu'; valid: auto" in err
+
+
 def test_compile_yaml_with_options_and_json_sections(workdir, monkeypatch, capsys):
     profile = workdir / "load.yaml"
     profile.write_text(yaml.safe_dump([5, 1, 1, 1, 1, 1, 1, 5, 1, 1]))

@@ -12,6 +12,7 @@ from functools import lru_cache
 import pytest
 import torch
 
+from graph_ir.errors import UserError
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
@@ -399,21 +400,48 @@ def test_device_routed_dispatch_other_families_and_wall_clock(monkeypatch, name,
     assert assert_matches_reference(name, res.requests) > 10
 
 
-def test_dispatch_default_is_device_on_a_gpu_and_host_elsewhere(monkeypatch):
-    """DATAFLOW_DISPATCH=auto (the default): the device-routed dispatch where the routing is made on a GPU, the
-    host-routed one on the CPU and with DATAFLOW_ASYNC_ROUTE=1 (an option of the host-routed dispatch); an explicit
-    value wins either way."""
+def test_dispatch_default_is_the_plans_and_the_environment_overrides_it(monkeypatch):
+    """DATAFLOW_DISPATCH=auto (the default) takes the caller's default (the plan's dispatch), but the host-routed
+    one with DATAFLOW_ASYNC_ROUTE=1 (an option of the host-routed dispatch); an explicit value wins either way."""
     from runtime.routed_rows import device_routed_from_env
     monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
     monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE", raising=False)
-    assert device_routed_from_env(on_gpu=True) and not device_routed_from_env(on_gpu=False)
+    assert device_routed_from_env(auto=True) and not device_routed_from_env(auto=False)
     monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
-    assert not device_routed_from_env(on_gpu=True)
+    assert not device_routed_from_env(auto=True)
     monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE")
     monkeypatch.setenv("DATAFLOW_DISPATCH", "host")
-    assert not device_routed_from_env(on_gpu=True)
+    assert not device_routed_from_env(auto=True)
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
-    assert device_routed_from_env(on_gpu=False)
+    assert device_routed_from_env(auto=False)
+
+
+def test_plan_records_its_dispatch_and_the_engines_follow_it(monkeypatch):
+    """compile's --dispatch auto is device on cuda and host on cpu; the routes describe what that dispatch sends;
+    ranks of a device-dispatch plan run the device-routed dispatch (here on the CPU twin) and still give the
+    reference's tokens."""
+    from lowering.plan import compile_plan
+    from runtime.cluster import Cluster, RunOptions, build_executor
+    monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
+    spec, w, _ = model("tiny-gpt-oss")
+    assert compile_plan(spec, 2, "cuda").cluster.dispatch == "device"
+    assert compile_plan(spec, 2).cluster.dispatch == "host"
+    with pytest.raises(UserError, match="option 'dispatch': got 'gpu'"):
+        compile_plan(spec, 2, dispatch="gpu")
+    host, dev = compile_plan(spec, 2, dispatch="host"), compile_plan(spec, 2, dispatch="device")
+    H, k, b = spec.hidden_size, spec.experts.top_k, 4  # fp32 tiny model
+    r_host = next(r for r in host.routes if r.kind == "dispatch")
+    r_dev = next(r for r in dev.routes if r.kind == "dispatch")
+    assert r_host.row_bytes == H * b and r_dev.row_bytes == H * b + 4 * k
+    assert r_dev.max_rows == dev.caps.attn_tokens and "whole attention batches" in r_dev.carries
+    opts = RunOptions(policy="defrag")
+    engines = Cluster(dev, build_executor(dev, opts, w), opts).engines
+    assert all(e.device_routed for e in engines)
+    assert not any(e.device_routed for e in Cluster(host, build_executor(host, opts, w), opts).engines)
+    reqs = make_requests(spec.vocab_size, 4, seed=3, max_prompt=12)
+    res = run_workload(dev, reqs, opts, weights=w)
+    assert res.metrics["dispatch"] == "device-routed"
+    assert assert_matches_reference("tiny-gpt-oss", res.requests) > 10
 
 
 def test_dispatch_setting_is_validated(monkeypatch):
