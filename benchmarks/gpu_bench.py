@@ -213,7 +213,7 @@ def section_correctness(args, dev: torch.device, results: dict) -> None:
             reqs_t.append(([rng.randrange(3, spec.vocab_size) for _ in range(n)], args.check_new))
         w_base = random_weights(spec)
         w_sharp = sharp_router(w_base, BF16_ROUTER_SCALE)
-        plan = compile_plan(spec, 2)
+        plan = compile_plan(spec, 2, "cuda" if dev.type == "cuda" else "cpu")  # (its dispatch: what a GPU run uses)
         for dtype in (torch.float32, torch.bfloat16):
             # fp32: the shipped weights, tokens vs the fp32 CPU reference (near-tie margin 1e-3).
             # bf16: the router-x30 variant; teacher-forced logits vs the fp32 reference (stated
