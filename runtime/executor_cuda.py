@@ -198,8 +198,9 @@ class CudaExecutor:
         references on CPU; env DATAFLOW_ATTN_IMPL / DATAFLOW_FFN_IMPL / DATAFLOW_PERMUTE_IMPL or
         the arguments override. `max_context`: tokens a sequence may have for the graph path
         (device page-table width); longer ones run eagerly. `route_on_device`: keep each attention batch's
-        routing on the device for the device-routed dispatch (default: DATAFLOW_DISPATCH, runtime/routed_rows.py;
-        the barrier baselines, which read the routing on the host, pass False)."""
+        routing on the device for the device-routed dispatch (default: the plan's dispatch, or by device without
+        one; DATAFLOW_DISPATCH overrides: runtime/routed_rows.py; the barrier baselines, which read the routing on
+        the host, pass False)."""
         self.spec = spec
         self.device = torch.device(device) if device is not None else weights.embed.device
         if self.device.type == "cuda" and self.device.index is None:
@@ -652,11 +653,7 @@ class CudaExecutor:
         tm.start()
         k = ids[0].shape[1]
         T = sum(x.shape[0] for x in xs)
-        b = bucket_for(T * k, self.buckets["expert"])
-        static = b is not None
-        if not static:
-            b = T * k
-            self.stats.note("expert: batch above the largest bucket")
+        b, static = self._expert_bucket(T * k)
         bufs = self._routed_bufs(b, k, static)
         x_T, ids_T, ids_pad, y_N = self._first_rows(("routed", b, T), static, lambda: (
             bufs._t["xt"][:T], bufs._t["idt"][:T], bufs._t["idt"][T:], bufs._t["y"][:T * k]))
@@ -669,15 +666,8 @@ class CudaExecutor:
             ids_pad.fill_(self.num_experts)  # padding tokens: owned by nobody
         tm.lap("routed:rows+ids_in")
         select = self._routed_select(layer, owned)
-        if static:
-            g = self.graphs.get(("expert_routed", layer, b, id(owned)), "expert_routed", b,
-                                lambda: self._routed_body(layer, bufs, select), self.expert_graphs)
-            g.run()
-            self.stats.expert_graph += int(g.capture)
-            self.stats.expert_eager += int(not g.capture)
-        else:
-            self._routed_body(layer, bufs, select)()
-            self.stats.expert_eager += 1
+        self._run_expert(("expert_routed", layer, b, id(owned)), b, lambda: self._routed_body(layer, bufs, select),
+                         static)
         tm.lap("replay")
         y = y_N.clone()
         tm.lap("y_clone")
@@ -749,27 +739,25 @@ class CudaExecutor:
             self._bufs_cache[("expert", b)] = bufs
         return bufs
 
-    def _expert_bucket(self, N: int) -> tuple[int, bool, StaticBuffers]:
-        """(bucket, static, its buffers) for an expert batch of N rows: the smallest captured bucket that fits,
-        or an eager batch of exactly N rows above the largest."""
+    def _expert_bucket(self, N: int) -> tuple[int, bool]:
+        """(bucket, static) for an expert batch of N rows (slots, device-routed): the smallest captured bucket
+        that fits, or an eager batch of exactly N rows above the largest."""
         b = bucket_for(N, self.buckets["expert"])
-        static = b is not None
-        if not static:
-            b = N
-            self.stats.note("expert: batch above the largest bucket")
-        return b, static, self._expert_bufs(b, static)
+        if b is not None:
+            return b, True
+        self.stats.note("expert: batch above the largest bucket")
+        return N, False
 
-    def _run_expert(self, layer: int, b: int, bufs: StaticBuffers, static: bool) -> None:
-        """The expert body over the bucket's static buffers: its graph replayed (captured at first use), or
-        eagerly for an eager batch's own buffers."""
+    def _run_expert(self, key: tuple, b: int, make_body, static: bool) -> None:
+        """An expert body (either graph kind: key[0] "expert" or "expert_routed") over its bucket's static
+        buffers: its graph replayed (captured at first use), or eagerly for an eager batch's own buffers."""
         if static:
-            g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs),
-                                self.expert_graphs)
+            g = self.graphs.get(key, key[0], b, make_body, self.expert_graphs)
             g.run()
             self.stats.expert_graph += int(g.capture)
             self.stats.expert_eager += int(not g.capture)
         else:
-            self._expert_body(layer, bufs)()
+            make_body()()
             self.stats.expert_eager += 1
 
     def _held_count(self, layer: int) -> int:
@@ -848,7 +836,8 @@ class CudaExecutor:
         N = sum(b.shape[0] for b in blocks)
         if N == 0:
             return blocks[0].new_zeros((0, self.spec.hidden_size))
-        b, static, bufs = self._expert_bucket(N)
+        b, static = self._expert_bucket(N)
+        bufs = self._expert_bufs(b, static)
         # The engine hands a CPU int64 tensor (a numpy block): read it as numpy directly
         # (assigning a tensor to an ndarray goes through Tensor.__array__ in Python).
         ids = expert_ids.numpy() if isinstance(expert_ids, Tensor) and expert_ids.device.type == "cpu" else expert_ids
@@ -872,7 +861,7 @@ class CudaExecutor:
         else:
             torch.cat(blocks, out=x_in)
         tm.lap("x_copy")
-        self._run_expert(layer, b, bufs, static)
+        self._run_expert(("expert", layer, b), b, lambda: self._expert_body(layer, bufs), static)
         tm.lap("replay")
         y = y_out.clone()
         tm.lap("y_clone")
