@@ -508,7 +508,7 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                         opts = RunOptions(policy=policy, kv_blocks=kv_blocks, decode_only=True, stall_timeout_s=120)
                         cl = Cluster(plan, ex, opts)
                         t = time.perf_counter()
-                        ncap = sum(inner.prepare(e.kv) for e in cl.engines)
+                        ncap = sum(inner.prepare(e.kv, owned=e.owned_experts) for e in cl.engines)
                         rec["capture_s"], rec["graphs_captured"] = time.perf_counter() - t, ncap
                         probe = new_probe(inner, spec, str(dtype)[6:])  # one executor serves every in-process rank
                         for e in cl.engines:

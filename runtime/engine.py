@@ -335,8 +335,9 @@ class Engine:
         n = ids.shape[0] * ids.shape[1]
         self.queues[self._expert_stage(layer)].push(RoutedItem(home, layer, x, ids, tag0, self.clock.now(), n))
 
-    def _owned_experts(self, layer: int, device: torch.device) -> torch.Tensor:
-        """bool [E] on `device`: the experts of `layer` this rank holds."""
+    def owned_experts(self, layer: int, device: torch.device) -> torch.Tensor:
+        """bool [E] on `device`: the experts of `layer` this rank holds (one tensor per (layer, device): the CUDA
+        executor keys its device-routed graphs by it; CudaExecutor.prepare captures them from it)."""
         key = (layer, device)
         owned = self._owned.get(key)
         if owned is None:
@@ -486,7 +487,7 @@ class Engine:
             items = batch.items
             if type(items[0]) is RoutedItem:  # device-routed: whole batches, selected on the device
                 layer = batch.stage.layer
-                owned = self._owned_experts(layer, items[0].x.device)
+                owned = self.owned_experts(layer, items[0].x.device)
                 batch.out["y"] = self.executor.experts_routed(layer, [it.x for it in items], [it.ids for it in items],
                                                               owned)
                 return

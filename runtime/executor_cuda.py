@@ -382,11 +382,14 @@ class CudaExecutor:
             self.profile.append((kind, start, self._mark()))
 
     @torch.no_grad()
-    def prepare(self, kv, layers_: Optional[list[int]] = None) -> int:
+    def prepare(self, kv, layers_: Optional[list[int]] = None, owned=None) -> int:
         """Capture every (layer, bucket) graph for this KV store now (attention) and for the
         executor (experts), so a timed run never captures. The warm-up pass of each capture runs
-        on padding only (positions -1, trash page; sentinel experts). Returns graphs captured."""
-        if self.device.type != "cuda":
+        on padding only (positions -1, trash page; sentinel experts). `owned`: the engine's
+        owned_experts(layer, device), with which the device-routed expert graphs (keyed by that
+        tensor) are captured too when this executor keeps the routing on the device. Returns graphs
+        captured."""
+        if not self.graphs.capture:  # (the CPU: nothing is captured)
             return 0
         dv = self._view(kv)
         before = self.graphs.captures
@@ -412,6 +415,20 @@ class CudaExecutor:
                 # A layer of which this shard holds no expert never gets a row: nothing to capture.
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
                     g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs), True)
+                    if g.graph is None:
+                        g._capture()
+        if self.route_on_device and owned is not None and self.expert_graphs:
+            k = self.top_k
+            for b in self.buckets["expert"]:
+                bufs = self._routed_bufs(b, k, True)
+                bufs._t["idt"].fill_(self.num_experts)  # padding tokens only
+                for layer in lays:
+                    mine = owned(layer, self.device) if self.spec.is_moe_layer(layer) else None
+                    if mine is None or not bool(mine.any()):
+                        continue
+                    select = self._routed_select(layer, mine)
+                    g = self.graphs.get(("expert_routed", layer, b, id(mine)), "expert_routed", b,
+                                        lambda: self._routed_body(layer, bufs, select), True)
                     if g.graph is None:
                         g._capture()
         torch.cuda.synchronize(self.device)

@@ -383,7 +383,7 @@ class RankNode:
         if hasattr(self.executor, "prepare"):
             # Capture every CUDA graph of this workload's KV store before serving, so no capture
             # runs while messages flow (and no timed batch pays for one). No-op on the CPU.
-            self.executor.prepare(self.engine.kv)
+            self.executor.prepare(self.engine.kv, owned=self.engine.owned_experts)
         # The serving loop gets a physical core of its own near its GPU (runtime/cpu_bind.py); repeated per
         # workload, because threads started since inherit the loop's single CPU.
         bind_rank_threads(self.env.local_rank, local_world(self.env), self.transport.device.type)

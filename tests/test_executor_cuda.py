@@ -382,3 +382,37 @@ def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monke
         run_barrier(plan, ex, reqs, "a2a", clock="wall", kv_blocks=64, decode_only=True)
         outs[mode] = [r.output for r in reqs]
     assert outs["host"] == outs["device"] and all(outs["host"])
+
+
+def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(monkeypatch):
+    """prepare() with the engines' owned experts captures the device-routed expert graphs under the keys the run
+    then replays (keyed by each engine's owned tensor), so a timed run captures no expert graph. Capture is faked
+    on the CPU (a 'graph' that runs its body); the keys and the bodies are the real ones."""
+    from runtime.capture import StepGraph
+    from runtime.cluster import Cluster, RunOptions
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+
+    class Replay:
+        def __init__(self, body):
+            self.replay = body
+
+    def capture(self):
+        self.body()
+        self.graph = Replay(self.body)
+    monkeypatch.setattr(StepGraph, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    spec, w = model("tiny-gpt-oss")
+    plan = compile_plan(spec, 2)
+    ex = CudaExecutor(spec, w, plan, torch.device("cpu"))
+    ex.graphs.capture = ex.expert_graphs = True  # capture on the CPU twin (faked above)
+    cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=64))
+    assert sum(ex.prepare(e.kv, owned=e.owned_experts) for e in cl.engines) > 0
+    prepared = {k for k in ex.graphs._graphs if k[0] == "expert_routed"}
+    assert len({k[3] for k in prepared}) == 2 * len(spec.moe_layers)  # one owned tensor per engine and layer
+    g = random.Random(2)
+    reqs = [Request(i, f"r{i}", [g.randrange(3, spec.vocab_size)], 4, ignore_eos=True, arrival=0.0) for i in range(6)]
+    res = cl.run(reqs)
+    assert res.metrics["finished"] == 6
+    used = {k for k in ex.graphs._graphs if k[0] == "expert_routed"}
+    assert used == prepared and ex.stats.expert_graph > 0

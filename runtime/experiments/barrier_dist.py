@@ -280,7 +280,7 @@ def probe_engine(engine, probe: HostProbe) -> None:
                 # Device-routed: the ids of every slot are on the device; one batch in ROUTED_SAMPLE keeps a copy
                 # (after its wall is taken) for the bandwidth column, whose bytes and device time then both come
                 # from the sampled batches.
-                owned = engine._owned_experts(batch.stage.layer, items[0].ids.device)
+                owned = engine.owned_experts(batch.stage.layer, items[0].ids.device)
                 experts = lambda: [(it.ids.clone(), owned) for it in items]  # noqa: E731
         probe.add(batch.stage.kind, batch.rows, started, experts, first)
     engine.execute, engine.complete = execute, complete
@@ -718,7 +718,7 @@ def stream_rank_main(env, job: DistJob):
                     # capture this KV store's graphs before requests come (the barrier does the same
                     # before its start barrier); lazy capture would land inside the timed run
                     try:
-                        inner.prepare(self.engine.kv)
+                        inner.prepare(self.engine.kv, owned=self.engine.owned_experts)
                     except Exception as err:  # noqa: BLE001
                         _say(f"prepare failed ({type(err).__name__}: {err}); graphs captured lazily")
                 if probes and isinstance(probes[-1], HostProbe):
