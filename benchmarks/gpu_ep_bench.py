@@ -75,11 +75,13 @@ def unknown_names(systems: list, scenarios: list) -> list:
         [s for s in scenarios if s not in SCENARIOS and delay_us_of(s, 0.0) is None]
 
 
-def make_requests(spec, n: int, seed: int, max_prompt: int, new_lo: int, new_hi: int, rid0: int = 0) -> list:
-    """n requests: ShareGPT prompt lengths clipped to max_prompt, new tokens uniform in [new_lo, new_hi]."""
+def make_requests(spec, n: int, seed: int, max_prompt: int, new_lo: int, new_hi: int, rid0: int = 0,
+                  lengths: str = "sharegpt") -> list:
+    """n requests: prompt lengths of the `lengths` distribution (runtime/experiments/lengths.py: sharegpt, gsm8k)
+    clipped to max_prompt, new tokens uniform in [new_lo, new_hi] (decode-only runs of bounded length)."""
     from runtime.experiments.lengths import length_distribution
     from runtime.requests import Request
-    sampler = length_distribution("sharegpt", max_prompt + 1)
+    sampler = length_distribution(lengths, max_prompt + 1)
     lens = sampler.sample(n, seed)
     g = random.Random(seed)
     out = []
@@ -134,7 +136,9 @@ def main(argv=None) -> int:
                         "most_free_kv (the plan default) balances KV blocks instead: 265 / 247 requests at C=256 "
                         "with ShareGPT prompts, and rank 0's 265 exceed the 256-row attention cap, so its every "
                         "decode step ran two attention waves (runs 27-31, NOTES §19 item 4)")
-    p.add_argument("--max-prompt", type=int, default=None, help="ShareGPT prompt lengths clipped here (1024)")
+    p.add_argument("--lengths", default="sharegpt", choices=["sharegpt", "gsm8k"],
+                   help="prompt-length distribution (shared/data percentiles; new tokens stay --new-tokens)")
+    p.add_argument("--max-prompt", type=int, default=None, help="prompt lengths clipped here (1024)")
     p.add_argument("--new-tokens", default=None, help="A:B new tokens per request, uniform (32:64)")
     p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--expert-cap", type=int, default=1024,
@@ -219,19 +223,21 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     block = plan.kv.block_size
-    reqs_of = {C: make_requests(spec, C * args.ranks, args.seed + C, max_prompt, new_lo, new_hi) for C in conc}
+    reqs_of = {C: make_requests(spec, C * args.ranks, args.seed + C, max_prompt, new_lo, new_hi, lengths=args.lengths)
+               for C in conc}
     # The warm-up runs as many requests per rank as the largest measured workload (short outputs): a
     # 16-request warm-up left the barrier's first C=256 run at half its later rate (runs 8, 13, 14:
     # first use of the large shapes), which the "vs clean" column then reported as the clean rate.
     warm = warm or max(conc)
-    warm_reqs = make_requests(spec, warm * args.ranks, args.seed + 99991, max_prompt, new_lo, min(new_hi, new_lo + 4))
+    warm_reqs = make_requests(spec, warm * args.ranks, args.seed + 99991, max_prompt, new_lo, min(new_hi, new_lo + 4),
+                              lengths=args.lengths)
     kv_of = {C: kv_blocks_for(r, block, args.ranks) for C, r in reqs_of.items()}
     kv_warm = kv_blocks_for(warm_reqs, block, args.ranks)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), command=" ".join(sys.argv), model=spec.name,
                 layers=spec.num_layers, experts=spec.experts.num_experts, top_k=spec.experts.top_k, dtype=dtype,
                 ranks=args.ranks, home_policy=args.home_policy, device="cuda" if gpu else "cpu", torch=torch.__version__,
                 gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if gpu else [],
-                concurrency_per_rank=conc, max_prompt=max_prompt, new_tokens=[new_lo, new_hi], zipf_s=args.zipf,
+                concurrency_per_rank=conc, lengths=args.lengths, max_prompt=max_prompt, new_tokens=[new_lo, new_hi], zipf_s=args.zipf,
                 burst=dict(extra_us=args.burst_us, period_ms=args.burst_period_ms, duty=args.burst_duty,
                            extra_us_by_scenario={sc: delay_us_of(sc, args.burst_us) for sc in scenarios
                                                  if delay_us_of(sc, args.burst_us) is not None},
@@ -459,8 +465,8 @@ def write_md(path: Path, results: dict) -> None:
     L = [f"# EP bench: streaming vs all-gather EP vs all-to-all EP ({m['date']})", "",
          f"`{m['command']}`", "",
          f"{m['model']} ({m['layers']} layers, {m['experts']} experts, top-{m['top_k']}, {m['dtype']}), {m['ranks']} ranks "
-         f"one process each on {m['device']} {m['gpus']}, torch {m['torch']}; decode-only, ShareGPT prompts clipped to "
-         f"{m['max_prompt']} (mean {m['prompt_len_mean']}), new tokens {m['new_tokens']}, Zipf s={m['zipf_s']}, "
+         f"one process each on {m['device']} {m['gpus']}, torch {m['torch']}; decode-only, {m.get('lengths', 'sharegpt')} prompts "
+         f"clipped to {m['max_prompt']} (mean {m['prompt_len_mean']}), new tokens {m['new_tokens']}, Zipf s={m['zipf_s']}, "
          f"all requests at t=0; bursts {m['burst']}.", "",
          "tok/s = generated tokens / (last finish - start); ratios = streaming / baseline at the same scenario and C; "
          "host us = wall of the executor calls of a batch minus time blocked on the device (streaming: "
