@@ -90,3 +90,14 @@ def test_delay_links_name_rank_pairs_both_ways(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--out", str(tmp_path), "--smoke", "--ranks", "2", "--delay-links", "0-2"])
     assert "two different ranks in 0..1" in capsys.readouterr().err
+
+
+def test_requests_follow_the_chosen_prompt_length_distribution():
+    """--lengths: GSM8K prompts (a question, median ~60 tokens) are far shorter than ShareGPT's; both clipped."""
+    import types
+    spec = types.SimpleNamespace(vocab_size=1000)
+    share = bench.make_requests(spec, 400, 0, 1024, 4, 8)
+    gsm = bench.make_requests(spec, 400, 0, 1024, 4, 8, lengths="gsm8k")
+    mean = lambda rs: sum(len(r.prompt) for r in rs) / len(rs)  # noqa: E731
+    assert mean(gsm) < 0.5 * mean(share)
+    assert max(len(r.prompt) for r in share + gsm) <= 1024 and all(4 <= r.max_new_tokens <= 8 for r in gsm)
