@@ -12,6 +12,10 @@ rows, recv@r0 the home receiving expert outputs). The executor's own time is mea
 wrapper and reported separately, so "engine" = host - executor.
 
     python benchmarks/engine_overhead.py [--rows 64 256 1024] [--hidden 64] [--steps 12] [--count-calls]
+                                         [--dispatch host|device]
+
+--dispatch device: the device-routed dispatch (runtime/routed_rows.py): each attention batch goes whole to both
+ranks (expert:N counts slots, T*k per home batch) and the home sums the two parts.
 """
 from __future__ import annotations
 
@@ -57,10 +61,11 @@ CALLS: Optional[TorchCalls] = None  # set by run(count_calls=True)
 class NullExecutor:
     """The executor interface with near-zero math: vectorized, deterministic, shape-correct."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, route_on_device: bool = False) -> None:
         self.H = hidden
         self.t = 0.0  # seconds spent inside executor calls
         self._n = 0
+        self.route_on_device = route_on_device  # the engine follows it (device-routed dispatch)
 
     def _timed(self, f, *a):
         t0 = time.perf_counter()
@@ -88,6 +93,16 @@ class NullExecutor:
             # row r, slot j -> expert (4r + j + layer) % E: slots alternate ranks (expert e on rank e % 2)
             ids = (torch.arange(T * K, dtype=torch.int64).view(T, K) + layer) % E
             return ids, torch.full((T, K), 1.0 / K)
+        return self._timed(f)
+
+    def route_device(self, layer, x):
+        ids, w = self.route(layer, x)
+        return ids.to(torch.float32), w  # (the CUDA executor hands out its routing as fp32 values)
+
+    def experts_routed(self, layer, xs, ids, owned):
+        def f():
+            sel = row_blocks(ids).reshape(-1).to(torch.int64)
+            return row_blocks(xs).repeat_interleave(K, dim=0) * owned[sel].unsqueeze(1) * 2.0
         return self._timed(f)
 
     def shared_expert(self, layer, x):
@@ -121,22 +136,22 @@ def config(rank: int, rows: int, max_new: int) -> EngineConfig:
                         block_size=16, num_blocks=rows * (max_new // 16 + 2))
 
 
-def run(rows: int, hidden: int, steps: int, warmup: int = 2, count_calls: bool = False) -> dict:
+def run(rows: int, hidden: int, steps: int, warmup: int = 2, count_calls: bool = False, device_routed: bool = False) -> dict:
     """Per batch key: (median host us, median engine us, batches), or with `count_calls` the median number
     of the engine's torch calls per batch in place of both times (timings under the counter are not clean)."""
     global CALLS
     CALLS = TorchCalls() if count_calls else None
     if CALLS is not None:
         with CALLS:
-            return _run(rows, hidden, steps, warmup)
-    return _run(rows, hidden, steps, warmup)
+            return _run(rows, hidden, steps, warmup, device_routed)
+    return _run(rows, hidden, steps, warmup, device_routed)
 
 
-def _run(rows: int, hidden: int, steps: int, warmup: int) -> dict:
+def _run(rows: int, hidden: int, steps: int, warmup: int, device_routed: bool = False) -> dict:
     clock = WallClock()
     hub = InprocHub(WORLD, clock)
     ts = hub.transports()
-    ex = NullExecutor(hidden)
+    ex = NullExecutor(hidden, device_routed)
     engines = [Engine(config(r, rows, warmup + steps + 2), ex, ts[r], clock, policy=make_policy("flfs")) for r in range(WORLD)]
     for i in range(rows):
         engines[0].admit(Request(i, f"r{i}", [1], max_new_tokens=warmup + steps + 2, ignore_eos=True))
@@ -181,13 +196,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--count-calls", action="store_true",
                     help="also count the engine's torch calls per batch (a second pass under a TorchFunctionMode)")
+    ap.add_argument("--dispatch", choices=["host", "device"], default="host")
     a = ap.parse_args()
+    dev = a.dispatch == "device"
     torch.set_num_threads(1)
     calls_col = f" {'torch calls':>11}" if a.count_calls else ""
     print(f"{'R':>6} {'batch':>14} {'host us':>10} {'engine us':>10} {'us/row':>8} {'n':>4}{calls_col}")
     for R in a.rows:
-        res = run(R, a.hidden, a.steps)
-        calls = run(R, a.hidden, a.steps, count_calls=True) if a.count_calls else {}
+        res = run(R, a.hidden, a.steps, device_routed=dev)
+        calls = run(R, a.hidden, a.steps, count_calls=True, device_routed=dev) if a.count_calls else {}
         for key in sorted(res, key=lambda s: ({"attn": 0, "expert": 1, "recv": 2, "sample": 3}[s.split(":")[0].split("@")[0]], s)):
             h, eng, n = res[key]
             rows = int(key.split(":")[1].split("@")[0]) if ":" in key else 0

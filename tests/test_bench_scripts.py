@@ -20,6 +20,14 @@ def test_engine_overhead_times_and_counts_every_batch_kind():
     assert eo.CALLS is not None and eo.CALLS.paused == 0  # every executor call un-paused the counter
 
 
+def test_engine_overhead_runs_the_device_routed_dispatch():
+    """--dispatch device: whole batches to both ranks, expert batches in slots (T*k per home batch)."""
+    import engine_overhead as eo
+    timed = eo.run(16, 16, 2, device_routed=True)
+    assert {k.split(":")[0].split("@")[0] for k in timed} == {"attn", "expert", "recv", "sample"}
+    assert "expert:64@r1" in timed  # rank 0's 16 tokens x 4 slots, all of them at the other owner too
+
+
 def test_host_speed_prices_the_cpu_building_blocks():
     import host_speed
     rows = host_speed.cpu_rows(3)
