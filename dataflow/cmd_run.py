@@ -68,6 +68,14 @@ def cap_hint(metrics: dict, plan) -> str:
             f"or with --home-policy round_robin.")
 
 
+def _pages_for(requests: list, plan) -> int:
+    """KV pages per rank that hold every request at once (prompt + new tokens), with a margin: any rank may be
+    the home of all of them. At most the plan's."""
+    bs = plan.kv.block_size
+    need = sum(-(-(len(r.prompt) + r.max_new_tokens) // bs) for r in requests)
+    return min(min(plan.kv.num_blocks), max(need + need // 4 + 8, 64))
+
+
 def _summary_table(metrics: dict, plan, policy: str):
     from rich.table import Table
 
@@ -169,14 +177,23 @@ def register(app: typer.Typer) -> None:
         for r in requests:
             r.params = sampling.model_copy(update={"seed": seed + r.rid})
 
+        note = None
+        if plan.cluster.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                note = "plan targets cuda but no GPU is visible; running on CPU (the CUDA executor's CPU twin)"
+                if kv_blocks is None and requests:
+                    # The twin preallocates its KV pool in host memory, zeroed at every workload start: a pool
+                    # sized for the plan's GPUs would take the host's memory and most of the run's time
+                    # (runtime/kv_fit.py clamps it to the host's memory only as a last resort).
+                    kv_blocks = _pages_for(requests, plan)
+                    note += f", with a KV pool of {kv_blocks} pages per rank for these requests (--kv-blocks sets it)"
         options = RunOptions(policy=policy, policy_params=params, clock=clock, trace=trace is not None,
                              kv_blocks=kv_blocks)
         # The virtual clock is a simulation of the whole cluster: it needs every rank in one process.
         runner = None if in_process or clock == "virtual" else _multi_process_runner(procs_timeout, peer_timeout)
-        if plan.cluster.device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                console.print("[yellow]note:[/] plan targets cuda but no GPU is visible; running on CPU")
+        if note:
+            console.print(f"[yellow]note:[/] {note}")
 
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn(), console=console,

@@ -38,6 +38,20 @@ FAKE_FREE_ENV = "DATAFLOW_FAKE_DEVICE_FREE_BYTES"
 MemGetInfo = Callable[[torch.device], tuple[int, int]]  # device -> (free bytes, total bytes)
 
 
+def host_mem_get_info(_device=None) -> tuple[int, int]:
+    """(available, total) bytes of host memory (Linux /proc/meminfo), for the CUDA executor's CPU twin, whose
+    preallocated pool lives there; (a huge number, same) where it cannot be read (no check)."""
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, value = line.split(":", 1)
+                info[name] = int(value.split()[0]) * 1024
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        return 1 << 62, 1 << 62
+
+
 def kv_bytes_per_block(num_layers: int, block_size: int, k_row: tuple, v_row: tuple, dtype: torch.dtype) -> int:
     """Bytes one page takes over all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -76,9 +90,11 @@ def clamp_kv_blocks(wanted: int, fit: int, block_size: int, *, what: str, max_to
 def executor_kv_fit(executor, plan, rank: int, wanted: int, *, pools: int = 1,
                     mem_get_info: Optional[MemGetInfo] = None) -> int:
     """The KV pages rank `rank` may use on `executor`'s device: `wanted` (the plan's or --kv-blocks)
-    clamped to the device's free memory. Executors without a preallocated device pool (the torch
-    and sim executors, the CUDA executor's CPU twin) keep `wanted` unless `mem_get_info` is given
-    (tests fake a device that way)."""
+    clamped to the device's free memory. Executors without a preallocated pool (the torch and sim
+    executors) keep `wanted`. The CUDA executor's CPU twin preallocates its pool in host memory: it is
+    clamped to the host's available memory, shared by every rank of the plan (a `dataflow run` starts
+    them on this host; a cuda plan sized for 132 GiB GPUs would otherwise be killed by the kernel's
+    OOM killer with no word of why). `mem_get_info` fakes a device (tests)."""
     device = getattr(executor, "device", None)
     row = getattr(executor, "kv_rows", None)
     if row is None or device is None:
@@ -86,12 +102,13 @@ def executor_kv_fit(executor, plan, rank: int, wanted: int, *, pools: int = 1,
     if mem_get_info is None and os.environ.get(FAKE_FREE_ENV):
         fake = int(os.environ[FAKE_FREE_ENV])
         mem_get_info = lambda _dev: (fake, fake)  # noqa: E731
-    if device.type != "cuda" and mem_get_info is None:
-        return wanted
+    on_host = device.type != "cuda" and mem_get_info is None
+    if on_host:
+        mem_get_info, pools = host_mem_get_info, max(pools, plan.cluster.ranks)
     k_row, v_row, dtype = row()
     free, _total = (mem_get_info or torch.cuda.mem_get_info)(device)
     per_block = kv_bytes_per_block(plan.spec.num_layers, plan.kv.block_size, k_row, v_row, dtype)
-    m = plan.memory[rank] if rank < len(plan.memory) else None
+    m = plan.memory[rank] if rank < len(plan.memory) and not on_host else None  # (GPU graphs and workspaces)
     reserve = RUNTIME_HEADROOM_BYTES + ((m.graph_bytes + m.workspace_bytes) * pools if m is not None else 0)
     fit = blocks_that_fit(free, reserve, per_block, pools)
     where = f"plan '{plan.spec.name}' ({plan.cluster.ranks} x {plan.cluster.device}, " \

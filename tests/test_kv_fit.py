@@ -46,7 +46,6 @@ def test_clamp_keeps_plenty_clamps_short_and_refuses_hopeless(capsys):
     assert wanted > 10_000  # a 16 GiB CPU plan of a tiny model
     huge = lambda dev: (10 ** 15, 10 ** 15)  # noqa: E731
     assert executor_kv_fit(ex, plan, 0, wanted, mem_get_info=huge) == wanted
-    assert executor_kv_fit(ex, plan, 0, wanted) == wanted  # CPU device, nothing faked: no check
     short = _free_for(plan, per_block, 300)
     assert executor_kv_fit(ex, plan, 0, wanted, mem_get_info=lambda d: (short, short)) == 300
     assert "clamped" in capsys.readouterr().err
@@ -65,6 +64,23 @@ def test_clamp_keeps_plenty_clamps_short_and_refuses_hopeless(capsys):
     # Executors without a device pool are never clamped.
     assert executor_kv_fit(TorchExecutor(spec, load_weights(spec)), plan, 0, wanted,
                            mem_get_info=lambda d: (tiny, tiny)) == wanted
+
+
+def test_the_cpu_twin_is_clamped_to_the_hosts_available_memory(monkeypatch, capsys):
+    """The CUDA executor's CPU twin preallocates its pool in host memory: a plan sized for big devices (here a
+    16 GiB CPU plan of a tiny model, 2 ranks) is clamped to what the host has available, shared by the plan's
+    ranks, with a note; plenty of host memory keeps the plan's pool."""
+    import runtime.kv_fit as kv_fit
+    free, total = kv_fit.host_mem_get_info()  # the real host's
+    assert 0 < free <= total
+    spec, plan, ex, per_block = _setup()
+    wanted = plan.kv.num_blocks[0]
+    monkeypatch.setattr(kv_fit, "host_mem_get_info", lambda d=None: (10 ** 15, 10 ** 15))
+    assert executor_kv_fit(ex, plan, 0, wanted) == wanted
+    avail = RUNTIME_HEADROOM_BYTES + 2 * (300 + 1) * per_block  # 300 pages for each of the plan's 2 ranks
+    monkeypatch.setattr(kv_fit, "host_mem_get_info", lambda d=None: (avail, avail))
+    assert executor_kv_fit(ex, plan, 0, wanted) == 300
+    assert "clamped" in capsys.readouterr().err
 
 
 def test_in_process_cluster_uses_the_clamped_pool(monkeypatch):

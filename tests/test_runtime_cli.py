@@ -104,3 +104,18 @@ def test_run_hints_when_the_attention_cap_leaves_a_small_second_wave(tmp_path, m
     res = runner.invoke(app, ["run", "--in-process", "--prompts", "p.jsonl", "--ignore-eos"])
     assert res.exit_code == 0, res.output
     assert ("--attn-cap" in res.output and "hint" in res.output) == hinted, res.output
+
+
+def test_a_cuda_plan_without_a_gpu_runs_the_twin_with_a_pool_for_its_requests(tmp_path, monkeypatch):
+    """A plan compiled for cuda, run where no GPU is visible: the CUDA executor's CPU twin serves it with a KV pool
+    sized to the requests (the plan's, sized for 132 GiB GPUs, would take the host's memory), and says so."""
+    import torch
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runner = CliRunner()
+    assert runner.invoke(app, ["compile", "tiny", "--device", "cuda", "-o", "g"]).exit_code == 0
+    res = runner.invoke(app, ["run", "g", "--in-process", "--num-requests", "3", "--max-new-tokens", "3"])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "no GPU is visible" in out and "KV pool of 64 pages per rank" in out and "3 / 3" in out
+    assert "device-routed" in out  # the plan's dispatch
