@@ -325,7 +325,7 @@ class Engine:
             ahead = self._announced[layer + 1]
             ahead[home] = ahead.get(home, 0.0) + nxt
         tags = np.asarray(tags, dtype=np.int64)
-        self.queues[self._expert_stage(layer)].push(
+        self.queues[self.expert_stage[layer]].push(
             ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
 
     def _enqueue_routed(self, layer: int, home: int, x: torch.Tensor, ids: torch.Tensor, tag0: int,
@@ -333,7 +333,7 @@ class Engine:
         """One RoutedItem for a home's whole attention batch (device-routed dispatch)."""
         self._announced[layer][home] = more
         n = ids.shape[0] * ids.shape[1]
-        self.queues[self._expert_stage(layer)].push(RoutedItem(home, layer, x, ids, tag0, self.clock.now(), n))
+        self.queues[self.expert_stage[layer]].push(RoutedItem(home, layer, x, ids, tag0, self.clock.now(), n))
 
     def owned_experts(self, layer: int, device: torch.device) -> torch.Tensor:
         """bool [E] on `device`: the experts of `layer` this rank holds (one tensor per (layer, device): the CUDA
@@ -375,7 +375,7 @@ class Engine:
             w = g.weights.index_select(0, idx)
         y, row_index = MergeTable.combine_inputs(g, rows)
         h_next = self.executor.combine(h_res, shared, y, w, row_index)
-        nxt = self.stages[self._expert_stage(g.layer)].next
+        nxt = self.stages[self.expert_stage[g.layer]].next
         n = g.n[segs]
         self._forward(nxt, [g.rids[s] for s in segs.tolist()], g.first[segs].tolist(), n.tolist(), h_next,
                       n.max() > 1)
@@ -398,9 +398,6 @@ class Engine:
             for rid, p, n in zip(rids, first, ns):
                 q.push(AttnItem(rid, p, n, None, h, now, row))
                 row += n
-
-    def _expert_stage(self, layer: int) -> int:
-        return self.stages[self.attn_stage[layer]].next
 
     def _attn_eligible(self, layer: int):
         reqs = self.requests

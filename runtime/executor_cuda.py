@@ -160,10 +160,15 @@ class _Pending:
     def read(self, v: Tensor) -> tuple[np.ndarray, np.ndarray]:
         # numpy, not torch: one torch call (the view) instead of four slices and copies, and none later for
         # the engine's .numpy() and the merge's weight packing (torch calls are what costs on the H200 host)
-        a = v.numpy()
-        out = a[:, : self.k].astype(np.int64), a[:, self.k:].copy()
+        out = _split_route(v.numpy(), self.k)
         self.route.release()
         return out
+
+
+def _split_route(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [T, k] int64, weights [T, k] fp32) of the routing as the attention graph writes it ([T, 2k] fp32:
+    ids as values, then weights), copied (the array may be a reused pinned slot)."""
+    return a[:, :k].astype(np.int64), a[:, k:].copy()
 
 
 @dataclass
@@ -393,6 +398,12 @@ class CudaExecutor:
             return 0
         dv = self._view(kv)
         before = self.graphs.captures
+
+        def capture(key: tuple, b: int, make_body) -> None:  # the graph under `key` (kind key[0]), captured now
+            g = self.graphs.get(key, key[0], b, make_body, True)
+            if g.graph is None:
+                g._capture()
+
         lays = list(range(self.spec.num_layers)) if layers_ is None else layers_
         for b in self.buckets["attn"]:
             bufs = self._attn_bufs(b, True)
@@ -403,10 +414,7 @@ class CudaExecutor:
             self.staging.h2d_array(bufs._t["meta"], fill)
             for layer in lays:
                 if self.attn_graphs:
-                    g = self.graphs.get(("attn", layer, b, kv._cuda_exec_serial), "attn", b,
-                                        lambda: self._attn_body(layer, bufs, dv, kv), True)
-                    if g.graph is None:
-                        g._capture()
+                    capture(("attn", layer, b, kv._cuda_exec_serial), b, lambda: self._attn_body(layer, bufs, dv, kv))
         for b in self.buckets["expert"]:
             bufs = self._expert_bufs(b, True)
             pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
@@ -414,9 +422,7 @@ class CudaExecutor:
             for layer in lays:
                 # A layer of which this shard holds no expert never gets a row: nothing to capture.
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
-                    g = self.graphs.get(("expert", layer, b), "expert", b, lambda: self._expert_body(layer, bufs), True)
-                    if g.graph is None:
-                        g._capture()
+                    capture(("expert", layer, b), b, lambda: self._expert_body(layer, bufs))
         if self.route_on_device and owned is not None and self.expert_graphs:
             k = self.top_k
             for b in self.buckets["expert"]:
@@ -427,10 +433,7 @@ class CudaExecutor:
                     if mine is None or not bool(mine.any()):
                         continue
                     select = self._routed_select(layer, mine)
-                    g = self.graphs.get(("expert_routed", layer, b, id(mine)), "expert_routed", b,
-                                        lambda: self._routed_body(layer, bufs, select), True)
-                    if g.graph is None:
-                        g._capture()
+                    capture(("expert_routed", layer, b, id(mine)), b, lambda: self._routed_body(layer, bufs, select))
         torch.cuda.synchronize(self.device)
         return self.graphs.captures - before
 
@@ -617,8 +620,7 @@ class CudaExecutor:
             self.stats.route_wait_s += time.perf_counter() - t
             return p.read(v)
         if p is not None and p.x is x and p.on_device is not None:  # kept on the device (DATAFLOW_DISPATCH=device):
-            a = p.on_device.cpu().numpy()  # a caller that needs it on the host (the barriers) waits for a copy
-            return a[:, :p.k].astype(np.int64), a[:, p.k:].copy()
+            return _split_route(p.on_device.cpu().numpy(), p.k)  # a host caller (the barriers) waits for a copy
         self.stats.note("route: not the last attention's x (eager route + sync)")
         with torch.no_grad():  # (only here: entering no_grad is two more torch calls on the hot path above)
             ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))

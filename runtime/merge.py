@@ -20,8 +20,9 @@ topk_merge kernel gathers through an index anyway), in slot order j = 0..k-1, th
 the network reordered the messages.
 
 Summed groups (`parts` > 0, the device-routed dispatch of runtime/routed_rows.py): the order is the identity
-(p = f), every owner returns all R*k positions, zero where it holds none of the slot's expert, and the parts are
-added into a zeroed y; exactly one part is non-zero at each position (v + 0 = v), so the same slot-order combine
+(p = f), every owner returns all R*k positions, zero where it holds none of the slot's expert; the first part that
+covers the group becomes y and the others are added into it (a part cut smaller goes into a zeroed y); exactly one
+part is non-zero at each position (v + 0 = v), so the same slot-order combine
 stays bit-identical. Such a group completes, all its segments at once, when every part of every position is in.
 """
 from __future__ import annotations
@@ -119,8 +120,8 @@ class MergeTable:
         (runtime/dispatch_plan.py: its order, f at position p, and the packed device inputs; None = identity
         order, weights packed here). `weights` [R, k]: numpy or a tensor. Tags: `group.gid << TAG_SHIFT | p`.
         `parts` > 0: the device-routed dispatch (runtime/routed_rows.py): identity order, and each of `parts`
-        owners returns every position, zero where it holds none of the slot's experts; y starts at zero and sums
-        them."""
+        owners returns every position, zero where it holds none of the slot's experts; y is the sum of the
+        parts, made by _add_sum."""
         k = self.top_k
         S = len(rids)
         R = int(n.sum())
@@ -267,29 +268,23 @@ class MergeTable:
         """A device-routed part (positions `p` of group g: a slice or an array) added into y; the group completes,
         all its segments at once, when every owner's part of every position is in."""
         whole = type(p) is slice and p.start == 0 and p.stop == len(g.filled)
-        if g.y is None:
-            if whole and y.dtype == g.h_res.dtype and y.device == g.h_res.device:
-                # The first part covers the group: it becomes y (v + 0 = v, so this is the sum so far, bit for bit).
-                # Safe to keep and add into: a part is the expert batch's own output (a fresh clone) or a received
-                # tensor, which the transport recorded on the engine's stream and which no one gives back to its
-                # receive pool (runtime/transport/buffer_pool.py).
-                g.y = y
-                p = None
-            else:
+        if g.y is None and whole and y.dtype == g.h_res.dtype and y.device == g.h_res.device:
+            # The first part covers the group: it becomes y (v + 0 = v, so this is the sum so far, bit for bit).
+            # Safe to keep and add into: a part is the expert batch's own output (a fresh clone) or a received
+            # tensor, which the transport recorded on the engine's stream and which no one gives back to its
+            # receive pool (runtime/transport/buffer_pool.py).
+            g.y = y
+        else:
+            if g.y is None:
                 g.y = torch.zeros((len(g.filled),) + tuple(g.h_res.shape[1:]), dtype=g.h_res.dtype,
                                   device=g.h_res.device)
-        if p is None:
-            n = len(g.filled)
-            p = slice(0, n)
-        elif whole:
-            g.y.add_(y)
-            n = len(g.filled)
-        elif type(p) is slice:
-            g.y[p].add_(y)
-            n = p.stop - p.start
-        else:  # positions within the group
-            g.y.index_add_(0, to_device(p, g.y.device), y.to(g.y.device))
-            n = len(p)
+            if whole:
+                g.y.add_(y)
+            elif type(p) is slice:
+                g.y[p].add_(y)
+            else:  # positions within the group
+                g.y.index_add_(0, to_device(p, g.y.device), y.to(g.y.device))
+        n = p.stop - p.start if type(p) is slice else len(p)
         g.nfilled += n
         if g.nfilled > g.parts * len(g.filled):
             raise ValueError(f"merge group {g.gid} (layer {g.layer}) got {g.nfilled} device-routed rows, "

@@ -34,8 +34,8 @@ Hogs (runtime/experiments/hogs.py) are started by rank 0 before a workload that 
 from __future__ import annotations
 
 import dataclasses
-import json
 import itertools
+import json
 import math
 import os
 import re
