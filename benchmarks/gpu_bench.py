@@ -514,9 +514,13 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                         for e in cl.engines:
                             probe_engine(e, probe)
                         t = time.perf_counter()
+                        before = inner.graphs.captures
                         cl.run(reqs)
                         sync(dev)
                         wall = time.perf_counter() - t
+                        # prepare() should have captured every graph the run replays (d746ce9): a capture inside
+                        # the timed run is counted here and shows as a non-zero column
+                        rec["captured_in_run"] = inner.graphs.captures - before
                         rec.update(token_stats(reqs, wall))
                         rec["batches"] = merge_probes([probe.summary()], copy_bps)
                         detach_all(inner, cl)
@@ -544,6 +548,8 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                     sync(dev)
                 out.append(rec)
                 b = rec.get("batches", {})
+                log(f"    graphs captured by prepare {rec.get('graphs_captured', '-')}, inside the timed run "
+                    f"{rec.get('captured_in_run', '-')}")
                 log(f"    tokens/s {rec.get('tokens_per_s') or 0:9.1f} (steady {rec.get('steady_tokens_per_s') or 0:9.1f}) "
                     f"ITL p50 {rec.get('itl_p50_ms') or 0:.2f} ms p99 {rec.get('itl_p99_ms') or 0:.2f} ms "
                     + " ".join(f"{k}: host {v['host_us']:.0f} us device {v['device_us'] or 0:.0f} us hidden "
@@ -633,14 +639,16 @@ def write_md(path: Path, meta: dict, results: dict) -> None:
     if results.get("e2e"):
         L += ["## End to end (decode-only, Zipf routing, in-process ranks on one GPU)", "",
               "| system | policy | C | tokens/s | steady tokens/s | ratio vs a2a | ITL p50 ms | ITL p99 ms | "
-              "attn CPU us (hidden) | expert CPU us (hidden) | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "attn CPU us (hidden) | expert CPU us (hidden) | graphs: prepare / in run | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["e2e"]:
             b = r.get("batches", {})
             cell = lambda k: "-" if k not in b else f"{b[k]['host_us']:.0f} ({100 * (b[k]['hidden_share'] or 0):.0f}%)"  # noqa: E731
             fm = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
             L.append(f"| {r['system']} | {r['policy']} | {r['concurrency']} | {fm(r.get('tokens_per_s'))} | "
                      f"{fm(r.get('steady_tokens_per_s'))} | {fm(r.get('ratio_vs_a2a'), 2)} | {fm(r.get('itl_p50_ms'), 2)} | "
-                     f"{fm(r.get('itl_p99_ms'), 2)} | {cell('attn')} | {cell('expert')} | {r.get('skipped') or ''} |")
+                     f"{fm(r.get('itl_p99_ms'), 2)} | {cell('attn')} | {cell('expert')} | "
+                     f"{r.get('graphs_captured', '-')} / {r.get('captured_in_run', '-')} | {r.get('skipped') or ''} |")
         L.append("")
     if results.get("mp"):
         L += ["## Multi-process", "", "```", json.dumps(results["mp"], indent=1), "```", ""]
