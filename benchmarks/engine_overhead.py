@@ -32,6 +32,7 @@ from runtime.clock import WallClock
 from runtime.engine import Engine, EngineConfig, StageInfo
 from runtime.executor import row_blocks
 from runtime.requests import Request
+from runtime.routed_rows import id_columns, ids_of, pack
 from runtime.scheduler import make_policy
 from runtime.transport.inproc import InprocHub
 
@@ -95,14 +96,15 @@ class NullExecutor:
             return ids, torch.full((T, K), 1.0 / K)
         return self._timed(f)
 
-    def route_device(self, layer, x):
+    def routed_payload(self, layer, x):
         ids, w = self.route(layer, x)
-        return ids.to(torch.float32), w  # (the CUDA executor hands out its routing as fp32 values)
+        return pack(x, ids), w  # (the CUDA executor's attention graph packs them so)
 
-    def experts_routed(self, layer, xs, ids, owned):
+    def experts_routed(self, layer, payloads, owned):
         def f():
-            sel = row_blocks(ids).reshape(-1).to(torch.int64)
-            return row_blocks(xs).repeat_interleave(K, dim=0) * owned[sel].unsqueeze(1) * 2.0
+            sel = row_blocks([ids_of(p, K) for p in payloads]).reshape(-1).to(torch.int64)
+            x = row_blocks([p[:, :p.shape[1] - id_columns(K, p.dtype)] for p in payloads])
+            return x.repeat_interleave(K, dim=0) * owned[sel].unsqueeze(1) * 2.0
         return self._timed(f)
 
     def shared_expert(self, layer, x):

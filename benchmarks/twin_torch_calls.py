@@ -7,7 +7,7 @@ ranks, 16 one-token requests, 8 new tokens each), with the calls made inside Cud
 route_arrays (reading the routing), CudaExecutor._attn_decode (the executor's host side of a decode attention
 batch: staging, copies, the graph launch counted as one call, not the body the CPU twin runs eagerly) and
 Engine._complete_attn (the dispatch) counted per attention batch, and CudaExecutor._experts (the host side of an
-expert batch) per expert batch. With DATAFLOW_DISPATCH=device the device-routed path instead: route_device,
+expert batch) per expert batch. With DATAFLOW_DISPATCH=device the device-routed path instead: routed_payload,
 _complete_attn's routed dispatch and _experts_routed.
 The twin's dispatch takes the CPU branch of the merge (no packed upload), so the CUDA path's count differs
 by the upload's calls; the routing read is the same code.
@@ -66,7 +66,7 @@ def main() -> None:
             count.where = where
     StepGraph.run = run
     for cls, name in ((Engine, "_complete_attn"), (CudaExecutor, "route"), (CudaExecutor, "route_arrays"),
-                      (CudaExecutor, "route_device"), (CudaExecutor, "_attn_decode"), (CudaExecutor, "_experts"),
+                      (CudaExecutor, "routed_payload"), (CudaExecutor, "_attn_decode"), (CudaExecutor, "_experts"),
                       (CudaExecutor, "_experts_routed")):
         real = getattr(cls, name, None)
         if real is None:

@@ -51,7 +51,7 @@ from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
 from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, RoutedItem, SampleItem
 from runtime.requests import Request
-from runtime.routed_rows import device_routed_from_env, pack as pack_routed, unpack as unpack_routed
+from runtime.routed_rows import device_routed_from_env, pack as pack_routed
 from runtime.scheduler import HOLD, Decision, StageView, make_policy
 from runtime.step_timer import StepTimer
 
@@ -305,8 +305,7 @@ class Engine:
                                       decode_ids(meta["e"], self._id_dtype), tensor, meta.get("more", 0.0),
                                       meta.get("next", 0.0))
         elif t == MSG_EXPERT_ROUTED:
-            x, ids = unpack_routed(tensor, meta["H"])
-            self._enqueue_routed(meta["layer"], meta["home"], x, ids, meta["rows"][0], meta.get("more", 0.0))
+            self._enqueue_routed(meta["layer"], meta["home"], tensor, meta["rows"][0], meta.get("more", 0.0))
         elif t == MSG_EXPERT_OUT:
             self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))  # array or run form
         elif self.on_control is not None:
@@ -328,12 +327,11 @@ class Engine:
         self.queues[self.expert_stage[layer]].push(
             ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
 
-    def _enqueue_routed(self, layer: int, home: int, x: torch.Tensor, ids: torch.Tensor, tag0: int,
-                        more: float = 0.0) -> None:
-        """One RoutedItem for a home's whole attention batch (device-routed dispatch)."""
+    def _enqueue_routed(self, layer: int, home: int, payload: torch.Tensor, tag0: int, more: float = 0.0) -> None:
+        """One RoutedItem for a home's whole attention batch (device-routed dispatch; its packed payload as is)."""
         self._announced[layer][home] = more
-        n = ids.shape[0] * ids.shape[1]
-        self.queues[self.expert_stage[layer]].push(RoutedItem(home, layer, x, ids, tag0, self.clock.now(), n))
+        n = payload.shape[0] * self.cfg.top_k
+        self.queues[self.expert_stage[layer]].push(RoutedItem(home, layer, payload, tag0, self.clock.now(), n))
 
     def owned_experts(self, layer: int, device: torch.device) -> torch.Tensor:
         """bool [E] on `device`: the experts of `layer` this rank holds (one tensor per (layer, device): the CUDA
@@ -484,9 +482,8 @@ class Engine:
             items = batch.items
             if type(items[0]) is RoutedItem:  # device-routed: whole batches, selected on the device
                 layer = batch.stage.layer
-                owned = self.owned_experts(layer, items[0].x.device)
-                batch.out["y"] = self.executor.experts_routed(layer, [it.x for it in items], [it.ids for it in items],
-                                                              owned)
+                owned = self.owned_experts(layer, items[0].payload.device)
+                batch.out["y"] = self.executor.experts_routed(layer, [it.payload for it in items], owned)
                 return
             if len(items) == 1:
                 x, ids = items[0].x, items[0].expert
@@ -534,9 +531,13 @@ class Engine:
             batch.out["h_next"] = h_res + self.executor.dense_mlp(layer, x)
         else:
             if self.device_routed:  # the routing stays where the graph made it (device tensors)
-                route = getattr(self.executor, "route_device", None) or self.executor.route
-                ids, weights = route(layer, x)
-                batch.out.update(h_res=h_res, x=x, ids=ids, weights=weights, routed_on_device=True,
+                make = getattr(self.executor, "routed_payload", None)
+                if make is not None:  # rows and ids packed by the attention graph (runtime/routed_rows.py)
+                    payload, weights = make(layer, x)
+                else:
+                    ids, weights = self.executor.route(layer, x)
+                    payload = pack_routed(x, ids.to(x.device))
+                batch.out.update(h_res=h_res, payload=payload, weights=weights, routed_on_device=True,
                                  shared=self.executor.shared_expert(layer, x))
                 return
             start = getattr(self.executor, "route_start", None) if self.async_route else None
@@ -707,7 +708,7 @@ class Engine:
             return t[sel] if type(t) is np.ndarray else t.index_select(0, to_device(sel, t.device))
 
         nxt = batch.stage.next
-        if "ids" not in out:
+        if "weights" not in out:  # a dense layer: no experts
             self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
             return
         tm.lap("bookkeeping")
@@ -765,29 +766,24 @@ class Engine:
         tm.lap("send+enqueue")
 
     def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of) -> None:
-        """Device-routed dispatch (runtime/routed_rows.py): the whole batch and its expert ids to every rank holding
-        experts of the layer; the merge group sums their parts (each zero where its rank holds no expert)."""
-        out = batch.out
-        ids, x = rows_of(out["ids"]), rows_of(out["x"])
-        if ids.device != x.device:  # a host-side router (DATAFLOW_KEYED_ROUTER=host) on a GPU executor: one copy
-            ids = ids.to(x.device)
-        T, k = ids.shape
+        """Device-routed dispatch (runtime/routed_rows.py): the whole batch's payload (rows and expert ids) to every
+        rank holding experts of the layer; the merge group sums their parts (each zero where its rank holds no
+        expert)."""
+        payload = rows_of(batch.out["payload"])
+        T, k = payload.shape[0], self.cfg.top_k
         owners = self._owners[layer]
         g = open_group(parts=len(owners))
         tm = self._dispatch_timer
         tm.lap("routed:merge_open")
         tag0 = g.gid << TAG_SHIFT
         ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
-        payload = None
         for d in owners:
             if d == self.rank:
-                self._enqueue_routed(layer, self.rank, x, ids, tag0, ahead * k)
-                continue
-            if payload is None:
-                payload = pack_routed(x, ids)
-            self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank, "rows": (tag0, T * k),
-                                    "H": x.shape[1], "more": ahead * k}, payload)
-        tm.lap("routed:pack+send+enqueue")
+                self._enqueue_routed(layer, self.rank, payload, tag0, ahead * k)
+            else:
+                self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank,
+                                        "rows": (tag0, T * k), "more": ahead * k}, payload)
+        tm.lap("routed:send+enqueue")
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer

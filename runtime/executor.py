@@ -20,6 +20,7 @@ from graph_ir.spec import ModelSpec
 from models import layers
 from models.sampling import SamplingParams, sample
 from models.weights import ModelWeights
+from runtime.routed_rows import unpack as unpack_routed
 
 _GREEDY = SamplingParams()
 
@@ -86,14 +87,15 @@ class TorchExecutor:
         return layers.experts_forward(self.spec, self.w, layer, row_blocks(x), ids)
 
     @torch.no_grad()
-    def experts_routed(self, layer: int, xs: list[Tensor], ids: list[Tensor], owned: Tensor) -> Tensor:
-        """The device-routed dispatch's expert batch (runtime/routed_rows.py): items of T_i token rows xs[i] and
-        their top-k expert ids ids[i] [T_i, k]; returns [sum T_i*k, H], row t*k + j of an item = the output of its
-        token t's expert ids[t, j] where owned[that expert] (this rank holds it), zero elsewhere. Here the held
-        slots are selected on the host (data-dependent shapes) and run through experts()."""
-        x = row_blocks(xs)
-        flat = row_blocks(ids).to(torch.long).reshape(-1)
-        k = ids[0].shape[1]
+    def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor) -> Tensor:
+        """The device-routed dispatch's expert batch (runtime/routed_rows.py): items whose payloads [T_i, H + c] hold
+        T_i token rows and their top-k expert ids (routed_rows.pack); returns [sum T_i*k, H], row t*k + j of an item
+        = the output of its token t's expert ids[t, j] where owned[that expert] (this rank holds it), zero
+        elsewhere. Here the held slots are selected on the host (data-dependent shapes) and run through experts()."""
+        parts = [unpack_routed(p, self.spec.hidden_size) for p in payloads]
+        x = row_blocks([xp for xp, _ in parts])
+        flat = row_blocks([ip for _, ip in parts]).to(torch.long).reshape(-1)
+        k = self.spec.experts.top_k
         held = owned[flat]
         rows = torch.nonzero(held).squeeze(1)
         y = torch.zeros((flat.numel(), x.shape[1]), dtype=x.dtype, device=x.device)

@@ -65,7 +65,7 @@ from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
-from runtime.routed_rows import device_routed_from_env
+from runtime.routed_rows import device_routed_from_env, id_columns, pack as pack_routed, unpack as unpack_routed
 from runtime.step_timer import StepTimer
 
 _GREEDY = SamplingParams()
@@ -142,7 +142,9 @@ class _Pending:
     route: Optional[PendingHost]
     shared: Optional[Tensor]
     k: int
-    on_device: Optional[Tensor] = None  # [T, 2k] fp32 ids | weights, kept on the device (DATAFLOW_DISPATCH=device)
+    # kept on the device (DATAFLOW_DISPATCH=device): (payload [T, H + c]: rows and int32 ids, routed_rows.pack's
+    # layout; weights [T, k] fp32)
+    on_device: Optional[tuple[Tensor, Tensor]] = None
 
     def ready(self) -> bool:
         """The routing has reached the host (never blocks)."""
@@ -242,6 +244,7 @@ class CudaExecutor:
             route_on_device = device_routed_from_env(planned == "device" if planned is not None else on_cuda)
         self.route_on_device = route_on_device
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
+        self._pad_ids: Optional[Tensor] = None  # _padding_ids()
         self.stats = ExecStats()
         a = spec.attention
         self._mla = a.kind == "mla"
@@ -424,10 +427,9 @@ class CudaExecutor:
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
                     capture(("expert", layer, b), b, lambda: self._expert_body(layer, bufs))
         if self.route_on_device and owned is not None and self.expert_graphs:
-            k = self.top_k
             for b in self.buckets["expert"]:
-                bufs = self._routed_bufs(b, k, True)
-                bufs._t["idt"].fill_(self.num_experts)  # padding tokens only
+                bufs = self._routed_bufs(b, True)
+                bufs._t["payload"][:, self.spec.hidden_size:].copy_(self._padding_ids())  # padding tokens only
                 for layer in lays:
                     mine = owned(layer, self.device) if self.spec.is_moe_layer(layer) else None
                     if mine is None or not bool(mine.any()):
@@ -486,10 +488,11 @@ class CudaExecutor:
                 base0 = self._to_dev(torch.tensor(base, dtype=torch.int64))
                 ids, wts = self.keyed_router.route_torch(layer, base0, pos)
             shared = shared_expert_out(self.spec, lw, x)
-            both = torch.cat([ids.to(torch.float32), wts], dim=1)
             if self.route_on_device:
-                self._pending = _Pending(x, None, shared, ids.shape[1], both)
+                self._pending = _Pending(x, None, shared, ids.shape[1],
+                                         (pack_routed(x, ids), wts.to(torch.float32).contiguous()))
             else:
+                both = torch.cat([ids.to(torch.float32), wts], dim=1)
                 self._pending = _Pending(x, self.staging.d2h(both), shared, ids.shape[1])
         return h_res, x
 
@@ -516,6 +519,8 @@ class CudaExecutor:
         bufs.get("meta", (2, b), torch.int32, dev)
         bufs.get("out", (nout, b, H), self.dtype, dev)
         bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
+        if self.spec.moe_layers:  # the device-routed payload: x's rows, then the ids (runtime/routed_rows.py)
+            bufs.get("payload", (b, H + id_columns(self.top_k, self.dtype)), self.dtype, dev)
         if static:
             self._bufs_cache[("attn", b)] = bufs
         return bufs
@@ -523,6 +528,8 @@ class CudaExecutor:
     def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv):
         spec, lw, a = self.spec, self.w.layers[layer], self.spec.attention
         h_in, meta, out, route_out = bufs._t["h"], bufs._t["meta"], bufs._t["out"], bufs._t["route"]
+        payload = bufs._t.get("payload")
+        H = spec.hidden_size
         kc, vc = kv.storage(layer)
         table, bs = dv.table, kv.block_size
         window, sinks = a.window(layer), lw.get("sinks")
@@ -556,6 +563,10 @@ class CudaExecutor:
                     ids, wts = router.route_torch(layer, keys.index_select(0, rows), pos)
                 route_out[:, :k].copy_(ids)
                 route_out[:, k:].copy_(wts)
+                # both dispatches' forms (the barriers switch route_on_device between runs): ~1.5 MB more
+                # written per 256-row batch in bf16, under a microsecond of HBM time
+                payload[:, :H].copy_(x)
+                payload[:, H:].copy_(ids.to(torch.int32).view(payload.dtype))
                 if out.shape[0] > 2:
                     out[2].copy_(shared_expert_out(spec, lw, x))
         return body
@@ -575,8 +586,10 @@ class CudaExecutor:
         tm = self._attn_timer
         self.staging.h2d_array(bufs._t["meta"], fill)
         tm.lap("meta_h2d")
-        h_in, out_T, route_T = self._first_rows(("attn", b, T), static, lambda: (
-            bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T]))
+        k = self.top_k
+        h_in, out_T, route_T, payload_T, weights_T = self._first_rows(("attn", b, T), static, lambda: (
+            bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T],
+            bufs._t["payload"][:T] if "payload" in bufs._t else None, bufs._t["route"][:T, k:]))
         h_in.copy_(h)
         tm.lap("h_copy")
         if static:
@@ -594,8 +607,8 @@ class CudaExecutor:
         tm.lap("out_clone")
         if self.spec.is_moe_layer(layer):
             shared = out[2] if len(out) > 2 else None
-            if self.route_on_device:  # the static buffer is reused by the next batch: one copy, on the device
-                self._pending = _Pending(x, None, shared, self.top_k, route_T.clone())
+            if self.route_on_device:  # the static buffers are reused by the next batch: one copy each, on the device
+                self._pending = _Pending(x, None, shared, k, (payload_T.clone(), weights_T.clone()))
             else:
                 self._pending = _Pending(x, self.staging.d2h(route_T), shared, self.top_k)
         tm.lap("route_d2h")
@@ -620,22 +633,26 @@ class CudaExecutor:
             self.stats.route_wait_s += time.perf_counter() - t
             return p.read(v)
         if p is not None and p.x is x and p.on_device is not None:  # kept on the device (DATAFLOW_DISPATCH=device):
-            return _split_route(p.on_device.cpu().numpy(), p.k)  # a host caller (the barriers) waits for a copy
+            payload, wts = p.on_device  # a host caller (the barriers) waits for a copy
+            ids = unpack_routed(payload, self.spec.hidden_size)[1]
+            return ids.cpu().numpy().astype(np.int64), wts.cpu().numpy()
         self.stats.note("route: not the last attention's x (eager route + sync)")
         with torch.no_grad():  # (only here: entering no_grad is two more torch calls on the hot path above)
             ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))
         return ids.cpu().numpy(), wts.cpu().to(torch.float32).numpy()
 
-    def route_device(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
-        """route() left on the device (the device-routed dispatch, runtime/routed_rows.py): (ids [T, k] as fp32
-        integer values, weights [T, k] fp32), no host copy and no wait."""
+    def routed_payload(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The device-routed dispatch's form of the batch (runtime/routed_rows.py), left on the device: (payload
+        [T, H + c]: x's rows and the int32 expert ids, as the attention graph packed them; weights [T, k] fp32),
+        no host copy and no wait."""
         p = self._pending
         if p is not None and p.x is x and p.on_device is not None:
-            ids, wts = p.on_device.split(p.k, dim=1)  # (one call for both views)
-            return ids, wts.contiguous()  # (the combine kernel reads the weights densely)
-        self.stats.note("route_device: not the last attention's x (eager route)")
+            return p.on_device
+        self.stats.note("routed_payload: not the last attention's x (eager route)")
         with torch.no_grad():
-            return layers.route(self.spec, self.w, layer, self._to_dev(x))
+            x = self._to_dev(x)
+            ids, wts = layers.route(self.spec, self.w, layer, x)
+            return pack_routed(x, ids), wts.to(torch.float32).contiguous()
 
     def _routed_select(self, layer: int, owned: Tensor) -> tuple[Tensor, Tensor]:
         """(row, mine) on the device, each indexed by a global expert id or the token padding id num_experts
@@ -655,35 +672,36 @@ class CudaExecutor:
         return t[1:]
 
     @torch.no_grad()
-    def experts_routed(self, layer: int, xs: list[Tensor], ids: list[Tensor], owned: Tensor) -> Tensor:
+    def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor) -> Tensor:
         """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync. Its own
-        graph kind ("expert_routed", bucketed in slots): the host copies the items' token rows and expert ids into
-        the bucket's static inputs (token rows, not slots) and replays; inside the graph each token row goes to its
-        k slots, the ids map to held rows (slots of experts this rank does not own -> the padding id), the expert
-        FFN runs, and the slots it does not own are zeroed (NOTES §24 item 7's second graph kind)."""
+        graph kind ("expert_routed", bucketed in slots): the host copies the items' payloads (token rows and their
+        expert ids, routed_rows.pack's layout) into the bucket's static input and replays; inside the graph each
+        token row goes to its k slots, the ids map to held rows (slots of experts this rank does not own -> the
+        padding id), the expert FFN runs, and the slots it does not own are zeroed (NOTES §24 item 7's second
+        graph kind)."""
         start = self._mark()
         try:
-            return self._experts_routed(layer, xs, ids, owned)
+            return self._experts_routed(layer, payloads, owned)
         finally:
             self._marked("expert", start)
 
-    def _experts_routed(self, layer, xs, ids, owned):
+    def _experts_routed(self, layer, payloads, owned):
         tm = self._expert_timer
         tm.start()
-        k = ids[0].shape[1]
-        T = sum(x.shape[0] for x in xs)
+        k = self.top_k
+        T = sum(p.shape[0] for p in payloads)
         b, static = self._expert_bucket(T * k)
-        bufs = self._routed_bufs(b, k, static)
-        x_T, ids_T, ids_pad, y_N = self._first_rows(("routed", b, T), static, lambda: (
-            bufs._t["xt"][:T], bufs._t["idt"][:T], bufs._t["idt"][T:], bufs._t["y"][:T * k]))
-        for dst, src in ((x_T, xs), (ids_T, ids)):
-            if len(src) == 1:
-                dst.copy_(src[0])
-            else:  # (a home's own items carry its routing's fp32 ids, received ones int32: cat does not cast)
-                torch.cat([t if t.dtype == dst.dtype else t.to(dst.dtype) for t in src], out=dst)
-        if ids_pad.shape[0]:
-            ids_pad.fill_(self.num_experts)  # padding tokens: owned by nobody
-        tm.lap("routed:rows+ids_in")
+        bufs = self._routed_bufs(b, static)
+        H = self.spec.hidden_size
+        payload_T, ids_pad, y_N = self._first_rows(("routed", b, T), static, lambda: (
+            bufs._t["payload"][:T], bufs._t["payload"][T:, H:], bufs._t["y"][:T * k]))
+        if len(payloads) == 1:
+            payload_T.copy_(payloads[0])
+        else:
+            torch.cat(payloads, out=payload_T)
+        if ids_pad.shape[0]:  # padding tokens: owned by nobody
+            ids_pad.copy_(self._padding_ids())
+        tm.lap("routed:payload_in")
         select = self._routed_select(layer, owned)
         self._run_expert(("expert_routed", layer, b, id(owned)), b, lambda: self._routed_body(layer, bufs, select),
                          static)
@@ -692,16 +710,23 @@ class CudaExecutor:
         tm.lap("y_clone")
         return y
 
-    def _routed_bufs(self, b: int, k: int, static: bool) -> StaticBuffers:
-        """Static buffers of a routed expert bucket of b slots: b // k token rows and their ids in, b // k * k slot
+    def _padding_ids(self) -> Tensor:
+        """[1, c]: the padding expert id (num_experts) as a payload row's id columns (broadcast over rows)."""
+        if self._pad_ids is None:
+            ids = torch.full((1, self.top_k), self.num_experts, dtype=torch.int32, device=self.device)
+            self._pad_ids = ids.view(self.dtype)
+        return self._pad_ids
+
+    def _routed_bufs(self, b: int, static: bool) -> StaticBuffers:
+        """Static buffers of a routed expert bucket of b slots: the payloads of b // k tokens in, b // k * k slot
         rows out, and the fixed slot -> token row index."""
         key = ("expert_routed", b)
         if static and key in self._bufs_cache:
             return self._bufs_cache[key]
         bufs = self.graphs.buffers(*key) if static else StaticBuffers()
-        H, dev, bt = self.spec.hidden_size, self.device, b // k
-        bufs.get("xt", (bt, H), self.dtype, dev)
-        bufs.get("idt", (bt, k), torch.int32, dev, fill=self.num_experts)
+        H, dev, k = self.spec.hidden_size, self.device, self.top_k
+        bt = b // k
+        bufs.get("payload", (bt, H + id_columns(k, self.dtype)), self.dtype, dev)
         bufs.get("y", (bt * k, H), self.dtype, dev)
         if "slot_row" not in bufs._t:  # filled once, outside any capture
             bufs.get("slot_row", (bt * k,), torch.int64, dev).copy_(
@@ -713,11 +738,18 @@ class CudaExecutor:
 
     def _routed_body(self, layer: int, bufs: StaticBuffers, select: tuple[Tensor, Tensor]):
         row, mine_of = select
-        xt, idt, y_out, slot_row, ar = (bufs._t[n] for n in ("xt", "idt", "y", "slot_row", "arange"))
+        payload, y_out, slot_row, ar = (bufs._t[n] for n in ("payload", "y", "slot_row", "arange"))
+        H = self.spec.hidden_size
+        xt, tail = payload[:, :H], payload[:, H:]
+        try:
+            idt = tail.view(torch.int32)  # [b / k, k]: a view where x's bytes leave the ids 4-byte aligned
+        except RuntimeError:
+            idt = None  # (an odd hidden size in a 2-byte dtype: a small copy inside the graph)
         ffn = self._ffn_rows(layer)
 
         def body() -> None:
-            sel = idt.reshape(-1).to(torch.int64)
+            ids = idt if idt is not None else tail.contiguous().view(torch.int32)
+            sel = ids.reshape(-1).to(torch.int64)
             mine = mine_of[sel]
             ffn(xt.index_select(0, slot_row), row[sel].to(torch.int64), ar, y_out, sentinels_anywhere=True)
             y_out.masked_fill_(~mine.unsqueeze(1), 0)

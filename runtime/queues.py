@@ -97,14 +97,14 @@ class ExpertItem:
 @dataclass(slots=True)
 class RoutedItem:
     """A home's whole attention batch for one expert stage, routed on the device (DATAFLOW_DISPATCH=device,
-    runtime/routed_rows.py): T token rows and their top-k expert ids, which the owner maps to its own experts on
-    the device. Its n = T*k slots, slot j of token t at tag tag0 + t*k + j; the owner returns every slot's output,
-    zero where it holds none of the slot's expert (the home sums the owners' parts)."""
+    runtime/routed_rows.py): its payload, T token rows with their top-k expert ids packed at the end of each row,
+    which the owner maps to its own experts on the device. Its n = T*k slots, slot j of token t at tag
+    tag0 + t*k + j; the owner returns every slot's output, zero where it holds none of the slot's expert (the home
+    sums the owners' parts)."""
 
     home: int
     layer: int
-    x: torch.Tensor  # [T, H]
-    ids: torch.Tensor  # [T, k] expert ids (any integer-valued dtype), on x's device
+    payload: torch.Tensor  # [T, H + c]: routed_rows.pack's layout
     tag0: int
     t_enq: float
     n: int  # T * k
@@ -116,11 +116,10 @@ class RoutedItem:
     def split(self, m: int) -> tuple["RoutedItem", "RoutedItem"]:
         """(first tokens up to m slots, the rest): cut between tokens (a token's k slots stay together), at
         least one token."""
-        k = self.ids.shape[1]
+        k = self.n // self.payload.shape[0]
         t = max(m // k, 1)
-        return (RoutedItem(self.home, self.layer, self.x[:t], self.ids[:t], self.tag0, self.t_enq, t * k),
-                RoutedItem(self.home, self.layer, self.x[t:], self.ids[t:], self.tag0 + t * k, self.t_enq,
-                           self.n - t * k))
+        return (RoutedItem(self.home, self.layer, self.payload[:t], self.tag0, self.t_enq, t * k),
+                RoutedItem(self.home, self.layer, self.payload[t:], self.tag0 + t * k, self.t_enq, self.n - t * k))
 
 
 @dataclass(slots=True)

@@ -9,6 +9,12 @@ the rows' dtype (c = 2k columns for bf16/fp16, k for fp32). Each owner maps the 
 device and returns all T*k slots' outputs, zero where it holds none (runtime/queues.RoutedItem); the home sums
 the parts, and since exactly one part is non-zero at each slot (v + 0 = v exactly) the combine is bit-identical to
 the host-routed dispatch.
+
+That packed tensor (the batch's "payload") is the unit from end to end: the CUDA executor's attention graph writes
+it into a static buffer (one clone on the host, CudaExecutor.routed_payload), the home sends it and queues it for
+its own experts as is, an owner queues a received one as is, and the routed expert graph reads the rows and ids out
+of it (one copy in). Each torch call saved is ~10-25 us on the H200 host (benchmarks/NOTES.md §27). `pack` makes
+it where no graph did (the CPU executor, eager batches).
 """
 from __future__ import annotations
 
@@ -37,6 +43,14 @@ def device_routed_from_env(auto: bool) -> bool:
     return v == "device"
 
 
+def id_columns(k: int, dtype: torch.dtype) -> int:
+    """Columns of `dtype` that k int32 ids take at the end of a packed row (2k for bf16/fp16, k for fp32)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size > 4:
+        raise ValueError(f"device-routed dispatch packs expert ids into rows of at most 4 bytes, not {dtype}")
+    return k * 4 // size
+
+
 def pack(x: Tensor, ids: Tensor) -> Tensor:
     """[T, H + c]: x's rows, then the int32 ids viewed as x's dtype (ids: any integer-valued dtype on x's device)."""
     ids32 = ids.to(torch.int32)
@@ -53,3 +67,8 @@ def unpack(t: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
     except RuntimeError:  # an odd hidden size leaves the ids' bytes unaligned in the row
         ids = tail.contiguous().view(torch.int32)
     return t[:, :hidden], ids
+
+
+def ids_of(payload: Tensor, k: int) -> Tensor:
+    """The [T, k] int32 expert ids of a payload of top-k routing (its rows' width need not be known)."""
+    return unpack(payload, payload.shape[1] - id_columns(k, payload.dtype))[1]

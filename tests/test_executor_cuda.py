@@ -26,6 +26,7 @@ from runtime.executor import TorchExecutor
 from runtime.executor_cuda import CudaExecutor, HostStaging
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.requests import Request
+from runtime.routed_rows import pack
 
 torch.set_num_threads(1)
 SPECS = "models/specs"
@@ -280,9 +281,9 @@ def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch):
     calls = []
     real = CudaExecutor.experts_routed
 
-    def spy(self, layer, xs, ids, owned):
-        calls.append(len(xs))
-        return real(self, layer, xs, ids, owned)
+    def spy(self, layer, payloads, owned):
+        calls.append(len(payloads))
+        return real(self, layer, payloads, owned)
     monkeypatch.setattr(CudaExecutor, "experts_routed", spy)
     monkeypatch.setattr(CudaExecutor, "route_arrays", lambda *a: pytest.fail("the routing went to the host"))
     _twin_matches_reference("defrag:hold_fill=1,hold_us=2000")
@@ -305,7 +306,8 @@ def test_experts_routed_equals_the_torch_executors_host_side_selection(monkeypat
     for T in (1, 3, 7, 300):  # 300 tokens x k slots: above the largest expert bucket (eager)
         xs = [torch.randn(T, H, generator=g), torch.randn(2, H, generator=g)]
         ids = [torch.randint(0, E, (T, k), generator=g), torch.randint(0, E, (2, k), generator=g).float()]
-        got, want = ce.experts_routed(layer, xs, ids, owned), te.experts_routed(layer, xs, ids, owned)
+        payloads = [pack(x, i) for x, i in zip(xs, ids)]
+        got, want = ce.experts_routed(layer, payloads, owned), te.experts_routed(layer, payloads, owned)
         assert got.shape == ((T + 2) * k, H) and torch.equal(got, want)
         flat = torch.cat(ids).long().reshape(-1)
         assert not got[~owned[flat]].any()  # slots of experts this rank does not hold are zero

@@ -437,13 +437,15 @@ def test_routed_rows_pack_and_unpack_every_row_dtype():
 
 def test_routed_item_splits_between_tokens_and_a_one_token_item_goes_whole():
     from runtime.queues import RoutedItem
+    from runtime.routed_rows import ids_of, pack
     k, H = 3, 2
-    it = RoutedItem(1, 0, torch.arange(4.0 * H).view(4, H), torch.arange(4 * k).view(4, k), 100, 0.0, 4 * k)
+    it = RoutedItem(1, 0, pack(torch.arange(4.0 * H).view(4, H), torch.arange(4 * k).view(4, k)), 100, 0.0, 4 * k)
     head, rest = it.split(7)  # 7 slots: two whole tokens (6 slots)
     assert (head.n, rest.n, head.tag0, rest.tag0) == (6, 6, 100, 106)
-    assert head.x.shape[0] == 2 and rest.ids[0].tolist() == [6, 7, 8] and rest.tag.tolist() == list(range(106, 112))
+    assert head.payload.shape[0] == 2 and ids_of(rest.payload, k)[0].tolist() == [6, 7, 8]
+    assert rest.tag.tolist() == list(range(106, 112))
     q = MuQueue(0, "expert", 0, cap=2, token_weight=1 / k)
-    q.push(RoutedItem(0, 0, torch.zeros(1, H), torch.zeros(1, k), 0, 0.0, k))
+    q.push(RoutedItem(0, 0, pack(torch.zeros(1, H), torch.zeros(1, k)), 0, 0.0, k))
     got = q.take()  # a token's 3 slots cannot be cut to fit 2: it goes whole, nothing is left behind
     assert [i.n for i in got] == [k] and len(q) == 0 and q.rows == 0
 

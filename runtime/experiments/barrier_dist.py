@@ -50,6 +50,7 @@ import torch
 from runtime.cpu_bind import bind_rank_threads
 from runtime.cuda_stream import current_stream
 from runtime.launch import local_world
+from runtime.routed_rows import ids_of
 from runtime.experiments.barrier import step_batch
 from runtime.experiments.busy_timeline import BusyTimeline
 from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps
@@ -280,8 +281,9 @@ def probe_engine(engine, probe: HostProbe) -> None:
                 # Device-routed: the ids of every slot are on the device; one batch in ROUTED_SAMPLE keeps a copy
                 # (after its wall is taken) for the bandwidth column, whose bytes and device time then both come
                 # from the sampled batches.
-                owned = engine.owned_experts(batch.stage.layer, items[0].ids.device)
-                experts = lambda: [(it.ids.clone(), owned) for it in items]  # noqa: E731
+                owned = engine.owned_experts(batch.stage.layer, items[0].payload.device)
+                k = engine.cfg.top_k
+                experts = lambda: [(ids_of(it.payload, k).clone(), owned) for it in items]  # noqa: E731
         probe.add(batch.stage.kind, batch.rows, started, experts, first)
     engine.execute, engine.complete = execute, complete
 

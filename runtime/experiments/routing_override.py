@@ -342,9 +342,9 @@ class KeyedRoutingExecutor:
         self._router = router
         self._keys: Optional[tuple[list, list[int]]] = None
 
-    # the routing is this wrapper's (route()), not the inner executor's graph's (route_device too: the device-routed
-    # dispatch then takes route()'s tensors)
-    route_start = route_arrays = route_device = None
+    # the routing is this wrapper's (route()), not the inner executor's graph's (routed_payload too: the
+    # device-routed dispatch then packs route()'s ids with the rows)
+    route_start = route_arrays = routed_payload = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
