@@ -32,7 +32,7 @@ from runtime.clock import WallClock
 from runtime.engine import Engine, EngineConfig, StageInfo
 from runtime.executor import row_blocks
 from runtime.requests import Request
-from runtime.routed_rows import id_columns, ids_of, pack
+from runtime.routed_rows import ids_of, pack, payload_columns
 from runtime.scheduler import make_policy
 from runtime.transport.inproc import InprocHub
 
@@ -98,13 +98,13 @@ class NullExecutor:
 
     def routed_payload(self, layer, x):
         ids, w = self.route(layer, x)
-        return pack(x, ids), w  # (the CUDA executor's attention graph packs them so)
+        return pack(x, ids, w)  # (the CUDA executor's attention graph packs them so)
 
     def experts_routed(self, layer, payloads, owned):
-        def f():
-            sel = row_blocks([ids_of(p, K) for p in payloads]).reshape(-1).to(torch.int64)
-            x = row_blocks([p[:, :p.shape[1] - id_columns(K, p.dtype)] for p in payloads])
-            return x.repeat_interleave(K, dim=0) * owned[sel].unsqueeze(1) * 2.0
+        def f():  # per token: twice the row where any of its experts is held here (the weights sum to 1)
+            sel = row_blocks([ids_of(p, K) for p in payloads]).to(torch.int64)
+            x = row_blocks([p[:, :p.shape[1] - payload_columns(K, p.dtype)] for p in payloads])
+            return x * owned[sel].any(dim=1, keepdim=True) * 2.0
         return self._timed(f)
 
     def shared_expert(self, layer, x):

@@ -149,10 +149,10 @@ def _print_routes(console, plan, rank: Optional[int]) -> None:
 
     if plan.cluster.dispatch == "device":
         console.print("[bold]routes[/] (device-routed dispatch): dispatch = home ranks send each attention batch "
-                      "whole, a normed hidden row per token with its top-k expert ids, to every expert holder; "
-                      "combine = every slot comes back from each holder, zero where it has none of the slot's "
-                      "expert, and the home sums them; local = stays on the home rank. Metadata (weights, "
-                      "positions) travels separately.")
+                      "whole, a normed hidden row per token with its top-k expert ids and weights, to every expert "
+                      "holder; combine = one row per token comes back from each holder, the weighted sum of its own "
+                      "slots, and the home adds them; local = stays on the home rank. Metadata (positions) travels "
+                      "separately.")
     else:
         console.print("[bold]routes[/]: dispatch = home ranks send normed hidden rows, one per (token, expert), "
                       "to the expert holders; combine = expert outputs go back to the home rank's top-k merge; "

@@ -11,9 +11,10 @@ dense attn(l) -> next, sample -> attn(0): stays on the home rank; nothing crosse
 Routing weights, request ids and positions travel in the metadata message, not in these bytes.
 
 With the device-routed dispatch (plan.cluster.dispatch == "device", runtime/routed_rows.py) the dispatch carries
-the whole attention batch to every holder, one row per token with its top-k expert ids packed behind the hidden
-state (4k bytes), and the combine carries every slot of the home's tokens back, zero where the holder has none of
-the slot's expert (the home sums the holders' parts); an expert batch is then <= expert cap slots.
+the whole attention batch to every holder, one row per token with its top-k expert ids and routing weights packed
+behind the hidden state (8k bytes), and the combine carries one row per token back from each holder, the weighted
+sum of its own slots' outputs (the home adds the holders' rows); an expert batch is <= expert cap slots, so it
+returns <= cap / k rows.
 """
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps
         if s.kind == "attn" and dst.kind == "expert":
             holders = placement.holders(s.layer)
             if whole:
-                packed = row + 4 * k  # the ids as int32 behind the row (runtime/routed_rows.pack)
+                packed = row + 8 * k  # int32 ids and fp32 weights behind the row (runtime/routed_rows.pack)
                 routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="dispatch", pattern="all_to_holders",
                                     src_ranks=everyone, dst_ranks=holders,
                                     carries=f"whole attention batches of layer {s.layer}: each token's normed hidden "
-                                            f"row and its top-{k} expert ids, to every holder",
+                                            f"row with its top-{k} expert ids and weights, to every holder",
                                     row_bytes=packed, max_rows=caps.attn_tokens,
                                     max_message_bytes=caps.attn_tokens * packed))
                 continue
@@ -49,11 +50,11 @@ def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps
                                 carries=f"normed hidden rows of layer {s.layer}, one per (token, expert)",
                                 row_bytes=row, max_rows=rows, max_message_bytes=rows * row))
         elif s.kind == "expert":
-            rows = caps.expert_rows
+            rows = max(caps.expert_rows // k, 1) if whole else caps.expert_rows
             routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="combine", pattern="holders_to_all",
                                 src_ranks=placement.holders(s.layer), dst_ranks=everyone,
-                                carries=(f"every slot of layer {s.layer}'s tokens back to their home, zero where "
-                                         f"this holder has none of the slot's expert (the home sums the parts)"
+                                carries=(f"one row per token of layer {s.layer} back to its home: the weighted sum "
+                                         f"of this holder's slots (the home adds the holders' rows)"
                                          if whole else
                                          f"expert outputs of layer {s.layer} back to their home rank's top-k merge"),
                                 row_bytes=row, max_rows=rows, max_message_bytes=rows * row))

@@ -532,13 +532,12 @@ class Engine:
         else:
             if self.device_routed:  # the routing stays where the graph made it (device tensors)
                 make = getattr(self.executor, "routed_payload", None)
-                if make is not None:  # rows and ids packed by the attention graph (runtime/routed_rows.py)
-                    payload, weights = make(layer, x)
+                if make is not None:  # rows, ids and weights packed by the attention graph (runtime/routed_rows.py)
+                    payload = make(layer, x)
                 else:
                     ids, weights = self.executor.route(layer, x)
-                    payload = pack_routed(x, ids.to(x.device))
-                batch.out.update(h_res=h_res, payload=payload, weights=weights, routed_on_device=True,
-                                 shared=self.executor.shared_expert(layer, x))
+                    payload = pack_routed(x, ids.to(x.device), weights.to(x.device))
+                batch.out.update(h_res=h_res, payload=payload, shared=self.executor.shared_expert(layer, x))
                 return
             start = getattr(self.executor, "route_start", None) if self.async_route else None
             routing = start(layer, x) if start is not None else None
@@ -708,19 +707,20 @@ class Engine:
             return t[sel] if type(t) is np.ndarray else t.index_select(0, to_device(sel, t.device))
 
         nxt = batch.stage.next
-        if "weights" not in out:  # a dense layer: no experts
+        if "h_next" in out:  # a dense layer: no experts
             self._forward(nxt, rids, first, ns, rows_of(out["h_next"]), multi)
             return
         tm.lap("bookkeeping")
-        # The batch's merge group, opened below with its dispatch order (host-routed) or its parts (device-routed).
-        weights = rows_of(out["weights"])
+        # The batch's merge group, opened below with its dispatch order (host-routed) or its holders (device-routed).
         shared = rows_of(out["shared"]) if out["shared"] is not None else None
         n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)  # (a list -> array is ~1 us per 30 rows)
         open_group = partial(self.merge.open, layer, rids, pos0s, np.asarray(first, dtype=np.int64), n,
-                             rows_of(out["h_res"]), shared, weights, batch.t_start)
-        if out.get("routed_on_device"):
+                             rows_of(out["h_res"]), shared)
+        if "payload" in out:
             self._dispatch_routed(batch, layer, open_group, rows_of)
             return
+        weights = rows_of(out["weights"])
+        open_group = partial(open_group, weights, batch.t_start)
         ids = rows_of(out["ids"])
         if type(ids) is not np.ndarray:
             ids = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
@@ -766,23 +766,23 @@ class Engine:
         tm.lap("send+enqueue")
 
     def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of) -> None:
-        """Device-routed dispatch (runtime/routed_rows.py): the whole batch's payload (rows and expert ids) to every
-        rank holding experts of the layer; the merge group sums their parts (each zero where its rank holds no
-        expert)."""
+        """Device-routed dispatch (runtime/routed_rows.py): the whole batch's payload (rows, expert ids and weights)
+        to every rank holding experts of the layer; each returns one row per token (the weighted sum of its own
+        slots), which the merge group, a holder group, lands at holder j's range j*T .. (j+1)*T - 1."""
         payload = rows_of(batch.out["payload"])
         T, k = payload.shape[0], self.cfg.top_k
         owners = self._owners[layer]
-        g = open_group(parts=len(owners))
+        g = open_group(None, batch.t_start, holders=len(owners))
         tm = self._dispatch_timer
         tm.lap("routed:merge_open")
         tag0 = g.gid << TAG_SHIFT
         ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
-        for d in owners:
+        for j, d in enumerate(owners):
             if d == self.rank:
-                self._enqueue_routed(layer, self.rank, payload, tag0, ahead * k)
+                self._enqueue_routed(layer, self.rank, payload, tag0 + j * T, ahead * k)
             else:
                 self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank,
-                                        "rows": (tag0, T * k), "more": ahead * k}, payload)
+                                        "rows": (tag0 + j * T, T), "more": ahead * k}, payload)
         tm.lap("routed:send+enqueue")
 
     def _complete_expert(self, batch: Batch) -> None:
@@ -792,8 +792,8 @@ class Engine:
         by_home: dict[int, list[tuple[int, int, np.ndarray]]] = {}  # home -> [(first row, end row, tags)]
         row = 0
         for it in items:
-            by_home.setdefault(it.home, []).append((row, row + it.n, it.tag))
-            row += it.n
+            by_home.setdefault(it.home, []).append((row, row + it.out_rows, it.tag))
+            row += it.out_rows
         for dst in sorted(by_home):
             parts = by_home[dst]
             if len(parts) == 1:

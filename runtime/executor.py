@@ -89,19 +89,22 @@ class TorchExecutor:
     @torch.no_grad()
     def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor) -> Tensor:
         """The device-routed dispatch's expert batch (runtime/routed_rows.py): items whose payloads [T_i, H + c] hold
-        T_i token rows and their top-k expert ids (routed_rows.pack); returns [sum T_i*k, H], row t*k + j of an item
-        = the output of its token t's expert ids[t, j] where owned[that expert] (this rank holds it), zero
-        elsewhere. Here the held slots are selected on the host (data-dependent shapes) and run through experts()."""
+        T_i token rows with their top-k expert ids and weights (routed_rows.pack); returns [sum T_i, H]: per token,
+        sum_j weights[t, j] * output of expert ids[t, j] over the slots j whose expert this rank holds (owned),
+        in slot order in fp32 from zero (models.moe.combine's order), zero when it holds none of them. Here the held
+        slots are selected on the host (data-dependent shapes) and run through experts()."""
         parts = [unpack_routed(p, self.spec.hidden_size) for p in payloads]
-        x = row_blocks([xp for xp, _ in parts])
-        flat = row_blocks([ip for _, ip in parts]).to(torch.long).reshape(-1)
-        k = self.spec.experts.top_k
+        x = row_blocks([xp for xp, _, _ in parts])
+        ids = row_blocks([ip for _, ip, _ in parts])
+        weights = row_blocks([wp for _, _, wp in parts])
+        flat = ids.to(torch.long).reshape(-1)
+        k = ids.shape[1]
         held = owned[flat]
         rows = torch.nonzero(held).squeeze(1)
-        y = torch.zeros((flat.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+        slots = torch.zeros((flat.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         if rows.numel():
-            y[rows] = self.experts(layer, x.index_select(0, rows // k), flat[rows])
-        return y
+            slots[rows] = self.experts(layer, x.index_select(0, rows // k), flat[rows])
+        return layers.moe_combine(torch.zeros_like(x), None, slots.view(x.shape[0], k, -1), weights)
 
     @torch.no_grad()
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,

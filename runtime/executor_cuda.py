@@ -65,7 +65,7 @@ from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
-from runtime.routed_rows import device_routed_from_env, id_columns, pack as pack_routed, unpack as unpack_routed
+from runtime.routed_rows import device_routed_from_env, pack as pack_routed, payload_columns, unpack as unpack_routed
 from runtime.step_timer import StepTimer
 
 _GREEDY = SamplingParams()
@@ -142,9 +142,9 @@ class _Pending:
     route: Optional[PendingHost]
     shared: Optional[Tensor]
     k: int
-    # kept on the device (DATAFLOW_DISPATCH=device): (payload [T, H + c]: rows and int32 ids, routed_rows.pack's
-    # layout; weights [T, k] fp32)
-    on_device: Optional[tuple[Tensor, Tensor]] = None
+    # kept on the device (DATAFLOW_DISPATCH=device): the payload [T, H + c], rows, int32 ids and fp32 weights in
+    # routed_rows.pack's layout
+    on_device: Optional[Tensor] = None
 
     def ready(self) -> bool:
         """The routing has reached the host (never blocks)."""
@@ -244,7 +244,7 @@ class CudaExecutor:
             route_on_device = device_routed_from_env(planned == "device" if planned is not None else on_cuda)
         self.route_on_device = route_on_device
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
-        self._pad_ids: Optional[Tensor] = None  # _padding_ids()
+        self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self.stats = ExecStats()
         a = spec.attention
         self._mla = a.kind == "mla"
@@ -429,7 +429,7 @@ class CudaExecutor:
         if self.route_on_device and owned is not None and self.expert_graphs:
             for b in self.buckets["expert"]:
                 bufs = self._routed_bufs(b, True)
-                bufs._t["payload"][:, self.spec.hidden_size:].copy_(self._padding_ids())  # padding tokens only
+                bufs._t["payload"][:, self.spec.hidden_size:].copy_(self._padding_tail())  # padding tokens only
                 for layer in lays:
                     mine = owned(layer, self.device) if self.spec.is_moe_layer(layer) else None
                     if mine is None or not bool(mine.any()):
@@ -489,8 +489,7 @@ class CudaExecutor:
                 ids, wts = self.keyed_router.route_torch(layer, base0, pos)
             shared = shared_expert_out(self.spec, lw, x)
             if self.route_on_device:
-                self._pending = _Pending(x, None, shared, ids.shape[1],
-                                         (pack_routed(x, ids), wts.to(torch.float32).contiguous()))
+                self._pending = _Pending(x, None, shared, ids.shape[1], pack_routed(x, ids, wts))
             else:
                 both = torch.cat([ids.to(torch.float32), wts], dim=1)
                 self._pending = _Pending(x, self.staging.d2h(both), shared, ids.shape[1])
@@ -519,8 +518,8 @@ class CudaExecutor:
         bufs.get("meta", (2, b), torch.int32, dev)
         bufs.get("out", (nout, b, H), self.dtype, dev)
         bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
-        if self.spec.moe_layers:  # the device-routed payload: x's rows, then the ids (runtime/routed_rows.py)
-            bufs.get("payload", (b, H + id_columns(self.top_k, self.dtype)), self.dtype, dev)
+        if self.spec.moe_layers:  # the device-routed payload: x's rows, ids and weights (runtime/routed_rows.py)
+            bufs.get("payload", (b, H + payload_columns(self.top_k, self.dtype)), self.dtype, dev)
         if static:
             self._bufs_cache[("attn", b)] = bufs
         return bufs
@@ -566,7 +565,8 @@ class CudaExecutor:
                 # both dispatches' forms (the barriers switch route_on_device between runs): ~1.5 MB more
                 # written per 256-row batch in bf16, under a microsecond of HBM time
                 payload[:, :H].copy_(x)
-                payload[:, H:].copy_(ids.to(torch.int32).view(payload.dtype))
+                payload[:, H:].copy_(torch.cat([ids.to(torch.int32).view(torch.float32), wts.to(torch.float32)],
+                                               dim=1).view(payload.dtype))
                 if out.shape[0] > 2:
                     out[2].copy_(shared_expert_out(spec, lw, x))
         return body
@@ -587,9 +587,9 @@ class CudaExecutor:
         self.staging.h2d_array(bufs._t["meta"], fill)
         tm.lap("meta_h2d")
         k = self.top_k
-        h_in, out_T, route_T, payload_T, weights_T = self._first_rows(("attn", b, T), static, lambda: (
+        h_in, out_T, route_T, payload_T = self._first_rows(("attn", b, T), static, lambda: (
             bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T],
-            bufs._t["payload"][:T] if "payload" in bufs._t else None, bufs._t["route"][:T, k:]))
+            bufs._t["payload"][:T] if "payload" in bufs._t else None))
         h_in.copy_(h)
         tm.lap("h_copy")
         if static:
@@ -607,8 +607,8 @@ class CudaExecutor:
         tm.lap("out_clone")
         if self.spec.is_moe_layer(layer):
             shared = out[2] if len(out) > 2 else None
-            if self.route_on_device:  # the static buffers are reused by the next batch: one copy each, on the device
-                self._pending = _Pending(x, None, shared, k, (payload_T.clone(), weights_T.clone()))
+            if self.route_on_device:  # the static buffer is reused by the next batch: one copy, on the device
+                self._pending = _Pending(x, None, shared, k, payload_T.clone())
             else:
                 self._pending = _Pending(x, self.staging.d2h(route_T), shared, self.top_k)
         tm.lap("route_d2h")
@@ -633,26 +633,24 @@ class CudaExecutor:
             self.stats.route_wait_s += time.perf_counter() - t
             return p.read(v)
         if p is not None and p.x is x and p.on_device is not None:  # kept on the device (DATAFLOW_DISPATCH=device):
-            payload, wts = p.on_device  # a host caller (the barriers) waits for a copy
-            ids = unpack_routed(payload, self.spec.hidden_size)[1]
-            return ids.cpu().numpy().astype(np.int64), wts.cpu().numpy()
+            _, ids, wts = unpack_routed(p.on_device, self.spec.hidden_size)  # a host caller (the barriers) waits
+            return ids.cpu().numpy().astype(np.int64), wts.cpu().numpy()  # for a copy
         self.stats.note("route: not the last attention's x (eager route + sync)")
         with torch.no_grad():  # (only here: entering no_grad is two more torch calls on the hot path above)
             ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))
         return ids.cpu().numpy(), wts.cpu().to(torch.float32).numpy()
 
-    def routed_payload(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The device-routed dispatch's form of the batch (runtime/routed_rows.py), left on the device: (payload
-        [T, H + c]: x's rows and the int32 expert ids, as the attention graph packed them; weights [T, k] fp32),
-        no host copy and no wait."""
+    def routed_payload(self, layer: int, x: Tensor) -> Tensor:
+        """The device-routed dispatch's form of the batch (runtime/routed_rows.py), left on the device: the payload
+        [T, H + c] (x's rows, the int32 expert ids and the fp32 weights) as the attention graph packed it, no host
+        copy and no wait."""
         p = self._pending
         if p is not None and p.x is x and p.on_device is not None:
             return p.on_device
         self.stats.note("routed_payload: not the last attention's x (eager route)")
         with torch.no_grad():
             x = self._to_dev(x)
-            ids, wts = layers.route(self.spec, self.w, layer, x)
-            return pack_routed(x, ids), wts.to(torch.float32).contiguous()
+            return pack_routed(x, *layers.route(self.spec, self.w, layer, x))
 
     def _routed_select(self, layer: int, owned: Tensor) -> tuple[Tensor, Tensor]:
         """(row, mine) on the device, each indexed by a global expert id or the token padding id num_experts
@@ -674,11 +672,11 @@ class CudaExecutor:
     @torch.no_grad()
     def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor) -> Tensor:
         """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync. Its own
-        graph kind ("expert_routed", bucketed in slots): the host copies the items' payloads (token rows and their
-        expert ids, routed_rows.pack's layout) into the bucket's static input and replays; inside the graph each
+        graph kind ("expert_routed", bucketed in slots): the host copies the items' payloads (token rows, expert ids
+        and weights: routed_rows.pack's layout) into the bucket's static input and replays; inside the graph each
         token row goes to its k slots, the ids map to held rows (slots of experts this rank does not own -> the
-        padding id), the expert FFN runs, and the slots it does not own are zeroed (NOTES §24 item 7's second
-        graph kind)."""
+        padding id), the expert FFN runs, the slots it does not own are zeroed, and topk_merge sums each token's
+        slots with their weights (from zero, slot order, fp32): one row per token out."""
         start = self._mark()
         try:
             return self._experts_routed(layer, payloads, owned)
@@ -693,41 +691,45 @@ class CudaExecutor:
         b, static = self._expert_bucket(T * k)
         bufs = self._routed_bufs(b, static)
         H = self.spec.hidden_size
-        payload_T, ids_pad, y_N = self._first_rows(("routed", b, T), static, lambda: (
-            bufs._t["payload"][:T], bufs._t["payload"][T:, H:], bufs._t["y"][:T * k]))
+        payload_T, tail_pad, y_T = self._first_rows(("routed", b, T), static, lambda: (
+            bufs._t["payload"][:T], bufs._t["payload"][T:, H:], bufs._t["y"][:T]))
         if len(payloads) == 1:
             payload_T.copy_(payloads[0])
         else:
             torch.cat(payloads, out=payload_T)
-        if ids_pad.shape[0]:  # padding tokens: owned by nobody
-            ids_pad.copy_(self._padding_ids())
+        if tail_pad.shape[0]:  # padding tokens: owned by nobody, weight 0
+            tail_pad.copy_(self._padding_tail())
         tm.lap("routed:payload_in")
         select = self._routed_select(layer, owned)
         self._run_expert(("expert_routed", layer, b, id(owned)), b, lambda: self._routed_body(layer, bufs, select),
                          static)
         tm.lap("replay")
-        y = y_N.clone()
+        y = y_T.clone()
         tm.lap("y_clone")
         return y
 
-    def _padding_ids(self) -> Tensor:
-        """[1, c]: the padding expert id (num_experts) as a payload row's id columns (broadcast over rows)."""
-        if self._pad_ids is None:
-            ids = torch.full((1, self.top_k), self.num_experts, dtype=torch.int32, device=self.device)
-            self._pad_ids = ids.view(self.dtype)
-        return self._pad_ids
+    def _padding_tail(self) -> Tensor:
+        """[1, c]: a padding token's payload tail (the padding expert id num_experts, weight 0), broadcast over rows."""
+        if self._pad_tail is None:
+            k = self.top_k
+            ids = torch.full((1, k), self.num_experts, dtype=torch.int32, device=self.device)
+            wts = torch.zeros((1, k), dtype=torch.float32, device=self.device)
+            self._pad_tail = torch.cat([ids.view(torch.float32), wts], dim=1).view(self.dtype)
+        return self._pad_tail
 
     def _routed_bufs(self, b: int, static: bool) -> StaticBuffers:
-        """Static buffers of a routed expert bucket of b slots: the payloads of b // k tokens in, b // k * k slot
-        rows out, and the fixed slot -> token row index."""
+        """Static buffers of a routed expert bucket of b slots: the payloads of b // k tokens in, their b // k * k
+        slot rows (inside), b // k partial sums out, and the fixed slot -> token row index."""
         key = ("expert_routed", b)
         if static and key in self._bufs_cache:
             return self._bufs_cache[key]
         bufs = self.graphs.buffers(*key) if static else StaticBuffers()
         H, dev, k = self.spec.hidden_size, self.device, self.top_k
         bt = b // k
-        bufs.get("payload", (bt, H + id_columns(k, self.dtype)), self.dtype, dev)
-        bufs.get("y", (bt * k, H), self.dtype, dev)
+        bufs.get("payload", (bt, H + payload_columns(k, self.dtype)), self.dtype, dev)
+        bufs.get("slots", (bt * k, H), self.dtype, dev)
+        bufs.get("zero", (bt, H), self.dtype, dev)  # topk_merge's residual: the partial sums start from zero
+        bufs.get("y", (bt, H), self.dtype, dev)
         if "slot_row" not in bufs._t:  # filled once, outside any capture
             bufs.get("slot_row", (bt * k,), torch.int64, dev).copy_(
                 torch.div(torch.arange(bt * k, device=dev), k, rounding_mode="floor"))
@@ -738,21 +740,24 @@ class CudaExecutor:
 
     def _routed_body(self, layer: int, bufs: StaticBuffers, select: tuple[Tensor, Tensor]):
         row, mine_of = select
-        payload, y_out, slot_row, ar = (bufs._t[n] for n in ("payload", "y", "slot_row", "arange"))
-        H = self.spec.hidden_size
+        payload, slots, zero, y_out, slot_row, ar = (bufs._t[n] for n in ("payload", "slots", "zero", "y", "slot_row",
+                                                                           "arange"))
+        H, k = self.spec.hidden_size, self.top_k
         xt, tail = payload[:, :H], payload[:, H:]
         try:
-            idt = tail.view(torch.int32)  # [b / k, k]: a view where x's bytes leave the ids 4-byte aligned
+            tail32 = tail.view(torch.int32)  # [b / k, 2k]: a view where x's bytes leave the tail 4-byte aligned
         except RuntimeError:
-            idt = None  # (an odd hidden size in a 2-byte dtype: a small copy inside the graph)
+            tail32 = None  # (an odd hidden size in a 2-byte dtype: a small copy inside the graph)
+        slot_of = ar.view(-1, k)  # [b / k, k]: token t's slot j is row t*k + j of `slots`
         ffn = self._ffn_rows(layer)
 
         def body() -> None:
-            ids = idt if idt is not None else tail.contiguous().view(torch.int32)
-            sel = ids.reshape(-1).to(torch.int64)
+            t32 = tail32 if tail32 is not None else tail.contiguous().view(torch.int32)
+            sel = t32[:, :k].reshape(-1).to(torch.int64)
             mine = mine_of[sel]
-            ffn(xt.index_select(0, slot_row), row[sel].to(torch.int64), ar, y_out, sentinels_anywhere=True)
-            y_out.masked_fill_(~mine.unsqueeze(1), 0)
+            ffn(xt.index_select(0, slot_row), row[sel].to(torch.int64), ar, slots, sentinels_anywhere=True)
+            slots.masked_fill_(~mine.unsqueeze(1), 0)
+            y_out.copy_(topk_merge(zero, None, slots, slot_of, t32[:, k:].view(torch.float32)))
         return body
 
     def route_start(self, layer: int, x: Tensor) -> Optional[_Pending]:

@@ -19,11 +19,11 @@ topk_merge kernel gathers through an index anyway), in slot order j = 0..k-1, th
 `moe_combine` sums them in, so the result is bit-identical to the reference decoder no matter how
 the network reordered the messages.
 
-Summed groups (`parts` > 0, the device-routed dispatch of runtime/routed_rows.py): the order is the identity
-(p = f), every owner returns all R*k positions, zero where it holds none of the slot's expert; the first part that
-covers the group becomes y and the others are added into it (a part cut smaller goes into a zeroed y); exactly one
-part is non-zero at each position (v + 0 = v), so the same slot-order combine
-stays bit-identical. Such a group completes, all its segments at once, when every part of every position is in.
+Holder groups (`holders` > 0, the device-routed dispatch of runtime/routed_rows.py): each of the layer's
+expert holders returns one row per token, the weighted sum of its own slots' outputs, so a token's "slots" are the
+holders (k = holders, weights 1) and the positions are holder-major, p = j*R + row for holder j: each holder's
+rows land in one contiguous range (in place, like any message). The combine adds the holders' partial sums in
+holder order (1.0 * v is exact in fp32).
 """
 from __future__ import annotations
 
@@ -55,9 +55,8 @@ class MergeGroup:
     seg_of_row: np.ndarray  # int64 [R]
     h_res: torch.Tensor  # [R, H] residual stream after attention
     shared: Optional[torch.Tensor]  # [R, H] shared-expert output, None when the model has none
-    weights: torch.Tensor  # [R, k] fp32 routing weights, slot order, on h_res's device
-    y: Optional[torch.Tensor]  # [R*k, H] expert outputs by dispatch position p (allocated at open; summed groups: at
-    # their first part, which becomes y when it covers the whole group)
+    weights: torch.Tensor  # [R, k] fp32 routing weights, slot order, on h_res's device (holder groups: ones)
+    y: torch.Tensor  # [R*k, H] expert outputs by dispatch position p
     ready: object  # CUDA event recorded after y's allocation (a receive on another stream waits on it); None on CPU
     order: Optional[np.ndarray]  # int64 [R*k]: f = row*k + slot at position p; None = identity
     inv: Optional[np.ndarray]  # int64 [R, k]: position of (row, slot); None = identity
@@ -69,7 +68,6 @@ class MergeGroup:
     missing: np.ndarray  # int64 [S]: parts still missing per segment
     open_segments: int
     t_open: float
-    parts: int = 0  # device-routed dispatch: owners whose parts are summed into y (0: positions, one part each)
 
     @property
     def rows(self) -> int:
@@ -96,6 +94,7 @@ class MergeTable:
         self._next_gid = 0
         self._open_segments = 0
         self._open_rows: dict[int, int] = {}  # layer -> rows of segments still waiting (wave hold)
+        self._holder_layouts: dict[tuple, tuple] = {}  # (R, holders, device) -> holder groups' fixed inputs
 
     def __len__(self) -> int:
         """Segments waiting for expert outputs."""
@@ -114,15 +113,14 @@ class MergeTable:
 
     def open(self, layer: int, rids: list[int], pos0: list[int], first: np.ndarray, n: np.ndarray,
              h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, now: float,
-             plan: Optional[DispatchPlan] = None, parts: int = 0) -> MergeGroup:
+             plan: Optional[DispatchPlan] = None, holders: int = 0) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
         start[s] .. start[s]+n[s]-1 (segments back to back, in order). `plan`: the batch's dispatch plan
         (runtime/dispatch_plan.py: its order, f at position p, and the packed device inputs; None = identity
         order, weights packed here). `weights` [R, k]: numpy or a tensor. Tags: `group.gid << TAG_SHIFT | p`.
-        `parts` > 0: the device-routed dispatch (runtime/routed_rows.py): identity order, and each of `parts`
-        owners returns every position, zero where it holds none of the slot's experts; y is the sum of the
-        parts, made by _add_sum."""
-        k = self.top_k
+        `holders` > 0: the device-routed dispatch (a holder group, see the module doc): `weights` is ignored,
+        holder j's row r is at position j*R + r."""
+        k = holders or self.top_k
         S = len(rids)
         R = int(n.sum())
         if R * k > TAG_MASK:
@@ -130,6 +128,8 @@ class MergeTable:
         order = inv = row_of_pos = None
         if plan is not None:
             order, inv, row_of_pos = plan.order, plan.inv, plan.row_of_pos
+        elif holders:
+            order, inv, row_of_pos, row_index, weights = self._holder_layout(R, k, h_res.device)
         if R == S:  # decode: every segment one row (fewer numpy calls)
             start = seg_of_row = np.arange(S, dtype=np.int64)
             seg_of_pos = row_of_pos if order is not None else np.repeat(seg_of_row, k)
@@ -139,13 +139,12 @@ class MergeTable:
             seg_of_pos = np.repeat(seg_of_row, k)
             if order is not None:
                 seg_of_pos = seg_of_pos[order]
-        # Summed groups (parts) get y from their first part (_add_sum): no zeroed buffer per attention batch.
-        y = None if parts else torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
+        y = torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
         # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
         # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
         # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
         # per attention batch became one of each; benchmarks/NOTES.md §20).
-        gather = row_index = None
+        gather = None
         on_host = type(weights) is np.ndarray or weights.device.type == "cpu"  # numpy: CudaExecutor.route_arrays
         if h_res.is_cuda and on_host:  # the routing came to the host
             packed = plan.packed if plan is not None else pack_group_inputs(None, None, weights)
@@ -155,19 +154,38 @@ class MergeTable:
             if type(weights) is np.ndarray:
                 weights = torch.from_numpy(weights)
             ready = None
-            if order is not None:
+            if order is not None and not holders:
                 gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
-            if not parts and y.is_cuda:  # (device-routed parts are added, never received in place)
+            elif order is None:
+                row_index = None
+            if y.is_cuda:
                 ready = torch.cuda.Event()
                 ready.record(current_stream(y.device))
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
                        y, ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k,
-                       S, now, parts)
+                       S, now)
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S
         self._open_rows[layer] = self._open_rows.get(layer, 0) + R
         return g
+
+    def _holder_layout(self, R: int, holders: int, device) -> tuple:
+        """A holder group's fixed inputs for R rows (made once per (R, holders, device)): order (f = row*holders + j
+        at position p = j*R + row), inv [R, holders], the row of each position, and on the device the combine's
+        row_index (inv) and weights (ones)."""
+        key = (R, holders, device)
+        got = self._holder_layouts.get(key)
+        if got is None:
+            p = np.arange(R * holders, dtype=np.int64)
+            row_of_pos = p % R
+            order = row_of_pos * holders + p // R
+            inv = np.arange(R * holders, dtype=np.int64).reshape(holders, R).T.copy()
+            got = (order, inv, row_of_pos, torch.from_numpy(inv).to(device),
+                   torch.ones((R, holders), dtype=torch.float32, device=device))
+            if len(self._holder_layouts) < 4096:
+                self._holder_layouts[key] = got
+        return got
 
     def landing(self, tags, shape: tuple, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, object]]:
         """Where an arriving message of expert rows `tags` can be received in place: (the slice of its
@@ -183,7 +201,7 @@ class MergeTable:
             return None
         g = self._groups.get(t0 >> TAG_SHIFT)
         p0 = t0 & TAG_MASK
-        if g is None or g.parts or p0 + n > len(g.filled) or tuple(shape[1:]) != tuple(g.y.shape[1:]) or dtype != g.y.dtype:
+        if g is None or p0 + n > len(g.filled) or tuple(shape[1:]) != tuple(g.y.shape[1:]) or dtype != g.y.dtype:
             return None
         return g.y[p0:p0 + n], g.ready
 
@@ -216,9 +234,6 @@ class MergeTable:
             p = (tags if idx is None else tags[idx]) & TAG_MASK
             if g is None:
                 raise KeyError(f"expert output for unknown merge group {gid} (positions {p[:4].tolist()}...)")
-            if g.parts:  # device-routed: summed, not placed
-                out += self._add_sum(g, p, y if idx is None else y.index_select(0, to_device(idx, y.device)))
-                continue
             if len(p) and int(p.max()) >= len(g.filled):
                 raise KeyError(f"expert output position {int(p.max())} beyond merge group {gid} of {g.rows} rows")
             seen = g.filled[p]
@@ -252,8 +267,6 @@ class MergeTable:
         g = self._groups.get(gid)
         if g is None or p0 + n > len(g.filled):
             return None
-        if g.parts:
-            return self._add_sum(g, slice(p0, p0 + n), y)
         filled = g.filled[p0:p0 + n]
         if filled.any():
             return None
@@ -264,39 +277,11 @@ class MergeTable:
         done = self._completed(g, slice(p0, p0 + n))
         return [(g, done)] if len(done) else []
 
-    def _add_sum(self, g: MergeGroup, p, y: torch.Tensor) -> list:
-        """A device-routed part (positions `p` of group g: a slice or an array) added into y; the group completes,
-        all its segments at once, when every owner's part of every position is in."""
-        whole = type(p) is slice and p.start == 0 and p.stop == len(g.filled)
-        if g.y is None and whole and y.dtype == g.h_res.dtype and y.device == g.h_res.device:
-            # The first part covers the group: it becomes y (v + 0 = v, so this is the sum so far, bit for bit).
-            # Safe to keep and add into: a part is the expert batch's own output (a fresh clone) or a received
-            # tensor, which the transport recorded on the engine's stream and which no one gives back to its
-            # receive pool (runtime/transport/buffer_pool.py).
-            g.y = y
-        else:
-            if g.y is None:
-                g.y = torch.zeros((len(g.filled),) + tuple(g.h_res.shape[1:]), dtype=g.h_res.dtype,
-                                  device=g.h_res.device)
-            if whole:
-                g.y.add_(y)
-            elif type(p) is slice:
-                g.y[p].add_(y)
-            else:  # positions within the group
-                g.y.index_add_(0, to_device(p, g.y.device), y.to(g.y.device))
-        n = p.stop - p.start if type(p) is slice else len(p)
-        g.nfilled += n
-        if g.nfilled > g.parts * len(g.filled):
-            raise ValueError(f"merge group {g.gid} (layer {g.layer}) got {g.nfilled} device-routed rows, "
-                             f"expected {g.parts} parts of {len(g.filled)}")
-        done = self._completed(g, p)
-        return [(g, done)] if len(done) else []
-
     def _completed(self, g: MergeGroup, p) -> np.ndarray:
         """Account for positions `p` (an index array or a slice) just filled in group g: the segments this
         completed (ascending); a group with no open segment left leaves the table."""
-        if self.whole_groups or g.parts:  # complete only with the group's last part: all segments at once
-            done = np.arange(len(g.missing)) if g.nfilled == max(g.parts, 1) * len(g.filled) else _NONE
+        if self.whole_groups:  # complete only with the group's last part: all segments at once
+            done = np.arange(len(g.missing)) if g.nfilled == len(g.filled) else _NONE
             if len(done):
                 g.missing[:] = 0
         else:

@@ -88,6 +88,11 @@ class ExpertItem:
     t_enq: float
     n: int
 
+    @property
+    def out_rows(self) -> int:
+        """Rows of expert output it returns to its home (one per routed row)."""
+        return self.n
+
     def split(self, m: int) -> tuple["ExpertItem", "ExpertItem"]:
         """(first m rows, the rest): the batch cap cut this block."""
         return (ExpertItem(self.home, self.layer, self.x[:m], self.tag[:m], self.expert[:m], self.t_enq, m),
@@ -97,10 +102,10 @@ class ExpertItem:
 @dataclass(slots=True)
 class RoutedItem:
     """A home's whole attention batch for one expert stage, routed on the device (DATAFLOW_DISPATCH=device,
-    runtime/routed_rows.py): its payload, T token rows with their top-k expert ids packed at the end of each row,
-    which the owner maps to its own experts on the device. Its n = T*k slots, slot j of token t at tag
-    tag0 + t*k + j; the owner returns every slot's output, zero where it holds none of the slot's expert (the home
-    sums the owners' parts)."""
+    runtime/routed_rows.py): its payload, T token rows with their top-k expert ids and weights packed at the end of
+    each row, which the owner maps to its own experts on the device. It counts n = T*k slots in the queue (every
+    slot, this rank's or not); the owner returns one row per token, the weighted sum of its own slots' outputs,
+    token t's at tag tag0 + t (`tag`, `out_rows`)."""
 
     home: int
     layer: int
@@ -110,8 +115,12 @@ class RoutedItem:
     n: int  # T * k
 
     @property
+    def out_rows(self) -> int:
+        return self.payload.shape[0]
+
+    @property
     def tag(self) -> np.ndarray:
-        return np.arange(self.tag0, self.tag0 + self.n, dtype=np.int64)
+        return np.arange(self.tag0, self.tag0 + self.out_rows, dtype=np.int64)
 
     def split(self, m: int) -> tuple["RoutedItem", "RoutedItem"]:
         """(first tokens up to m slots, the rest): cut between tokens (a token's k slots stay together), at
@@ -119,7 +128,7 @@ class RoutedItem:
         k = self.n // self.payload.shape[0]
         t = max(m // k, 1)
         return (RoutedItem(self.home, self.layer, self.payload[:t], self.tag0, self.t_enq, t * k),
-                RoutedItem(self.home, self.layer, self.payload[t:], self.tag0 + t * k, self.t_enq, self.n - t * k))
+                RoutedItem(self.home, self.layer, self.payload[t:], self.tag0 + t, self.t_enq, self.n - t * k))
 
 
 @dataclass(slots=True)

@@ -1,20 +1,26 @@
-"""The wire form of a device-routed attention batch (DATAFLOW_DISPATCH=device; benchmarks/NOTES.md §24 item 7).
+"""The wire form of a device-routed attention batch (DATAFLOW_DISPATCH=device; benchmarks/NOTES.md §24 item 7, §27).
 
 With a router inside the attention graph, the host learns a batch's routing only after a device -> host copy, and
 the two-phase exchange's first phase needs the per-destination sizes: one GPU -> host -> GPU round trip per
 attention batch, during which the rank's stream runs dry (NOTES §22 item 2). The device-routed dispatch sends the
-whole batch instead, whose size the host knows before the graph runs: T token rows and their top-k expert ids,
-to every rank holding experts of the layer, as ONE tensor [T, H + c]: the rows, then the ids as int32 viewed as
-the rows' dtype (c = 2k columns for bf16/fp16, k for fp32). Each owner maps the ids to its own experts on the
-device and returns all T*k slots' outputs, zero where it holds none (runtime/queues.RoutedItem); the home sums
-the parts, and since exactly one part is non-zero at each slot (v + 0 = v exactly) the combine is bit-identical to
-the host-routed dispatch.
+whole batch instead, whose size the host knows before the graph runs: T token rows with their top-k expert ids and
+routing weights, to every rank holding experts of the layer, as ONE tensor [T, H + c] (the batch's "payload"): the
+rows, then the ids as int32 and the weights as fp32, both viewed as the rows' dtype (c = 4k columns for bf16/fp16,
+2k for fp32).
 
-That packed tensor (the batch's "payload") is the unit from end to end: the CUDA executor's attention graph writes
-it into a static buffer (one clone on the host, CudaExecutor.routed_payload), the home sends it and queues it for
-its own experts as is, an owner queues a received one as is, and the routed expert graph reads the rows and ids out
-of it (one copy in). Each torch call saved is ~10-25 us on the H200 host (benchmarks/NOTES.md §27). `pack` makes
-it where no graph did (the CPU executor, eager batches).
+Each holder runs the slots of its own experts on the device and returns, per token, the weighted sum of its slots'
+outputs in slot order (fp32, then the rows' dtype; zero where it holds none of the token's experts): T rows back,
+not T*k. The home's merge sees the holders as the "slots" of a token (runtime/merge.py, `holders`) and its combine
+adds their partial sums, in holder order, to the residual: h_res + (p_0 + p_1 + ... + shared). That is the same
+sum as the host-routed dispatch's in another order of additions (not bit-identical to it; equal on one holder), and
+with bf16 rows each partial sum is rounded once more before it travels. In exchange the combine's bytes on the link
+are 1/k of every slot's (NOTES §26 item 11).
+
+The payload is the unit from end to end: the CUDA executor's attention graph writes it into a static buffer (one
+clone on the host, CudaExecutor.routed_payload), the home sends it and queues it for its own experts as is, an
+owner queues a received one as is, and the routed expert graph reads rows, ids and weights out of it (one copy in).
+Each torch call saved is ~10-25 us on the H200 host. `pack` makes it where no graph did (the CPU executor, eager
+batches).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ def device_routed_from_env(auto: bool) -> bool:
     """Whether to use the device-routed dispatch. DATAFLOW_DISPATCH: auto (default: `auto`, the caller's default:
     the plan's choice, which `dataflow compile --dispatch auto` makes device on cuda and host on cpu), host (the
     routing comes to the host, each owner gets its routed rows) or device (the whole batch and its expert ids go to
-    every owner, which selects its own slots on the device: no routing round trip). Device on a GPU because there
+    every owner, which runs its own slots on the device and returns per-token partial sums: no routing round trip). Device on a GPU because there
     the routing is made inside the attention graph and the host would wait for it (2 x H200, run 67: 1.12x against
     1.02x of all-gather EP clean, 3.56x against 1.99x under the compute hog; benchmarks/NOTES.md §26); host on the
     CPU, where the routing is on the host already and the whole batch would only add bytes. auto also picks host
@@ -43,32 +49,34 @@ def device_routed_from_env(auto: bool) -> bool:
     return v == "device"
 
 
-def id_columns(k: int, dtype: torch.dtype) -> int:
-    """Columns of `dtype` that k int32 ids take at the end of a packed row (2k for bf16/fp16, k for fp32)."""
+def payload_columns(k: int, dtype: torch.dtype) -> int:
+    """Columns of `dtype` that k int32 ids and k fp32 weights take at the end of a payload row (4k for bf16/fp16,
+    2k for fp32)."""
     size = torch.empty((), dtype=dtype).element_size()
     if size > 4:
         raise ValueError(f"device-routed dispatch packs expert ids into rows of at most 4 bytes, not {dtype}")
-    return k * 4 // size
+    return 2 * k * 4 // size
 
 
-def pack(x: Tensor, ids: Tensor) -> Tensor:
-    """[T, H + c]: x's rows, then the int32 ids viewed as x's dtype (ids: any integer-valued dtype on x's device)."""
-    ids32 = ids.to(torch.int32)
-    if x.element_size() > 4:
-        raise ValueError(f"device-routed dispatch packs expert ids into rows of at most 4 bytes, not {x.dtype}")
-    return torch.cat([x, ids32.view(x.dtype)], dim=1)
+def pack(x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """[T, H + c]: x's rows, then the int32 ids and the fp32 weights viewed as x's dtype (ids: any integer-valued
+    dtype, weights any float dtype, on x's device)."""
+    payload_columns(1, x.dtype)  # (the dtype check)
+    tail = torch.cat([ids.to(torch.int32).view(torch.float32), weights.to(torch.float32)], dim=1)
+    return torch.cat([x, tail.view(x.dtype)], dim=1)
 
 
-def unpack(t: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
-    """(rows [T, H], ids [T, k] int32) of a packed tensor (views where the layout allows)."""
+def unpack(t: Tensor, hidden: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(rows [T, H], ids [T, k] int32, weights [T, k] fp32) of a payload (views where the layout allows)."""
     tail = t[:, hidden:]
     try:
-        ids = tail.view(torch.int32)
-    except RuntimeError:  # an odd hidden size leaves the ids' bytes unaligned in the row
-        ids = tail.contiguous().view(torch.int32)
-    return t[:, :hidden], ids
+        tail = tail.view(torch.int32)
+    except RuntimeError:  # an odd hidden size leaves the tail's bytes unaligned in the row
+        tail = tail.contiguous().view(torch.int32)
+    k = tail.shape[1] // 2
+    return t[:, :hidden], tail[:, :k], tail[:, k:].view(torch.float32)
 
 
 def ids_of(payload: Tensor, k: int) -> Tensor:
     """The [T, k] int32 expert ids of a payload of top-k routing (its rows' width need not be known)."""
-    return unpack(payload, payload.shape[1] - id_columns(k, payload.dtype))[1]
+    return unpack(payload, payload.shape[1] - payload_columns(k, payload.dtype))[1]

@@ -392,7 +392,7 @@ def test_device_routed_dispatch_matches_reference(monkeypatch, ranks, policy):
 @pytest.mark.parametrize("name,ranks", [("tiny-qwen2-moe", 3), ("tiny-deepseek-v2", 2), ("tiny-gpt-oss", 3)])
 def test_device_routed_dispatch_other_families_and_wall_clock(monkeypatch, name, ranks):
     """Shared experts (gated), MLA, sinks + windows; prompts longer than the attention cap (chunked prefill
-    segments in the summed merge groups); the wall clock."""
+    segments in the holder merge groups); the wall clock."""
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
     spec, _, _ = model(name)
     reqs = make_requests(spec.vocab_size, 4, seed=7, max_prompt=24)
@@ -432,7 +432,10 @@ def test_plan_records_its_dispatch_and_the_engines_follow_it(monkeypatch):
     H, k, b = spec.hidden_size, spec.experts.top_k, 4  # fp32 tiny model
     r_host = next(r for r in host.routes if r.kind == "dispatch")
     r_dev = next(r for r in dev.routes if r.kind == "dispatch")
-    assert r_host.row_bytes == H * b and r_dev.row_bytes == H * b + 4 * k
+    assert r_host.row_bytes == H * b and r_dev.row_bytes == H * b + 8 * k  # int32 ids and fp32 weights behind
+    c_host = next(r for r in host.routes if r.kind == "combine")
+    c_dev = next(r for r in dev.routes if r.kind == "combine")
+    assert c_host.max_rows == host.caps.expert_rows and c_dev.max_rows == dev.caps.expert_rows // k  # a row per token
     assert r_dev.max_rows == dev.caps.attn_tokens and "whole attention batches" in r_dev.carries
     opts = RunOptions(policy="defrag")
     engines = Cluster(dev, build_executor(dev, opts, w), opts).engines

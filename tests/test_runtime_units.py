@@ -421,74 +421,64 @@ def test_device_waits_are_bounded_and_name_what_they_waited_for(monkeypatch):
 
 
 def test_routed_rows_pack_and_unpack_every_row_dtype():
-    """The device-routed wire form: rows then the int32 ids viewed as the row dtype; an odd hidden size (the ids'
-    bytes unaligned in a bf16 row) still unpacks, by a copy."""
+    """The device-routed wire form: rows, then the int32 ids and the fp32 weights viewed as the row dtype; an odd
+    hidden size (the tail's bytes unaligned in a bf16 row) still unpacks, by a copy."""
     from runtime.routed_rows import pack, unpack
     ids = torch.tensor([[3.0, 250.0], [0.0, 7.0]])  # float ids, as the CUDA executor's routing buffer holds them
+    w = torch.tensor([[0.75, 0.25], [0.1, 0.9]])
     for dtype, H in ((torch.float32, 6), (torch.bfloat16, 6), (torch.bfloat16, 5), (torch.float16, 4)):
         x = torch.randn(2, H).to(dtype)
-        t = pack(x, ids)
-        assert t.dtype == dtype and t.shape == (2, H + 2 * 4 // dtype.itemsize)
-        x2, ids2 = unpack(t, H)
+        t = pack(x, ids, w)
+        assert t.dtype == dtype and t.shape == (2, H + 2 * 2 * 4 // dtype.itemsize)
+        x2, ids2, w2 = unpack(t, H)
         assert torch.equal(x2, x) and ids2.dtype == torch.int32 and ids2.tolist() == [[3, 250], [0, 7]]
+        assert w2.dtype == torch.float32 and torch.equal(w2, w)
     with pytest.raises(ValueError, match="at most 4 bytes"):
-        pack(torch.zeros(1, 2, dtype=torch.float64), ids[:1])
+        pack(torch.zeros(1, 2, dtype=torch.float64), ids[:1], w[:1])
 
 
 def test_routed_item_splits_between_tokens_and_a_one_token_item_goes_whole():
+    """Cut between tokens; its output tags are per token (one row per token comes back)."""
     from runtime.queues import RoutedItem
     from runtime.routed_rows import ids_of, pack
     k, H = 3, 2
-    it = RoutedItem(1, 0, pack(torch.arange(4.0 * H).view(4, H), torch.arange(4 * k).view(4, k)), 100, 0.0, 4 * k)
+    it = RoutedItem(1, 0, pack(torch.arange(4.0 * H).view(4, H), torch.arange(4 * k).view(4, k), torch.ones(4, k)),
+                    100, 0.0, 4 * k)
     head, rest = it.split(7)  # 7 slots: two whole tokens (6 slots)
-    assert (head.n, rest.n, head.tag0, rest.tag0) == (6, 6, 100, 106)
+    assert (head.n, rest.n, head.tag0, rest.tag0) == (6, 6, 100, 102)
     assert head.payload.shape[0] == 2 and ids_of(rest.payload, k)[0].tolist() == [6, 7, 8]
-    assert rest.tag.tolist() == list(range(106, 112))
+    assert rest.out_rows == 2 and rest.tag.tolist() == [102, 103]
     q = MuQueue(0, "expert", 0, cap=2, token_weight=1 / k)
-    q.push(RoutedItem(0, 0, pack(torch.zeros(1, H), torch.zeros(1, k)), 0, 0.0, k))
+    q.push(RoutedItem(0, 0, pack(torch.zeros(1, H), torch.zeros(1, k), torch.ones(1, k)), 0, 0.0, k))
     got = q.take()  # a token's 3 slots cannot be cut to fit 2: it goes whole, nothing is left behind
     assert [i.n for i in got] == [k] and len(q) == 0 and q.rows == 0
 
 
-def test_summed_merge_group_completes_after_every_part_and_sums_exactly():
-    """A device-routed group (parts > 0): every owner returns all positions, zero where it holds none; y sums them
-    (v + 0 = v: the combine sees exactly the owner's value) and the group completes once, after the last part,
-    whatever the order, the message cuts (slices or tag arrays) and other groups in the same message."""
-    k, H = 2, 3
+def test_holder_group_lands_each_holders_rows_in_its_range_and_combines_in_holder_order():
+    """A device-routed group (holders > 0): each holder returns one row per token, at positions j*R + row; the
+    rows land in place (one contiguous range per holder), segments complete once every holder's row is in, whatever
+    the order and the message cuts (runs or tag arrays, other groups in the same message), and the combine's inputs
+    add the holders' rows in holder order with weight 1."""
+    from models.layers import moe_combine
+    k, H = 4, 3
     table = MergeTable(k)
-    n = np.array([1, 2])
-    g = table.open(1, [7, 8], [10, 10], np.array([10, 10]), n, torch.zeros(3, H), None, torch.ones(3, k), 0.0,
-                   parts=2)
+    n = np.array([1, 2])  # two segments, 3 rows
+    h_res = torch.randn(3, H)
+    g = table.open(1, [7, 8], [10, 10], np.array([10, 10]), n, h_res, None, None, 0.0, holders=2)
+    assert g.k == 2 and g.y.shape == (6, H) and g.weights.tolist() == [[1.0, 1.0]] * 3
     other = _group(table, [1], H)  # a positional group sharing a message with g
-    assert table.landing((g.gid << TAG_SHIFT, 6), (6, H), torch.float32) is None  # parts are added, not landed
-    vals = torch.randn(6, H)
-    owner0 = torch.where(torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)[:, None], vals, torch.zeros(()))
-    owner1 = vals - owner0
     base = g.gid << TAG_SHIFT
-    assert table.add((base, 4), owner1[:4]) == []
-    mixed = np.array([base + 4, base + 5, (other.gid << TAG_SHIFT) + 0])
-    done = table.add(mixed, torch.cat([owner1[4:], torch.zeros(1, H)]))
-    assert [(d.gid, s.tolist()) for d, s in done] == []  # `other` still misses a slot; g still misses owner 0
-    done = table.add(np.arange(6)[::-1] + base, owner0.flip(0))
-    assert [(d.gid, s.tolist()) for d, s in done] == [(g.gid, [0, 1])]
-    assert torch.equal(g.y, vals) and table.open_rows(1) == 1
+    p0, p1 = torch.randn(3, H), torch.randn(3, H)  # holder 0's and holder 1's rows
+    target, _ = table.landing((base + 3, 3), (3, H), torch.float32)  # holder 1's range: received in place
+    target.copy_(p1)
+    assert table.add((base + 3, 3), p1, landed=True) == []
+    done = table.add(np.array([base + 1, (other.gid << TAG_SHIFT) + 0]), torch.cat([p0[1:2], torch.zeros(1, H)]))
+    assert done == []  # segment 1 still misses holder 0's row 2, segment 0 its row 0; `other` misses slots
+    done = table.add(np.array([base + 2, base + 0]), torch.stack([p0[2], p0[0]]))
+    assert [(d.gid, s.tolist()) for d, s in done] == [(g.gid, [0, 1])] and table.open_rows(1) == 1
+    y, row_index = MergeTable.combine_inputs(g)
+    assert row_index.tolist() == [[0, 3], [1, 4], [2, 5]]
+    want = moe_combine(h_res, None, torch.stack([p0, p1], dim=1), torch.ones(3, 2))
+    assert torch.equal(moe_combine(h_res, None, y[row_index], g.weights), want)
     with pytest.raises(KeyError):
-        table.add((base, 1), vals[:1])  # the group is gone
-
-
-def test_summed_merge_group_takes_a_whole_first_part_as_its_buffer():
-    """A summed group allocates nothing at open: a first part that covers the whole group becomes y (no zeroed
-    buffer, no add), later parts are added into it; the sum equals the values exactly."""
-    k, H = 2, 3
-    table = MergeTable(k)
-    g = table.open(0, [5, 6], [3, 3], np.array([3, 3]), np.array([1, 1]), torch.zeros(2, H), None, torch.ones(2, k),
-                   0.0, parts=2)
-    assert g.y is None
-    vals = torch.randn(4, H)
-    mine = torch.tensor([1, 0, 0, 1], dtype=torch.bool)[:, None]
-    first, second = torch.where(mine, vals, 0.0), torch.where(mine, 0.0, vals)
-    base = g.gid << TAG_SHIFT
-    assert table.add((base, 4), first) == []
-    assert g.y is first
-    done = table.add((base, 4), second)
-    assert [(d.gid, s.tolist()) for d, s in done] == [(g.gid, [0, 1])] and torch.equal(g.y, vals)
+        table.add((base, 1), p0[:1])  # the group is gone
