@@ -196,6 +196,34 @@ def test_decode_padding_does_not_change_results():
     assert padded.route(1, a[1])[0].tolist() == exact.route(1, b[1])[0].tolist()
 
 
+def test_a_decode_waves_next_layer_reuses_the_uploaded_positions_and_rows(monkeypatch):
+    """The bucket's meta buffer keeps the last upload: the same rows at the next layer (a decode wave) skip the
+    upload and still give the outputs of an executor that uploads every time; other positions, other rows or
+    another bucket's batch in between upload again."""
+    spec, w = model("tiny-gpt-oss")
+    lens = [5, 2, 7]
+    kv_a = _prefilled(spec, w, lens)
+    kv_b = copy.deepcopy(kv_a)
+    h = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    seg = [(i, i, 1) for i in range(3)]
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 8], "expert": [16]})
+    fresh = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 8], "expert": [16]})
+    uploads = []
+    real = ex.staging.h2d_array
+    monkeypatch.setattr(ex.staging, "h2d_array", lambda dst, fill: (uploads.append(dst.shape), real(dst, fill)))
+    for layer in range(spec.num_layers):
+        got = ex.attention(layer, h, list(lens), seg, kv_a)
+        fresh._meta_last.clear()  # the reference uploads every time
+        want = fresh.attention(layer, h, list(lens), seg, kv_b)
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+    assert len(uploads) == 1  # one upload for the whole wave
+    ex.attention(0, h[:2], lens[:2], seg[:2], kv_a)  # another batch of the same bucket (4) in between: uploads
+    ex.attention(0, h, [n + 1 for n in lens], seg, kv_a)  # the next step: positions moved
+    ex.attention(1, h, [n + 1 for n in lens], seg, kv_a)  # ... and its next layer reuses them
+    assert len(uploads) == 3
+
+
 def test_device_tables_follow_reserve_and_release():
     spec, w = model("tiny-gpt-oss")
     kv = PagedKVStore(spec.num_layers, BlockAllocator(16, 4))
