@@ -162,15 +162,12 @@ class _Pending:
     def read(self, v: Tensor) -> tuple[np.ndarray, np.ndarray]:
         # numpy, not torch: one torch call (the view) instead of four slices and copies, and none later for
         # the engine's .numpy() and the merge's weight packing (torch calls are what costs on the H200 host)
-        out = _split_route(v.numpy(), self.k)
+        # (ids [T, k] int64, weights [T, k] fp32) of the routing as the attention graph writes it ([T, 2k] fp32: ids
+        # as values, then weights), copied (the array is a pinned slot the ring reuses)
+        a, k = v.numpy(), self.k
+        out = a[:, :k].astype(np.int64), a[:, k:].copy()
         self.route.release()
         return out
-
-
-def _split_route(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [T, k] int64, weights [T, k] fp32) of the routing as the attention graph writes it ([T, 2k] fp32:
-    ids as values, then weights), copied (the array may be a reused pinned slot)."""
-    return a[:, :k].astype(np.int64), a[:, k:].copy()
 
 
 @dataclass
@@ -642,8 +639,8 @@ class CudaExecutor:
             self.stats.route_wait_s += time.perf_counter() - t
             return p.read(v)
         if p is not None and p.x is x and p.on_device is not None:  # kept on the device (DATAFLOW_DISPATCH=device):
-            _, ids, wts = unpack_routed(p.on_device, self.spec.hidden_size)  # a host caller (the barriers) waits
-            return ids.cpu().numpy().astype(np.int64), wts.cpu().numpy()  # for a copy
+            _, ids, wts = unpack_routed(p.on_device, self.spec.hidden_size)  # a host caller (the barriers) waits for
+            return ids.cpu().numpy().astype(np.int64), wts.cpu().numpy()  # a copy of the payload's routing
         self.stats.note("route: not the last attention's x (eager route + sync)")
         with torch.no_grad():  # (only here: entering no_grad is two more torch calls on the hot path above)
             ids, wts = layers.route(self.spec, self.w, layer, self._to_dev(x))

@@ -143,24 +143,22 @@ class MergeTable:
         # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
         # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
         # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
-        # per attention batch became one of each; benchmarks/NOTES.md §20).
-        gather = None
-        on_host = type(weights) is np.ndarray or weights.device.type == "cpu"  # numpy: CudaExecutor.route_arrays
+        # per attention batch became one of each; benchmarks/NOTES.md §20). A holder group's are fixed (above).
+        gather = ready = None
+        on_host = not holders and (type(weights) is np.ndarray or weights.device.type == "cpu")  # numpy: route_arrays
         if h_res.is_cuda and on_host:  # the routing came to the host
             packed = plan.packed if plan is not None else pack_group_inputs(None, None, weights)
             dev, ready = to_device_marked(packed, h_res.device)
             gather, row_index, weights = unpack_group_inputs(dev, R, k, order is not None)
-        else:  # weights already where the rows are (a host-side executor: these "uploads" are views)
+        elif not holders:  # weights already where the rows are (a host-side executor: these "uploads" are views)
             if type(weights) is np.ndarray:
                 weights = torch.from_numpy(weights)
-            ready = None
-            if order is not None and not holders:
+            row_index = None
+            if order is not None:
                 gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
-            elif order is None:
-                row_index = None
-            if y.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record(current_stream(y.device))
+        if ready is None and y.is_cuda:  # what a receive into y on another stream waits for
+            ready = torch.cuda.Event()
+            ready.record(current_stream(y.device))
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
                        y, ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k,
                        S, now)
