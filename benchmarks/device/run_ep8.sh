@@ -2,13 +2,15 @@
 # Issue 8's run (nvidia-h200-x8, EIGHT GPUs, ~9.5 minutes per call): `bash benchmarks/device/run_ep8.sh OUT LENGTHS`
 # with LENGTHS = sharegpt or gsm8k (one call each; carry [".whl"]). Written in session 9 and smoke-tested on the
 # CPU only (8 gloo ranks, the tiny model, gsm8k, both dispatches, delay on one link: 32/32 requests equal to
-# all-gather EP; benchmarks/results/session9_cpu_checks.md); no 8-GPU kind has been lent yet.
+# all-gather EP; benchmarks/results/session9_cpu_checks.md, again after session 10's partial sums:
+# session10_cpu_checks.md); no 8-GPU kind has been lent yet.
 # GPT-OSS-120B at full depth (36 layers) in bf16, EP8 with attention data-parallel on all eight (each rank holds 16 of
 # the 128 experts per layer: 30.7 GiB of weights, `dataflow compile gpt-oss-120b --ranks 8 --device cuda`),
 # C=64 per rank, prompts of LENGTHS clipped to 1024, 32-64 new tokens, decode-only. Streaming (defrag + 30 ms hold)
 # with both dispatches as variants (the device-routed one sends every attention batch whole to all 8 holders where
-# a token's 4 experts sit on ~3.3 of them: ~2.4x the bytes of the host-routed one, and expert batches whose slots
-# are ~1/8 this rank's: which dispatch wins at EP8 is a question this run answers), against all-gather and
+# a token's 4 experts sit on ~3.3 of them: ~2.4x the bytes of the host-routed one out, 2x back since session 10's
+# per-token partial sums, and expert batches whose slots are ~1/8 this rank's: which dispatch wins at EP8 is a
+# question this run answers; benchmarks/NOTES.md §26 item 11, §27 item 4), against all-gather and
 # all-to-all EP; clean, compute hog on GPU 1, +5 ms bursts on the link 0-1 only (one slow link among 28), NVLink hog
 # between GPUs 0 and 1. 1 round. Output: env.txt, ep.md (tok/s, ratios, ITL p50/p99, batch sizes, host us, GB/s).
 set -u
