@@ -50,7 +50,8 @@ def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps
                                 carries=f"normed hidden rows of layer {s.layer}, one per (token, expert)",
                                 row_bytes=row, max_rows=rows, max_message_bytes=rows * row))
         elif s.kind == "expert":
-            rows = max(caps.expert_rows // k, 1) if whole else caps.expert_rows
+            # (device-routed: a batch of <= cap slots, whole tokens of k slots each, one row per token back)
+            rows = -(-caps.expert_rows // k) if whole else caps.expert_rows
             routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="combine", pattern="holders_to_all",
                                 src_ranks=placement.holders(s.layer), dst_ranks=everyone,
                                 carries=(f"one row per token of layer {s.layer} back to its home: the weighted sum "

@@ -23,7 +23,8 @@ Holder groups (`holders` > 0, the device-routed dispatch of runtime/routed_rows.
 expert holders returns one row per token, the weighted sum of its own slots' outputs, so a token's "slots" are the
 holders (k = holders, weights 1) and the positions are holder-major, p = j*R + row for holder j: each holder's
 rows land in one contiguous range (in place, like any message). The combine adds the holders' partial sums in
-holder order (1.0 * v is exact in fp32).
+holder order (1.0 * v is exact in fp32): the same sum as the host-routed combine's in another order of additions,
+so not bit-identical to it (bit-identical run to run, and on the CPU and the GPU alike).
 """
 from __future__ import annotations
 

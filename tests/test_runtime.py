@@ -435,7 +435,7 @@ def test_plan_records_its_dispatch_and_the_engines_follow_it(monkeypatch):
     assert r_host.row_bytes == H * b and r_dev.row_bytes == H * b + 8 * k  # int32 ids and fp32 weights behind
     c_host = next(r for r in host.routes if r.kind == "combine")
     c_dev = next(r for r in dev.routes if r.kind == "combine")
-    assert c_host.max_rows == host.caps.expert_rows and c_dev.max_rows == dev.caps.expert_rows // k  # a row per token
+    assert c_host.max_rows == host.caps.expert_rows and c_dev.max_rows == -(-dev.caps.expert_rows // k)  # a row per token
     assert r_dev.max_rows == dev.caps.attn_tokens and "whole attention batches" in r_dev.carries
     opts = RunOptions(policy="defrag")
     engines = Cluster(dev, build_executor(dev, opts, w), opts).engines
