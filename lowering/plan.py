@@ -53,8 +53,9 @@ PlacementPolicy = Literal["contiguous", "round_robin", "profile"]
 HomePolicy = Literal["most_free_kv", "round_robin"]
 Device = Literal["cpu", "cuda"]
 # How a home sends an attention batch to the expert holders (runtime/routed_rows.py): host = the routing comes to
-# the host and each holder gets the rows routed to it; device = the whole batch and its expert ids go to every
-# holder, which selects its own slots on the device (no routing round trip through the host).
+# the host and each holder gets the rows routed to it; device = the whole batch with its expert ids and weights goes
+# to every holder, which runs its own slots on the device and returns per-token partial sums (no routing round trip
+# through the host).
 Dispatch = Literal["host", "device"]
 
 

@@ -60,7 +60,7 @@ _EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: no
 # Message kinds on the wire (meta["t"]).
 MSG_EXPERT_IN = "x"  # home -> expert owner: routed rows
 MSG_EXPERT_OUT = "y"  # expert owner -> home: expert output rows
-MSG_EXPERT_ROUTED = "r"  # home -> expert owner: a whole attention batch with its expert ids (DATAFLOW_DISPATCH=device)
+MSG_EXPERT_ROUTED = "r"  # home -> expert owner: a whole attention batch's payload (DATAFLOW_DISPATCH=device)
 
 
 @dataclass(slots=True)

@@ -65,7 +65,8 @@ from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
-from runtime.routed_rows import device_routed_from_env, pack as pack_routed, payload_columns, unpack as unpack_routed
+from runtime.routed_rows import (device_routed_from_env, pack as pack_routed, pack_tail, payload_columns,
+                                 unpack as unpack_routed)
 from runtime.step_timer import StepTimer
 
 _GREEDY = SamplingParams()
@@ -564,8 +565,7 @@ class CudaExecutor:
                 # both dispatches' forms (the barriers switch route_on_device between runs): ~1.5 MB more
                 # written per 256-row batch in bf16, under a microsecond of HBM time
                 payload[:, :H].copy_(x)
-                payload[:, H:].copy_(torch.cat([ids.to(torch.int32).view(torch.float32), wts.to(torch.float32)],
-                                               dim=1).view(payload.dtype))
+                payload[:, H:].copy_(pack_tail(ids, wts, payload.dtype))
                 if out.shape[0] > 2:
                     out[2].copy_(shared_expert_out(spec, lw, x))
         return body
@@ -616,7 +616,7 @@ class CudaExecutor:
             if self.route_on_device:  # the static buffer is reused by the next batch: one copy, on the device
                 self._pending = _Pending(x, None, shared, k, payload_T.clone())
             else:
-                self._pending = _Pending(x, self.staging.d2h(route_T), shared, self.top_k)
+                self._pending = _Pending(x, self.staging.d2h(route_T), shared, k)
         tm.lap("route_d2h")
         return h_res, x
 
@@ -719,8 +719,7 @@ class CudaExecutor:
         if self._pad_tail is None:
             k = self.top_k
             ids = torch.full((1, k), self.num_experts, dtype=torch.int32, device=self.device)
-            wts = torch.zeros((1, k), dtype=torch.float32, device=self.device)
-            self._pad_tail = torch.cat([ids.view(torch.float32), wts], dim=1).view(self.dtype)
+            self._pad_tail = pack_tail(ids, torch.zeros((1, k), device=self.device), self.dtype)
         return self._pad_tail
 
     def _routed_bufs(self, b: int, static: bool) -> StaticBuffers:
@@ -749,21 +748,18 @@ class CudaExecutor:
         payload, slots, zero, y_out, slot_row, ar = (bufs._t[n] for n in ("payload", "slots", "zero", "y", "slot_row",
                                                                            "arange"))
         H, k = self.spec.hidden_size, self.top_k
-        xt, tail = payload[:, :H], payload[:, H:]
-        try:
-            tail32 = tail.view(torch.int32)  # [b / k, 2k]: a view where x's bytes leave the tail 4-byte aligned
-        except RuntimeError:
-            tail32 = None  # (an odd hidden size in a 2-byte dtype: a small copy inside the graph)
         slot_of = ar.view(-1, k)  # [b / k, k]: token t's slot j is row t*k + j of `slots`
         ffn = self._ffn_rows(layer)
 
         def body() -> None:
-            t32 = tail32 if tail32 is not None else tail.contiguous().view(torch.int32)
-            sel = t32[:, :k].reshape(-1).to(torch.int64)
+            # views of the static input, made while capturing (or a small copy inside the graph where an odd hidden
+            # size leaves the ids unaligned: routed_rows.unpack)
+            xt, ids, wts = unpack_routed(payload, H)
+            sel = ids.reshape(-1).to(torch.int64)
             mine = mine_of[sel]
             ffn(xt.index_select(0, slot_row), row[sel].to(torch.int64), ar, slots, sentinels_anywhere=True)
             slots.masked_fill_(~mine.unsqueeze(1), 0)
-            y_out.copy_(topk_merge(zero, None, slots, slot_of, t32[:, k:].view(torch.float32)))
+            y_out.copy_(topk_merge(zero, None, slots, slot_of, wts))
         return body
 
     def route_start(self, layer: int, x: Tensor) -> Optional[_Pending]:

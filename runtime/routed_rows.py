@@ -58,12 +58,16 @@ def payload_columns(k: int, dtype: torch.dtype) -> int:
     return 2 * k * 4 // size
 
 
+def pack_tail(ids: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """[T, c]: the int32 ids, then the fp32 weights, viewed as `dtype` (a payload row's last c columns; ids any
+    integer-valued dtype, weights any float dtype)."""
+    payload_columns(1, dtype)  # (the dtype check)
+    return torch.cat([ids.to(torch.int32).view(torch.float32), weights.to(torch.float32)], dim=1).view(dtype)
+
+
 def pack(x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-    """[T, H + c]: x's rows, then the int32 ids and the fp32 weights viewed as x's dtype (ids: any integer-valued
-    dtype, weights any float dtype, on x's device)."""
-    payload_columns(1, x.dtype)  # (the dtype check)
-    tail = torch.cat([ids.to(torch.int32).view(torch.float32), weights.to(torch.float32)], dim=1)
-    return torch.cat([x, tail.view(x.dtype)], dim=1)
+    """[T, H + c]: x's rows, then pack_tail's columns (ids and weights on x's device)."""
+    return torch.cat([x, pack_tail(ids, weights, x.dtype)], dim=1)
 
 
 def unpack(t: Tensor, hidden: int) -> tuple[Tensor, Tensor, Tensor]:
