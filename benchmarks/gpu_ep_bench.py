@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 import traceback
@@ -299,6 +300,9 @@ def main(argv=None) -> int:
                     s["system"] = f"{s['system']}@{vname}"
                     s["name"] = "/".join([s["system"]] + s["name"].split("/")[1:])
                 results["runs"].append(s)
+                if w.get("timeline"):  # DATAFLOW_TIMELINE=1: per rank, for benchmarks/wave_timeline.py
+                    tl = out_dir / ("timeline_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", s["name"]) + ".json")
+                    tl.write_text(json.dumps({"name": s["name"], "ranks": w["timeline"]}))
                 log(f"  {s['name']:<34} tok/s {s['tokens_per_s'] or 0:9.1f}  ITL p50 {s['itl_p50_ms'] or 0:7.2f} "
                     f"p99 {s['itl_p99_ms'] or 0:7.2f} ms  batch attn {s.get('attn_mean_batch', 0):6.1f} "
                     f"expert {s.get('expert_mean_batch', 0):6.1f}  host us attn {s.get('attn_host_us', 0):6.0f} "

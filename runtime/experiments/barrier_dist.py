@@ -140,6 +140,7 @@ def _waited(inner) -> float:
 
 
 TIMING_EVENTS = 16384  # timing events a probe's executor makes before the run (more are made as needed)
+TIMELINE_MAX = 6000  # DATAFLOW_TIMELINE: records a probe keeps per workload (the middle of the run)
 
 
 class HostProbe:
@@ -166,6 +167,9 @@ class HostProbe:
                 reserve(TIMING_EVENTS)
         self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids, host start, first part of its batch)
         self._anchor: Optional[tuple] = None  # (CUDA event, perf_counter when it ran): maps device time to host time
+        # DATAFLOW_TIMELINE=1: also every batch's layer and homes and every data message's handling, for
+        # benchmarks/wave_timeline.py (a layer's round trip split across both ranks; perf_counter is one clock per host)
+        self.timeline: Optional[list] = [] if os.environ.get("DATAFLOW_TIMELINE") == "1" else None
 
     def _make_anchor(self) -> tuple:
         torch.cuda.synchronize(self.inner.device)  # once, before the first timed batch: the event runs at once
@@ -183,7 +187,8 @@ class HostProbe:
             self._anchor = self._make_anchor()
         return time.perf_counter(), _waited(self.inner), len(ev) if ev is not None else 0
 
-    def add(self, kind: str, rows: int, started: tuple, experts=None, first: bool = True) -> None:
+    def add(self, kind: str, rows: int, started: tuple, experts=None, first: bool = True, layer: int = -1,
+            homes: tuple = ()) -> None:
         """`experts`: the batch's expert ids (arrays or tensors; their distinct count is taken in
         summary(), off the timed path), or a callable returning them, called after the batch's wall is taken
         (a copy that must not count); an item may be (ids, owned): a device-routed item's ids of every slot and
@@ -197,6 +202,30 @@ class HostProbe:
         ev = self._events()
         self.recs.append((kind, rows if first else 0, max(wall - (_waited(self.inner) - w0), 0.0), wall,
                           ev[i0:] if ev is not None else [], experts if first else None, t0, first))
+        if self.timeline is not None:
+            self.timeline.append((kind, layer, homes, rows, t0, wall, len(self.recs) - 1))
+
+    def message(self, t0: float, src: int, meta: dict) -> None:
+        """DATAFLOW_TIMELINE: a data message handed to the engine at t0 (perf_counter), handled until now."""
+        if self.timeline is not None:
+            self.timeline.append(("msg", meta.get("layer", -1), (meta.get("home", -1),), meta.get("t"), t0,
+                                  time.perf_counter() - t0, src))
+
+    def _timeline_records(self, to_host) -> list:
+        """The timeline's middle half (at most TIMELINE_MAX records), device intervals on the host clock:
+        [kind, layer, homes, rows | message kind, start s, wall s, device start s, device end s | src]."""
+        tl = self.timeline
+        a = len(tl) // 4
+        b = min(len(tl) - a, a + TIMELINE_MAX)
+        out = []
+        for kind, layer, homes, rows, t0, wall, ref in tl[a:b]:
+            if kind == "msg":
+                out.append([kind, layer, list(homes), rows, t0, wall, None, None, ref])
+                continue
+            evs = [(s, e) for _, s, e in self.recs[ref][4] if s is not None and e is not None]
+            d = [to_host(evs[0][0]), to_host(evs[-1][1])] if evs and to_host is not None else [None, None]
+            out.append([kind, layer, list(homes), rows, t0, wall] + d + [None])
+        return out
 
     def summary(self) -> dict:
         """Per kind: sums (batches, rows, host_s, device_s, exposed_s, exposed_any_s, timed, expert_bytes,
@@ -204,11 +233,12 @@ class HostProbe:
         out: dict = {}
         if torch.cuda.is_available() and any(r[4] for r in self.recs):
             torch.cuda.synchronize()  # the events of the last batches may still be pending
-        busy = None
+        busy = to_host = None
         if self._anchor is not None:
             ref, t_ref = self._anchor
-            busy = BusyTimeline((t_ref + ref.elapsed_time(s) / 1e3, t_ref + ref.elapsed_time(e) / 1e3)
-                                for r in self.recs for _, s, e in r[4] if s is not None and e is not None)
+            to_host = lambda ev: t_ref + ref.elapsed_time(ev) / 1e3  # noqa: E731
+            busy = BusyTimeline((to_host(s), to_host(e)) for r in self.recs for _, s, e in r[4]
+                                if s is not None and e is not None)
         for kind, rows, host, wall, evs, experts, t0, first in self.recs:
             a = out.setdefault(kind, dict(batches=0, rows=0, host_s=0.0, device_s=0.0, exposed_s=0.0, exposed_any_s=0.0,
                                           timed=0, expert_bytes=0, expert_device_s=0.0))
@@ -232,6 +262,8 @@ class HostProbe:
             b0 = max(r[6] + r[3] for r in self.recs)
             for a in out.values():
                 a["gpu_busy_s"], a["gpu_span_s"] = busy.busy(a0, b0), b0 - a0
+        if self.timeline:
+            out["_timeline"] = self._timeline_records(to_host)
         return out
 
 
@@ -284,8 +316,21 @@ def probe_engine(engine, probe: HostProbe) -> None:
                 owned = engine.owned_experts(batch.stage.layer, items[0].payload.device)
                 k = engine.cfg.top_k
                 experts = lambda: [(ids_of(it.payload, k).clone(), owned) for it in items]  # noqa: E731
-        probe.add(batch.stage.kind, batch.rows, started, experts, first)
+        if probe.timeline is None:
+            probe.add(batch.stage.kind, batch.rows, started, experts, first)
+        else:
+            probe.add(batch.stage.kind, batch.rows, started, experts, first, batch.stage.layer,
+                      tuple(sorted({getattr(it, "home", engine.rank) for it in items})))
     engine.execute, engine.complete = execute, complete
+    if probe.timeline is not None:
+        ex_msg = engine.on_message
+
+        def on_message(src, meta, tensor):
+            t0 = time.perf_counter()
+            ex_msg(src, meta, tensor)
+            if "layer" in meta:  # a data message (expert rows in or out), not the coordinator's control
+                probe.message(t0, src, meta)
+        engine.on_message = on_message
 
 
 def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
@@ -296,6 +341,8 @@ def merge_probes(summaries: list, copy_bps: Optional[float] = None) -> dict:
     tot: dict = {}
     for summ in summaries:
         for kind, a in summ.items():
+            if kind.startswith("_"):  # not a batch kind (the timeline)
+                continue
             t = tot.setdefault(kind, {k: 0 for k in a})
             for k, v in a.items():
                 t[k] = t.get(k, 0) + v
@@ -752,6 +799,8 @@ def stream_rank_main(env, job: DistJob):
                                   "token_times": list(q.token_times), "t_finish": q.t_finish,
                                   "prompt_len": len(q.prompt)} for q in reqs],
                     "batches": merge_probes([rank_p[i] for rank_p in allp], copy_bps),
+                    **({"timeline": [rank_p[i].get("_timeline") for rank_p in allp]}
+                       if any("_timeline" in rank_p[i] for rank_p in allp) else {}),
                     "engine": {k2: m.get(k2) for k2 in ("attn_mean_batch", "expert_mean_batch", "attn_batches",
                                                         "expert_batches", "messages", "max_queue_delay_s")}})
     return {"workloads": out, "hogs": hogs_state["log"]}
