@@ -271,6 +271,27 @@ def test_combine_bit_equal_and_greedy_sampling():
                                  [0] * T) is None
 
 
+def test_sample_bucket_argmax_and_lazy_logits_equal_the_eager_head():
+    """A sample batch that fits a bucket runs the bucket's body (norm, LM head, argmax into the static ids buffer,
+    padded rows included); its greedy ids equal the eager logits' argmax, the logits are computed only if read and
+    then equal the eager ones; stale rows of a previous, larger batch in the padding change nothing; above the
+    largest bucket the head runs eagerly."""
+    spec, w = model("tiny-gpt-oss")
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16], "sample": [4, 8]})
+    ref = TorchExecutor(spec, w)
+    g = torch.Generator().manual_seed(7)
+    for T in (7, 3, 8, 1, 9):  # 8 after 7 and 1 after 3: the padding rows hold the earlier batch's rows
+        h = torch.randn(T, spec.hidden_size, generator=g)
+        lg = ex.logits(h)
+        eager = ref.logits(h)
+        assert len(lg) == T
+        assert (lg._tensor is None) == (T <= 8)  # bucketed: no logits unless read
+        pending = ex.sample_batch_start(lg, [None] * T, [0] * T)
+        assert pending.tokens() == torch.argmax(eager, dim=-1).tolist()
+        assert torch.equal(lg.tensor, eager) and lg.shape == eager.shape
+    assert ex.graphs.buffers("sample", 4)._t["ids"].shape == (4,)
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end: the engine with the CPU twin produces the reference tokens
 
