@@ -142,9 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt", type=int, default=None, help="prompt lengths clipped here (1024)")
     p.add_argument("--new-tokens", default=None, help="A:B new tokens per request, uniform (32:64)")
     p.add_argument("--zipf", type=float, default=1.2)
-    p.add_argument("--expert-cap", type=int, default=1024,
-                   help="routed rows (slots, with DATAFLOW_DISPATCH=device) per expert batch; also the largest captured "
-                        "expert bucket (lowering/capture.py)")
+    p.add_argument("--expert-cap", type=int, default=None,
+                   help="routed rows (slots, with the device-routed dispatch) per expert batch; also the largest captured "
+                        "expert bucket (lowering/capture.py); default: the plan's (lowering.plan.default_expert_cap)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--burst-us", type=float, default=2000.0, help="extra us per burst of the `delay` scenario "
                    "(delay-<N>ms: N ms)")

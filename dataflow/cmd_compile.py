@@ -66,7 +66,9 @@ def register(app: typer.Typer) -> None:
                                                       help="GiB per device (default cpu 16, cuda 132: an H200's 139.8 less context/NCCL/workspace room)"),
         block_size: int = typer.Option(16, "--block-size", help="KV cache page size in tokens"),
         attn_cap: int = typer.Option(256, "--attn-cap", help="max tokens per attention batch"),
-        expert_cap: int = typer.Option(1024, "--expert-cap", help="max routed rows per expert batch"),
+        expert_cap: Optional[int] = typer.Option(None, "--expert-cap",
+                                                 help="max routed rows per expert batch (default: 1024; with the "
+                                                      "device-routed dispatch, slots: ranks x attn cap x top-k)"),
         home_policy: str = typer.Option("most_free_kv", "--home-policy", help="most_free_kv or round_robin"),
         dispatch: str = typer.Option("auto", "--dispatch",
                                      help="auto (device on cuda, host on cpu), host (routing read on the host, each "

@@ -19,8 +19,13 @@ GRAPH_OVERHEAD_BYTES = 256 * 1024
 
 
 def buckets_for(published: list[int], cap: int) -> list[int]:
-    """Published buckets up to the cap, with the cap itself as the last bucket so any batch fits."""
+    """Published buckets up to the cap, doublings of the largest beyond them (a device-routed expert cap of several
+    homes' batches: lowering.plan.default_expert_cap), and the cap itself as the last bucket so any batch fits."""
     out = [b for b in published if b < cap]
+    b = 2 * published[-1]
+    while b < cap:
+        out.append(b)
+        b *= 2
     return out + [cap]
 
 

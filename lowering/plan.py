@@ -223,7 +223,7 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
                  home_policy: str = "most_free_kv",
                  block_size: int = DEFAULT_BLOCK_SIZE,
                  attn_cap: int = DEFAULT_ATTN_CAP,
-                 expert_cap: int = DEFAULT_EXPERT_CAP,
+                 expert_cap: Optional[int] = None,
                  min_kv_tokens: int = DEFAULT_MIN_KV_TOKENS,
                  max_kv_tokens: Optional[int] = None,
                  dispatch: str = "auto",
@@ -247,6 +247,8 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
         raise _options_error("dispatch", dispatch, "auto (device on cuda, host on cpu), host, device")
     if dispatch == "auto":
         dispatch = "device" if device == "cuda" else "host"
+    if expert_cap is None:  # see default_expert_cap
+        expert_cap = default_expert_cap(spec, ranks, attn_cap, dispatch)
     if home_policy not in ("most_free_kv", "round_robin"):
         raise _options_error("home_policy", home_policy, "most_free_kv, round_robin")
     for name, value in (("block_size", block_size), ("attn_cap", attn_cap), ("expert_cap", expert_cap),
@@ -276,6 +278,17 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
                 ranks=rank_plans, kv=kv, capture=capture, routes=routes, memory=memory)
     check_plan(plan)
     return plan
+
+
+def default_expert_cap(spec: ModelSpec, ranks: int, attn_cap: int, dispatch: str) -> int:
+    """Routed rows per expert batch when the user names none. Host-routed: DEFAULT_EXPERT_CAP (1,024 rows). Device-routed,
+    where an expert batch counts slots and a home sends its whole attention batch (attn_cap x top_k slots) to every
+    holder: room for every home's batch at once, so that an owner which finds two homes' waves queued runs them as one
+    batch and reads its experts' weights once (2 x H200, run 82: the owner's own wave filled the 1,024-slot cap and ran
+    alone while the other home's payload waited in the queue in ~40% of layers; benchmarks/NOTES.md §28)."""
+    if dispatch != "device" or not spec.moe_layers:
+        return DEFAULT_EXPERT_CAP
+    return max(DEFAULT_EXPERT_CAP, ranks * attn_cap * spec.experts.top_k)
 
 
 def save_plan(plan: Plan, plan_dir: str | Path) -> Path:

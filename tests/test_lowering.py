@@ -187,6 +187,21 @@ def test_buckets_follow_caps_and_graph_memory_counts_only_on_cuda():
     assert len(attn_pools) == 8 and all(p.layers == [0, 1, 2] for p in attn_pools)
 
 
+def test_device_routed_expert_cap_holds_every_homes_whole_batch():
+    """Device-routed expert batches count slots and a home sends its whole attention batch to every holder: the default
+    cap holds every home's batch at once (ranks x attn cap x top-k), with doubling buckets above the published ones;
+    host-routed plans and an explicit cap are unchanged."""
+    spec = load_spec("models/specs/gpt-oss-20b.yaml")  # top-4
+    two = compile_plan(spec, 2, device="cuda", dispatch="device")
+    assert two.caps.expert_rows == 2 * 256 * 4 and two.capture.buckets["expert"] == [128, 256, 512, 1024, 2048]
+    eight = compile_plan(spec, 8, device="cuda", dispatch="device")
+    assert eight.capture.buckets["expert"] == [128, 256, 512, 1024, 2048, 4096, 8192]
+    assert compile_plan(spec, 2, device="cuda", dispatch="host").caps.expert_rows == 1024
+    assert compile_plan(spec, 2, device="cuda", dispatch="device", expert_cap=1024).capture.buckets["expert"] == [
+        128, 256, 512, 1024]
+    assert compile_plan(spec, 2, device="cuda", dispatch="device", attn_cap=64).caps.expert_rows == 1024
+
+
 def test_max_kv_tokens_caps_blocks():
     plan = compile_plan(tiny(), 2, max_kv_tokens=4000, block_size=32)
     assert plan.kv.num_blocks == [125, 125]
