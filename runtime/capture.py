@@ -112,12 +112,15 @@ class GraphCache:
             self._pools[key] = torch.cuda.graph_pool_handle() if self.capture else None
         return self._pools[key]
 
-    def get(self, key: tuple, kind: str, bucket: int, make_body: Callable[[], Callable[[], None]],
-            capture: bool = True) -> StepGraph:
+    def get(self, key: tuple, make_body: Callable[[], Callable[[], None]], capture: bool = True) -> StepGraph:
+        """The graph under `key` = (kind, layer, bucket, ...) (a kind without layers, e.g. sample, uses layer -1), made
+        from `make_body()` at its first use; captured into the (kind, bucket) pool when `capture` and on CUDA."""
         g = self._graphs.get(key)
         if g is None:
+            if len(key) < 3 or type(key[0]) is not str or type(key[2]) is not int:
+                raise ValueError(f"graph key {key!r}: expected (kind, layer, bucket, ...)")
             cap = self.capture and capture
-            g = StepGraph(make_body(), cap, self.pool(kind, bucket) if cap else None, self.device)
+            g = StepGraph(make_body(), cap, self.pool(key[0], key[2]) if cap else None, self.device)
             self._graphs[key] = g
             self.captures += int(cap)
         return g

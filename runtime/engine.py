@@ -650,6 +650,11 @@ class Engine:
         layer = batch.stage.layer
         last = layer == self.cfg.num_layers - 1
         out = batch.out
+        sent = None
+        if not last and "payload" in out:
+            # Device-routed: every row moves on, so the payload leaves first and the holders start on it while this
+            # rank does the batch's bookkeeping (that is on the wave's critical path; run 82's timeline, NOTES §28).
+            sent = self._send_routed(batch, layer, out["payload"], self.merge.next_gid)
         reqs = self.requests
         rids, pos0s, first, ns = [], [], [], []
         keep: Optional[list[int]] = [] if last else None  # batch rows that move on (None: all)
@@ -717,7 +722,7 @@ class Engine:
         open_group = partial(self.merge.open, layer, rids, pos0s, np.asarray(first, dtype=np.int64), n,
                              rows_of(out["h_res"]), shared)
         if "payload" in out:
-            self._dispatch_routed(batch, layer, open_group, rows_of)
+            self._dispatch_routed(batch, layer, open_group, rows_of, sent)
             return
         weights = rows_of(out["weights"])
         open_group = partial(open_group, weights, batch.t_start)
@@ -742,7 +747,7 @@ class Engine:
         # Wave announcement: this home's tokens still headed for attn(layer) soon (queued, or in merges of
         # the layer before), times this batch's rows per token to each owner: what that owner's expert
         # queue can still expect from here (the scheduler's wave hold uses it; meta key "more").
-        ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
+        ahead = self._wave_ahead(batch)
         # hold_ahead: the same tokens' rows at expert(layer + 1), estimated with this layer's share per owner
         announce_next = getattr(self.policy, "hold_ahead", 0) and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
         tm.lap("gather")
@@ -765,25 +770,39 @@ class Engine:
             off += c
         tm.lap("send+enqueue")
 
-    def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of) -> None:
+    def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of, sent: Optional[int] = None) -> None:
         """Device-routed dispatch (runtime/routed_rows.py): the whole batch's payload (rows, expert ids and weights)
         to every rank holding experts of the layer; each returns one row per token (the weighted sum of its own
-        slots), which the merge group, a holder group, lands at holder j's range j*T .. (j+1)*T - 1."""
+        slots), which the merge group, a holder group, lands at holder j's range j*T .. (j+1)*T - 1. `sent`: the
+        group id the payload already went out under (_send_routed, before the bookkeeping); None: send it now."""
         payload = rows_of(batch.out["payload"])
-        T, k = payload.shape[0], self.cfg.top_k
         owners = self._owners[layer]
+        if sent is None:
+            sent = self._send_routed(batch, layer, payload, self.merge.next_gid)
         g = open_group(None, batch.t_start, holders=len(owners))
+        assert g.gid == sent, (g.gid, sent)
         tm = self._dispatch_timer
         tm.lap("routed:merge_open")
-        tag0 = g.gid << TAG_SHIFT
-        ahead = self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
-        for j, d in enumerate(owners):
-            if d == self.rank:
-                self._enqueue_routed(layer, self.rank, payload, tag0 + j * T, ahead * k)
-            else:
+        T = payload.shape[0]
+        if self.rank in owners:
+            self._enqueue_routed(layer, self.rank, payload, (g.gid << TAG_SHIFT) + owners.index(self.rank) * T,
+                                 self._wave_ahead(batch) * self.cfg.top_k)
+        tm.lap("routed:enqueue")
+
+    def _send_routed(self, batch: Batch, layer: int, payload: torch.Tensor, gid: int) -> int:
+        """Send the payload to every other holder of `layer`, tagged for merge group `gid` (holder j's rows at
+        j*T ..); returns gid."""
+        T = payload.shape[0]
+        more = self._wave_ahead(batch) * self.cfg.top_k
+        for j, d in enumerate(self._owners[layer]):
+            if d != self.rank:
                 self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank,
-                                        "rows": (tag0 + j * T, T), "more": ahead * k}, payload)
-        tm.lap("routed:send+enqueue")
+                                        "rows": ((gid << TAG_SHIFT) + j * T, T), "more": more}, payload)
+        return gid
+
+    def _wave_ahead(self, batch: Batch) -> float:
+        """This home's tokens still headed for the batch's attention stage soon (the wave announcement)."""
+        return self.queues[batch.stage.id].depth + self._incoming(batch.stage.id)
 
     def _complete_expert(self, batch: Batch) -> None:
         layer = batch.stage.layer

@@ -415,8 +415,8 @@ class CudaExecutor:
         dv = self._view(kv)
         before = self.graphs.captures
 
-        def capture(key: tuple, b: int, make_body) -> None:  # the graph under `key` (kind key[0]), captured now
-            g = self.graphs.get(key, key[0], b, make_body, True)
+        def capture(key: tuple, make_body) -> None:  # the graph under `key` (kind, layer, bucket, ...), captured now
+            g = self.graphs.get(key, make_body, True)
             if g.graph is None:
                 g._capture()
 
@@ -431,7 +431,7 @@ class CudaExecutor:
             self._meta_last.pop(b, None)
             for layer in lays:
                 if self.attn_graphs:
-                    capture(("attn", layer, b, kv._cuda_exec_serial), b, lambda: self._attn_body(layer, bufs, dv, kv))
+                    capture(("attn", layer, b, kv._cuda_exec_serial), lambda: self._attn_body(layer, bufs, dv, kv))
         for b in self.buckets["expert"]:
             bufs = self._expert_bufs(b, True)
             pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
@@ -439,7 +439,7 @@ class CudaExecutor:
             for layer in lays:
                 # A layer of which this shard holds no expert never gets a row: nothing to capture.
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
-                    capture(("expert", layer, b), b, lambda: self._expert_body(layer, bufs))
+                    capture(("expert", layer, b), lambda: self._expert_body(layer, bufs))
         if self.route_on_device and owned is not None and self.expert_graphs:
             for b in self.buckets["expert"]:
                 bufs = self._routed_bufs(b, True)
@@ -449,10 +449,10 @@ class CudaExecutor:
                     if mine is None or not bool(mine.any()):
                         continue
                     select = self._routed_select(layer, mine)
-                    capture(("expert_routed", layer, b, id(mine)), b, lambda: self._routed_body(layer, bufs, select))
+                    capture(("expert_routed", layer, b, id(mine)), lambda: self._routed_body(layer, bufs, select))
         for b in self.buckets.get("sample", ()):  # a fresh buffer's padding rows are zeros: a finite argmax, unread
             bufs = self._sample_bufs(b)
-            capture(("sample", b), b, lambda: self._sample_body(bufs))
+            capture(("sample", -1, b), lambda: self._sample_body(bufs))
         torch.cuda.synchronize(self.device)
         return self.graphs.captures - before
 
@@ -617,7 +617,7 @@ class CudaExecutor:
         tm.lap("h_copy")
         if static:
             key = ("attn", layer, b, kv._cuda_exec_serial)
-            g = self.graphs.get(key, "attn", b, lambda: self._attn_body(layer, bufs, dv, kv), self.attn_graphs)
+            g = self.graphs.get(key, lambda: self._attn_body(layer, bufs, dv, kv), self.attn_graphs)
             g.run()
             self.stats.attn_graph += int(g.capture)
             self.stats.attn_eager_decode += int(not g.capture)
@@ -724,7 +724,7 @@ class CudaExecutor:
             tail_pad.copy_(self._padding_tail())
         tm.lap("routed:payload_in")
         select = self._routed_select(layer, owned)
-        self._run_expert(("expert_routed", layer, b, id(owned)), b, lambda: self._routed_body(layer, bufs, select),
+        self._run_expert(("expert_routed", layer, b, id(owned)), lambda: self._routed_body(layer, bufs, select),
                          static)
         tm.lap("replay")
         y = y_T.clone()
@@ -823,11 +823,11 @@ class CudaExecutor:
         self.stats.note("expert: batch above the largest bucket")
         return N, False
 
-    def _run_expert(self, key: tuple, b: int, make_body, static: bool) -> None:
+    def _run_expert(self, key: tuple, make_body, static: bool) -> None:
         """An expert body (either graph kind: key[0] "expert" or "expert_routed") over its bucket's static
         buffers: its graph replayed (captured at first use), or eagerly for an eager batch's own buffers."""
         if static:
-            g = self.graphs.get(key, key[0], b, make_body, self.expert_graphs)
+            g = self.graphs.get(key, make_body, self.expert_graphs)
             g.run()
             self.stats.expert_graph += int(g.capture)
             self.stats.expert_eager += int(not g.capture)
@@ -936,7 +936,7 @@ class CudaExecutor:
         else:
             torch.cat(blocks, out=x_in)
         tm.lap("x_copy")
-        self._run_expert(("expert", layer, b), b, lambda: self._expert_body(layer, bufs), static)
+        self._run_expert(("expert", layer, b), lambda: self._expert_body(layer, bufs), static)
         tm.lap("replay")
         y = y_out.clone()
         tm.lap("y_clone")
@@ -977,7 +977,7 @@ class CudaExecutor:
         bufs = self._sample_bufs(b)
         h_in, ids = self._first_rows(("sample", b, T), True, lambda: (bufs._t["h"][:T], bufs._t["ids"][:T]))
         h_in.copy_(h)
-        self.graphs.get(("sample", b), "sample", b, lambda: self._sample_body(bufs)).run()
+        self.graphs.get(("sample", -1, b), lambda: self._sample_body(bufs)).run()
         return DeviceLogits(None, self.staging, argmax=ids, eager=lambda: layers.final_logits(self.spec, self.w, h))
 
     def _sample_bufs(self, b: int) -> StaticBuffers:

@@ -101,6 +101,12 @@ class MergeTable:
         """Segments waiting for expert outputs."""
         return self._open_segments
 
+    @property
+    def next_gid(self) -> int:
+        """The gid the next open() gives its group (a home may tag a dispatch before it opens the group: a message
+        that comes back before the open finds no landing and is stored by add(), after it)."""
+        return self._next_gid
+
     def open_rows(self, layer: int) -> int:
         """Rows of layer `layer` still waiting for expert outputs: tokens that enter the next stage
         as soon as their parts arrive (the scheduler's `incoming` of that stage)."""

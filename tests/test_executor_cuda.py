@@ -290,6 +290,20 @@ def test_sample_bucket_argmax_and_lazy_logits_equal_the_eager_head():
         assert pending.tokens() == torch.argmax(eager, dim=-1).tolist()
         assert torch.equal(lg.tensor, eager) and lg.shape == eager.shape
     assert ex.graphs.buffers("sample", 4)._t["ids"].shape == (4,)
+    assert ("sample", -1, 4) in ex.graphs._graphs  # graph keys are (kind, layer, bucket, ...): GraphCache.drop reads them
+
+
+def test_graph_keys_name_kind_layer_and_bucket():
+    """GraphCache takes a graph's pool from its key (kind, layer, bucket, ...) and drop() reads the same fields of
+    every captured key: a key of another shape is refused at once, on the CPU too (run 83: a 2-field sample key
+    broke drop() only where graphs are captured)."""
+    from runtime.capture import GraphCache
+    gc = GraphCache(torch.device("cpu"), True)
+    with pytest.raises(ValueError, match="expected \\(kind, layer, bucket"):
+        gc.get(("sample", 4), lambda: (lambda: None))
+    gc.get(("sample", -1, 4), lambda: (lambda: None)).run()
+    gc.drop(lambda k: k[0] == "attn")
+    assert len(gc) == 1
 
 
 # ---------------------------------------------------------------------------------------------
