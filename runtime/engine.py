@@ -654,7 +654,7 @@ class Engine:
         if not last and "payload" in out:
             # Device-routed: every row moves on, so the payload leaves first and the holders start on it while this
             # rank does the batch's bookkeeping (that is on the wave's critical path; run 82's timeline, NOTES §28).
-            sent = self._send_routed(batch, layer, out["payload"], self.merge.next_gid)
+            sent = self._send_routed(batch, layer, out["payload"])
         reqs = self.requests
         rids, pos0s, first, ns = [], [], [], []
         keep: Optional[list[int]] = [] if last else None  # batch rows that move on (None: all)
@@ -778,7 +778,7 @@ class Engine:
         payload = rows_of(batch.out["payload"])
         owners = self._owners[layer]
         if sent is None:
-            sent = self._send_routed(batch, layer, payload, self.merge.next_gid)
+            sent = self._send_routed(batch, layer, payload)
         g = open_group(None, batch.t_start, holders=len(owners))
         assert g.gid == sent, (g.gid, sent)
         tm = self._dispatch_timer
@@ -789,9 +789,10 @@ class Engine:
                                  self._wave_ahead(batch) * self.cfg.top_k)
         tm.lap("routed:enqueue")
 
-    def _send_routed(self, batch: Batch, layer: int, payload: torch.Tensor, gid: int) -> int:
-        """Send the payload to every other holder of `layer`, tagged for merge group `gid` (holder j's rows at
-        j*T ..); returns gid."""
+    def _send_routed(self, batch: Batch, layer: int, payload: torch.Tensor) -> int:
+        """Send the payload to every other holder of `layer`, tagged for the merge group the next open() makes
+        (holder j's rows at j*T ..); returns that group's id."""
+        gid = self.merge.next_gid
         T = payload.shape[0]
         more = self._wave_ahead(batch) * self.cfg.top_k
         for j, d in enumerate(self._owners[layer]):
