@@ -330,6 +330,42 @@ def replay_gpu_s(ex, key: tuple, dev: torch.device, iters: int) -> float | None:
     return gpu
 
 
+def graph_kernels(ex, key: tuple, dev: torch.device, replays: int = 10, top: int = 14) -> list | None:
+    """What one captured graph runs on the device (`--profile-graphs`): torch.profiler over `replays` back-to-back
+    replays, the kernels (and copies/memsets) grouped by name: [name, launches per replay, device us per replay], the
+    largest first (top `top`, the rest summed as "(other)"), and first a ("(all)", launches, us) row."""
+    g = ex.graphs._graphs.get(key)
+    if dev.type != "cuda" or g is None or g.graph is None:
+        return None
+    g.graph.replay()
+    sync(dev)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(replays):
+            g.graph.replay()
+        sync(dev)
+    return kernel_table(prof, replays, top)
+
+
+def kernel_table(prof, replays: int, top: int) -> list:
+    """graph_kernels' table from a finished torch.profiler run, read from its chrome trace (the device events'
+    "cat", as benchmarks/trace_summary.py reads them on the device machine)."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    by: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            n, t = by.get(e["name"], (0, 0.0))
+            by[e["name"]] = (n + 1, t + e["dur"])
+    rows = sorted(([name[:90], n / replays, t / replays] for name, (n, t) in by.items()), key=lambda r: -r[2])
+    out = [["(all)", sum(r[1] for r in rows), sum(r[2] for r in rows)]] + rows[:top]
+    if len(rows) > top:
+        out.append(["(other)", sum(r[1] for r in rows[top:]), sum(r[2] for r in rows[top:])])
+    return out
+
+
 def zipf_ids(n: int, E: int, s: float, g: random.Random) -> list[int]:
     w = [1.0 / (i + 1) ** s for i in range(E)]
     return g.choices(range(E), weights=w, k=n)
@@ -370,7 +406,10 @@ def section_executor(args, dev: torch.device, results: dict, S: dict) -> None:
                         call_gpu, host, host_cpu = time_call_host(lambda: ex.experts(0, x, ids), dev, S["iters"],
                                                                   lambda: ex.staging.wait_s)
                         from runtime.capture import bucket_for
-                        gpu = replay_gpu_s(ex, ("expert", 0, bucket_for(N, S["expert_buckets"])), dev, S["iters"]) or call_gpu
+                        key = ("expert", 0, bucket_for(N, S["expert_buckets"]))
+                        gpu = replay_gpu_s(ex, key, dev, S["iters"]) or call_gpu
+                        if args.profile_graphs:
+                            rec["kernels"] = graph_kernels(ex, key, dev)
                         rec["call_gpu_us"] = call_gpu * 1e6  # back-to-back calls: max(host, device) per call
                         nbytes = expert_batch_bytes(rec["active"], N, H, I, es)
                         flops = 6 * N * H * I
@@ -434,8 +473,10 @@ def section_executor(args, dev: torch.device, results: dict, S: dict) -> None:
                         call_gpu, host, host_cpu = time_call_host(
                             call, dev, S["iters"], lambda: ex.staging.wait_s)  # route_wait_s is part of it
                         from runtime.capture import bucket_for
-                        gpu = replay_gpu_s(ex, ("attn", layer, bucket_for(B, S["attn_buckets"]), kv._cuda_exec_serial),
-                                           dev, S["iters"]) or call_gpu
+                        key = ("attn", layer, bucket_for(B, S["attn_buckets"]), kv._cuda_exec_serial)
+                        gpu = replay_gpu_s(ex, key, dev, S["iters"]) or call_gpu
+                        if args.profile_graphs:
+                            rec["kernels"] = graph_kernels(ex, key, dev)
                         rec["call_gpu_us"] = call_gpu * 1e6  # per call incl. the routing wait: the wall per call
                         vis = min(ctx + 1, window) if window else ctx + 1
                         nkv, hd = a.num_kv_heads, a.head_dim
@@ -595,7 +636,7 @@ def section_mp(args, dev: torch.device, results: dict, S: dict) -> None:
 
 GPU = dict(model="gpt-oss-20b", expert_rows=[16, 128, 256, 512, 1024], skews=[0.0, 1.2],
            attn_batch=[1, 8, 40, 128, 256], contexts=[512, 2048], block=16, iters=20,
-           attn_buckets=[1, 8, 40, 72, 104, 128, 192, 256], expert_buckets=[128, 256, 512, 1024],
+           attn_buckets=[1, 8, 40, 72, 104, 128, 192, 256], expert_buckets=[128, 256, 512, 1024, 2048],
            concurrency=[64, 256], prompt=512, max_new=32)
 SMOKE = dict(model="tiny-gpt-oss", dtype="float32", expert_rows=[5, 16], skews=[0.0, 1.2], attn_batch=[3],
              contexts=[20], block=4, iters=2, attn_buckets=[1, 8], expert_buckets=[8, 16], concurrency=[4],
@@ -636,6 +677,14 @@ def write_md(path: Path, meta: dict, results: dict) -> None:
                          f"{f(r.get('gpu_us'))} | {f(r.get('host_us'))} | {f(r.get('host_cpu_us'))} | {f(r.get('floor_us'))} | "
                          f"{f(r.get('GBps'))} | - | {r.get('ok')} |")
         L.append("")
+        prof = [r for r in ex.get("rows", []) if r.get("kernels")]
+        if prof:
+            L += ["### Graph kernels (`--profile-graphs`: torch.profiler over 10 replays; launches and device us per replay)", ""]
+            for r in prof:
+                what = (f"experts {r['ffn']} N={r['N']} zipf={r['zipf_s']}" if r["op"] == "experts"
+                        else f"attention B={r['B']} ctx={r['context']} window={r['window']}")
+                L += [f"{what}:", "", "| kernel | launches | us |", "|---|---|---|"]
+                L += [f"| {n} | {c:.1f} | {t:.1f} |" for n, c, t in r["kernels"]] + [""]
     if results.get("e2e"):
         L += ["## End to end (decode-only, Zipf routing, in-process ranks on one GPU)", "",
               "| system | policy | C | tokens/s | steady tokens/s | ratio vs a2a | ITL p50 ms | ITL p99 ms | "
@@ -672,8 +721,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=None)
     p.add_argument("--prompt", type=int, default=None)
     p.add_argument("--zipf", type=float, default=1.2)
-    p.add_argument("--expert-cap", type=int, default=1024,
-                   help="e2e: routed rows (slots, with DATAFLOW_DISPATCH=device) per expert batch and largest expert bucket")
+    p.add_argument("--expert-cap", type=int, default=None,
+                   help="e2e: routed rows (slots, with the device-routed dispatch) per expert batch and largest expert "
+                        "bucket (default: the plan's, lowering.plan.default_expert_cap)")
+    p.add_argument("--profile-graphs", action="store_true",
+                   help="executor: also the kernels each captured graph runs (torch.profiler), in gpu_bench.md")
+    p.add_argument("--attn-batch", default=None, help="executor: comma list of attention batch sizes")
+    p.add_argument("--contexts", default=None, help="executor: comma list of attention contexts")
+    p.add_argument("--expert-rows", default=None, help="executor: comma list of expert batch rows")
     p.add_argument("--mp-ranks", type=int, default=0, help="also run the multi-process path on this many GPUs")
     p.add_argument("--mp-layers", type=int, default=2)
     p.add_argument("--mp-timeout", type=float, default=240.0)
@@ -683,6 +738,9 @@ def main(argv=None) -> int:
     S = dict(SMOKE if smoke else GPU)
     if args.concurrency:
         S["concurrency"] = [int(c) for c in args.concurrency.split(",")]
+    for name in ("attn_batch", "contexts", "expert_rows"):
+        if getattr(args, name):
+            S[name] = [int(c) for c in getattr(args, name).split(",")]
     if args.max_new:
         S["max_new"] = args.max_new
     if args.prompt:

@@ -49,3 +49,21 @@ def test_gpu_bench_correctness_section_passes_on_the_cpu_twin(tmp_path):
     rows = json.loads((tmp_path / "gpu_bench.json").read_text())["results"]["correctness"]
     assert {r["dtype"] for r in rows} == {"float32", "bfloat16"} and all(r["ok"] for r in rows)
     assert all(r["tf_ratio"] <= r["tf_tol"] for r in rows if r["dtype"] == "bfloat16")
+
+
+def test_gpu_bench_kernel_table_groups_a_traces_device_events_per_replay(tmp_path):
+    """--profile-graphs reads the profiler's chrome trace (on the CPU no graph is captured, so this feeds it one):
+    device events grouped by name per replay, largest first, the tail summed, host events ignored."""
+    import importlib
+    import json
+    gb = importlib.import_module("gpu_bench")
+
+    class Prof:
+        def export_chrome_trace(self, path):
+            ev = [{"ph": "X", "cat": "kernel", "name": "rms", "dur": 2.0}] * 20 + \
+                 [{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 30.0}] * 10 + \
+                 [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "dur": 1.0}] * 10 + \
+                 [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "dur": 9.0}] * 10
+            Path(path).write_text(json.dumps({"traceEvents": ev}))
+    rows = gb.kernel_table(Prof(), replays=10, top=2)
+    assert rows == [["(all)", 4.0, 35.0], ["gemm", 1.0, 30.0], ["rms", 2.0, 4.0], ["(other)", 1.0, 1.0]]
