@@ -38,40 +38,42 @@ def _permute_kernel(
     ids_ptr, order_ptr, offsets_ptr, N, E,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    # A single program does the whole counting sort: a decode batch has at most ~1k routed rows,
-    # so one launch beats the several (argsort, bincount, cumsum) that torch needs.
+    # One program per chunk of BLOCK_N rows; no program waits for another. Each one histograms every chunk (cheap:
+    # column sums of a one-hot [rows, experts] tile), which gives the experts' starts and the rows of each expert in
+    # the chunks before its own, then ranks its own chunk (the one scan). A single program doing every chunk's scan in
+    # turn took 44 us at 1,024 rows and 79 us at 2,048 on an H200 (run 88): the scans were serial.
+    chunk = tl.program_id(0)
+    mine = chunk * BLOCK_N
     experts = tl.arange(0, BLOCK_E)
-    # Pass 1: histogram of expert ids, as the column sums of a one-hot [rows, experts] tile.
     counts = tl.zeros([BLOCK_E], dtype=tl.int64)
+    before = tl.zeros([BLOCK_E], dtype=tl.int64)
     for start in range(0, N, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
         ids = tl.load(ids_ptr + rows, mask=rows < N, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int64)
-        counts += tl.sum(onehot, axis=0)
+        c = tl.sum((ids[:, None] == experts[None, :]).to(tl.int64), axis=0)
+        counts += c
+        before += c * (start < mine).to(tl.int64)
     ends = tl.cumsum(counts, axis=0)
     starts = ends - counts
-    tl.store(offsets_ptr + experts, starts, mask=experts < E)
-    tl.store(offsets_ptr + E, tl.sum(counts, axis=0))
-    # Pass 2: destination = start of the expert + rows of that expert seen in earlier chunks +
-    # rank within this chunk (inclusive cumsum down the one-hot column, minus one). Scanning the
-    # rows in flat order is what makes the sort stable.
-    seen = tl.zeros([BLOCK_E], dtype=tl.int64)
-    for start in range(0, N, BLOCK_N):
-        rows = start + tl.arange(0, BLOCK_N)
-        ids = tl.load(ids_ptr + rows, mask=rows < N, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int64)
-        rank = tl.cumsum(onehot, axis=0) - 1 + (starts + seen)[None, :]
-        dest = tl.sum(onehot * rank, axis=1)
-        placed = tl.sum(onehot, axis=1) > 0
-        tl.store(order_ptr + dest, rows.to(tl.int64), mask=placed & (rows < N))
-        seen += tl.sum(onehot, axis=0)
+    first = (experts * 0 + chunk) == 0  # program 0 writes the offsets (a tensor mask: every backend takes it)
+    tl.store(offsets_ptr + experts, starts, mask=(experts < E) & first)
+    tl.store(offsets_ptr + E + experts, tl.sum(counts, axis=0) + experts * 0, mask=(experts == 0) & first)
+    # Destination = start of the expert + rows of that expert in earlier chunks + rank within this chunk (inclusive
+    # cumsum down the one-hot column, minus one). Ranking in flat row order is what makes the sort stable.
+    rows = mine + tl.arange(0, BLOCK_N)
+    ids = tl.load(ids_ptr + rows, mask=rows < N, other=-1)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int64)
+    rank = tl.cumsum(onehot, axis=0) - 1 + (starts + before)[None, :]
+    dest = tl.sum(onehot * rank, axis=1)
+    placed = tl.sum(onehot, axis=1) > 0
+    tl.store(order_ptr + dest, rows.to(tl.int64), mask=placed & (rows < N))
 
 
 _PERMUTE = LazyJit(_permute_kernel)
 
 
 def permute_to_experts_triton(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version: one single-program counting sort (see `_permute_kernel`)."""
+    """Triton version: a counting sort, one program per chunk of rows (see `_permute_kernel`)."""
     flat = expert_ids.reshape(-1).contiguous()
     n = flat.numel()
     order = torch.empty(n, dtype=torch.int64, device=flat.device)
@@ -79,7 +81,8 @@ def permute_to_experts_triton(expert_ids: torch.Tensor, num_experts: int) -> tup
     block_e = max(16, next_power_of_2(num_experts))
     # Keep the one-hot tile around 8k elements so it stays in registers.
     block_n = max(16, min(next_power_of_2(max(n, 1)), 8192 // block_e))
-    _PERMUTE[(1,)](flat, order, offsets, n, num_experts, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=4)
+    _PERMUTE[(max(1, cdiv(n, block_n)),)](flat, order, offsets, n, num_experts, BLOCK_N=block_n, BLOCK_E=block_e,
+                                          num_warps=4)
     return order, offsets
 
 

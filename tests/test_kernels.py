@@ -156,6 +156,16 @@ def test_permute_triton(triton_device, T):
     assert torch.equal(order, r_order) and torch.equal(offsets, r_offsets)
 
 
+def test_permute_triton_chunks_with_sentinels(triton_device):
+    """A routed expert batch's shape: 2,048 slots over a rank's 16 held experts with sentinel ids (16: not held or
+    padding) anywhere; several chunks, each ranked by its own program, give the stable sort with sentinels unplaced."""
+    ids = torch.randint(0, 17, (512, 4), generator=_gen(7))
+    got_o, got_off = permute_to_experts_triton(ids.to(triton_device), 16)
+    ref_o, ref_off = permute_to_experts_torch(ids.clamp(max=16), 17)
+    n = int(ref_off[16])  # rows of held experts; the sentinel rows sort last in the reference and are unplaced here
+    assert torch.equal(got_off.cpu(), ref_off[:17]) and torch.equal(got_o[:n].cpu(), ref_o[:n])
+
+
 def test_permute_triton_many_experts(triton_device):
     ids = torch.randint(0, 130, (50, 4), generator=_gen(3)).to(triton_device)  # E not a power of two
     got, ref = permute_to_experts_triton(ids, 130), permute_to_experts_torch(ids, 130)
