@@ -57,6 +57,7 @@ from graph_ir.spec import ModelSpec
 from kernels.grouped_ffn import grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton
 from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
 from kernels.permute import permute_to_experts_triton
+from kernels.rms_norm import rms_norm_fused
 from kernels.topk_merge import topk_merge
 from models import layers
 from models.attention import gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
@@ -552,6 +553,8 @@ class CudaExecutor:
         moe = spec.is_moe_layer(layer)
         eps, fp32w, k = spec.rms_norm_eps, self._fp32w, self.top_k
         attn_fn = paged_decode_attention_triton if self.attn_impl == "triton" else paged_decode_attention_torch
+        # one launch per norm where the attention kernels are Triton's (kernels/rms_norm.py), else the torch reference
+        norm = rms_norm_fused if self.attn_impl == "triton" else rms_norm
         b = h_in.shape[0]
         router, keys = self.keyed_router, dv.keys
 
@@ -559,7 +562,7 @@ class CudaExecutor:
             pos = meta[0].to(torch.int64)
             posc = pos.clamp(min=0)  # padded rows: position -1 -> context 0, RoPE at 0 (discarded)
             rows = meta[1].to(torch.int64)
-            xn = rms_norm(h_in, lw["attn_norm"], eps, fp32w)
+            xn = norm(h_in, lw["attn_norm"], eps, fp32w)
             q, kk, vv = self._qkv(spec, lw, xn, posc, rope_cs=self._rope(posc))
             bt = table.index_select(0, rows)  # [b, width] int32: this batch's page tables
             page = bt.gather(1, torch.div(posc, bs, rounding_mode="floor")[:, None]).squeeze(1).to(torch.int64)
@@ -569,7 +572,7 @@ class CudaExecutor:
             ctx = (pos + 1).to(torch.int32)
             o = attn_fn(q, kc, vc, bt, ctx, self._scale, sinks, window)
             h_res = h_in + F.linear(o.reshape(b, -1), lw["o.w"], lw.get("o.b"))
-            x = rms_norm(h_res, lw["mlp_norm"], eps, fp32w)
+            x = norm(h_res, lw["mlp_norm"], eps, fp32w)
             out[0].copy_(h_res)
             out[1].copy_(x)
             if moe:

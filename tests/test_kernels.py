@@ -395,3 +395,53 @@ def test_triton_kernels_in_subprocess():
         env=env, capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+def test_rms_norm_triton_matches_the_reference(triton_device, dtype, weight_in_fp32):
+    """One program per row (kernels/rms_norm.py) against models.attention.rms_norm: equal up to the order of the fp32
+    sum of squares (fp32), within one bf16 ulp (bf16; the interpreter also truncates where the GPU rounds, see
+    kernels.dispatch.kernel_store_dtype); a hidden size that is not a power of two; rows of a larger buffer."""
+    from kernels.rms_norm import rms_norm_torch, rms_norm_triton
+    g = _gen(11)
+    for T, Hn in ((5, 72), (1, 64), (0, 72)):
+        x = (torch.randn(T, Hn + 8, generator=g) * 3).to(dtype)[:, :Hn]  # rows of a wider buffer: a row stride
+        w = (torch.rand(Hn, generator=g) + 0.5).to(dtype)
+        got = rms_norm_triton(x.to(triton_device), w.to(triton_device), 1e-5, weight_in_fp32).cpu()
+        ref = rms_norm_torch(x, w, 1e-5, weight_in_fp32)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+        torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, monkeypatch):
+    """The attention graph's body as the GPU runs it (attn_impl="triton": the paged decode kernel and the fused
+    RMSNorm), here through the interpreter, against the torch executor: the same hidden rows up to fp32 rounding."""
+    import copy
+
+    from graph_ir.spec import load_spec
+    from models.weights import random_weights
+    from runtime.executor import TorchExecutor
+    from runtime.executor_cuda import CudaExecutor
+    from runtime.kv_cache import BlockAllocator, PagedKVStore
+    monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
+    spec = load_spec("models/specs/tiny-gpt-oss.yaml")
+    w = random_weights(spec)
+    ref = TorchExecutor(spec, w)
+    kv_a = PagedKVStore(spec.num_layers, BlockAllocator(32, 4))
+    lens = [3, 6]
+    for sid, n in enumerate(lens):
+        assert kv_a.reserve(sid, n + 8)
+        h = ref.embed([5 + i for i in range(n)])
+        for layer in range(spec.num_layers):
+            h_res, x = ref.attention(layer, h, list(range(n)), [(sid, 0, n)], kv_a)
+            h = h_res + x
+    kv_b = copy.deepcopy(kv_a)
+    h = torch.randn(2, spec.hidden_size, generator=_gen(12))
+    ex = CudaExecutor(spec, w, device="cpu", attn_impl="triton", buckets={"attn": [4], "expert": [16]})
+    segs = [(0, 0, 1), (1, 1, 1)]
+    want = ref.attention(1, h, lens, segs, kv_a)
+    got = ex.attention(1, h, lens, segs, kv_b)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
