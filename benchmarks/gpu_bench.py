@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 import traceback
@@ -45,13 +44,12 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import yaml  # noqa: E402
 
 from graph_ir.spec import ModelSpec, cut_layers, load_spec  # noqa: E402
 from lowering.plan import compile_plan  # noqa: E402
 from models.reference import ReferenceDecoder  # noqa: E402
 from models.sampling import SamplingParams  # noqa: E402
-from models.weights import ModelWeights, expected_shapes, random_weights  # noqa: E402
+from models.weights import ModelWeights, random_weights  # noqa: E402
 from runtime.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executor import TorchExecutor  # noqa: E402
 from runtime.executor_cuda import CudaExecutor  # noqa: E402

@@ -15,14 +15,9 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import LazyJit, backend_for, kernel_store_dtype, next_power_of_2
+from models.attention import rms_norm as rms_norm_torch  # the reference (the model code's own norm)
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
-    """Reference (models.attention.rms_norm)."""
-    from models.attention import rms_norm
-    return rms_norm(x, weight, eps, weight_in_fp32)
 
 
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_out, eps,
