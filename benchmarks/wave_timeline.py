@@ -19,7 +19,8 @@ line up. For each attention batch of a home at layer l (a wave) this follows the
     cycle          attention start -> the next attention or sample start of this home
 
 and per rank the share of the span its GPU ran any recorded graph, its host spent inside batches, and in message
-handling. Medians over waves, microseconds.
+handling, and the median host time per batch and per message of each kind ("msg y": a holder's rows landing in
+the home's merge, with the combine when they complete it). Medians over waves, microseconds.
 """
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def analyze(ranks: list) -> str:
                    f"{100 * host / span:.0f}%, in message handling {100 * msg / span:.0f}%; batches "
                    f"{dict(sorted((k, v) for k, v in n.items() if k != 'msg'))}, expert batches of several homes "
                    f"{mixed}, messages {n['msg']}")
+        # host us per batch or message, by kind (a message kind: r payload in, x rows in, y outputs back: the merge)
+        walls = defaultdict(list)
+        for x in recs:
+            walls[f"msg {x[ROWS]}" if x[KIND] == "msg" else x[KIND]].append(x[WALL])
+        out.append("  host us, median per: " + ", ".join(f"{k} {1e6 * _median(v):.0f}" for k, v in sorted(walls.items())))
     # index per rank: batches of (kind, layer) and messages of (layer, src) in start order
     batches = [defaultdict(list) for _ in ranks]
     msgs = [defaultdict(list) for _ in ranks]

@@ -42,6 +42,8 @@ def test_legs_of_a_hand_made_wave():
                      ("cycle", 4000), ("home's own expert start", 200), ("home's own expert", 500)):
         assert _leg(text, name) == us, name
     assert "holder ran its own wave first 1" in text
+    assert "host us, median per: attn 1000, expert 500, msg y 100" in text  # rank 0
+    assert "host us, median per: expert 700, msg r 50" in text  # rank 1: its two expert batches, 400 and 1000
     assert "sum of the legs' medians       4000" in text
 
 
