@@ -84,7 +84,7 @@ def analyze(ranks: list) -> str:
                 batches[r][(x[KIND], x[LAYER])].append(x)
 
     def first_after(seq: list, t: float, pred=lambda x: True):
-        i = bisect.bisect_left([x[T0] for x in seq], t)
+        i = bisect.bisect_left(seq, t, key=lambda x: x[T0])  # (seq in start order)
         for x in seq[i:]:
             if pred(x):
                 return x

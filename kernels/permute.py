@@ -55,9 +55,10 @@ def _permute_kernel(
         before += c * (start < mine).to(tl.int64)
     ends = tl.cumsum(counts, axis=0)
     starts = ends - counts
-    first = (experts * 0 + chunk) == 0  # program 0 writes the offsets (a tensor mask: every backend takes it)
+    # Program 0 writes the offsets, [0, ends...]: starts at 0..E-1 and ends at 1..E (equal where they overlap).
+    first = (experts * 0 + chunk) == 0  # (a tensor mask: every backend takes it)
     tl.store(offsets_ptr + experts, starts, mask=(experts < E) & first)
-    tl.store(offsets_ptr + E + experts, tl.sum(counts, axis=0) + experts * 0, mask=(experts == 0) & first)
+    tl.store(offsets_ptr + experts + 1, ends, mask=(experts < E) & first)
     # Destination = start of the expert + rows of that expert in earlier chunks + rank within this chunk (inclusive
     # cumsum down the one-hot column, minus one). Ranking in flat row order is what makes the sort stable.
     rows = mine + tl.arange(0, BLOCK_N)

@@ -974,14 +974,15 @@ class CudaExecutor:
         857-900 -> 129-143 us of host on the H200 host; NOTES §28); the logits are recomputed eagerly only if read."""
         h = self._to_dev(h)
         T = h.shape[0]
+        head = lambda: layers.final_logits(self.spec, self.w, h)  # noqa: E731 (the eager logits)
         b = bucket_for(T, self.buckets.get("sample", ()))
         if b is None or T == 0:
-            return DeviceLogits(layers.final_logits(self.spec, self.w, h), self.staging)
+            return DeviceLogits(head(), self.staging)
         bufs = self._sample_bufs(b)
         h_in, ids = self._first_rows(("sample", b, T), True, lambda: (bufs._t["h"][:T], bufs._t["ids"][:T]))
         h_in.copy_(h)
         self.graphs.get(("sample", -1, b), lambda: self._sample_body(bufs)).run()
-        return DeviceLogits(None, self.staging, argmax=ids, eager=lambda: layers.final_logits(self.spec, self.w, h))
+        return DeviceLogits(None, self.staging, argmax=ids, eager=head)
 
     def _sample_bufs(self, b: int) -> StaticBuffers:
         bufs = self._bufs_cache.get(("sample", b))
