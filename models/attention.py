@@ -239,21 +239,34 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
     return out
 
 
+def gqa_project(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q [T, nh, hd], k/v [T, nkv, hd] of normed x before RoPE (projections, then the q/k norms if any).
+
+    Where the weights also hold "qkv.w" (q.w, k.w and v.w stacked: runtime.executor_cuda.fuse_qkv), one GEMM makes
+    all three and q/k/v are column views of its output: the same products, in another GEMM's summation order."""
+    a = spec.attention
+    T, nh, nkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
+    eps = spec.rms_norm_eps
+    if "qkv.w" in w:
+        q, k, v = _linear(x, w, "qkv").split((nh * hd, nkv * hd, nkv * hd), dim=1)
+    else:
+        q, k, v = _linear(x, w, "q"), _linear(x, w, "k"), _linear(x, w, "v")
+    if a.qk_norm == "full":  # OLMoE: one norm over all heads' channels, before the head split
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+    if a.qk_norm == "head":  # Qwen3 / GLM: per head over head_dim, before RoPE
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    return q, k, v
+
+
 def gqa_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
             rope_cs: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
     """q [T, nh, hd], k/v [T, nkv, hd] of normed x, RoPE applied. `rope_cs` = precomputed
     (cos, sin) for `positions` (the CUDA executor passes device-side ones so no host copy happens
     inside a CUDA graph); None computes them with `cos_sin`."""
     a = spec.attention
-    T, nh, nkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
-    eps = spec.rms_norm_eps
-    q, k, v = _linear(x, w, "q"), _linear(x, w, "k"), _linear(x, w, "v")
-    if a.qk_norm == "full":  # OLMoE: one norm over all heads' channels, before the head split
-        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
-    q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
-    if a.qk_norm == "head":  # Qwen3 / GLM: per head over head_dim, before RoPE
-        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
-    cos, sin = rope_cs if rope_cs is not None else cos_sin(a.rope, rotary_dim(a.rope, hd), positions)
+    q, k, v = gqa_project(spec, w, x)
+    cos, sin = rope_cs if rope_cs is not None else cos_sin(a.rope, rotary_dim(a.rope, a.head_dim), positions)
     q = apply_rope(q, cos, sin, a.rope.interleaved)
     k = apply_rope(k, cos, sin, a.rope.interleaved)
     return q, k, v

@@ -8,7 +8,7 @@ validates against it, so the two can never disagree.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -129,6 +129,30 @@ class ModelWeights:
         ts = [self.embed, self.final_norm] + ([self.lm_head] if self.lm_head is not None else [])
         ts += [t for layer in self.layers for t in layer.values()]
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def stack_qkv(w: ModelWeights) -> ModelWeights:
+    """The same weights with q/k/v stacked for one projection GEMM (models.attention.gqa_project reads "qkv.w").
+
+    Per layer holding q.w, k.w and v.w (and all three biases or none): one stacked tensor, "qkv.w" / "qkv.b", in the
+    returned weights' own layer dicts. q.w, k.w, v.w (and biases) become row views of it, in `w`'s dicts too: the
+    same values, so any other user of `w` computes exactly as before, and the originals are freed (no second copy
+    on the device). Layers without that form (MLA's q_a/kv_a) are shared as they are."""
+    layers = []
+    for lw in w.layers:
+        names = [n for n in ("q", "k", "v") if f"{n}.w" in lw]
+        biased = [n for n in names if f"{n}.b" in lw]
+        if len(names) < 3 or len(biased) not in (0, 3):
+            layers.append(lw)
+            continue
+        own = dict(lw)
+        for kind in ("w",) + (("b",) if biased else ()):
+            parts = [lw[f"{n}.{kind}"] for n in names]
+            stacked = own[f"qkv.{kind}"] = torch.cat(parts)
+            for n, view in zip(names, stacked.split([p.shape[0] for p in parts])):
+                lw[f"{n}.{kind}"] = own[f"{n}.{kind}"] = view
+        layers.append(own)
+    return replace(w, layers=layers)
 
 
 def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:

@@ -58,13 +58,14 @@ from kernels.grouped_ffn import grouped_ffn_grouped_mm, grouped_ffn_torch, group
 from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
 from kernels.permute import permute_to_experts_triton
 from kernels.rms_norm import rms_norm_fused
+from kernels.rope_kv_write import rope_kv_write, rope_kv_write_torch, rope_table
 from kernels.topk_merge import topk_merge
 from models import layers
-from models.attention import gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
+from models.attention import gqa_project, gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
 from models.moe import route_tokens, shared_expert_out
 from models.rope import rope_parameters, rotary_dim
 from models.sampling import SamplingParams, sample
-from models.weights import ModelWeights
+from models.weights import ModelWeights, stack_qkv
 from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
@@ -263,9 +264,15 @@ class CudaExecutor:
         a = spec.attention
         self._mla = a.kind == "mla"
         self._qkv = mla_qkv if self._mla else gqa_qkv
+        if not self._mla:  # q, k and v in one GEMM (run 91: three GEMMs, 30 us at B=256; k's and v's latency-bound)
+            self.w = stack_qkv(self.w)
         rdim = a.qk_rope_head_dim if self._mla else rotary_dim(a.rope, a.head_dim)
         inv_freq, self._rope_scaling = rope_parameters(a.rope, rdim)
         self._inv_freq = inv_freq.to(self.device)
+        # GQA's rotate-half RoPE and the KV write run as one kernel in the attention body (kernels/rope_kv_write.py)
+        # from a cos/sin table per position; MLA (interleaved pairs, latent K) keeps the torch ops
+        self._rope_kv_fused = not self._mla and not a.rope.interleaved
+        self._rope_tables: dict[int, tuple[Tensor, Tensor]] = {}  # positions -> (cos, sin) tables (_rope_table)
         if self._mla:
             self._k_row, self._v_row = (a.num_heads, a.qk_head_dim), (a.num_heads, a.v_head_dim)
         else:
@@ -357,6 +364,13 @@ class CudaExecutor:
         # Same ops as models.rope.cos_sin, with inv_freq already on the device (no H2D in a graph).
         freqs = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
         return freqs.cos() * self._rope_scaling, freqs.sin() * self._rope_scaling
+
+    def _rope_table(self, positions: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [positions, r/2] on the device (kernels.rope_kv_write.rope_table), made once per length."""
+        t = self._rope_tables.get(positions)
+        if t is None:
+            t = self._rope_tables[positions] = rope_table(self._inv_freq, self._rope_scaling, positions)
+        return t
 
     def _positions(self, positions: list[int]) -> Tensor:
         out = torch.empty(len(positions), dtype=torch.int64, device=self.device)
@@ -553,33 +567,38 @@ class CudaExecutor:
         moe = spec.is_moe_layer(layer)
         eps, fp32w, k = spec.rms_norm_eps, self._fp32w, self.top_k
         attn_fn = paged_decode_attention_triton if self.attn_impl == "triton" else paged_decode_attention_torch
-        # one launch per norm where the attention kernels are Triton's (kernels/rms_norm.py), else the torch reference
-        norm = rms_norm_fused if self.attn_impl == "triton" else rms_norm
+        # one launch per norm, and RoPE + the KV write in one, where the attention kernels are Triton's
+        # (kernels/rms_norm.py, kernels/rope_kv_write.py); else the torch references
+        fused = self.attn_impl == "triton"
+        norm = rms_norm_fused if fused else rms_norm
+        rope_kv = rope_kv_write if fused else rope_kv_write_torch
+        cos_t, sin_t = self._rope_table(table.shape[1] * bs) if self._rope_kv_fused else (None, None)
         b = h_in.shape[0]
         router, keys = self.keyed_router, dv.keys
 
         def body() -> None:
-            pos = meta[0].to(torch.int64)
-            posc = pos.clamp(min=0)  # padded rows: position -1 -> context 0, RoPE at 0 (discarded)
-            rows = meta[1].to(torch.int64)
             xn = norm(h_in, lw["attn_norm"], eps, fp32w)
-            q, kk, vv = self._qkv(spec, lw, xn, posc, rope_cs=self._rope(posc))
-            bt = table.index_select(0, rows)  # [b, width] int32: this batch's page tables
-            page = bt.gather(1, torch.div(posc, bs, rounding_mode="floor")[:, None]).squeeze(1).to(torch.int64)
-            slot = page * bs + posc % bs
-            kc.view(-1, *kc.shape[2:]).index_copy_(0, slot, kk.to(kc.dtype))
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, slot, vv.to(vc.dtype))
-            ctx = (pos + 1).to(torch.int32)
+            bt = table.index_select(0, meta[1])  # [b, width] int32: this batch's page tables
+            if cos_t is not None:  # padded rows (position -1) rotate at 0 and write the trash page (discarded)
+                q, kk, vv = gqa_project(spec, lw, xn)
+                q, ctx = rope_kv(q, kk, vv, meta[0], meta[1], table, bs, cos_t, sin_t, kc, vc)
+            else:
+                posc = meta[0].to(torch.int64).clamp(min=0)
+                q, kk, vv = self._qkv(spec, lw, xn, posc, rope_cs=self._rope(posc))
+                page = bt.gather(1, torch.div(posc, bs, rounding_mode="floor")[:, None]).squeeze(1).to(torch.int64)
+                slot = page * bs + posc % bs
+                kc.view(-1, *kc.shape[2:]).index_copy_(0, slot, kk.to(kc.dtype))
+                vc.view(-1, *vc.shape[2:]).index_copy_(0, slot, vv.to(vc.dtype))
+                ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
             o = attn_fn(q, kc, vc, bt, ctx, self._scale, sinks, window)
-            h_res = h_in + F.linear(o.reshape(b, -1), lw["o.w"], lw.get("o.b"))
+            h_res = torch.add(h_in, F.linear(o.reshape(b, -1), lw["o.w"], lw.get("o.b")), out=out[0])
             x = norm(h_res, lw["mlp_norm"], eps, fp32w)
-            out[0].copy_(h_res)
             out[1].copy_(x)
             if moe:
                 if router is None:
                     ids, wts = route_tokens(spec, lw, x)
                 else:  # keyed by (request, position, layer): the row's request base from its table row
-                    ids, wts = router.route_torch(layer, keys.index_select(0, rows), pos)
+                    ids, wts = router.route_torch(layer, keys.index_select(0, meta[1]), meta[0].to(torch.int64))
                 route_out[:, :k].copy_(ids)
                 route_out[:, k:].copy_(wts)
                 # both dispatches' forms (the barriers switch route_on_device between runs): ~1.5 MB more

@@ -38,6 +38,28 @@ def model(name: str):
     return spec, random_weights(spec)
 
 
+@pytest.mark.parametrize("name,stacked", [("tiny-gpt-oss", True), ("tiny-mixtral", True), ("tiny-deepseek-v2", False)])
+def test_stacked_qkv_leaves_the_callers_weights_as_they_were(name, stacked):
+    """CudaExecutor stacks q/k/v for one GEMM (models.weights.stack_qkv) in its own layer dicts; the caller's dicts
+    get row views of the stack (same values, one copy in memory), never the "qkv" keys, so a TorchExecutor over the
+    same weights computes what it did. MLA's projections are left alone."""
+    from models.attention import gqa_project
+    spec = load_spec(f"{SPECS}/{name}.yaml")
+    w = random_weights(spec)
+    before = [{n: t.clone() for n, t in lw.items()} for lw in w.layers]
+    ex = CudaExecutor(spec, w, device="cpu")
+    for lw, own, old in zip(w.layers, ex.w.layers, before):
+        assert "qkv.w" not in lw and ("qkv.w" in own) == stacked
+        assert lw.keys() == old.keys() and all(torch.equal(lw[n], old[n]) for n in old)
+        if stacked:
+            assert lw["q.w"].data_ptr() == own["qkv.w"].data_ptr()  # a view of the stack: no second copy
+            assert ("qkv.b" in own) == ("q.b" in lw)
+    if stacked:
+        x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+        for got, want in zip(gqa_project(spec, ex.w.layers[0], x), gqa_project(spec, w.layers[0], x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bucket_for():
     b = [1, 8, 40, 256]
     assert [bucket_for(n, b) for n in (1, 2, 8, 9, 40, 41, 256)] == [1, 8, 8, 40, 40, 256, 256]

@@ -415,9 +415,76 @@ def test_rms_norm_triton_matches_the_reference(triton_device, dtype, weight_in_f
         torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
-def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, monkeypatch):
-    """The attention graph's body as the GPU runs it (attn_impl="triton": the paged decode kernel and the fused
-    RMSNorm), here through the interpreter, against the torch executor: the same hidden rows up to fp32 rounding."""
+def _rope_kv_inputs(dtype, nh: int, nkv: int, D: int, rdim: int, seed: int):
+    """A decode batch over a paged cache: q/k/v as strided views of one projection output (the layout a fused
+    projection gives), ragged positions incl. a padded row (-1 -> the trash row and page), a partial rotary width."""
+    from kernels.rope_kv_write import rope_table
+    g = _gen(seed)
+    bs, pages, width = 4, 24, 5
+    pos = torch.tensor([0, 5, 17, 3, -1], dtype=torch.int32)
+    b = pos.shape[0]
+    table = torch.randperm(pages, generator=g)[: 4 * width].view(4, width).to(torch.int32)
+    table = torch.cat([table, torch.full((1, width), pages, dtype=torch.int32)])  # trash row -> trash page
+    rows = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32)
+    qkv = (torch.randn(b, (nh + 2 * nkv) * D + 3, generator=g) * 2).to(dtype)
+    q = qkv[:, : nh * D].view(b, nh, D)
+    k = qkv[:, nh * D: (nh + nkv) * D].view(b, nkv, D)
+    v = qkv[:, (nh + nkv) * D: (nh + 2 * nkv) * D].view(b, nkv, D)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rdim, 2, dtype=torch.float32) / rdim))
+    cos_t, sin_t = rope_table(inv_freq, 1.3, width * bs)
+    kc = torch.randn(pages + 1, bs, nkv, D, generator=g).to(dtype)
+    vc = torch.randn(pages + 1, bs, nkv, D, generator=g).to(dtype)
+    return q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,D,rdim", [(6, 2, 16, 16), (4, 4, 16, 8), (8, 1, 12, 12)])
+def test_rope_kv_write_triton_matches_the_reference(triton_device, dtype, nh, nkv, D, rdim):
+    """One program per row (kernels/rope_kv_write.py) against its torch reference: the rotated q, the whole K/V cache
+    after the write (untouched pages included) and the context lengths. Bit for bit in fp32, and in bf16 on a GPU; the
+    interpreter truncates each of the kernel's bf16 roundings where the GPU rounds to nearest (cos/sin, two products,
+    the sum: a few ulps of the largest input). Shapes: odd head counts, a partial rotary width, a head dim that is not a
+    power of two, strided q/k/v."""
+    from kernels.rope_kv_write import rope_kv_write_torch, rope_kv_write_triton
+    args = _rope_kv_inputs(dtype, nh, nkv, D, rdim, seed=21)
+    ref_kc, ref_vc = args[9].clone(), args[10].clone()
+    got_kc, got_vc = args[9].clone().to(triton_device), args[10].clone().to(triton_device)
+    dev = [a.to(triton_device) if isinstance(a, torch.Tensor) else a for a in args[:9]]
+    q_ref, ctx_ref = rope_kv_write_torch(*args[:9], ref_kc, ref_vc)
+    q_got, ctx_got = rope_kv_write_triton(*dev, got_kc, got_vc)
+    assert ctx_got.dtype == torch.int32 and ctx_got.cpu().tolist() == ctx_ref.tolist() == [1, 6, 18, 4, 0]
+    assert q_got.dtype == dtype and q_got.shape == q_ref.shape
+    exact = dtype == torch.float32 or triton_device == "cuda"
+    tol = dict(rtol=0, atol=0 if exact else 2 ** -5 * float(args[0].abs().max()))
+    for got, ref in ((q_got, q_ref), (got_kc, ref_kc), (got_vc, ref_vc)):
+        torch.testing.assert_close(got.cpu().float(), ref.float(), **tol)
+    assert not torch.equal(ref_kc, args[9]) and not torch.equal(ref_vc, args[10])  # the write happened
+
+
+def test_rope_kv_write_reference_is_the_model_math():
+    """The reference against the model's own pieces: models.rope.cos_sin / apply_rope for q and k, and each row's K/V
+    at the page its table names (the padded row's at the trash page)."""
+    from kernels.rope_kv_write import rope_kv_write_torch
+    from models.rope import apply_rope
+    q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc = _rope_kv_inputs(torch.float32, 6, 2, 16, 8, seed=22)
+    q_out, _ = rope_kv_write_torch(q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc)
+    posc = pos.long().clamp(min=0)
+    freqs = posc.float()[:, None] * (1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8)))[None, :]
+    cos, sin = freqs.cos() * 1.3, freqs.sin() * 1.3
+    assert torch.equal(q_out, apply_rope(q, cos, sin))
+    k_rot = apply_rope(k, cos, sin)
+    for i, (p, r) in enumerate(zip(posc.tolist(), rows.tolist())):
+        page = int(table[r, p // bs])
+        assert torch.equal(kc[page, p % bs], k_rot[i]) and torch.equal(vc[page, p % bs], v[i])
+    assert int(table[rows[4], 0]) == kc.shape[0] - 1  # the padded row went to the trash page
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-glm4-moe", "tiny-olmoe", "tiny-qwen3-moe", "tiny-deepseek-v2"])
+def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, monkeypatch, name):
+    """The attention graph's body as the GPU runs it (attn_impl="triton": the paged decode kernel, the fused RMSNorm,
+    one q/k/v GEMM, RoPE and the KV write in one kernel), here through the interpreter, against the torch executor:
+    the same hidden rows up to fp32 rounding. Families: sinks and windows (GPT-OSS), a partial rotary width (GLM),
+    q/k norms over all heads (OLMoE) and per head (Qwen3), and MLA (DeepSeek: interleaved RoPE, the torch ops)."""
     import copy
 
     from graph_ir.spec import load_spec
@@ -426,7 +493,7 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
     from runtime.executor_cuda import CudaExecutor
     from runtime.kv_cache import BlockAllocator, PagedKVStore
     monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
-    spec = load_spec("models/specs/tiny-gpt-oss.yaml")
+    spec = load_spec(f"models/specs/{name}.yaml")
     w = random_weights(spec)
     ref = TorchExecutor(spec, w)
     kv_a = PagedKVStore(spec.num_layers, BlockAllocator(32, 4))
