@@ -170,6 +170,10 @@ class Engine:
         # notices, stop) go here, so drivers share the transport instead of opening a second one.
         self.on_control = None
         self._eligible = {sid: self._attn_eligible(s.layer) for sid, s in enumerate(cfg.stages) if s.kind == "attn"}
+        # Live requests with `chunked` set: while there are none (decode, prompts of one chunk), no row's K/V order
+        # is checked or recorded (a per-row Python loop per attention batch and another per block: ~100 us per
+        # 256-row wave on the H200 host, NOTES §29)
+        self._chunked = 0
         self.decode_only = False
         # Wave hold (runtime/scheduler.py): rows each home announced it will still send to this rank's
         # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
@@ -285,6 +289,9 @@ class Engine:
             self.queues[sid].push(AttnItem(req.rid, last, 1, [req.prompt[-1]], None, now))
             return True
         cap = self.queues[sid].cap
+        if len(req.prompt) > cap:
+            req.chunked = True
+            self._chunked += 1
         for start in range(0, len(req.prompt), cap):
             toks = req.prompt[start:start + cap]
             self.queues[sid].push(AttnItem(req.rid, start, len(toks), toks, None, now))
@@ -401,10 +408,13 @@ class Engine:
         reqs = self.requests
 
         def eligible(item) -> bool:
+            if not self._chunked:  # no request can overtake itself (Request.kv_next)
+                return True
             if type(item) is AttnItem:
-                return reqs[item.rid].kv_next[layer] == item.pos0
+                req = reqs[item.rid]
+                return not req.chunked or req.kv_next[layer] == item.pos0
             if not item.ready:
-                item.ready = all(reqs[r].kv_next[layer] == p for r, p in zip(item.rids, item.pos))
+                item.ready = all(not reqs[r].chunked or reqs[r].kv_next[layer] == p for r, p in zip(item.rids, item.pos))
             return item.ready
         return eligible
 
@@ -660,7 +670,17 @@ class Engine:
         keep: Optional[list[int]] = [] if last else None  # batch rows that move on (None: all)
         row = 0
         multi = False
+        track = self._chunked > 0  # else no K/V order to record, and every block row is its request's sampled one
         for it in batch.items:
+            if type(it) is AttnBlock and not track:  # one-row segments of requests with one segment in flight
+                if last:
+                    keep += range(row, row + it.n)
+                rids += it.rids
+                pos0s += it.pos
+                first += it.pos
+                ns += repeat(1, it.n)
+                row += it.n
+                continue
             if type(it) is AttnBlock:  # one-row segments
                 if last:
                     for i, (r, p) in enumerate(zip(it.rids, it.pos)):
@@ -841,6 +861,9 @@ class Engine:
                 nstep += 1
             req.output.append(tok)
             req.token_times.append(now)
+            if req.chunked:  # its prompt's chunks are all through every layer: one segment in flight from now on
+                req.chunked = False
+                self._chunked -= 1
             pos = len(req.prompt) + len(req.output) - 1  # where the new token would be written
             if tok in eos and not req.ignore_eos:
                 self._finish(req, "eos", now)

@@ -34,8 +34,11 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     # kv_next[layer]: first position whose K/V that layer has not written yet. A segment may enter
     # attention of a layer only at this position, so prefill chunks attend to complete context even
-    # when an earlier chunk was held up in a slower merge.
+    # when an earlier chunk was held up in a slower merge. Kept only while `chunked`: a request with one
+    # segment in flight (a prompt of one chunk, then every decode step: the next token exists only once
+    # the last one went through every layer) cannot overtake itself.
     kv_next: list[int] = field(default_factory=list)
+    chunked: bool = False  # its prompt entered attention as several chunks, and its first token is not sampled yet
 
     @property
     def kv_tokens(self) -> int:

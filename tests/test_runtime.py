@@ -138,6 +138,49 @@ def test_one_row_prefill_remainders_wait_for_their_chunk_inside_decode_blocks(po
     assert assert_matches_reference("tiny-mixtral", res.requests) > 20
 
 
+def test_chunked_prompts_arriving_into_decode_that_kept_no_kv_order():
+    """While no chunked prompt is live, the engine neither records nor checks any row's K/V order (Request.kv_next:
+    a request with one segment in flight cannot overtake itself). Prompts of cap + 1 tokens (two chunks, the second
+    one row) arrive while short requests are decoding with that order unrecorded (their kv_next is stale): the chunks
+    wait for each other, the decoding rows are not held up forever (the rule itself:
+    test_kv_order_is_checked_only_for_chunked_requests). Tokens equal the reference; the engines' count of chunked
+    requests is back to zero once every first token is sampled."""
+    spec, w, _ = model("tiny-mixtral")
+    rng = random.Random(8)
+    reqs = [Request(i, f"req-{i}", [rng.randrange(3, spec.vocab_size) for _ in range(17 if i >= 6 else 2)], 12,
+                    ignore_eos=True, arrival=0.0 if i < 6 else 4e-3) for i in range(10)]
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    cluster = Cluster(plan, __import__("runtime.executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
+                      RunOptions(kv_blocks=128, clock="virtual", policy="defrag", delay=jitter(300e-6), delay_seed=4))
+    res = cluster.run(reqs)
+    assert assert_matches_reference("tiny-mixtral", res.requests) > 40
+    short_end = min(r.t_finish for r in reqs[:6])
+    assert all(r.t_admit < short_end for r in reqs[6:])  # the chunked prompts came in during decode
+    assert [e._chunked for e in cluster.engines] == [0, 0] and not any(r.chunked for r in reqs)
+
+
+def test_kv_order_is_checked_only_for_chunked_requests():
+    """The eligibility rule itself: with no chunked request live every row may run; with one, only that request's
+    rows wait for their K/V position, and a decoding request's stale kv_next holds nothing up (without this, its
+    rows would sit out every other request's chunked prefill)."""
+    from runtime.queues import AttnBlock, AttnItem
+    spec, w, _ = model("tiny-mixtral")
+    cluster = Cluster(compile_plan(spec, 1, attn_cap=16, block_size=4),
+                      __import__("runtime.executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
+                      RunOptions(kv_blocks=32, clock="virtual"))
+    e = cluster.engines[0]
+    decoding = Request(1, "decoding", [5, 6], 8, kv_next=[2] * spec.num_layers)  # stale: it is at position 7 now
+    chunked = Request(2, "chunked", [5] * 20, 8, kv_next=[16] * spec.num_layers, chunked=True)
+    e.requests.update({1: decoding, 2: chunked})
+    eligible = e._attn_eligible(1)
+    block = lambda: AttnBlock([1], [7], None, None, 0.0, 1)  # noqa: E731
+    assert eligible(block()) and eligible(AttnItem(1, 7, 1, None, None, 0.0))  # nothing chunked live
+    e._chunked = 1
+    assert eligible(block()) and eligible(AttnItem(1, 7, 1, None, None, 0.0))
+    assert eligible(AttnItem(2, 16, 4, None, None, 0.0)) and not eligible(AttnItem(2, 17, 3, None, None, 0.0))
+    assert not eligible(AttnBlock([1, 2], [7, 19], None, None, 0.0, 2))
+
+
 def test_sampling_with_seeds_matches_reference():
     spec, _, _ = model("tiny-mixtral")
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_p=0.9, seed=2),
