@@ -19,7 +19,7 @@ Semantics (`rope_kv_write_torch` is the reference, the CPU twin runs it):
 Rounding follows torch's elementwise ops step by step: cos/sin are cast to the activation dtype first, and each
 product, difference and sum is rounded to it (computed in fp32, as torch's opmath does; no FP contraction). So on
 the GPU the result is bit-identical to the reference in fp32 and bf16. The interpreter truncates where the GPU rounds
-(see kernels.dispatch.kernel_store_dtype): within one bf16 ulp there.
+(see kernels.dispatch.kernel_store_dtype), at each of those roundings: within a few bf16 ulps there.
 
 Only the rotate-half form of GQA families (not DeepSeek's interleaved pairs, which MLA uses: that stays torch).
 """

@@ -242,7 +242,7 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
 def gqa_project(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q [T, nh, hd], k/v [T, nkv, hd] of normed x before RoPE (projections, then the q/k norms if any).
 
-    Where the weights also hold "qkv.w" (q.w, k.w and v.w stacked: runtime.executor_cuda.fuse_qkv), one GEMM makes
+    Where the weights also hold "qkv.w" (q.w, k.w and v.w stacked: models.weights.stack_qkv), one GEMM makes
     all three and q/k/v are column views of its output: the same products, in another GEMM's summation order."""
     a = spec.attention
     T, nh, nkv, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
