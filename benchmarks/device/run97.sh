@@ -13,10 +13,10 @@ mkdir -p "$OUT"; date -u > "$OUT/env.txt"; echo "tree sources: $(bash benchmarks
 unset DATAFLOW_DISPATCH
 SYS="streaming-defrag:hold_fill=1;hold_us=30000,ag-ep,a2a-ep"
 P=$(mktemp -d /tmp/run97.XXXX)
-timeout 390 python3 benchmarks/gpu_ep_bench.py --out "$P/a" --budget 380 --rounds 2 --attn-cap 512 --systems "$SYS" \
+timeout 450 python3 benchmarks/gpu_ep_bench.py --out "$P/a" --budget 440 --rounds 2 --attn-cap 512 --systems "$SYS" \
   --scenarios clean,compute-hog,delay-5ms,nvlink-hog --concurrency 512 --new-tokens 64:128 > "$P/a.log" 2>&1
 echo "ep C=512 exit $?" | tee -a "$OUT/env.txt"; cp "$P/a/ep_bench.md" "$OUT/ep512.md"; grep "^| " "$OUT/ep512.md" | grep -v "^|---" | cut -c1-200
 grep -i "error\|failed\|timed out\|skipped" "$P/a.log" | grep -v "TCPStore\|should dump" | head -5 | tee -a "$OUT/env.txt"
-timeout 150 python3 benchmarks/gpu_ep_bench.py --out "$P/b" --budget 140 --rounds 1 --attn-cap 1024 --systems "$SYS" \
+timeout 120 python3 benchmarks/gpu_ep_bench.py --out "$P/b" --budget 110 --rounds 1 --attn-cap 1024 --systems "$SYS" \
   --scenarios clean --concurrency 1024 --new-tokens 64:128 > "$P/b.log" 2>&1
 echo "ep C=1024 exit $?" | tee -a "$OUT/env.txt"; cp "$P/b/ep_bench.md" "$OUT/ep1024.md"; grep "^| " "$OUT/ep1024.md" | grep -v "^|---" | cut -c1-200
