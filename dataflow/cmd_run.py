@@ -55,17 +55,26 @@ def _under_torchrun_rank() -> Optional[int]:
 
 
 def cap_hint(metrics: dict, plan) -> str:
-    """A line when many attention batches were cut by the cap with a small rest left queued: the rest then
-    runs as its own wave through every layer, which on host-bound ranks costs a whole batch per layer for a
-    few tokens (benchmarks/NOTES.md §19 item 4: 20% of throughput on 2 x H200). Empty when it did not happen."""
-    small, total = metrics.get("attn_small_remainders", 0), metrics.get("attn_batches", 0)
-    if not total or small < max(2, total // 10):
-        return ""
+    """A line when the attention cap split a rank's decodes into several waves per layer, each costing a whole
+    batch's host work per layer on host-bound ranks: a small rest left queued (benchmarks/NOTES.md §19 item 4: 20%
+    of throughput on 2 x H200), or decode batches cut by the cap in general (§28 item 9: two waves of 128 ran
+    0.58-0.63x the tokens/s of one of 256; §29 item 6: one of 512 ran 1.8x one of 256). Empty when it did not
+    happen."""
+    total = metrics.get("attn_batches", 0)
+    small, capped = metrics.get("attn_small_remainders", 0), metrics.get("attn_capped_decode", 0)
     cap = next((q.batch_cap for rp in plan.ranks for q in rp.queues if q.kind == "attn"), None)
-    return (f"{small} of {total} attention batches hit the cap ({cap} tokens) and left under a quarter of a batch "
-            f"queued: a rank served a few more tokens at once than one batch holds, so a small second wave ran "
-            f"through every layer. Compile with a larger --attn-cap (at least the decodes a rank serves at once) "
-            f"or with --home-policy round_robin.")
+    fix = ("Compile with a larger --attn-cap (at least the decodes a rank serves at once) or with "
+           "--home-policy round_robin.")
+    if total and small >= max(2, total // 10):
+        return (f"{small} of {total} attention batches hit the cap ({cap} tokens) and left under a quarter of a "
+                f"batch queued: a rank served a few more tokens at once than one batch holds, so a small second "
+                f"wave ran through every layer. {fix}")
+    if total and capped >= max(2, total // 4):
+        return (f"{capped} of {total} attention batches were decode batches cut at the cap ({cap} tokens) with more "
+                f"decodes queued: a rank ran its decodes as several waves through every layer, and each wave costs "
+                f"a batch's host work per layer (on 2 x H200 one wave of 512 ran 1.8x the tokens/s of one of 256). "
+                f"{fix}")
+    return ""
 
 
 def _pages_for(requests: list, plan) -> int:

@@ -475,8 +475,11 @@ class Engine:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
                                f"nothing runnable")
         rows = sum(it.n for it in items)
-        if stage.kind == "attn" and rows >= stage.cap and 0 < self.queues[stage.id].rows < stage.cap // 4:
-            self.metrics.attn_small_remainders += 1
+        if stage.kind == "attn" and rows >= stage.cap and self.queues[stage.id].rows:  # the cap cut a wave
+            if self.queues[stage.id].rows < stage.cap // 4:
+                self.metrics.attn_small_remainders += 1
+            if sum(it.segments for it in items) == rows:  # decode rows only (prefill chunks fill the cap by design)
+                self.metrics.attn_capped_decode += 1
         now = self.clock.now()
         if self.trace is not None:
             self.trace.decision(self.rank, now, self.policy.name, stage.id, stage.name, decision.scores, rows)

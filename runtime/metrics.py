@@ -33,6 +33,9 @@ class RankMetrics:
     # Attention batches the cap cut while less than a quarter of a batch stayed queued: a tiny second wave
     # that then runs through every layer on its own (a rank serving a few more decodes than the cap).
     attn_small_remainders: int = 0
+    # Decode attention batches (one-row segments only) the cap cut with rows still queued: the rank ran its decodes
+    # as several waves per layer (each wave costs a batch's host work per layer; benchmarks/NOTES.md §29 item 6).
+    attn_capped_decode: int = 0
 
     def on_batch(self, rec: BatchRecord, waits: Iterable[float], counts: Optional[Iterable[int]] = None) -> None:
         """`waits[i]`: queueing delay of item i; `counts[i]`: how many rows it stands for (1 each when
@@ -70,6 +73,7 @@ def summarize(requests: list, ranks: list[RankMetrics], elapsed: float) -> dict:
         out[f"{kind}_mean_batch"] = sum(b.rows for b in recs) / len(recs) if recs else 0.0
     out["batches"] = sum(len(m.batches) for m in ranks)
     out["attn_small_remainders"] = sum(m.attn_small_remainders for m in ranks)
+    out["attn_capped_decode"] = sum(m.attn_capped_decode for m in ranks)
     items = sum(m.queued_items for m in ranks)
     out["max_queue_delay_s"] = max((m.max_queue_delay for m in ranks), default=0.0)
     out["mean_queue_delay_s"] = sum(m.queue_delay_sum for m in ranks) / items if items else 0.0

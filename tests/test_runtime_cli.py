@@ -90,11 +90,11 @@ def test_bad_prompt_line_names_file_line_and_field(in_tmp):
     assert "p.jsonl:2" in str(res.exception) and "prompt_token_ids" in str(res.exception)
 
 
-@pytest.mark.parametrize("n,hinted", [(9, True), (8, False)])
-def test_run_hints_when_the_attention_cap_leaves_a_small_second_wave(tmp_path, monkeypatch, n, hinted):
+@pytest.mark.parametrize("n,hinted", [(9, "small second wave"), (16, "several waves"), (8, None)])
+def test_run_hints_when_the_attention_cap_splits_the_decodes_into_waves(tmp_path, monkeypatch, n, hinted):
     """One rank, attention cap 8: 9 decoding requests make every step a batch of 8 plus a wave of 1 through
-    every layer (the 20% loss of benchmarks/NOTES.md §19 item 4); `dataflow run` says so and how to fix it.
-    8 requests fit one batch: no hint."""
+    every layer (the 20% loss of benchmarks/NOTES.md §19 item 4), 16 make two full waves (§29 item 6); `dataflow
+    run` says which and how to fix it. 8 requests fit one batch: no hint."""
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     res = runner.invoke(app, ["compile", "tiny", "--ranks", "1", "--attn-cap", "8"])
@@ -103,7 +103,8 @@ def test_run_hints_when_the_attention_cap_leaves_a_small_second_wave(tmp_path, m
                                                           "max_new_tokens": 8}) + "\n" for i in range(n)))
     res = runner.invoke(app, ["run", "--in-process", "--prompts", "p.jsonl", "--ignore-eos"])
     assert res.exit_code == 0, res.output
-    assert ("--attn-cap" in res.output and "hint" in res.output) == hinted, res.output
+    said = "--attn-cap" in res.output and "hint" in res.output
+    assert said == (hinted is not None) and (hinted is None or hinted in " ".join(res.output.split())), res.output
 
 
 def test_a_cuda_plan_without_a_gpu_runs_the_twin_with_a_pool_for_its_requests(tmp_path, monkeypatch):
