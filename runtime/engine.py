@@ -675,29 +675,21 @@ class Engine:
         multi = False
         track = self._chunked > 0  # else no K/V order to record, and every block row is its request's sampled one
         for it in batch.items:
-            if type(it) is AttnBlock and not track:  # one-row segments of requests with one segment in flight
-                if last:
-                    keep += range(row, row + it.n)
-                rids += it.rids
-                pos0s += it.pos
-                first += it.pos
-                ns += repeat(1, it.n)
-                row += it.n
-                continue
             if type(it) is AttnBlock:  # one-row segments
-                if last:
+                if track:
+                    for r, p in zip(it.rids, it.pos):
+                        reqs[r].kv_next[layer] = p + 1
+                if last and track:  # a chunked prompt's one-row chunk may not be its sampled row
                     for i, (r, p) in enumerate(zip(it.rids, it.pos)):
-                        req = reqs[r]
-                        req.kv_next[layer] = p + 1
-                        if p == self._sample_pos(req):
+                        if p == self._sample_pos(reqs[r]):
                             keep.append(row + i)
                             rids.append(r)
                             pos0s.append(p)
                             first.append(p)
                             ns.append(1)
                 else:
-                    for r, p in zip(it.rids, it.pos):
-                        reqs[r].kv_next[layer] = p + 1
+                    if last:
+                        keep += range(row, row + it.n)
                     rids += it.rids
                     pos0s += it.pos
                     first += it.pos
