@@ -210,10 +210,13 @@ class Engine:
         if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
             transport.recv_into = self._landing
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of an attention batch's dispatch, printed at exit
-        self._dispatch_timer = StepTimer(f"rank {self.rank} attention dispatch",
-                                         os.environ.get("DATAFLOW_PROFILE_EXEC") == "1")
-        if self._dispatch_timer.enabled:
-            atexit.register(lambda: print(self._dispatch_timer.report(), file=sys.stderr))
+        profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
+        self._dispatch_timer = StepTimer(f"rank {self.rank} attention dispatch", profile)
+        # ... and of its execute (NOTES §29 item 4: ~100-150 us of it outside the executor's own laps)
+        self._exec_timer = StepTimer(f"rank {self.rank} attention execute", profile)
+        if profile:
+            atexit.register(lambda: print(f"{self._dispatch_timer.report()}\n{self._exec_timer.report()}",
+                                          file=sys.stderr))
 
     def enable_decode_only(self, seed: int = 0) -> None:
         """The paper's throughput mode (runtime/decode_only.py): no prefill compute; an admitted request's
@@ -520,12 +523,15 @@ class Engine:
             batch.out["reqs"] = reqs
 
     def _exec_attn(self, batch: Batch) -> None:
+        tm = self._exec_timer
+        tm.start()
         layer = batch.stage.layer
         items: list = batch.items  # AttnItem segments and AttnBlocks
         if layer == 0:
             h = self.executor.embed([t for it in items for t in it.tokens])
         else:
             h = self._gather_h(items)
+        tm.lap("embed" if layer == 0 else "gather_h")
         positions, segments, row = [], [], 0
         for it in items:
             if type(it) is AttnBlock:
@@ -539,7 +545,9 @@ class Engine:
                 positions.extend(range(it.pos0, it.pos0 + it.n))
             segments.append((it.rid, row, it.n))
             row += it.n
+        tm.lap("segments")
         h_res, x = self.executor.attention(layer, h, positions, segments, self.kv)
+        tm.lap("executor")
         if not self.cfg.expert_rank[layer]:
             batch.out["h_next"] = h_res + self.executor.dense_mlp(layer, x)
         else:
@@ -551,6 +559,7 @@ class Engine:
                     ids, weights = self.executor.route(layer, x)
                     payload = pack_routed(x, ids.to(x.device), weights.to(x.device))
                 batch.out.update(h_res=h_res, payload=payload, shared=self.executor.shared_expert(layer, x))
+                tm.lap("payload")
                 return
             start = getattr(self.executor, "route_start", None) if self.async_route else None
             routing = start(layer, x) if start is not None else None
