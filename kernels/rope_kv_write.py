@@ -44,10 +44,14 @@ def rope_table(inv_freq: Tensor, scaling: float, positions: int) -> tuple[Tensor
     return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
 
 
-def _slots(pos: Tensor, rows: Tensor, table: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    posc = pos.to(torch.int64).clamp(min=0)
+def kv_write_torch(k: Tensor, v: Tensor, posc: Tensor, rows: Tensor, table: Tensor, block_size: int,
+                   kc: Tensor, vc: Tensor) -> None:
+    """Row i's K/V into the paged cache at position posc[i] (int64, >= 0) of table row rows[i]: slot = table[rows,
+    posc // bs] * bs + posc % bs of the flattened [pages * bs, heads, dim] cache (the reference's write; MLA's too)."""
     page = table[rows.to(torch.int64), torch.div(posc, block_size, rounding_mode="floor")].to(torch.int64)
-    return posc, page * block_size + posc % block_size
+    slot = page * block_size + posc % block_size
+    kc.view(-1, *kc.shape[2:]).index_copy_(0, slot, k.to(kc.dtype))
+    vc.view(-1, *vc.shape[2:]).index_copy_(0, slot, v.to(vc.dtype))
 
 
 def rope_kv_write_torch(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, rows: Tensor, table: Tensor, block_size: int,
@@ -55,11 +59,10 @@ def rope_kv_write_torch(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, rows: Tens
     """Reference (module docstring). q [b, nh, d], k [b, nkv, d], v [b, nkv, dv]; pos, rows [b] (int); table [R, W]
     int32 page ids; cos_tab/sin_tab [P, r/2] fp32 (`rope_table`); kc [pages, bs, nkv, d], vc [pages, bs, nkv, dv].
     Returns (rotated q, ctx int32 [b])."""
-    posc, slot = _slots(pos, rows, table, block_size)
+    posc = pos.to(torch.int64).clamp(min=0)
     cos, sin = cos_tab.index_select(0, posc), sin_tab.index_select(0, posc)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kc.view(-1, *kc.shape[2:]).index_copy_(0, slot, k.to(kc.dtype))
-    vc.view(-1, *vc.shape[2:]).index_copy_(0, slot, v.to(vc.dtype))
+    kv_write_torch(k, v, posc, rows, table, block_size, kc, vc)
     return q, (pos.to(torch.int64) + 1).to(torch.int32)
 
 

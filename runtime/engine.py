@@ -171,8 +171,8 @@ class Engine:
         self.on_control = None
         self._eligible = {sid: self._attn_eligible(s.layer) for sid, s in enumerate(cfg.stages) if s.kind == "attn"}
         # Live requests with `chunked` set: while there are none (decode, prompts of one chunk), no row's K/V order
-        # is checked or recorded (a per-row Python loop per attention batch and another per block: ~100 us per
-        # 256-row wave on the H200 host, NOTES §29)
+        # is checked or recorded (a per-row Python loop per attention batch and another per block; 10-25 us per
+        # 256-row attention batch on the H200 host, NOTES §29 item 5)
         self._chunked = 0
         self.decode_only = False
         # Wave hold (runtime/scheduler.py): rows each home announced it will still send to this rank's
@@ -212,7 +212,7 @@ class Engine:
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of an attention batch's dispatch, printed at exit
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._dispatch_timer = StepTimer(f"rank {self.rank} attention dispatch", profile)
-        # ... and of its execute (NOTES §29 item 4: ~100-150 us of it outside the executor's own laps)
+        # ... and of its execute (NOTES §29 item 4: the executor call, layer 0's embedding, the lists around them)
         self._exec_timer = StepTimer(f"rank {self.rank} attention execute", profile)
         if profile:
             atexit.register(lambda: print(f"{self._dispatch_timer.report()}\n{self._exec_timer.report()}",

@@ -58,7 +58,7 @@ from kernels.grouped_ffn import grouped_ffn_grouped_mm, grouped_ffn_torch, group
 from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
 from kernels.permute import permute_to_experts_triton
 from kernels.rms_norm import rms_norm_fused
-from kernels.rope_kv_write import rope_kv_write, rope_kv_write_torch, rope_table
+from kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
 from kernels.topk_merge import topk_merge
 from models import layers
 from models.attention import gqa_project, gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
@@ -585,10 +585,7 @@ class CudaExecutor:
             else:
                 posc = meta[0].to(torch.int64).clamp(min=0)
                 q, kk, vv = self._qkv(spec, lw, xn, posc, rope_cs=self._rope(posc))
-                page = bt.gather(1, torch.div(posc, bs, rounding_mode="floor")[:, None]).squeeze(1).to(torch.int64)
-                slot = page * bs + posc % bs
-                kc.view(-1, *kc.shape[2:]).index_copy_(0, slot, kk.to(kc.dtype))
-                vc.view(-1, *vc.shape[2:]).index_copy_(0, slot, vv.to(vc.dtype))
+                kv_write_torch(kk, vv, posc, meta[1], table, bs, kc, vc)
                 ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
             o = attn_fn(q, kc, vc, bt, ctx, self._scale, sinks, window)
             h_res = torch.add(h_in, F.linear(o.reshape(b, -1), lw["o.w"], lw.get("o.b")), out=out[0])
