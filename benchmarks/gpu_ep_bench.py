@@ -142,9 +142,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt", type=int, default=None, help="prompt lengths clipped here (1024)")
     p.add_argument("--new-tokens", default=None, help="A:B new tokens per request, uniform (32:64)")
     p.add_argument("--zipf", type=float, default=1.2)
-    p.add_argument("--attn-cap", type=int, default=256,
-                   help="tokens per attention batch (the plan's attn_cap): below C, a home's decode wave runs as "
-                        "several attention batches, i.e. several waves in flight")
+    p.add_argument("--attn-cap", type=int, default=None,
+                   help="tokens per attention batch (the plan's attn_cap; default: the plan's, "
+                        "lowering.plan.DEFAULT_ATTN_CAP): below C, a home's decode wave runs as several attention "
+                        "batches, i.e. several waves in flight")
     p.add_argument("--expert-cap", type=int, default=None,
                    help="routed rows (slots, with the device-routed dispatch) per expert batch; also the largest captured "
                         "expert bucket (lowering/capture.py); default: the plan's (lowering.plan.default_expert_cap)")
@@ -212,11 +213,11 @@ def main(argv=None) -> int:
     if not gpu:  # only once the arguments are valid: a caller's process (a test) keeps its environment
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    from lowering.plan import compile_plan
+    from lowering.plan import DEFAULT_ATTN_CAP, compile_plan
     from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
     spec = cut_spec(model, layers, dtype)
     plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy,
-                        attn_cap=args.attn_cap, expert_cap=args.expert_cap)
+                        attn_cap=args.attn_cap or DEFAULT_ATTN_CAP, expert_cap=args.expert_cap)
     es = ExecSpec(model=model, layers=layers, dtype=dtype, executor=executor, zipf_s=args.zipf, seed=args.seed,
                   max_context=max_prompt + new_hi + 32)
     delays = BurstDelays(args.burst_period_ms, args.burst_duty, args.burst_us, links=links,

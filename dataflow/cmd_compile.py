@@ -12,6 +12,7 @@ import typer
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec, cut_layers, load_spec
+from lowering.plan import DEFAULT_ATTN_CAP
 
 GIB = 1024 ** 3
 
@@ -65,7 +66,9 @@ def register(app: typer.Typer) -> None:
         device_memory: Optional[float] = typer.Option(None, "--device-memory",
                                                       help="GiB per device (default cpu 16, cuda 132: an H200's 139.8 less context/NCCL/workspace room)"),
         block_size: int = typer.Option(16, "--block-size", help="KV cache page size in tokens"),
-        attn_cap: int = typer.Option(256, "--attn-cap", help="max tokens per attention batch"),
+        attn_cap: int = typer.Option(DEFAULT_ATTN_CAP, "--attn-cap",
+                                     help="max tokens per attention batch (also the prompt chunk): a home's decodes run "
+                                          "as one wave per layer while they fit it"),
         expert_cap: Optional[int] = typer.Option(None, "--expert-cap",
                                                  help="max routed rows per expert batch (default: 1024; with the "
                                                       "device-routed dispatch, slots: ranks x attn cap x top-k)"),

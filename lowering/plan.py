@@ -30,9 +30,16 @@ PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
 SUMMARY_FILE = "plan.txt"
 
-# Published StreamEP numbers (see shared/docs/streamep.md): caps of one batch and CUDA graph buckets.
-DEFAULT_ATTN_CAP = 256
+# Tokens per attention batch. Not the paper's 256: a home's decode wave runs as one batch per layer only while it fits
+# the cap, and a rank's host cost is per batch, so a wave split in two costs ~30-40% of the tokens/s (2 x H200, 20B-L8:
+# C=512 at cap 256 ran 31.7k tok/s against ~44k at cap 512 or 1024, run 102; §29 item 6), while a cap above the load
+# costs nothing (a batch takes the capture bucket of its own size: C=256 ran 31.0k at cap 256 and 31.5k at cap 1024,
+# C=512 42.7k and 44.6k, medians of 3 alternating rounds, run 102; benchmarks/NOTES.md §30). So the default is large
+# and the wave follows the load up to it. What it costs: the buckets above 256 (graphs, static buffers, the
+# device-routed expert cap ranks x cap x top-k), on 2 x H200 2.5% of the KV pool at GPT-OSS-20B, 14% at 120B.
+DEFAULT_ATTN_CAP = 1024
 DEFAULT_EXPERT_CAP = 1024
+# Published StreamEP numbers (see shared/docs/streamep.md): CUDA graph buckets.
 PUBLISHED_ATTN_BUCKETS = [1, 8, 40, 72, 104, 128, 192, 256]
 PUBLISHED_EXPERT_BUCKETS = [128, 256, 512, 1024]
 DEFAULT_BLOCK_SIZE = 16

@@ -178,13 +178,16 @@ def test_buckets_follow_caps_and_graph_memory_counts_only_on_cuda():
     assert plan.capture.buckets["attn"] == [1, 8, 40, 72, 100]
     assert plan.capture.buckets["expert"] == [64]
     assert not plan.capture.enabled and plan.capture.graph_memory_bytes == [0, 0]
-    cuda = compile_plan(tiny(), 2, device="cuda")
+    cuda = compile_plan(tiny(), 2, device="cuda", attn_cap=256)
     assert cuda.capture.buckets["attn"] == [1, 8, 40, 72, 104, 128, 192, 256]
     assert cuda.capture.buckets["expert"] == [128, 256, 512, 1024]
     assert all(b > 0 for b in cuda.capture.graph_memory_bytes)
     # One pool per (kind, bucket), shared by every layer of that kind.
     attn_pools = [p for p in cuda.capture.pools if p.kind == "attn"]
     assert len(attn_pools) == 8 and all(p.layers == [0, 1, 2] for p in attn_pools)
+    # The default cap (1,024: a wave follows the load up to it) doubles past the published buckets.
+    assert compile_plan(tiny(), 2, device="cuda").capture.buckets["attn"] == [1, 8, 40, 72, 104, 128, 192, 256, 512,
+                                                                               1024]
 
 
 def test_device_routed_expert_cap_holds_every_homes_whole_batch():
@@ -192,10 +195,11 @@ def test_device_routed_expert_cap_holds_every_homes_whole_batch():
     cap holds every home's batch at once (ranks x attn cap x top-k), with doubling buckets above the published ones;
     host-routed plans and an explicit cap are unchanged."""
     spec = load_spec("models/specs/gpt-oss-20b.yaml")  # top-4
-    two = compile_plan(spec, 2, device="cuda", dispatch="device")
+    two = compile_plan(spec, 2, device="cuda", dispatch="device", attn_cap=256)
     assert two.caps.expert_rows == 2 * 256 * 4 and two.capture.buckets["expert"] == [128, 256, 512, 1024, 2048]
-    eight = compile_plan(spec, 8, device="cuda", dispatch="device")
+    eight = compile_plan(spec, 8, device="cuda", dispatch="device", attn_cap=256)
     assert eight.capture.buckets["expert"] == [128, 256, 512, 1024, 2048, 4096, 8192]
+    assert compile_plan(spec, 2, device="cuda", dispatch="device").caps.expert_rows == 2 * 1024 * 4  # the default cap
     assert compile_plan(spec, 2, device="cuda", dispatch="host").caps.expert_rows == 1024
     assert compile_plan(spec, 2, device="cuda", dispatch="device", expert_cap=1024).capture.buckets["expert"] == [
         128, 256, 512, 1024]
