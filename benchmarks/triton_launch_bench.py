@@ -7,6 +7,8 @@ of one call (no synchronization inside; median of 5 rounds):
 - wrapper: kernels.topk_merge.topk_merge (checks, output allocation, backend choice, the JIT launch);
 - jit: the jitted kernel's `kernel[grid](...)` alone (Triton's binder, cache key, launch);
 - compiled: the CompiledKernel the JIT returned, run directly with the bound arguments (no binder, no key);
+- lazyjit: the kernel's LazyJit launch (kernels/fast_launch.py: the argument key, then the compiled kernel directly);
+- the wrapper with a no-op launch, and its steps one by one;
 - torch: the same sum as separate torch ops (h_res + shared + y0 + y1 in fp32), for scale.
 
     python benchmarks/triton_launch_bench.py [--reps 2000]
@@ -82,6 +84,29 @@ def main() -> None:
                      per_call_us(direct, args.reps)))
     except Exception as err:  # noqa: BLE001 - the launcher's signature differs between Triton versions
         rows.append((f"compiled: unavailable ({type(err).__name__}: {err})", float("nan")))
+    # The wrapper's own steps, each on these CUDA tensors (run 102: the wrapper cost 58 us where the JIT launch
+    # inside it cost 18: where do the other 40 go?)
+    import kernels.topk_merge as tm
+    from kernels import dispatch
+    rows.append(("lazyjit: _TOPK_MERGE[grid](...) (kernels/fast_launch.py, key + direct launch)",
+                 per_call_us(lambda: _TOPK_MERGE[grid](*a, **meta), args.reps)))
+    fast, _TOPK_MERGE._fast = _TOPK_MERGE._fast, (lambda grid, args, meta: None)
+    try:
+        rows.append(("wrapper with a no-op launch", per_call_us(lambda: topk_merge(h, sh, ys, ri, w), args.reps)))
+    finally:
+        _TOPK_MERGE._fast = fast
+    rows.append(("  _check", per_call_us(lambda: tm._check(h, sh, ys, ri, w), args.reps)))
+    rows.append(("  backend_for", per_call_us(lambda: dispatch.backend_for(h, sh, ys, ri, w), args.reps)))
+    rows.append(("  torch.empty like the output", per_call_us(
+        lambda: torch.empty((T, H), dtype=dispatch.kernel_store_dtype(h.dtype), device=h.device), args.reps)))
+    rows.append(("  out.to(same dtype)", per_call_us(lambda: out.to(h.dtype), args.reps)))
+    rows.append(("  three _last_dim_dense + two contiguous", per_call_us(
+        lambda: (tm._last_dim_dense(h), tm._last_dim_dense(ys), tm._last_dim_dense(sh), ri.contiguous(),
+                 w.contiguous()), args.reps)))
+    rows.append(("  five strides", per_call_us(
+        lambda: (h.stride(0), sh.stride(0), ys.stride(0), out.stride(0), w.stride(0)), args.reps)))
+    from kernels.fast_launch import arg_key
+    rows.append(("  fast_launch key of the 11 arguments", per_call_us(lambda: tuple(map(arg_key, a)), args.reps)))
     rows.append(("torch: four fp32 ops", per_call_us(
         lambda: (h.float() + sh.float() + ys[:T].float() + ys[T:].float()).to(h.dtype), args.reps)))
     rows.append(("torch: current_stream()", per_call_us(torch.cuda.current_stream, args.reps)))
