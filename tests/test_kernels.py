@@ -492,6 +492,9 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
     from runtime.executor import TorchExecutor
     from runtime.executor_cuda import CudaExecutor
     from runtime.kv_cache import BlockAllocator, PagedKVStore
+    if triton_device != "cpu":  # (it ran on the H200 in run 103 and failed there: CPU tensors, no interpreter)
+        pytest.skip("the interpreter's check of the attention body over a CPU KV store; on a GPU, "
+                    "benchmarks/gpu_bench.py's correctness section checks the body against the torch executor")
     monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
     spec = load_spec(f"models/specs/{name}.yaml")
     w = random_weights(spec)
