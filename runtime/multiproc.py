@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from runtime.cpu_bind import bind_rank_threads
+from runtime.gc_settle import settle_heap, thaw_heap
 from runtime.launch import RankEnv, from_torchrun_env, launch_local, local_world, run_rank
 
 CTRL_READY, CTRL_SYNC, CTRL_SYNCED = "ready", "sync", "synced"
@@ -350,19 +351,23 @@ class RankNode:
     # -------------------------------------------------------------- life cycle
     def serve(self) -> list:
         results = []
-        for w, (requests, options) in enumerate(self.job.workloads):
-            self._start_workload(w, options)
-            # Every workload starts behind a barrier: on the GPU each rank captures this workload's
-            # CUDA graphs in _start_workload, and no peer may send before that is done (a capture
-            # that overlaps NCCL traffic failed on the 2 x H200 run).
-            self._startup(w)
-            if self.is_coord:
-                self.coord = Coordinator(self, w, requests, options)
-            if self.verbose:
-                print(f"rank {self.rank} (pid {os.getpid()}): serving workload {w}", file=sys.stderr, flush=True)
-            self._loop(options)
-            if self.is_coord:
-                results.append(self.coord.result())
+        try:
+            for w, (requests, options) in enumerate(self.job.workloads):
+                self._start_workload(w, options)
+                settle_heap()  # no full garbage collection of the startup heap inside the loop (runtime/gc_settle.py)
+                # Every workload starts behind a barrier: on the GPU each rank captures this workload's
+                # CUDA graphs in _start_workload, and no peer may send before that is done (a capture
+                # that overlaps NCCL traffic failed on the 2 x H200 run).
+                self._startup(w)
+                if self.is_coord:
+                    self.coord = Coordinator(self, w, requests, options)
+                if self.verbose:
+                    print(f"rank {self.rank} (pid {os.getpid()}): serving workload {w}", file=sys.stderr, flush=True)
+                self._loop(options)
+                if self.is_coord:
+                    results.append(self.coord.result())
+        finally:
+            thaw_heap()
         return results
 
     def _start_workload(self, w: int, options) -> None:

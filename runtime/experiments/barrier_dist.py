@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from runtime.cpu_bind import bind_rank_threads
+from runtime.gc_settle import settle_heap, thaw_heap
 from runtime.cuda_stream import current_stream
 from runtime.launch import local_world
 from runtime.routed_rows import ids_of
@@ -495,6 +496,7 @@ def barrier_dist_rank_main(env, job: DistJob):
     finally:
         _ACTIVE["delay"] = 0.0
         _hogs_off(hogs_state)
+        thaw_heap()
         try:
             dist.barrier()
             dist.destroy_process_group()
@@ -561,6 +563,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
                 delay_s[0] += d
 
     started: set = set()
+    settle_heap()  # as the streaming ranks do before serving (runtime/gc_settle.py)
     _sync(device)
     dist.barrier()
     t0 = time.perf_counter()
