@@ -16,25 +16,14 @@ of one call (no synchronization inside; median of 5 rounds):
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def per_call_us(f, reps: int) -> float:
-    f()
-    rounds = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(reps):
-            f()
-        rounds.append((time.perf_counter() - t) / reps * 1e6)
-    return statistics.median(rounds)
+from benchmarks.host_speed import per_call_us  # noqa: E402 - after the path above
 
 
 def main() -> None:
