@@ -1,10 +1,11 @@
 """Launching a compiled Triton kernel again without the JIT's per-call argument binding.
 
-`kernel[grid](*args)` costs ~32 us of host on the H200 machine (benchmarks/triton_launch_bench.py, run 102) where a
-torch launch costs ~9: each call Triton binds the arguments, derives their specialization (dtypes, 16-byte alignment,
-integer ranges), builds a cache key from it and the options, and only then launches. Outside a CUDA graph that is
-paid per launch: the merge of a device-routed layer's partial sums (kernels/topk_merge.py) runs twice per layer and
-rank on the streaming hot path.
+Each `kernel[grid](*args)` has Triton bind the arguments, derive their specialization (dtypes, 16-byte alignment,
+integer ranges), build a cache key from it and the options, and only then launch: 16.5-18.3 us of host on the H200
+machines, where calling the CompiledKernel's `run` directly takes 6.9-7.3 (benchmarks/triton_launch_bench.py, runs
+102-103). Outside a CUDA graph that is paid per launch: the merge of a device-routed layer's partial sums
+(kernels/topk_merge.py) runs twice per layer and rank on the streaming hot path. Measured through this file (run
+103): 14.7 us per launch, the key of the arguments being 3.2 of it (benchmarks/NOTES.md §30 item 2).
 
 `FastLauncher` keeps, per (grid-independent) key of the arguments, the CompiledKernel the JIT returned the first
 time, and launches it directly after that. The key holds everything Triton specializes on, at least as finely:
