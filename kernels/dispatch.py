@@ -94,8 +94,7 @@ def backend_for(*tensors: torch.Tensor | None) -> str:
 class LazyJit:
     """A Triton kernel that is only `triton.jit`-ed at its first launch (see module docstring).
 
-    Use exactly like a jitted kernel: `KERNEL[grid](*args, **meta)` (repeated launches skip the JIT's argument
-    binding: kernels/fast_launch.py; a grid must be a tuple, not a function). The wrapped function must be
+    Use exactly like a jitted kernel: `KERNEL[grid](*args, **meta)`. The wrapped function must be
     a module-level function whose body is Triton code referring to `tl` (triton.language); any
     device function it calls must be listed in `helpers`. Its module must not import triton itself: `tl` is
     bound into the module's globals here, at the first launch.
@@ -109,7 +108,6 @@ class LazyJit:
         self.helpers = helpers
         self.jit_kwargs = jit_kwargs
         self._jitted: Any = None
-        self._fast: Any = None  # kernels/fast_launch.FastLauncher, made with the jitted kernel
         functools.update_wrapper(self, fn)
 
     def _get(self) -> Any:
@@ -126,11 +124,7 @@ class LazyJit:
         return self._jitted
 
     def __getitem__(self, grid: Any) -> Any:
-        if self._fast is None:
-            from kernels.fast_launch import FastLauncher
-            self._fast = FastLauncher(self._get())
-        fast = self._fast
-        return lambda *args, **meta: fast(grid, args, meta)
+        return self._get()[grid]
 
 
 def cdiv(a: int, b: int) -> int:
