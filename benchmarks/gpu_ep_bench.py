@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--home-policy", default="round_robin", choices=["round_robin", "most_free_kv"],
                    help="home rank of each request (both systems alike). round_robin: exactly C per rank. "
                         "most_free_kv (the plan default) balances KV blocks instead: 265 / 247 requests at C=256 "
-                        "with ShareGPT prompts, and rank 0's 265 exceed the 256-row attention cap, so its every "
+                        "with ShareGPT prompts, and rank 0's 265 exceeded the then 256-row attention cap, so its every "
                         "decode step ran two attention waves (runs 27-31, NOTES §19 item 4)")
     p.add_argument("--lengths", default="sharegpt", choices=["sharegpt", "gsm8k"],
                    help="prompt-length distribution (shared/data percentiles; new tokens stay --new-tokens)")
