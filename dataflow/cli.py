@@ -43,13 +43,26 @@ def main() -> None:
         sys.exit(130)
     except SystemExit:
         raise
-    except Exception as err:  # click usage errors come through here in non-standalone mode
-        import click
-        if isinstance(err, click.exceptions.ClickException):
-            err.show()
+    except typer.Exit as err:
+        sys.exit(err.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as err:  # usage errors (an unknown option, a bad value) come through here in non-standalone mode
+        if isinstance(err, _usage_error_types()):
+            err.show()  # "Error: No such option: --plan" and the like, no traceback
             sys.exit(2)
-        if isinstance(err, click.exceptions.Exit):
-            sys.exit(err.exit_code)
-        if isinstance(err, click.exceptions.Abort):
-            sys.exit(130)
         raise
+
+
+def _usage_error_types() -> tuple:
+    """The usage-error base class of the click that typer runs on: its own copy since typer 0.2x (typer._click), the
+    click package before. Checking click's alone let an unknown option end in a traceback with exit code 1 under
+    typer 0.29."""
+    import importlib
+    types = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            types.append(importlib.import_module(name).ClickException)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)

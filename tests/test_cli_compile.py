@@ -131,6 +131,13 @@ def test_inspect_bad_rank_and_section(workdir, monkeypatch, capsys):
     assert code == 2 and "valid: placement, queues, graphs, routes, memory" in err
 
 
+def test_an_unknown_option_is_a_usage_error_without_traceback(workdir, monkeypatch, capsys):
+    for args in (("inspect", "--plan", "x"), ("compile", "tiny", "--bogus"), ("run", "--max-new-tokens", "many")):
+        code, _, err = run(monkeypatch, capsys, *args)
+        assert code == 2, (args, err)
+        assert "Traceback" not in err and ("No such option" in err or "Invalid value" in err), (args, err)
+
+
 def test_directory_without_config_json(workdir, monkeypatch, capsys):
     (workdir / "ckpt").mkdir()
     code, _, err = run(monkeypatch, capsys, "compile", "ckpt")
