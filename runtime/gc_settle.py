@@ -3,9 +3,10 @@
 A rank process holds hundreds of thousands of container objects before it serves a token (215k after the imports
 alone): torch, triton, numpy and their modules, the model's Python wrappers, the plan. CPython's full (generation 2)
 collection walks all of them, and it runs inside whatever statement happened to allocate when the young generations
-overflowed. On the H200 hosts those collections took 208-292 ms each (the phase profiles of runs 20 and 22: `gc gen2`
-lines), the size of the 130-400 ms rank-wide stalls that put ITL p99 at 10x p50 in about half of the GPU launches
-(benchmarks/NOTES.md §22 item 13, §30 item 3).
+overflowed. On the H200 hosts a full collection took 208-292 ms (the `gc gen2` lines of runs 20 and 22's phase
+profiles, which then counted start-up collections too), the size of the 130-400 ms rank-wide stalls that put ITL p99
+at 10x p50 in about half of the GPU launches; freezing the heap removed those stalls (run 104; benchmarks/NOTES.md
+§22 item 13, §30 item 3).
 
 `settle_heap()` runs just before each workload is served (after weights, graph capture and the engine exist; outside
 every timed window): it unfreezes what an earlier call froze, so that garbage among it is found (the last workload's

@@ -257,16 +257,20 @@ class _PhaseTimes:
         self.iterations = 0
         self.batches: dict[str, int] = {}
         self.all: dict[str, list[float]] = {}  # every call's seconds (first calls, median, max)
-        # Python's cyclic garbage collector: time per generation (runs inside whatever allocated)
+        # Python's cyclic garbage collector: time per generation (runs inside whatever allocated), counted only while
+        # the loop runs (`in_loop`): start-up's collections and settle_heap's own are not the loop's (until session
+        # 13 they were counted too, so a "gc gen2" line could be a start-up collection)
         import gc
         self._gc_t0 = 0.0
         self.gc: dict[int, list[float]] = {}
+        self.in_loop = False
 
         def on_gc(phase: str, info: dict) -> None:
             if phase == "start":
                 self._gc_t0 = time.perf_counter()
-            else:
+            elif self.in_loop:
                 self.gc.setdefault(info["generation"], []).append(time.perf_counter() - self._gc_t0)
+        self.on_gc = on_gc
         gc.callbacks.append(on_gc)
 
     def add(self, phase: str, dt: float) -> None:
@@ -485,6 +489,7 @@ class RankNode:
                 _timed(ph, n, f) for n, f in (("tick", tick), ("poll", poll), ("feed", feed),
                                              ("next_batch", next_batch), ("finish", finish)))
             execute, complete = _timed(ph, "execute", execute, True), _timed(ph, "complete", complete, True)
+            ph.in_loop = True
         fresh = False  # the idle wait just polled (and fed what came): no second poll before deciding
         while not self.stopped:
             if ph is not None:
@@ -528,6 +533,8 @@ class RankNode:
                 fresh = feed(arrivals) > 0
             else:
                 fresh = feed(tr.poll(timeout=wait)) > 0
+        if ph is not None:
+            ph.in_loop = False
 
     def _send_finished(self) -> None:
         e = self.engine

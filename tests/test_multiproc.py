@@ -220,3 +220,20 @@ def test_ctrl_c_takes_every_rank_down(plan_dirs):
     assert rc == 130, err
     assert "interrupted" in err
     assert run.orphans() == []
+
+
+def test_the_phase_profile_counts_only_the_loops_collections():
+    """Start-up's collections (and settle_heap's own) are not the serving loop's: the report counts those made while
+    the loop runs."""
+    import gc
+
+    from runtime.multiproc import _PhaseTimes
+    ph = _PhaseTimes()
+    try:
+        gc.collect()
+        assert not ph.gc
+        ph.in_loop = True
+        gc.collect()
+        assert len(ph.gc[2]) == 1 and "gc gen2: 1 collections" in ph.report(0)
+    finally:
+        gc.callbacks.remove(ph.on_gc)
