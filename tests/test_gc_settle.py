@@ -15,7 +15,7 @@ def test_settle_freezes_the_survivors_and_thaw_gives_them_back(monkeypatch):
         assert settle_heap() > 0.0
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # at least the modules this test process imported
-        assert not gc.get_objects(2) or len(gc.get_objects(2)) < frozen  # the walked generation no longer holds them
+        assert len(gc.get_objects(2)) < min(1000, frozen // 10)  # the walked oldest generation no longer holds them
     finally:
         thaw_heap()
     assert gc.get_freeze_count() == 0
