@@ -13,6 +13,9 @@
 # question this run answers; benchmarks/NOTES.md §26 item 11, §27 item 4), against all-gather and
 # all-to-all EP; clean, compute hog on GPU 1, +5 ms bursts on the link 0-1 only (one slow link among 28), NVLink hog
 # between GPUs 0 and 1. 1 round. Output: env.txt, ep.md (tok/s, ratios, ITL p50/p99, batch sizes, host us, GB/s).
+# Attention cap 256 (session 13 made the default 1,024): C=64 per rank never needs more, and at 8 ranks the default's
+# device-routed expert cap would be 8 x 1,024 x 4 = 32,768 slots, ~700 graphs per rank to capture per launch, which
+# this call's time budget was not planned for.
 set -u
 OUT=${1:?out dir}; LENGTHS=${2:?sharegpt or gsm8k}
 . benchmarks/device/prelude.sh
@@ -21,7 +24,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv >> "$OUT/env.txt" 2>
 unset DATAFLOW_DISPATCH
 P=$(mktemp -d /tmp/ep8.XXXX)
 timeout 560 python3 benchmarks/gpu_ep_bench.py --out "$P" --model gpt-oss-120b --layers 36 --ranks 8 --lengths "$LENGTHS" \
-  --budget 550 --systems "streaming-defrag:hold_fill=1;hold_us=30000,ag-ep,a2a-ep" \
+  --budget 550 --attn-cap 256 --systems "streaming-defrag:hold_fill=1;hold_us=30000,ag-ep,a2a-ep" \
   --variants "host:DATAFLOW_DISPATCH=host;device:DATAFLOW_DISPATCH=device" \
   --scenarios clean,compute-hog,delay-5ms,nvlink-hog --delay-links 0-1 --hog-device 1 --concurrency 64 \
   --new-tokens 32:64 > "$P/ep.log" 2>&1
