@@ -794,28 +794,27 @@ class Engine:
             off += c
         tm.lap("send+enqueue")
 
-    def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of, sent: Optional[int] = None) -> None:
+    def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of,
+                         sent: Optional[tuple[int, float]] = None) -> None:
         """Device-routed dispatch (runtime/routed_rows.py): the whole batch's payload (rows, expert ids and weights)
         to every rank holding experts of the layer; each returns one row per token (the weighted sum of its own
-        slots), which the merge group, a holder group, lands at holder j's range j*T .. (j+1)*T - 1. `sent`: the
-        group id the payload already went out under (_send_routed, before the bookkeeping); None: send it now."""
+        slots), which the merge group, a holder group, lands at holder j's range j*T .. (j+1)*T - 1. `sent`: what
+        _send_routed returned when the payload already went out (before the bookkeeping); None: send it now."""
         payload = rows_of(batch.out["payload"])
         owners = self._owners[layer]
-        if sent is None:
-            sent = self._send_routed(batch, layer, payload)
+        gid, more = sent if sent is not None else self._send_routed(batch, layer, payload)
         g = open_group(None, batch.t_start, holders=len(owners))
-        assert g.gid == sent, (g.gid, sent)
+        assert g.gid == gid, (g.gid, gid)
         tm = self._dispatch_timer
         tm.lap("routed:merge_open")
         T = payload.shape[0]
-        if self.rank in owners:
-            self._enqueue_routed(layer, self.rank, payload, (g.gid << TAG_SHIFT) + owners.index(self.rank) * T,
-                                 self._wave_ahead(batch) * self.cfg.top_k)
+        if self.rank in owners:  # (opening the layer's group changed no count `more` was made of)
+            self._enqueue_routed(layer, self.rank, payload, (gid << TAG_SHIFT) + owners.index(self.rank) * T, more)
         tm.lap("routed:enqueue")
 
-    def _send_routed(self, batch: Batch, layer: int, payload: torch.Tensor) -> int:
+    def _send_routed(self, batch: Batch, layer: int, payload: torch.Tensor) -> tuple[int, float]:
         """Send the payload to every other holder of `layer`, tagged for the merge group the next open() makes
-        (holder j's rows at j*T ..); returns that group's id."""
+        (holder j's rows at j*T ..); returns that group's id and the wave announcement sent with it (`more`)."""
         gid = self.merge.next_gid
         T = payload.shape[0]
         more = self._wave_ahead(batch) * self.cfg.top_k
@@ -823,7 +822,7 @@ class Engine:
             if d != self.rank:
                 self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank,
                                         "rows": ((gid << TAG_SHIFT) + j * T, T), "more": more}, payload)
-        return gid
+        return gid, more
 
     def _wave_ahead(self, batch: Batch) -> float:
         """This home's tokens still headed for the batch's attention stage soon (the wave announcement)."""

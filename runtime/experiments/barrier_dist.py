@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from runtime.cpu_bind import bind_rank_threads
-from runtime.gc_settle import settle_heap, thaw_heap
 from runtime.cuda_stream import current_stream
+from runtime.gc_settle import settle_heap, thaw_heap
 from runtime.launch import local_world
 from runtime.routed_rows import ids_of
 from runtime.experiments.barrier import step_batch
