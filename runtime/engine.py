@@ -384,6 +384,9 @@ class Engine:
         y, row_index = MergeTable.combine_inputs(g, rows)
         h_next = self.executor.combine(h_res, shared, y, w, row_index)
         nxt = self.stages[self.expert_stage[g.layer]].next
+        if rows is None:  # the whole group (a decode wave's usual case): its lists as they are, no per-segment pick
+            self._forward(nxt, g.rids, g.first.tolist(), g.n.tolist(), h_next, g.multi)
+            return
         n = g.n[segs]
         self._forward(nxt, [g.rids[s] for s in segs.tolist()], g.first[segs].tolist(), n.tolist(), h_next,
                       n.max() > 1)
@@ -832,20 +835,22 @@ class Engine:
         layer = batch.stage.layer
         y = batch.out["y"]
         items = batch.items
-        by_home: dict[int, list[tuple[int, int, np.ndarray]]] = {}  # home -> [(first row, end row, tags)]
+        by_home: dict[int, list[tuple[int, int, object]]] = {}  # home -> [(first row, end row, item)]
         row = 0
         for it in items:
-            by_home.setdefault(it.home, []).append((row, row + it.out_rows, it.tag))
+            by_home.setdefault(it.home, []).append((row, row + it.out_rows, it))
             row += it.out_rows
         for dst in sorted(by_home):
             parts = by_home[dst]
+            # The rows' merge tags in the wire form: usually one run, bookkept with slices (MergeTable.add), 3 ints
+            # on the wire. A device-routed item's tags are a run by construction (no array made and scanned for it).
             if len(parts) == 1:
-                a, b, tags = parts[0]
+                a, b, it = parts[0]
                 part = y if a == 0 and b == row else y[a:b]
+                rows = (it.tag0, it.out_rows) if type(it) is RoutedItem else encode_tags(it.tag)
             else:
                 part = torch.cat([y[a:b] for a, b, _ in parts])
-                tags = np.concatenate([t for _, _, t in parts])
-            rows = encode_tags(tags)  # usually one run: bookkept with slices (MergeTable.add), 3 ints on the wire
+                rows = encode_tags(np.concatenate([it.tag for _, _, it in parts]))
             if dst == self.rank:
                 self._merge_rows(layer, rows, part)
             else:

@@ -74,6 +74,11 @@ class MergeGroup:
     def rows(self) -> int:
         return len(self.seg_of_row)
 
+    @property
+    def multi(self) -> bool:
+        """Some segment has more than one row (a prompt chunk)."""
+        return len(self.seg_of_row) > len(self.rids)
+
     def rows_of(self, segs: np.ndarray) -> np.ndarray:
         """Group row indices of segments `segs` (ascending segment order, rows in order)."""
         n = self.n[segs]
