@@ -206,6 +206,9 @@ class Engine:
                              f"{type(executor).__name__} has none (use DATAFLOW_DISPATCH=host)")
         self._owned: dict = {}  # (layer, device) -> bool tensor [E]: experts this rank holds (device-routed dispatch)
         self.deferred: deque = deque()
+        # A decode wave keeps its (rids, pos) lists through every layer of a step (_complete_attn, _merged pass them
+        # on as they are), so the batch lists derived from them are made once per step: (rids, pos, segments).
+        self._wave_segments: Optional[tuple] = None
         self._deferred_attn_rows = [0] * cfg.num_layers  # rows of deferred attention batches per layer (_incoming)
         if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
             transport.recv_into = self._landing
@@ -384,8 +387,10 @@ class Engine:
         y, row_index = MergeTable.combine_inputs(g, rows)
         h_next = self.executor.combine(h_res, shared, y, w, row_index)
         nxt = self.stages[self.expert_stage[g.layer]].next
-        if rows is None:  # the whole group (a decode wave's usual case): its lists as they are, no per-segment pick
-            self._forward(nxt, g.rids, g.first.tolist(), g.n.tolist(), h_next, g.multi)
+        if rows is None and not g.multi:  # a whole decode wave: its lists as they are (see _block_segments); pos0 ==
+            # first for one-row segments, except after the last layer, where first is the sampled position, which the
+            # sample stage does not read
+            self._forward(nxt, g.rids, g.pos0, None, h_next, False)  # (ns is read only when multi)
             return
         n = g.n[segs]
         self._forward(nxt, [g.rids[s] for s in segs.tolist()], g.first[segs].tolist(), n.tolist(), h_next,
@@ -535,7 +540,12 @@ class Engine:
         else:
             h = self._gather_h(items)
         tm.lap("embed" if layer == 0 else "gather_h")
-        positions, segments, row = [], [], 0
+        if len(items) == 1 and type(items[0]) is AttnBlock:  # a decode wave's batch
+            positions, segments = items[0].pos, self._block_segments(items[0])
+            items = ()
+        else:
+            positions, segments = [], []
+        row = 0
         for it in items:
             if type(it) is AttnBlock:
                 positions.extend(it.pos)
@@ -573,6 +583,16 @@ class Engine:
                                  shared=self.executor.shared_expert(layer, x))
             else:  # ready() / result(): read by complete() once on the host
                 batch.out.update(h_res=h_res, x=x, routing=routing, shared=routing.shared)
+
+    def _block_segments(self, blk: AttnBlock) -> list:
+        """The one-row segments (rid, row, 1) of a batch that is one block: the same list object at every layer of
+        the wave (the CUDA executor keys its table-row lookup on it)."""
+        memo = self._wave_segments
+        if memo is not None and memo[0] is blk.rids and memo[1] is blk.pos:
+            return memo[2]
+        segments = list(zip(blk.rids, range(blk.n), repeat(1)))
+        self._wave_segments = (blk.rids, blk.pos, segments)
+        return segments
 
     @staticmethod
     def _gather_h(items: list) -> torch.Tensor:
@@ -686,7 +706,14 @@ class Engine:
         row = 0
         multi = False
         track = self._chunked > 0  # else no K/V order to record, and every block row is its request's sampled one
-        for it in batch.items:
+        items = batch.items
+        if not last and not track and len(items) == 1 and type(items[0]) is AttnBlock:
+            # A decode wave: its lists move on as they are (one-row segments: pos0 == first), and with them what
+            # _block_segments derived from them
+            it = items[0]
+            rids, pos0s, first, row = it.rids, it.pos, it.pos, it.n
+            items = ()
+        for it in items:
             if type(it) is AttnBlock:  # one-row segments
                 if track:
                     for r, p in zip(it.rids, it.pos):

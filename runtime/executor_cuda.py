@@ -260,6 +260,7 @@ class CudaExecutor:
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
+        self._rows_memo: Optional[tuple] = None  # (segments, block tables, their releases, table rows): _attention
         self.stats = ExecStats()
         a = spec.attention
         self._mla = a.kind == "mla"
@@ -489,12 +490,20 @@ class CudaExecutor:
         T = h.shape[0]
         dv = self._view(kv)
         tm.lap("view")
-        # Decode: every segment one row. Column-wise with C-level loops (zip/map), no per-row Python.
-        decode = T > 0 and len(segments) == T
-        if decode:
-            sids, _, ns = zip(*segments)
-            decode = ns.count(1) == T
-        rows = dv.rows_of(sids) if decode else None
+        # Decode: every segment one row. Column-wise with C-level loops (zip/map), no per-row Python. A decode wave
+        # passes the same segments list at every layer of a step (Engine._block_segments): its table rows are looked
+        # up once, and stay valid while no sequence released its row.
+        memo = self._rows_memo
+        if memo is not None and memo[0] is segments and memo[1] is dv and memo[2] == dv.releases:
+            decode, rows = True, memo[3]
+        else:
+            decode = T > 0 and len(segments) == T
+            if decode:
+                sids, _, ns = zip(*segments)
+                decode = ns.count(1) == T
+            rows = dv.rows_of(sids) if decode else None
+            if decode:
+                self._rows_memo = (segments, dv, dv.releases, rows)
         tm.lap("rows_of")
         if decode and None not in rows and max(positions) < dv.width * kv.block_size:
             b = bucket_for(T, self.buckets["attn"])

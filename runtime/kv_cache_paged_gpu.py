@@ -41,6 +41,7 @@ class DeviceBlockTables:
         self._row: dict[int, int] = {}
         self._free = list(range(rows - 1, -1, -1))  # pop() gives the lowest row first
         self.overflow = 0  # sequences that got no row (too long, or no row free)
+        self.releases = 0  # rows given back so far: a row looked up before is still that sequence's while unchanged
         # Optional per-row int64 key of the row's sequence (`track_keys`): what a router inside the
         # attention graph hashes (CudaExecutor.use_keyed_router).
         self.keys: Optional[torch.Tensor] = None
@@ -75,6 +76,7 @@ class DeviceBlockTables:
             # Stale entries are harmless (a new owner overwrites the prefix it uses; context
             # lengths bound every read), so no device write on release.
             self._free.append(r)
+            self.releases += 1
 
     def row_of(self, seq_id: int) -> Optional[int]:
         return self._row.get(seq_id)

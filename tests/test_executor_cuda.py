@@ -246,6 +246,38 @@ def test_a_decode_waves_next_layer_reuses_the_uploaded_positions_and_rows(monkey
     assert len(uploads) == 3
 
 
+def test_a_decode_waves_table_rows_are_looked_up_once_until_a_release(monkeypatch):
+    """The same segments list at every layer of a step (the engine's decode wave) looks its table rows up once;
+    a release of any row, or another list, looks them up again, and the outputs equal a fresh executor's."""
+    spec, w = model("tiny-gpt-oss")
+    lens = [5, 2, 7, 3]
+    kv_a = _prefilled(spec, w, lens)
+    kv_b = copy.deepcopy(kv_a)
+    h = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    seg = [(i, i, 1) for i in range(3)]
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4], "expert": [16]})
+    fresh = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4], "expert": [16]})
+    lookups = []
+    dv = ex._view(kv_a)
+    real = dv.rows_of
+    monkeypatch.setattr(dv, "rows_of", lambda sids: (lookups.append(len(sids)), real(sids))[1])
+    for layer in range(spec.num_layers):
+        got = ex.attention(layer, h, lens[:3], seg, kv_a)
+        fresh._rows_memo = None
+        want = fresh.attention(layer, h, lens[:3], list(seg), kv_b)
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+    assert lookups == [3]
+    seg2 = list(seg)
+    ex.attention(0, h, lens[:3], seg2, kv_a)  # an equal list, not the same one: looked up
+    ex.attention(1, h, lens[:3], seg2, kv_a)
+    assert lookups == [3, 3]
+    kv_a.release(3)  # a sequence outside the batch gave its row back: looked up again
+    ex.attention(0, h, lens[:3], seg2, kv_a)
+    ex.attention(1, h, lens[:3], seg2, kv_a)
+    assert lookups == [3, 3, 3]
+
+
 def test_device_tables_follow_reserve_and_release():
     spec, w = model("tiny-gpt-oss")
     kv = PagedKVStore(spec.num_layers, BlockAllocator(16, 4))
@@ -374,6 +406,28 @@ def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch):
     monkeypatch.setattr(CudaExecutor, "route_arrays", lambda *a: pytest.fail("the routing went to the host"))
     _twin_matches_reference("defrag:hold_fill=1,hold_us=2000")
     assert calls
+
+
+@pytest.mark.parametrize("dispatch", ["host", "device"])
+def test_a_decode_wave_hands_every_layer_the_same_segments_list(monkeypatch, dispatch):
+    """A decode wave's (rids, pos) lists move through its layers as they are, so each layer's batch gets the list
+    the layer before got (the executor's table-row lookup keys on it), and the tokens still equal the reference."""
+    monkeypatch.setenv("DATAFLOW_DISPATCH", dispatch)
+    calls = []
+    real = CudaExecutor.attention
+
+    def spy(self, layer, h, positions, segments, kv):
+        calls.append((layer, segments, positions))
+        return real(self, layer, h, positions, segments, kv)
+    monkeypatch.setattr(CudaExecutor, "attention", spy)
+    _twin_matches_reference("defrag:hold_fill=1,hold_us=2000")
+    layers_of: dict[int, list] = {}  # segments list (by identity; every one is kept alive in `calls`) -> layers
+    for layer, segments, _ in calls:
+        layers_of.setdefault(id(segments), []).append(layer)
+    waves = [ls for ls in layers_of.values() if len(ls) > 1]
+    assert len(waves) >= 6 and all(ls == list(range(len(ls))) for ls in waves)
+    for layer, segments, positions in calls:  # the lists themselves as the general path makes them
+        assert len(positions) == sum(n for _, _, n in segments)
 
 
 def test_experts_routed_equals_the_torch_executors_host_side_selection(monkeypatch):
