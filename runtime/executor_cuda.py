@@ -260,7 +260,7 @@ class CudaExecutor:
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
-        self._rows_memo: Optional[tuple] = None  # (segments, block tables, their releases, table rows): _attention
+        self._rows_memo: Optional[tuple] = None  # (segments, tables, releases, rows, positions, fits): _attention
         self.stats = ExecStats()
         a = spec.attention
         self._mla = a.kind == "mla"
@@ -491,21 +491,24 @@ class CudaExecutor:
         dv = self._view(kv)
         tm.lap("view")
         # Decode: every segment one row. Column-wise with C-level loops (zip/map), no per-row Python. A decode wave
-        # passes the same segments list at every layer of a step (Engine._block_segments): its table rows are looked
-        # up once, and stay valid while no sequence released its row.
-        memo = self._rows_memo
+        # passes the same segments and positions lists at every layer of a step (Engine._block_segments): its table
+        # rows are looked up, and checked to fit the tables, once (valid while no sequence released its row).
+        memo, fits = self._rows_memo, None
         if memo is not None and memo[0] is segments and memo[1] is dv and memo[2] == dv.releases:
             decode, rows = True, memo[3]
+            if memo[4] is positions:
+                fits = memo[5]
         else:
             decode = T > 0 and len(segments) == T
             if decode:
                 sids, _, ns = zip(*segments)
                 decode = ns.count(1) == T
             rows = dv.rows_of(sids) if decode else None
-            if decode:
-                self._rows_memo = (segments, dv, dv.releases, rows)
+        if decode and fits is None:
+            fits = None not in rows and max(positions) < dv.width * kv.block_size
+            self._rows_memo = (segments, dv, dv.releases, rows, positions, fits)
         tm.lap("rows_of")
-        if decode and None not in rows and max(positions) < dv.width * kv.block_size:
+        if decode and fits:
             b = bucket_for(T, self.buckets["attn"])
             if b is None:
                 self.stats.note("attn: decode batch above the largest bucket")
