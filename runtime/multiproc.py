@@ -482,6 +482,8 @@ class RankNode:
         coord = self.coord
         tick = coord.tick if coord is not None else None
         poll, feed, next_batch, execute, complete = tr.poll, self._feed, e.next_batch, e.execute, e.complete
+        # Between a batch's launch and its bookkeeping: receives for headers that came meanwhile (NOTES §31)
+        post_receives = getattr(tr, "post_receives", None) or (lambda: None)
         finish = self._send_finished
         ph = self.phases
         if ph is not None:
@@ -489,6 +491,7 @@ class RankNode:
                 _timed(ph, n, f) for n, f in (("tick", tick), ("poll", poll), ("feed", feed),
                                              ("next_batch", next_batch), ("finish", finish)))
             execute, complete = _timed(ph, "execute", execute, True), _timed(ph, "complete", complete, True)
+            post_receives = _timed(ph, "post_receives", post_receives)
             ph.in_loop = True
         fresh = False  # the idle wait just polled (and fed what came): no second poll before deciding
         while not self.stopped:
@@ -503,6 +506,7 @@ class RankNode:
             batch = next_batch()
             if batch is not None:
                 execute(batch)
+                post_receives()
                 complete(batch)
                 ran = True
                 if ph is not None:

@@ -91,6 +91,8 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
                 t = _payload(rank, d, i, seed)
                 tr.send(d, {"i": i, "dst": d, "sum": _checksum(t)}, t.to(device) if t is not None else None)
             sent += burst
+            if rng.random() < 0.5:  # receives posted ahead of the poll (a busy rank's loop does it after a launch)
+                tr.post_receives()
             absorb(tr.poll())
         deadline = time.monotonic() + 60
         while any(len(got[s]) < n for s in range(world)):
@@ -128,6 +130,31 @@ def _slow_link(env) -> dict:
             n += len(tr.poll(timeout=0.01))
         tr.send(0, {"done": n}, None)
         return {"received": n}
+
+
+def _rank_post_receives(env) -> dict:
+    """Rank 0 sends one tensor; rank 1 (engine-thread receives) starts its receive with post_receives() before any
+    poll(): the header is read and the receive posted, nothing is delivered until the poll."""
+    from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
+    init_distributed(env.rank, env.world_size, "gloo")
+    with ZmqDistTransport(env.rank, env.world_size, "cpu", receive_on="engine") as tr:
+        if env.rank == 0:
+            tr.send(1, {"i": 0}, torch.arange(64, dtype=torch.float32))
+            got = []
+            while not got:
+                got = tr.poll(timeout=0.01)
+            return {"ack": got[0].meta}
+        deadline = time.monotonic() + 20
+        while tr._recv_seq[0] == 0 and time.monotonic() < deadline:  # the header is read by post_receives only
+            tr.post_receives()
+            time.sleep(0.001)
+        posted, delivered_before_poll = tr._recv_seq[0], tr.stats["received"]
+        got = []
+        while not got and time.monotonic() < deadline:
+            got = tr.poll(timeout=0.01)
+        tr.send(0, {"ok": True}, None)
+        return {"posted": posted, "delivered_before_poll": delivered_before_poll,
+                "got": got[0].tensor.tolist() if got else None}
 
 
 def _rank_world3(env, seed: int, n: int) -> dict:
@@ -240,6 +267,14 @@ def test_exchange_fifo_no_loss(world, inflight, receive_on, spin):
     assert all(r["stats"]["local"] == n for r in res.results)
     assert sum(r["pool_hits"] for r in res.results) > 0, "receive buffers were never reused"
     assert all(r["stats"]["in_place"] > 0 for r in res.results), "recv_into was never used"
+
+
+def test_post_receives_starts_a_transfer_that_the_next_poll_delivers():
+    res = launch_local(2, "test_transport_dist:_rank_post_receives", (), timeout=60, env=CHILD_ENV)
+    assert res.ok, res.first_error
+    r = res.results[1]
+    assert r["posted"] == 1 and r["delivered_before_poll"] == 0
+    assert r["got"] == list(range(64)) and res.results[0]["ack"] == {"ok": True}
 
 
 def test_three_ranks_chaos_delays_and_slow_link():

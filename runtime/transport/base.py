@@ -30,6 +30,10 @@ class Transport(Protocol):
     def poll(self) -> list[Arrival]:
         """Messages that fully arrived since the last poll, per-source FIFO."""
 
+    def post_receives(self) -> None:
+        """Optional: start the transfers of messages already announced, so that a later poll() finds them done
+        (ZmqDistTransport with engine-thread receives; other transports have nothing to start)."""
+
     def pending(self) -> int:
         """Messages sent by this rank that are not yet delivered (for idle/termination checks)."""
 

@@ -449,6 +449,15 @@ class ZmqDistTransport:
         self._pump()
         return out
 
+    def post_receives(self) -> None:
+        """Start the transfers of the messages whose headers came since the last poll (the engine thread reads them:
+        receive_on="engine"; a receptor thread posts receives as headers come, and this does nothing). A busy rank
+        calls it between a batch's launch and its bookkeeping: each transfer then runs meanwhile and the next poll()
+        delivers it, where a receive first posted by that poll() is delivered by the one after, a batch later.
+        Errors are kept for poll() to raise, as there."""
+        if self._engine_receives and self._failure is None:
+            self._receive_headers()
+
     def pending(self) -> int:
         """Messages this rank sent to peers whose delivery has not completed yet (tensor messages in
         flight or queued; meta-only messages count until handed to ZeroMQ)."""
