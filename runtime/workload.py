@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from graph_ir.errors import UserError
 from runtime.requests import Request

@@ -16,7 +16,6 @@ token counts: rank 0 says "more" until it collected every request, so all ranks 
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
