@@ -331,10 +331,11 @@ class CudaExecutor:
             width = -(-self.max_context // kv.block_size)
             self._serial += 1
             kv._cuda_exec_serial = self._serial
-            dv = DeviceBlockTables(kv, width, self.table_rows, self.device, self.staging.h2d)
+            dv = DeviceBlockTables(kv, width, self.table_rows, self.device, self.staging.upload)
             if self.keyed_router is not None:
                 dv.track_keys(self.keyed_router.request_base)
             self._views[self._serial] = dv
+        dv.flush()  # rows of sequences admitted since the last batch: before anything that reads the tables
         return dv
 
     def detach(self, kv) -> None:

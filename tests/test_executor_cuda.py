@@ -287,7 +287,9 @@ def test_device_tables_follow_reserve_and_release():
     r7 = dv.row_of(7)
     assert dv.table[r7, :3].tolist() == kv.table(7)
     kv.reserve(8, 4)
-    assert dv.table[dv.row_of(8), :1].tolist() == kv.table(8)
+    assert dv.table[dv.row_of(8), :1].tolist() != kv.table(8)  # noted, written by the next batch's flush ...
+    assert ex._view(kv) is dv  # (the executor flushes before every attention batch)
+    assert dv.table[dv.row_of(8)].tolist() == kv.table(8) + [16] * 3  # ... the whole row: its pages, then trash
     kv.reserve(9, 4)  # no row left: eager path for it
     assert dv.row_of(9) is None and dv.overflow == 1
     kv.release(7)
@@ -297,6 +299,33 @@ def test_device_tables_follow_reserve_and_release():
     assert dv.table[dv.trash_row].tolist() == [16] * 4  # trash row -> trash page (num_blocks)
     ex.detach(kv)
     assert kv.device_view is None
+
+
+def test_device_table_rows_and_keys_are_written_together_at_the_next_flush():
+    """Rows admitted between two batches go to the device in one flush, keys with them; a row given back and taken
+    by another sequence before the flush gets the last owner's pages and key."""
+    spec, w = model("tiny-gpt-oss")
+    kv = PagedKVStore(spec.num_layers, BlockAllocator(32, 4))
+    kv.reserve(1, 8)  # before attachment
+    ex = CudaExecutor(spec, w, device="cpu", max_context=16, table_rows=4)
+    dv = ex._view(kv)
+    dv.track_keys(lambda seq: 100 + seq)  # rows written before get their keys at the next flush
+    kv.reserve(2, 4)
+    kv.reserve(3, 12)
+    kv.release(2)
+    kv.reserve(4, 16)  # takes rank 2's row before any flush
+    uploads = []
+    real = dv._upload
+    dv._upload = lambda a: (uploads.append(a.shape), real(a))[1]
+    ex._view(kv)
+    ex._view(kv)  # nothing new: no upload
+    assert uploads == [(3, 2 + dv.width)]  # rows of 1 (its key), 3 and 4 (2's row, now 4's): one upload
+    for seq in (1, 3, 4):
+        r = dv.row_of(seq)
+        pages = kv.table(seq)
+        assert dv.table[r].tolist() == pages + [dv.trash_page] * (dv.width - len(pages))
+        assert int(dv.keys[r]) == 100 + seq
+    assert int(dv.keys[dv.trash_row]) == 0
 
 
 def test_combine_bit_equal_and_greedy_sampling():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device run 110 (nvidia-h200-x2, TWO GPUs, ~9 minutes): session 14's tree (NOTES §31): run 109's host cuts, plus the
 # decode wave's fit check memoized, layer 0's embedding in 3-4 torch calls, receives posted between a batch's launch
-# and its bookkeeping (Transport.post_receives), an expert batch's remote partial sums sent before its local merge.
+# and its bookkeeping (Transport.post_receives), an expert batch's remote partial sums sent before its local merge,
+# the device page-table rows of admitted sequences written in one batched flush per attention batch.
 # (1) gpu_bench correctness on GPU 0; (2) fp32 2-GPU tokens == CPU; (3) A/B against e335aa9 (session 13's runtime),
 # 20B-L8, bf16, C=512, clean, streaming/defrag + 30 ms hold, 3 rounds, with both trees' wave timelines (the legs of a
 # home's layer: to holder, holder queue, back, home tail; benchmarks/wave_timeline.py) and phases; (4) one launch of
