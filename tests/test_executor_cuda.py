@@ -263,7 +263,7 @@ def test_a_decode_waves_table_rows_are_looked_up_once_until_a_release(monkeypatc
     monkeypatch.setattr(dv, "rows_of", lambda sids: (lookups.append(len(sids)), real(sids))[1])
     for layer in range(spec.num_layers):
         got = ex.attention(layer, h, lens[:3], seg, kv_a)
-        fresh._rows_memo = None
+        fresh._rows_memo.clear()
         want = fresh.attention(layer, h, lens[:3], list(seg), kv_b)
         for u, v in zip(got, want):
             assert torch.equal(u, v)
@@ -276,6 +276,16 @@ def test_a_decode_waves_table_rows_are_looked_up_once_until_a_release(monkeypatc
     ex.attention(0, h, lens[:3], seg2, kv_a)
     ex.attention(1, h, lens[:3], seg2, kv_a)
     assert lookups == [3, 3, 3]
+    # another store (another rank in this process) in between: each store keeps its own lookup
+    kv_c = _prefilled(spec, w, lens)
+    dv_c = ex._view(kv_c)
+    real_c = dv_c.rows_of
+    monkeypatch.setattr(dv_c, "rows_of", lambda sids: (lookups.append(-len(sids)), real_c(sids))[1])
+    seg_c = list(seg)
+    for layer in range(spec.num_layers):
+        ex.attention(layer, h, lens[:3], seg2, kv_a)
+        ex.attention(layer, h, lens[:3], seg_c, kv_c)
+    assert lookups == [3, 3, 3, -3]
 
 
 def test_device_tables_follow_reserve_and_release():
