@@ -78,8 +78,8 @@ class PagedKVStore:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self._tables: dict[int, list[int]] = {}
-        # The same tables as int64 tensors (made once at reserve), so slot arithmetic of a
-        # segment is tensor ops instead of Python per position.
+        # The same tables as int64 tensors (made at a sequence's first host-side read or write: the CUDA decode path
+        # never needs them), so slot arithmetic of a segment is tensor ops instead of Python per position.
         self._table_t: dict[int, torch.Tensor] = {}
         self._capacity: dict[int, int] = {}  # seq_id -> tokens it may hold
         self._k: list[Optional[torch.Tensor]] = [None] * num_layers  # [blocks_allocated, block, ...]
@@ -98,7 +98,6 @@ class PagedKVStore:
         if blocks is None:
             return False
         self._tables[seq_id] = blocks
-        self._table_t[seq_id] = torch.tensor(blocks, dtype=torch.int64)
         self._capacity[seq_id] = len(blocks) * self.block_size
         if self.device_view is not None:
             self.device_view.on_reserve(seq_id, blocks)
@@ -108,8 +107,14 @@ class PagedKVStore:
         if self.device_view is not None:
             self.device_view.on_release(seq_id)
         self.allocator.free(self._tables.pop(seq_id))
-        del self._table_t[seq_id]
+        self._table_t.pop(seq_id, None)
         del self._capacity[seq_id]
+
+    def _table_tensor(self, seq_id: int) -> torch.Tensor:
+        t = self._table_t.get(seq_id)
+        if t is None:
+            t = self._table_t[seq_id] = torch.tensor(self._tables[seq_id], dtype=torch.int64)
+        return t
 
     def table(self, seq_id: int) -> list[int]:
         """The page ids of a sequence (fixed from reservation to release)."""
@@ -168,7 +173,7 @@ class PagedKVStore:
     def _slots(self, seq_id: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """(page id, offset in page) of each position, int64 CPU tensors; IndexError outside the
         sequence's reserved capacity."""
-        table = self._table_t[seq_id]
+        table = self._table_tensor(seq_id)
         pos = torch.as_tensor(positions).to(device="cpu", dtype=torch.int64)
         if pos.numel():
             lo, hi = (int(x) for x in torch.aminmax(pos))
@@ -235,7 +240,7 @@ class PagedKVStore:
         pages = -(-lmax // bs)
         # [B, pages] page table of the batch. Columns past a sequence's own length point at page 0:
         # its later reserved pages may lie beyond the lazily grown storage.
-        tbl = torch.nn.utils.rnn.pad_sequence([self._table_t[s] for s in seq_ids], batch_first=True)[:, :pages]
+        tbl = torch.nn.utils.rnn.pad_sequence([self._table_tensor(s) for s in seq_ids], batch_first=True)[:, :pages]
         need = torch.tensor([-(-n // bs) for n in lens], dtype=torch.int64)
         tbl = tbl.masked_fill(torch.arange(pages)[None, :] >= need[:, None], 0).to(kk.device)
         B = tbl.shape[0]
