@@ -158,6 +158,15 @@ def _prefilled(spec, w, lens: list[int], num_blocks=64, block_size=4, seed=0):
     return kv
 
 
+def _decode_pair(lens: list[int], seed: int, rows: int = 3):
+    """tiny-gpt-oss, two equal prefilled stores (one per executor under test), hidden rows and one-row segments
+    of sequences 0..rows-1: the setting of the decode-batch tests below."""
+    spec, w = model("tiny-gpt-oss")
+    kv_a = _prefilled(spec, w, lens)
+    h = torch.randn(rows, spec.hidden_size, generator=torch.Generator().manual_seed(seed))
+    return spec, w, kv_a, copy.deepcopy(kv_a), h, [(i, i, 1) for i in range(rows)]
+
+
 @pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-deepseek-v2", "tiny-qwen2-moe"])
 def test_decode_attention_matches_torch_executor(name):
     spec, w = model(name)
@@ -203,12 +212,8 @@ def test_decode_attention_matches_torch_executor(name):
 
 
 def test_decode_padding_does_not_change_results():
-    spec, w = model("tiny-gpt-oss")
     lens = [5, 2, 7]
-    kv_a = _prefilled(spec, w, lens)
-    kv_b = copy.deepcopy(kv_a)
-    h = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(3))
-    seg = [(i, i, 1) for i in range(3)]
+    spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=3)
     padded = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
     exact = CudaExecutor(spec, w, device="cpu", buckets={"attn": [3], "expert": [16]})
     a = padded.attention(1, h, lens, seg, kv_a)
@@ -222,12 +227,8 @@ def test_a_decode_waves_next_layer_reuses_the_uploaded_positions_and_rows(monkey
     """The bucket's meta buffer keeps the last upload: the same rows at the next layer (a decode wave) skip the
     upload and still give the outputs of an executor that uploads every time; other positions, other rows or
     another bucket's batch in between upload again."""
-    spec, w = model("tiny-gpt-oss")
     lens = [5, 2, 7]
-    kv_a = _prefilled(spec, w, lens)
-    kv_b = copy.deepcopy(kv_a)
-    h = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(4))
-    seg = [(i, i, 1) for i in range(3)]
+    spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=4)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 8], "expert": [16]})
     fresh = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 8], "expert": [16]})
     uploads = []
@@ -249,12 +250,8 @@ def test_a_decode_waves_next_layer_reuses_the_uploaded_positions_and_rows(monkey
 def test_a_decode_waves_table_rows_are_looked_up_once_until_a_release(monkeypatch):
     """The same segments list at every layer of a step (the engine's decode wave) looks its table rows up once;
     a release of any row, or another list, looks them up again, and the outputs equal a fresh executor's."""
-    spec, w = model("tiny-gpt-oss")
     lens = [5, 2, 7, 3]
-    kv_a = _prefilled(spec, w, lens)
-    kv_b = copy.deepcopy(kv_a)
-    h = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(4))
-    seg = [(i, i, 1) for i in range(3)]
+    spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=4)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4], "expert": [16]})
     fresh = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4], "expert": [16]})
     lookups = []
