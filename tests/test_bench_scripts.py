@@ -67,3 +67,16 @@ def test_gpu_bench_kernel_table_groups_a_traces_device_events_per_replay(tmp_pat
             Path(path).write_text(json.dumps({"traceEvents": ev}))
     rows = gb.kernel_table(Prof(), replays=10, top=2)
     assert rows == [["(all)", 4.0, 35.0], ["gemm", 1.0, 30.0], ["rms", 2.0, 4.0], ["(other)", 1.0, 1.0]]
+
+
+def test_ab_summary_reads_both_benches_rows_and_pairs_rounds():
+    from ab_summary import summary
+    ep = ("old 1 | streaming-defrag | clean | 512 | 100.0 | 1.00 |\nnew 1 | streaming-defrag | clean | 512 | 90.0 | 1.00 |\n"
+          "new 2 | streaming-defrag | clean | 512 | 130.0 | 1.00 |\nold 2 | streaming-defrag | clean | 512 | 110.0 | 1.00 |\n"
+          "old 3 | streaming-defrag | clean | 512 | 120.0 | 1.00 |\nnew 3 | streaming-defrag | clean | 512 | 132.0 | 1.00 |\n")
+    out = summary(ep)
+    assert "old: median 110 tok/s over 3 launches (100, 110, 120)" in out
+    assert "new/old per round: 0.90x, 1.18x, 1.10x; new ahead in 2 of 3 rounds; medians 1.182x" in out
+    bench = "old 1 | streaming | defrag | 256 | 200.0 | 210.0 | - |\nnew 1 | streaming | defrag | 256 | 250.0 | 260.0 | - |\n"
+    assert "new ahead in 1 of 1 rounds; medians 1.250x" in summary(bench)
+    assert summary("old 1 | s | c | 1 | 5.0 |\n").startswith("expected two trees")
