@@ -260,9 +260,6 @@ class CudaExecutor:
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
-        # per KV store's tables (ranks in one process share an executor): id(tables) -> (segments, tables, releases,
-        # rows, positions, fits), see _attention
-        self._rows_memo: dict[int, tuple] = {}
         self.stats = ExecStats()
         a = spec.attention
         self._mla = a.kind == "mla"
@@ -348,7 +345,6 @@ class CudaExecutor:
         dv = self._views.pop(serial, None)
         if dv is not None:
             kv.device_view = None
-            self._rows_memo.pop(id(dv), None)
         self.graphs.drop(lambda k: k[0] == "attn" and k[3] == serial)
         kv._cuda_exec_serial = None
 
@@ -495,30 +491,14 @@ class CudaExecutor:
         T = h.shape[0]
         dv = self._view(kv)
         tm.lap("view")
-        # Decode: every segment one row. Column-wise with C-level loops (zip/map), no per-row Python. A decode wave
-        # passes the same segments and positions lists at every layer of a step (Engine._block_segments): its table
-        # rows are looked up, and checked to fit the tables, once (valid while no sequence released its row).
-        memo, fits = self._rows_memo.get(id(dv)), None
-        if memo is not None and memo[0] is segments and memo[1] is dv and memo[2] == dv.releases:
-            decode, rows = True, memo[3]
-            if memo[4] is positions:
-                fits = memo[5]
-        else:
-            decode = T > 0 and len(segments) == T
-            if decode:
-                sids, _, ns = zip(*segments)
-                decode = ns.count(1) == T
-            rows = dv.rows_of(sids) if decode else None
-        if decode and fits is None:
-            fits = None not in rows and max(positions) < dv.width * kv.block_size
-            self._rows_memo[id(dv)] = (segments, dv, dv.releases, rows, positions, fits)
+        rows, fits = dv.decode_rows(segments, positions, T)  # decode: every segment one row (else rows None)
         tm.lap("rows_of")
-        if decode and fits:
+        if fits:
             b = bucket_for(T, self.buckets["attn"])
             if b is None:
                 self.stats.note("attn: decode batch above the largest bucket")
             return self._attn_decode(layer, h, positions, rows, dv, kv, b)
-        if decode:
+        if rows is not None:
             self.stats.note("attn: sequence without a device table row")
         self.stats.attn_eager += 1
         return self._attn_eager(layer, h, positions, segments, kv)

@@ -49,6 +49,7 @@ class DeviceBlockTables:
         self._free = list(range(rows - 1, -1, -1))  # pop() gives the lowest row first
         self.overflow = 0  # sequences that got no row (too long, or no row free)
         self.releases = 0  # rows given back so far: a row looked up before is still that sequence's while unchanged
+        self._decode_memo: Optional[tuple] = None  # (segments, releases, rows, positions, fits): decode_rows()
         # Optional per-row int64 key of the row's sequence (`track_keys`): what a router inside the
         # attention graph hashes (CudaExecutor.use_keyed_router).
         self.keys: Optional[torch.Tensor] = None
@@ -100,6 +101,28 @@ class DeviceBlockTables:
             # lengths bound every read), so no device write on release.
             self._free.append(r)
             self.releases += 1
+
+    def decode_rows(self, segments, positions, T: int) -> tuple[Optional[list], bool]:
+        """(table rows, fits) of a batch of T rows: its segments' rows when every segment (rid, row, n) is one row
+        (else None, a prompt chunk), and whether they all have a row and their positions fit the tables' width. A
+        decode wave passes the same segments and positions lists at every layer of a step (Engine._block_segments):
+        they are looked up and checked once, valid while no sequence released its row."""
+        memo = self._decode_memo
+        if memo is not None and memo[0] is segments and memo[1] == self.releases:
+            rows = memo[2]
+            if memo[3] is positions:
+                return rows, memo[4]
+        else:
+            rows = None
+            if T > 0 and len(segments) == T:  # column-wise with C-level loops (zip/map), no per-row Python
+                sids, _, ns = zip(*segments)
+                if ns.count(1) == T:
+                    rows = self.rows_of(sids)
+        if rows is None:
+            return None, False
+        fits = None not in rows and max(positions) < self.width * self.kv.block_size
+        self._decode_memo = (segments, self.releases, rows, positions, fits)
+        return rows, fits
 
     def row_of(self, seq_id: int) -> Optional[int]:
         return self._row.get(seq_id)
