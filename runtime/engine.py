@@ -393,8 +393,8 @@ class Engine:
             self._forward(nxt, g.rids, g.pos0, None, h_next, False)  # (ns is read only when multi)
             return
         n = g.n[segs]
-        self._forward(nxt, [g.rids[s] for s in segs.tolist()], g.first[segs].tolist(), n.tolist(), h_next,
-                      n.max() > 1)
+        segs = segs.tolist()
+        self._forward(nxt, [g.rids[s] for s in segs], [int(g.first[s]) for s in segs], n.tolist(), h_next, n.max() > 1)
 
     def _forward(self, sid: int, rids: list[int], first: list[int], ns: list[int], h: torch.Tensor,
                  multi: bool) -> None:
@@ -773,7 +773,7 @@ class Engine:
         # The batch's merge group, opened below with its dispatch order (host-routed) or its holders (device-routed).
         shared = rows_of(out["shared"]) if out["shared"] is not None else None
         n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)  # (a list -> array is ~1 us per 30 rows)
-        open_group = partial(self.merge.open, layer, rids, pos0s, np.asarray(first, dtype=np.int64), n,
+        open_group = partial(self.merge.open, layer, rids, pos0s, first, n,
                              rows_of(out["h_res"]), shared)
         if "payload" in out:
             self._dispatch_routed(batch, layer, open_group, rows_of, sent)

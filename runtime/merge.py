@@ -50,7 +50,7 @@ class MergeGroup:
     k: int
     rids: list[int]  # per segment
     pos0: list[int]  # per segment: pos0 of the attention item (the segment's key)
-    first: np.ndarray  # int64 [S]: position of the segment's first kept row
+    first: list[int]  # per segment: position of its first kept row (a list or an int64 array, as the caller made it)
     start: np.ndarray  # int64 [S]: first row of the segment in the group
     n: np.ndarray  # int64 [S]: kept rows of the segment
     seg_of_row: np.ndarray  # int64 [R]
@@ -59,6 +59,7 @@ class MergeGroup:
     weights: torch.Tensor  # [R, k] fp32 routing weights, slot order, on h_res's device (holder groups: ones)
     y: torch.Tensor  # [R*k, H] expert outputs by dispatch position p
     ready: object  # CUDA event recorded after y's allocation (a receive on another stream waits on it); None on CPU
+    own_ready: object  # `ready` when the table made it (it goes back with y when the group leaves), else None
     order: Optional[np.ndarray]  # int64 [R*k]: f = row*k + slot at position p; None = identity
     inv: Optional[np.ndarray]  # int64 [R, k]: position of (row, slot); None = identity
     gather: Optional[torch.Tensor]  # order // k on the device: the row of each dispatch position (dispatch gather)
@@ -101,6 +102,11 @@ class MergeTable:
         self._open_segments = 0
         self._open_rows: dict[int, int] = {}  # layer -> rows of segments still waiting (wave hold)
         self._holder_layouts: dict[tuple, tuple] = {}  # (R, holders, device) -> holder groups' fixed inputs
+        # y buffers (with the events that marked them ready) of groups that left the table, by (shape, dtype, device),
+        # most recently used key last: a decode wave's groups have one shape at every layer of a step, so each open
+        # reuses the buffer and event of the group before it instead of allocating (the caching allocator's Python
+        # and C++ path) and creating an event (~100 us per open on the H200 host with both; benchmarks/NOTES.md §32)
+        self._spare: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
 
     def __len__(self) -> int:
         """Segments waiting for expert outputs."""
@@ -151,7 +157,7 @@ class MergeTable:
             seg_of_pos = np.repeat(seg_of_row, k)
             if order is not None:
                 seg_of_pos = seg_of_pos[order]
-        y = torch.empty((R * k,) + tuple(h_res.shape[1:]), dtype=h_res.dtype, device=h_res.device)
+        y, own_ready = self._take_y((R * k,) + tuple(h_res.shape[1:]), h_res.dtype, h_res.device)
         # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
         # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
         # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
@@ -169,16 +175,42 @@ class MergeTable:
             if order is not None:
                 gather, row_index = to_device(row_of_pos, h_res.device), to_device(inv, h_res.device)
         if ready is None and y.is_cuda:  # what a receive into y on another stream waits for
-            ready = torch.cuda.Event()
+            ready = own_ready = own_ready or torch.cuda.Event()
+            # (re-recording a reused event is safe: every receive that waited on it belonged to a group that is
+            # complete, so each already enqueued its wait on the record it needed)
             ready.record(current_stream(y.device))
+        else:
+            own_ready = None
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
-                       y, ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0, n * k,
-                       S, now)
+                       y, ready, own_ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0,
+                       n * k, S, now)
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S
         self._open_rows[layer] = self._open_rows.get(layer, 0) + R
         return g
+
+    def _take_y(self, shape: tuple, dtype: torch.dtype, device) -> tuple[torch.Tensor, object]:
+        """A group's y buffer: a spare one of that shape with its event, else a new one (and no event)."""
+        key = (shape, dtype, device)
+        spare = self._spare.pop(key, None)
+        if spare:
+            got = spare.pop()
+            self._spare[key] = spare  # (re-inserted: the most recently used key is last)
+            return got
+        return torch.empty(shape, dtype=dtype, device=device), None
+
+    def _give_back(self, g: MergeGroup) -> None:
+        """Keep a group's y once it left the table, for a later open of the same shape. Safe without a host wait:
+        the only later reads of y (the group's combine, enqueued right after the merge that completed it) are on
+        the stream the next open() records its `ready` on, and every write into a reused y (a local part's copy on
+        that stream, or a receive on another stream that first waits on `ready`) comes after that record."""
+        key = (tuple(g.y.shape), g.y.dtype, g.y.device)
+        spare = self._spare.setdefault(key, [])
+        if len(spare) < _SPARE_PER_SHAPE:
+            spare.append((g.y, g.own_ready))
+        while len(self._spare) > _SPARE_SHAPES:  # the wave's size moved on: drop the least recently used shape
+            del self._spare[next(iter(self._spare))]
 
     def _holder_layout(self, R: int, holders: int, device) -> tuple:
         """A holder group's fixed inputs for R rows (made once per (R, holders, device)): order (f = row*holders + j
@@ -304,6 +336,7 @@ class MergeTable:
             self._open_rows[g.layer] -= int(g.n[done].sum())
             if g.open_segments == 0:
                 del self._groups[g.gid]
+                self._give_back(g)
         return done
 
     @staticmethod
@@ -317,6 +350,8 @@ class MergeTable:
 
 
 _NONE = np.zeros(0, dtype=np.int64)
+_SPARE_SHAPES = 4  # y shapes kept (a home's waves: the decode wave's, a capped wave's remainder, prompts joining)
+_SPARE_PER_SHAPE = 4  # buffers per shape (a home's groups in flight at one time: one or two per wave)
 
 
 def _runs(p: np.ndarray) -> np.ndarray:

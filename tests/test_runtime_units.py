@@ -482,3 +482,36 @@ def test_holder_group_lands_each_holders_rows_in_its_range_and_combines_in_holde
     assert torch.equal(moe_combine(h_res, None, y[row_index], g.weights), want)
     with pytest.raises(KeyError):
         table.add((base, 1), p0[:1])  # the group is gone
+
+
+def test_a_closed_groups_y_buffer_is_reused_by_the_next_open_of_its_shape():
+    """A group that left the table gives its y back: the next open of the same shape gets that buffer (a decode
+    wave's groups have one shape at every layer of a step), another shape a new one; at most _SPARE_SHAPES shapes
+    are kept, the least recently used dropped first. A reused buffer is filled afresh: the second group's combine
+    reads its own parts only."""
+    from runtime import merge as merge_mod
+    k, H = 2, 3
+    table = MergeTable(k, whole_groups=True)
+
+    def open_holders(R):
+        return table.open(1, list(range(R)), [5] * R, [5] * R, np.ones(R, dtype=np.int64), torch.zeros(R, H), None,
+                          None, 0.0, holders=2)
+
+    def finish(g, value):
+        base = g.gid << TAG_SHIFT
+        part = torch.full((g.rows * 2, H), value)
+        return table.add((base, g.rows * 2), part)
+
+    g1 = open_holders(2)
+    assert finish(g1, 1.0)[0][0] is g1
+    g2 = open_holders(2)
+    assert g2.y.data_ptr() == g1.y.data_ptr()  # reused
+    g3 = open_holders(2)  # the spare is taken: a new buffer
+    assert g3.y.data_ptr() != g2.y.data_ptr()
+    finish(g2, 2.0)
+    y, row_index = MergeTable.combine_inputs(g2)
+    assert torch.equal(y[row_index], torch.full((2, 2, H), 2.0))
+    for R in (3, 4, 5, 6, 7):  # five more shapes: the oldest kept one (R=2) is dropped
+        finish(open_holders(R), 0.0)
+    assert len(table._spare) == merge_mod._SPARE_SHAPES
+    assert open_holders(2).y.data_ptr() not in (g1.y.data_ptr(), g3.y.data_ptr())

@@ -83,6 +83,9 @@ _HEALTH_CHECK_EVERY_S = 0.05  # poll() is called in a tight loop; checking peers
 _NCCL_SPIN_S = 0.001
 _NCCL_SLICE_S = 0.0002
 _WAKE = object()  # put into `done` by the receptor after it gave an EventLane work (NCCL)
+# pyzmq's option and flag constants are enums: `int & zmq.POLLIN` goes through enum.Flag's Python __and__ (~0.5 us here,
+# 5-10% of the engine thread's header polls, run 108's cProfile). Their plain values cost a C-level int op.
+_ZMQ_EVENTS, _ZMQ_POLLIN, _ZMQ_NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 # Transports are built in the same order on every rank, so a per-process counter gives matching
 # store namespaces when a process creates more than one (tests, benchmarks).
@@ -728,10 +731,10 @@ class ZmqDistTransport:
             while True:
                 # Most polls find nothing: asking ZMQ_EVENTS is ~1 us where a NOBLOCK recv raising zmq.Again
                 # costs ~2.5 us here and more on the H200 host (py-spy, run 37: ~3% of a rank's loop).
-                if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not pull.getsockopt(_ZMQ_EVENTS) & _ZMQ_POLLIN:
                     return n
                 try:
-                    raw = pull.recv(zmq.NOBLOCK)
+                    raw = pull.recv(_ZMQ_NOBLOCK)
                 except zmq.Again:  # EVENTS said ready; never seen, but not an error
                     return n
                 kind, src, seq, meta, shape, dtype = pickle.loads(raw)
