@@ -151,7 +151,12 @@ class Engine:
         self.stages = cfg.stages
         self.next_of = [s.next for s in cfg.stages]
         k = cfg.top_k
-        self.queues = [MuQueue(s.id, s.kind, s.layer, s.cap, 1.0 / k if s.kind == "expert" else 1.0)
+        # Pushes to any queue, and completed batches (they move K/V positions, which decides an attention item's
+        # eligibility, and end deferrals): after a decision found no stage runnable, nothing can be runnable until
+        # this counts on, so next_batch answers None again without the views and the policy (NOTES §32).
+        self._changes = [0]
+        self._idle_at = -1  # self._changes when the last decision found nothing runnable
+        self.queues = [MuQueue(s.id, s.kind, s.layer, s.cap, 1.0 / k if s.kind == "expert" else 1.0, self._changes)
                        for s in cfg.stages]
         self.attn_stage = {s.layer: s.id for s in cfg.stages if s.kind == "attn"}
         self.expert_stage = {s.layer: s.id for s in cfg.stages if s.kind == "expert"}
@@ -473,9 +478,13 @@ class Engine:
         even if no message arrives."""
         if self.deferred:
             self.complete_deferred()
-        decision = self.policy.choose(self.views(), self.next_of)
         self.hold_s = 0.0
-        if decision is None:
+        if self._idle_at == self._changes[0]:  # nothing was runnable at the last decision and nothing changed since
+            self.policy.repeat_idle()
+            return None
+        decision = self.policy.choose(self.views(), self.next_of)
+        if decision is None:  # (every policy: no runnable stage, whatever the time or the history)
+            self._idle_at = self._changes[0]
             return None
         if decision.stage == HOLD:
             self.hold_s = decision.hold_s
@@ -610,6 +619,7 @@ class Engine:
         """The batch finished (now): record it and dispatch its outputs to their next stages. A sample
         batch whose tokens are not on the host yet, or an attention batch whose routing is not, is deferred
         (see `async_sample`, `async_route`)."""
+        self._changes[0] += 1
         out = batch.out
         pending = out.get("pending")
         if pending is not None:

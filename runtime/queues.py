@@ -149,9 +149,12 @@ class SampleItem:
 class MuQueue:
     """FIFO of items for one stage. `token_weight` is 1 for attn/sample rows and 1/k for expert rows."""
 
-    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "_rows")
+    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "_rows", "_pushes")
 
-    def __init__(self, stage_id: int, kind: str, layer: int, cap: int, token_weight: float = 1.0) -> None:
+    def __init__(self, stage_id: int, kind: str, layer: int, cap: int, token_weight: float = 1.0,
+                 pushes: Optional[list[int]] = None) -> None:
+        """`pushes`: a one-element counter that every push increments (shared by a rank's queues: the engine's
+        cue that a stage may have become runnable)."""
         self.stage_id = stage_id
         self.kind = kind
         self.layer = layer
@@ -159,6 +162,7 @@ class MuQueue:
         self.token_weight = token_weight
         self._items: deque = deque()
         self._rows = 0
+        self._pushes = pushes
 
     def __len__(self) -> int:
         return len(self._items)
@@ -183,6 +187,8 @@ class MuQueue:
         if item.n:
             self._items.append(item)
             self._rows += item.n
+            if self._pushes is not None:
+                self._pushes[0] += 1
 
     def take(self, eligible: Optional[Callable[[object], bool]] = None) -> list:
         """Pop items in FIFO order up to `cap` rows, skipping ineligible ones (they keep their place).

@@ -100,6 +100,10 @@ class Policy:
         where the best fixed bounds were 40 ms, 30 ms and ~1 ms (benchmarks/NOTES.md sections 15-17)."""
         self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
 
+    def repeat_idle(self) -> None:
+        """The engine skipped a decision that would find nothing runnable again on an unchanged state (Engine.next_batch);
+        a policy whose state advances per decision does that advance here, so skipping it changes no later decision."""
+
     def hold_bound_s(self) -> float:
         if self.hold_step > 0 and self._step_s is not None:
             return self.hold_step * self._step_s
@@ -191,6 +195,14 @@ class Defrag(Policy):
 
     def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
         return self._decide(self.scores(views, next_of), views)
+
+    def repeat_idle(self) -> None:
+        """The snapshot the skipped decision would have taken: the depths are those of the last one (no queue changed)."""
+        if self._ring is None or not self._filled:
+            return
+        self._ring[self._next_slot] = self._ring[(self._next_slot - 1) % self.history]
+        self._next_slot = (self._next_slot + 1) % self.history
+        self._filled = min(self._filled + 1, self.history)
 
 
 class Aging(Defrag):

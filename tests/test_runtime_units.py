@@ -515,3 +515,44 @@ def test_a_closed_groups_y_buffer_is_reused_by_the_next_open_of_its_shape():
         finish(open_holders(R), 0.0)
     assert len(table._spare) == merge_mod._SPARE_SHAPES
     assert open_holders(2).y.data_ptr() not in (g1.y.data_ptr(), g3.y.data_ptr())
+
+
+def test_next_batch_asks_the_policy_again_only_after_a_push_or_a_completed_batch():
+    """A decision that found nothing runnable stays true until a queue is pushed or a batch completes (they alone
+    make an item runnable: new items, K/V positions, ended deferrals), so the engine answers None again without the
+    views and the policy, and the defragmenting policy's history advances as if it had decided (the same snapshot
+    again), so every later score is what it was without the shortcut."""
+    from runtime.clock import WallClock
+    from runtime.engine import Engine, EngineConfig, StageInfo
+    from runtime.requests import Request
+    from runtime.scheduler import Defrag
+    from runtime.transport.inproc import InprocHub
+
+    class Counting(Defrag):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def choose(self, views, next_of):
+            self.calls += 1
+            return super().choose(views, next_of)
+
+    stages = [StageInfo(0, "attn", 0, 1, 64), StageInfo(1, "expert", 0, 2, 256), StageInfo(2, "sample", -1, 0, 64)]
+    cfg = EngineConfig(rank=0, world_size=1, num_layers=1, top_k=2, stages=stages, expert_rank=[[0] * 4],
+                       block_size=16, num_blocks=64)
+    clock = WallClock()
+    pol, ref = Counting(), Defrag()
+    e = Engine(cfg, None, InprocHub(1, clock).transports()[0], clock, policy=pol)
+    empty = e.views()
+    for _ in range(3):
+        assert e.next_batch() is None
+        ref.choose(empty, e.next_of)
+    assert pol.calls == 1  # the second and third were answered without it
+    assert np.array_equal(pol._ring, ref._ring) and (pol._filled, pol._next_slot) == (ref._filled, ref._next_slot)
+    e.admit(Request(0, "r0", [5, 6, 7], 2))  # a push: decide again
+    batch = e.next_batch()
+    assert pol.calls == 2 and batch is not None and batch.stage.kind == "attn"
+    assert e.next_batch() is None and pol.calls == 3  # nothing left: one real decision ...
+    assert e.next_batch() is None and pol.calls == 3  # ... then the shortcut
+    e._changes[0] += 1  # what complete() does first
+    assert e.next_batch() is None and pol.calls == 4
