@@ -222,9 +222,11 @@ class Engine:
         self._dispatch_timer = StepTimer(f"rank {self.rank} attention dispatch", profile)
         # ... and of its execute (NOTES §29 item 4: the executor call, layer 0's embedding, the lists around them)
         self._exec_timer = StepTimer(f"rank {self.rank} attention execute", profile)
+        # ... and of every decision that ran a batch (next_batch: deferred completions, the views, the policy, the take)
+        self._decide_timer = StepTimer(f"rank {self.rank} decision", profile)
         if profile:
-            atexit.register(lambda: print(f"{self._dispatch_timer.report()}\n{self._exec_timer.report()}",
-                                          file=sys.stderr))
+            atexit.register(lambda: print(f"{self._dispatch_timer.report()}\n{self._exec_timer.report()}\n"
+                                          f"{self._decide_timer.report()}", file=sys.stderr))
 
     def enable_decode_only(self, seed: int = 0) -> None:
         """The paper's throughput mode (runtime/decode_only.py): no prefill compute; an admitted request's
@@ -476,13 +478,19 @@ class Engine:
         """Ask the policy for a stage and assemble its batch (popped from the queue), or None. A HOLD
         decision also returns None and sets `hold_s`: the driver should look again within that long
         even if no message arrives."""
+        tm = self._decide_timer
+        tm.start()
         if self.deferred:
             self.complete_deferred()
+            tm.lap("deferred")
         self.hold_s = 0.0
         if self._idle_at == self._changes[0]:  # nothing was runnable at the last decision and nothing changed since
             self.policy.repeat_idle()
             return None
-        decision = self.policy.choose(self.views(), self.next_of)
+        views = self.views()
+        tm.lap("views")
+        decision = self.policy.choose(views, self.next_of)
+        tm.lap("choose")
         if decision is None:  # (every policy: no runnable stage, whatever the time or the history)
             self._idle_at = self._changes[0]
             return None
@@ -491,6 +499,7 @@ class Engine:
             return None
         stage = self.stages[decision.stage]
         items = self.queues[stage.id].take(self._eligible.get(stage.id))
+        tm.lap("take")
         if not items:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
                                f"nothing runnable")
@@ -503,7 +512,9 @@ class Engine:
         now = self.clock.now()
         if self.trace is not None:
             self.trace.decision(self.rank, now, self.policy.name, stage.id, stage.name, decision.scores, rows)
-        return Batch(stage, items, rows, now, decision)
+        batch = Batch(stage, items, rows, now, decision)
+        tm.lap("batch")
+        return batch
 
     # ------------------------------------------------------------------ batch execution
     def execute(self, batch: Batch) -> None:
