@@ -113,7 +113,7 @@ class NullExecutor:
     def experts(self, layer, x, expert_ids):
         return self._timed(lambda: row_blocks(x) * 2.0)
 
-    def combine(self, h_res, shared, y, weights, row_index=None):
+    def combine(self, h_res, shared, y, weights, row_index=None, feeds_attention=False):
         return self._timed(lambda: h_res + ((y if row_index is None else y[row_index]) * weights.unsqueeze(-1)).sum(1))
 
     def logits(self, h):

@@ -34,9 +34,10 @@ def topk_merge_torch(
     rows: torch.Tensor,
     row_index: torch.Tensor,
     weights: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: see the module docstring for the exact operation order."""
-    _check(h_res, shared, rows, row_index, weights)
+    _check(h_res, shared, rows, row_index, weights, out)
     acc = torch.zeros(h_res.shape, dtype=torch.float32, device=h_res.device)
     for j in range(row_index.shape[1]):
         y = rows[row_index[:, j]].float()
@@ -44,7 +45,7 @@ def topk_merge_torch(
     if shared is not None:
         acc = acc + shared.float()
     acc = acc + h_res.float()
-    return acc.to(h_res.dtype)
+    return acc.to(h_res.dtype) if out is None else out.copy_(acc)
 
 
 def _topk_merge_kernel(
@@ -78,13 +79,17 @@ def topk_merge_triton(
     rows: torch.Tensor,
     row_index: torch.Tensor,
     weights: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version: one pass over the k gathered rows, shared and residual."""
-    _check(h_res, shared, rows, row_index, weights)
+    _check(h_res, shared, rows, row_index, weights, out)
     T, H = h_res.shape
-    out = torch.empty((T, H), dtype=kernel_store_dtype(h_res.dtype), device=h_res.device)
+    dest = out
+    store = kernel_store_dtype(h_res.dtype)
+    if out is None or store != out.dtype or out.stride(-1) != 1:  # (the interpreter stores fp32: rounded below)
+        out = torch.empty((T, H), dtype=store, device=h_res.device)
     if T == 0 or H == 0:
-        return out.to(h_res.dtype)
+        return out.to(h_res.dtype) if dest is None else dest
     # Only the last dimension has to be dense; row strides are passed through so views of a larger
     # receive buffer need no copy.
     h_res, rows = _last_dim_dense(h_res), _last_dim_dense(rows)
@@ -101,7 +106,9 @@ def topk_merge_triton(
         # No FMA contraction: keep the reference's separate rounding of multiply and add.
         enable_fp_fusion=False,
     )
-    return out.to(h_res.dtype)
+    if dest is None:
+        return out.to(h_res.dtype)
+    return dest if out is dest else dest.copy_(out)
 
 
 def topk_merge(
@@ -110,20 +117,24 @@ def topk_merge(
     rows: torch.Tensor,
     row_index: torch.Tensor,
     weights: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h_next[T,H] from the residual, optional shared-expert output and k scattered expert rows.
 
     h_res [T,H]; shared [T,H] or None; rows [N,H] (any order); row_index [T,k] int64 (row of slot
-    j of token t); weights [T,k] fp32. Output dtype = h_res dtype. Picks Triton or torch via
-    `kernels.dispatch.backend_for`.
+    j of token t); weights [T,k] fp32. Output dtype = h_res dtype; `out` [T,H] of that dtype: written there
+    (and returned) instead of into a new tensor. Picks Triton or torch via `kernels.dispatch.backend_for`.
     """
     if backend_for(h_res, shared, rows, row_index, weights) == "triton":
-        return topk_merge_triton(h_res, shared, rows, row_index, weights)
-    return topk_merge_torch(h_res, shared, rows, row_index, weights)
+        return topk_merge_triton(h_res, shared, rows, row_index, weights, out)
+    return topk_merge_torch(h_res, shared, rows, row_index, weights, out)
 
 
-def _check(h_res, shared, rows, row_index, weights) -> None:
+def _check(h_res, shared, rows, row_index, weights, out=None) -> None:
     T, H = h_res.shape
+    if out is not None and (out.shape != (T, H) or out.dtype != h_res.dtype or out.device != h_res.device):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device}: expected {(T, H)} {h_res.dtype} "
+                         f"on {h_res.device}")
     if shared is not None and shared.shape != (T, H):
         raise ValueError(f"shared {tuple(shared.shape)} != h_res {(T, H)}")
     if rows.dim() != 2 or rows.shape[1] != H:

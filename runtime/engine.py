@@ -392,8 +392,8 @@ class Engine:
             shared = None if g.shared is None else g.shared.index_select(0, idx)
             w = g.weights.index_select(0, idx)
         y, row_index = MergeTable.combine_inputs(g, rows)
-        h_next = self.executor.combine(h_res, shared, y, w, row_index)
         nxt = self.stages[self.expert_stage[g.layer]].next
+        h_next = self.executor.combine(h_res, shared, y, w, row_index, feeds_attention=self.stages[nxt].kind == "attn")
         if rows is None and not g.multi:  # a whole decode wave: its lists as they are (see _block_segments); pos0 ==
             # first for one-row segments, except after the last layer, where first is the sampled position, which the
             # sample stage does not read

@@ -108,9 +108,11 @@ class TorchExecutor:
 
     @torch.no_grad()
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
-                row_index: Optional[Tensor] = None) -> Tensor:
+                row_index: Optional[Tensor] = None, feeds_attention: bool = False) -> Tensor:
         """h_res + sum_j weights[:, j] * y[:, j] (+ shared). y is [T, k, H], or, with `row_index` [T, k],
-        rows [N, H] of which row_index[t, j] is slot j of token t (the merge buffer, in arrival order)."""
+        rows [N, H] of which row_index[t, j] is slot j of token t (the merge buffer, in arrival order).
+        `feeds_attention`: the result is an attention stage's next input (an executor with static graph inputs may
+        write it there: CudaExecutor); the value is the same either way."""
         return layers.moe_combine(h_res, shared, y if row_index is None else y[row_index], weights)
 
     @torch.no_grad()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import weakref
 import sys
 import time
 from dataclasses import dataclass, field
@@ -192,6 +193,8 @@ class ExecStats:
     attn_graph: int = 0
     attn_eager_decode: int = 0  # decode-shaped but over the largest bucket / no table row
     attn_eager: int = 0  # prefill or mixed batches
+    attn_claims_used: int = 0  # decode batches whose input a combine had written in place (no input copy)
+    attn_claims_moved: int = 0  # another output's rows moved out of a bucket's input first (_attn_input)
     expert_graph: int = 0
     expert_eager: int = 0
     route_wait_s: float = 0.0  # route_arrays()'s waits for the routing copy (also counted in staging.wait_s)
@@ -199,6 +202,9 @@ class ExecStats:
 
     def note(self, why: str) -> None:
         self.eager_reasons[why] = self.eager_reasons.get(why, 0) + 1
+
+
+_CLAIM_BACKOFF = 64  # claims a bucket skips after one of its claims had to be moved out (CudaExecutor._claim_skip)
 
 
 def _env(name: str, default: str, valid: tuple) -> str:
@@ -288,6 +294,14 @@ class CudaExecutor:
         # the model's (use_keyed_router); None: the model's router.
         self.keyed_router = None
         self._row_views: dict = {}  # (kind, bucket, rows) -> views of that bucket's static buffers (_first_rows)
+        # attention bucket -> the combine output written straight into that bucket's static input (a weak reference
+        # to it): the next attention batch of the bucket skips its input copy when that output is its input
+        # (combine(feeds_attention=True), _attn_input)
+        self._claims: dict[int, weakref.ref] = {}
+        # attention bucket -> claims still to skip: after a claim had to be moved out (another wave's batch of the
+        # bucket came first: in-process ranks sharing this executor take turns), writing in place costs a copy more
+        # than it saves, so the bucket's combines stop claiming for a while
+        self._claim_skip: dict[int, int] = {}
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._attn_timer = StepTimer("executor attention", profile)
@@ -629,7 +643,11 @@ class CudaExecutor:
         h_in, out_T, route_T, payload_T = self._first_rows(("attn", b, T), static, lambda: (
             bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T],
             bufs._t["payload"][:T] if "payload" in bufs._t else None))
-        h_in.copy_(h)
+        h = self._attn_input(b, h) if static else h
+        if h is not None:
+            h_in.copy_(h)
+        else:
+            self.stats.attn_claims_used += 1
         tm.lap("h_copy")
         if static:
             key = ("attn", layer, b, kv._cuda_exec_serial)
@@ -969,16 +987,57 @@ class CudaExecutor:
 
     @torch.no_grad()
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
-                row_index: Optional[Tensor] = None) -> Tensor:
+                row_index: Optional[Tensor] = None, feeds_attention: bool = False) -> Tensor:
         """h_next = h_res + sum_j w_j y_j (+ shared) in one topk_merge launch (bit-equal to
         models.moe.combine: same fp32 operations in the same order). y [T, k, H], or rows [N, H]
-        gathered through `row_index` [T, k] by the kernel itself (no gathered copy)."""
+        gathered through `row_index` [T, k] by the kernel itself (no gathered copy). `feeds_attention`: the rows
+        go on to an attention stage; they are then written into the static input of the attention bucket they fit
+        when no other output waits there, and that batch replays without copying them in (_attn_input)."""
         h_res, shared, y = self._to_dev(h_res), self._to_dev(shared), self._to_dev(y)
         w = self._to_dev(weights, torch.float32)
+        out = self._claim_attn_input(h_res.shape[0]) if feeds_attention else None
         if row_index is not None:
-            return topk_merge(h_res, shared, y, self._to_dev(row_index), w)
+            return topk_merge(h_res, shared, y, self._to_dev(row_index), w, out=out)
         T, k, H = y.shape
-        return topk_merge(h_res, shared, y.reshape(T * k, H), self._row_index(T, k), w)
+        return topk_merge(h_res, shared, y.reshape(T * k, H), self._row_index(T, k), w, out=out)
+
+    def _claim_attn_input(self, T: int) -> Optional[Tensor]:
+        """Rows 0..T-1 of the static input of the attention bucket T fits, as a new view that is the claim (never a
+        cached view: an eviction repoints the claim's storage), or None when another live output holds the bucket."""
+        b = bucket_for(T, self.buckets["attn"]) if T else None
+        if b is None:
+            return None
+        held = self._claims.get(b)
+        if held is not None and held() is not None:
+            return None
+        skip = self._claim_skip.get(b)
+        if skip:
+            self._claim_skip[b] = skip - 1
+            return None
+        view = self._attn_bufs(b, True)._t["h"][:T]
+        self._claims[b] = weakref.ref(view)
+        return view
+
+    def _attn_input(self, b: int, h: Tensor) -> Optional[Tensor]:
+        """What an attention batch of bucket b must copy into the bucket's static input: None when `h` is already
+        there (the combine that made it claimed the bucket), else h. A live claim of another output is evicted
+        first: its rows move to a tensor of their own (Tensor.set_ repoints the claim, so every queue item holding it
+        reads them there), and an `h` sliced from that claim is re-sliced from the moved rows (a copy between
+        overlapping rows of one buffer is not allowed)."""
+        held = self._claims.pop(b, None)
+        owner = held() if held is not None else None
+        if owner is None:
+            return h
+        if owner is h:
+            return None
+        moved = owner.clone()
+        if h.untyped_storage().data_ptr() == owner.untyped_storage().data_ptr():  # h is rows of the claim
+            first = (h.storage_offset() - owner.storage_offset()) // owner.stride(0)
+            h = moved[first:first + h.shape[0]]
+        owner.set_(moved)
+        self.stats.attn_claims_moved += 1
+        self._claim_skip[b] = _CLAIM_BACKOFF
+        return h
 
     @torch.no_grad()
     def logits(self, h: Tensor) -> DeviceLogits:

@@ -57,7 +57,7 @@ class SimExecutor:
         return torch.zeros_like(row_blocks(x))
 
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,
-                row_index: Optional[Tensor] = None) -> Tensor:
+                row_index: Optional[Tensor] = None, feeds_attention: bool = False) -> Tensor:
         return h_res
 
     def logits(self, h: Tensor) -> Tensor:

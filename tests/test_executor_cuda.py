@@ -444,6 +444,23 @@ def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch):
     assert calls
 
 
+def test_attention_inputs_written_in_place_by_the_combine_with_twin_match_reference(monkeypatch):
+    """One rank (one engine on its executor, as each process of a multi-GPU run has): the combine before an attention
+    batch writes that batch's input in place (CudaExecutor._claim_attn_input), and tokens still equal the
+    reference's. (In-process ranks sharing one executor take turns at a bucket and mostly back off.)"""
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    in_place = []  # per static attention batch: its input was already there (no copy)
+    real_input = CudaExecutor._attn_input
+
+    def spy_input(self, b, h):
+        out = real_input(self, b, h)
+        in_place.append(out is None)
+        return out
+    monkeypatch.setattr(CudaExecutor, "_attn_input", spy_input)
+    _twin_matches_reference("defrag:hold_fill=1,hold_us=2000", ranks=1)
+    assert sum(in_place) >= len(in_place) // 2, f"{sum(in_place)} of {len(in_place)} attention inputs in place"
+
+
 @pytest.mark.parametrize("dispatch", ["host", "device"])
 def test_a_decode_wave_hands_every_layer_the_same_segments_list(monkeypatch, dispatch):
     """A decode wave's (rids, pos) lists move through its layers as they are, so each layer's batch gets the list
@@ -490,7 +507,7 @@ def test_experts_routed_equals_the_torch_executors_host_side_selection(monkeypat
         assert none_here[0] and not got[none_here].any()  # tokens with no expert held here: zero
 
 
-def _twin_matches_reference(policy):
+def _twin_matches_reference(policy, ranks: int = 2):
     name = "tiny-gpt-oss"
     spec, w = model(name)
     ref = ReferenceDecoder(spec, w)
@@ -500,7 +517,7 @@ def _twin_matches_reference(policy):
         n = rng.choice([1, 1, 3, 12])  # one-token prompts run the decode (bucketed) path from step 0
         reqs.append(Request(i, f"r{i}", [rng.randrange(3, spec.vocab_size) for _ in range(n)], 6, ignore_eos=True,
                             arrival=0.0))
-    plan = compile_plan(spec, 2)
+    plan = compile_plan(spec, ranks)
     res = run_workload(plan, reqs, RunOptions(policy=policy, executor="cuda", kv_blocks=64), weights=w)
     compared = 0
     for r in res.requests:
@@ -595,3 +612,50 @@ def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(monkeypatc
     assert res.metrics["finished"] == 6
     used = {k for k in ex.graphs._graphs if k[0] == "expert_routed"}
     assert used == prepared and ex.stats.expert_graph > 0
+
+
+def test_a_combine_for_attention_writes_that_batchs_input_and_other_batches_move_it_out_first():
+    """combine(feeds_attention=True) writes its rows into the static input of the attention bucket they fit, and
+    that attention batch replays without copying them in; a batch of the same bucket that runs first (rows sliced
+    from the waiting ones, or another wave) moves the waiting rows out, so every input keeps its values, and the
+    bucket's next _CLAIM_BACKOFF combines do not write in place. Outputs equal an executor that never writes in
+    place, call for call."""
+    from runtime.executor_cuda import _CLAIM_BACKOFF
+    lens = [5, 2, 7]
+    spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=4)
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    plain = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    T, H = 3, spec.hidden_size
+    g = torch.Generator().manual_seed(5)
+    h_res, y, wts = torch.randn(T, H, generator=g), torch.randn(T, 2, H, generator=g), torch.rand(T, 2, generator=g)
+    static_h = ex._attn_bufs(8, True)._t["h"]
+
+    def both(h_ex, h_plain, rows=(0, 1, 2)):
+        pos, segs = [lens[i] for i in rows], [(i, j, 1) for j, i in enumerate(rows)]
+        got = ex.attention(1, h_ex, pos, segs, kv_a)
+        want = plain.attention(1, h_plain, list(pos), list(segs), kv_b)
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)
+
+    def combine(scale):
+        return ex.combine(h_res, None, scale * y, wts, feeds_attention=True)
+
+    a = combine(1.0)  # 1. in place, then read in place
+    assert torch.equal(a, plain.combine(h_res, None, y, wts)) and a.data_ptr() == static_h.data_ptr()
+    both(a, a.clone())
+    assert (ex.stats.attn_claims_used, ex.stats.attn_claims_moved) == (1, 0)
+    c = combine(3.0)  # 2. rows sliced from the waiting ones run first
+    c_then = c.clone()
+    both(c[1:3], c_then[1:3], rows=(1, 2))
+    assert ex.stats.attn_claims_moved == 1 and torch.equal(c, c_then) and c.data_ptr() != static_h.data_ptr()
+    both(c, c_then)
+    for _ in range(_CLAIM_BACKOFF):  # the bucket backs off ...
+        assert combine(1.0).data_ptr() != static_h.data_ptr()
+    b = combine(2.0)  # ... then writes in place again; 3. another wave's batch runs first
+    assert b.data_ptr() == static_h.data_ptr()
+    b_then = b.clone()
+    assert combine(1.0).data_ptr() != static_h.data_ptr()  # (the bucket is taken)
+    both(h, h.clone())
+    assert ex.stats.attn_claims_moved == 2 and torch.equal(b, b_then) and b.data_ptr() != static_h.data_ptr()
+    both(b, b_then)
+    assert ex.stats.attn_claims_used == 1

@@ -595,12 +595,13 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
             wts = wts.cpu().to(torch.float32)
             xr = x if x is not None else ex.embed([])
             xr = xr.to(device)
+            feeds = layer + 1 < spec.num_layers  # the combine's rows are the next attention's input
             if mode == "ag":
                 h = _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owners[layer], ex, inner, device,
-                              probe, stall)
+                              probe, stall, feeds)
             else:
                 h = _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owners[layer], ex, inner, device,
-                               probe, stall, k)
+                               probe, stall, k, feeds)
         if T:
             last = torch.tensor([start + n - 1 for _, start, n in segments], dtype=torch.long, device=h.device)
             logits = ex.logits(h.index_select(0, last))
@@ -634,7 +635,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
                           "t_finish": q.t_finish, "prompt_len": len(q.prompt)} for q in mine]}
 
 
-def _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inner, device, probe, stall):
+def _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inner, device, probe, stall, feeds=False):
     import torch.distributed as dist
     M = max(counts)
     T, H = xr.shape[0], xr.shape[1]
@@ -673,10 +674,11 @@ def _ag_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inne
         return None
     acc = red[me * M:me * M + counts[me]]
     ones = torch.ones(counts[me], 1, dtype=torch.float32, device=device)
-    return ex.combine(h_res, shared, acc.to(h_res.dtype).unsqueeze(1), ones)
+    return ex.combine(h_res, shared, acc.to(h_res.dtype).unsqueeze(1), ones, feeds_attention=feeds)
 
 
-def _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inner, device, probe, stall, k):
+def _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inner, device, probe, stall, k,
+               feeds=False):
     import torch.distributed as dist
     T, H = xr.shape[0], xr.shape[1]
     own = owner[ids] if ids.numel() else torch.zeros(0, k, dtype=torch.int64)
@@ -730,7 +732,7 @@ def _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inn
     Y = torch.zeros(T * k, H, dtype=h_res.dtype, device=h_res.device)
     if flat_parts:
         Y.index_copy_(0, torch.cat(flat_parts).to(Y.device), back.to(device=Y.device, dtype=Y.dtype))
-    return ex.combine(h_res, shared, Y.view(T, k, H), wts)
+    return ex.combine(h_res, shared, Y.view(T, k, H), wts, feeds_attention=feeds)
 
 
 # ------------------------------------------------------------------------------ streaming rank main
