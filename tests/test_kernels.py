@@ -119,6 +119,21 @@ def test_topk_merge_triton_bitwise(triton_device, dtype, with_shared):
     assert torch.equal(topk_merge_triton(h_res, shared, rows, row_index, weights), ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_merge_into_given_rows_of_a_larger_buffer(triton_device, dtype):
+    """out= (the CUDA executor writes a combine straight into an attention bucket's static input rows): the same bits
+    as a new tensor, written in place and returned, the buffer's other rows untouched; a wrong shape is refused."""
+    h_res, shared, rows, row_index, weights = _merge_inputs(7, 25, dtype, triton_device, seed=2)
+    ref = topk_merge_torch(h_res, shared, rows, row_index, weights)
+    for merge in (topk_merge_torch, topk_merge_triton):
+        buf = torch.full((9, H), 5.0, dtype=dtype, device=triton_device)
+        got = merge(h_res, shared, rows, row_index, weights, buf[:7])
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, ref) and torch.equal(buf[:7], ref)
+        assert bool((buf[7:] == 5.0).all())
+        with pytest.raises(ValueError, match="out"):
+            merge(h_res, shared, rows, row_index, weights, buf[:6])
+
+
 def test_topk_merge_triton_empty_batch(triton_device):
     h_res, shared, rows, row_index, weights = _merge_inputs(0, 4, torch.float32, triton_device)
     assert topk_merge_triton(h_res, shared, rows, row_index, weights).shape == (0, H)
