@@ -151,3 +151,24 @@ def test_policy_strings_parse_and_fail_clearly():
     assert make_policy("aging:hold_ahead=1").hold_ahead == 0  # no hold, nothing to announce for
     with pytest.raises(ValueError, match="hold_ahead"):
         make_policy("mtfs:hold_fill=1,hold_ahead=2")
+
+
+def test_defrag_scores_the_same_bits_in_python_and_in_the_kernel(monkeypatch):
+    """A few runnable stages are scored in Python, more by the compiled kernel (scheduler._PY_CANDIDATES): the same
+    operations in the same order, so every score and every history step is bit-identical between the two."""
+    import random
+
+    from runtime import scheduler
+    rng = random.Random(3)
+    n = 13
+    chain = [(i + 1) % n for i in range(n)]
+    py = Defrag(delta=0.7, lookahead=3, history=3, history_weight=0.9)
+    kernel = Defrag(delta=0.7, lookahead=3, history=3, history_weight=0.9)
+    for step in range(60):
+        vs = [StageView(rng.choice([0.0, rng.random() * 300, rng.randrange(50) / 3]), rng.random() < 0.3, 0.0)
+              for _ in range(n)]
+        a = py.scores(vs, chain)
+        monkeypatch.setattr(scheduler, "_PY_CANDIDATES", -1)
+        b = kernel.scores(vs, chain)
+        monkeypatch.setattr(scheduler, "_PY_CANDIDATES", n)
+        assert a == b, step
