@@ -56,6 +56,7 @@ from runtime.scheduler import HOLD, Decision, StageView, make_policy
 from runtime.step_timer import StepTimer
 
 _EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
+_NONE_CHECKED: dict = {}  # no stage's items need an eligibility check (Engine.views)
 
 # Message kinds on the wire (meta["t"]).
 MSG_EXPERT_IN = "x"  # home -> expert owner: routed rows
@@ -448,12 +449,14 @@ class Engine:
         # expert batches 13% smaller and the rank slower; NOTES §22 item 4).
         waiting = () if not self.deferred else {self.expert_stage[l] for l, r in enumerate(self._deferred_attn_rows)
                                                  if r and l in self.expert_stage}
+        # With no chunked prompt in flight every queued item is eligible (_attn_eligible): no per-item check
+        eligible = self._eligible if self._chunked else _NONE_CHECKED
         out = []
         for sid, q in enumerate(self.queues):
             if not len(q):
                 out.append(_EMPTY_VIEW)
                 continue
-            v = StageView(q.depth, sid not in waiting and q.has_eligible(self._eligible.get(sid)),
+            v = StageView(q.depth, sid not in waiting and q.has_eligible(eligible.get(sid)),
                           now - q.oldest_enqueue())
             if hold and v.runnable:
                 v.incoming = self._incoming(sid)
@@ -498,7 +501,7 @@ class Engine:
             self.hold_s = decision.hold_s
             return None
         stage = self.stages[decision.stage]
-        items = self.queues[stage.id].take(self._eligible.get(stage.id))
+        items = self.queues[stage.id].take(self._eligible.get(stage.id) if self._chunked else None)
         tm.lap("take")
         if not items:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
