@@ -306,9 +306,10 @@ class CudaExecutor:
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._attn_timer = StepTimer("executor attention", profile)
         self._expert_timer = StepTimer("executor experts", profile)
+        self._embed_timer = StepTimer("executor embed", profile)  # (layer 0: 190-300 us per batch in run 121)
         if profile:
-            atexit.register(lambda: print(f"{self._attn_timer.report()}\n{self._expert_timer.report()}",
-                                          file=sys.stderr))
+            atexit.register(lambda: print(f"{self._attn_timer.report()}\n{self._expert_timer.report()}\n"
+                                          f"{self._embed_timer.report()}", file=sys.stderr))
         # When a list: (kind, start event, end event) per attention / expert call, recorded around
         # the call's device work (benchmarks/gpu_bench.py derives GPU time per batch from it).
         self.profile: Optional[list] = None
@@ -407,8 +408,16 @@ class CudaExecutor:
         """The rows of `token_ids` (layers.embed's values): the ids go up through the staging ring as a numpy fill and
         one copy, and one index_select reads the rows (3-4 torch calls where a tensor from the list, its h2d and an
         indexing expression took ~10: 230-350 us per layer-0 batch on the H200 host, run 109)."""
-        ids, _ = self.staging.upload(np.asarray(token_ids, dtype=np.int64))
-        return torch.index_select(self.w.embed, 0, ids)
+        tm = self._embed_timer
+        tm.start()
+        a = np.asarray(token_ids, dtype=np.int64)
+        tm.lap("asarray")
+        wait0 = self.staging.wait_s
+        ids, _ = self.staging.upload(a)
+        tm.lap("upload" if self.staging.wait_s == wait0 else "upload_waited")
+        out = torch.index_select(self.w.embed, 0, ids)
+        tm.lap("index_select")
+        return out
 
     def _mark(self) -> Optional[torch.cuda.Event]:
         if self.profile is None or self.device.type != "cuda":

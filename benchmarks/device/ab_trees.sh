@@ -35,7 +35,7 @@ for r in $(seq 1 "$ROUNDS"); do
       { echo "=== $v round $r"; python3 benchmarks/wave_timeline.py "$P/$v$r"/timeline_*.json; } >> "$OUT/timelines.txt" 2>&1
     fi
     if [ $BENCH = gpu_bench ]; then
-      { echo "=== $v round $r"; grep -E "attention (dispatch|execute):|executor (attention|experts):|decision:" "$P/$v$r.log"; } >> "$OUT/phases.txt" 2>&1
+      { echo "=== $v round $r"; grep -E "attention (dispatch|execute):|executor (attention|experts|embed):|decision:" "$P/$v$r.log"; } >> "$OUT/phases.txt" 2>&1
     else
       for k in 0 1; do echo "=== $v round $r rank $k"; head -16 "$P/$v$r/rank$k.prof.phases.txt"; done >> "$OUT/phases.txt" 2>&1
     fi
