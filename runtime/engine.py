@@ -796,7 +796,7 @@ class Engine:
         tm.lap("bookkeeping")
         # The batch's merge group, opened below with its dispatch order (host-routed) or its holders (device-routed).
         shared = rows_of(out["shared"]) if out["shared"] is not None else None
-        n = np.asarray(ns, dtype=np.int64) if multi else np.ones(len(rids), dtype=np.int64)  # (a list -> array is ~1 us per 30 rows)
+        n = np.asarray(ns, dtype=np.int64) if multi else None  # (None: one row each. A list -> array is ~1 us per 30 rows)
         open_group = partial(self.merge.open, layer, rids, pos0s, first, n,
                              rows_of(out["h_res"]), shared)
         if "payload" in out:

@@ -107,6 +107,7 @@ class MergeTable:
         # reuses the buffer and event of the group before it instead of allocating (the caching allocator's Python
         # and C++ path) and creating an event (~100 us per open on the H200 host with both; benchmarks/NOTES.md §32)
         self._spare: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
+        self._decode: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # S -> (ones, 0 .. S-1) (_decode_arrays)
 
     def __len__(self) -> int:
         """Segments waiting for expert outputs."""
@@ -129,18 +130,24 @@ class MergeTable:
         return [(g.rids[s], g.pos0[s], g.layer) for g in self._groups.values()
                 for s in np.flatnonzero(g.missing > 0).tolist()]
 
-    def open(self, layer: int, rids: list[int], pos0: list[int], first: np.ndarray, n: np.ndarray,
+    def open(self, layer: int, rids: list[int], pos0: list[int], first: np.ndarray, n: Optional[np.ndarray],
              h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, now: float,
              plan: Optional[DispatchPlan] = None, holders: int = 0) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
-        start[s] .. start[s]+n[s]-1 (segments back to back, in order). `plan`: the batch's dispatch plan
+        start[s] .. start[s]+n[s]-1 (segments back to back, in order; n None: one row each, a decode wave's group,
+        whose per-segment arrays are then shared read-only ones). `plan`: the batch's dispatch plan
         (runtime/dispatch_plan.py: its order, f at position p, and the packed device inputs; None = identity
         order, weights packed here). `weights` [R, k]: numpy or a tensor. Tags: `group.gid << TAG_SHIFT | p`.
         `holders` > 0: the device-routed dispatch (a holder group, see the module doc): `weights` is ignored,
         holder j's row r is at position j*R + r."""
         k = holders or self.top_k
         S = len(rids)
-        R = int(n.sum())
+        start = None
+        if n is None:
+            n, start = self._decode_arrays(S)
+            seg_of_row, R = start, S
+        else:
+            R = int(n.sum())
         if R * k > TAG_MASK:
             raise ValueError(f"merge group of {R} rows x {k} slots does not fit a tag")
         order = inv = row_of_pos = None
@@ -149,7 +156,8 @@ class MergeTable:
         elif holders:
             order, inv, row_of_pos, row_index, weights = self._holder_layout(R, k, h_res.device)
         if R == S:  # decode: every segment one row (fewer numpy calls)
-            start = seg_of_row = np.arange(S, dtype=np.int64)
+            if start is None:
+                start = seg_of_row = np.arange(S, dtype=np.int64)
             seg_of_pos = row_of_pos if order is not None else np.repeat(seg_of_row, k)
         else:
             start = np.cumsum(n) - n
@@ -189,6 +197,18 @@ class MergeTable:
         self._open_segments += S
         self._open_rows[layer] = self._open_rows.get(layer, 0) + R
         return g
+
+    def _decode_arrays(self, S: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ones, 0 .. S-1) as int64: `n` and `start` (= `seg_of_row`) of a group of S one-row segments, which reads
+        them and never writes them (read-only arrays: a write raises); one pair per size, kept while sizes stay few."""
+        got = self._decode.get(S)
+        if got is None:
+            got = (np.ones(S, dtype=np.int64), np.arange(S, dtype=np.int64))
+            for a in got:
+                a.flags.writeable = False
+            if len(self._decode) < 64:
+                self._decode[S] = got
+        return got
 
     def _take_y(self, shape: tuple, dtype: torch.dtype, device) -> tuple[torch.Tensor, object]:
         """A group's y buffer: a spare one of that shape with its event, else a new one (and no event)."""

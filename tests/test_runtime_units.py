@@ -556,3 +556,25 @@ def test_next_batch_asks_the_policy_again_only_after_a_push_or_a_completed_batch
     assert e.next_batch() is None and pol.calls == 3  # ... then the shortcut
     e._changes[0] += 1  # what complete() does first
     assert e.next_batch() is None and pol.calls == 4
+
+
+def test_a_decode_group_shares_read_only_per_segment_arrays_and_completes_like_one_given_ones():
+    """open(n=None): one row per segment (a decode wave). Its n, start and seg_of_row are one read-only pair of arrays
+    per size, shared by every such group; the group completes and combines as one opened with an explicit n of ones."""
+    H = 3
+    table = MergeTable(2, whole_groups=True)
+    h_res = torch.randn(4, H)
+
+    def opened(n):
+        return table.open(1, [7, 8, 9, 10], [5] * 4, [5] * 4, n, h_res, None, None, 0.0, holders=2)
+
+    a, b, c = opened(None), opened(None), opened(np.ones(4, dtype=np.int64))
+    assert a.n is b.n and a.start is b.start and a.seg_of_row is a.start
+    assert a.n.tolist() == c.n.tolist() and a.start.tolist() == c.start.tolist() == c.seg_of_row.tolist()
+    with pytest.raises(ValueError):
+        a.n[0] = 2
+    part = torch.randn(8, H)
+    done = [table.add((g.gid << TAG_SHIFT, 8), part) for g in (a, c)]
+    assert [d[0][1].tolist() for d in done] == [[0, 1, 2, 3]] * 2
+    assert torch.equal(MergeTable.combine_inputs(a)[0], MergeTable.combine_inputs(c)[0])
+    assert table.open_rows(1) == 4  # b is still open
