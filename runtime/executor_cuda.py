@@ -302,6 +302,9 @@ class CudaExecutor:
         # bucket came first: in-process ranks sharing this executor take turns), writing in place costs a copy more
         # than it saves, so the bucket's combines stop claiming for a while
         self._claim_skip: dict[int, int] = {}
+        # routed expert bucket -> the first token row from which on its static payload holds padding tails
+        # (_experts_routed: a batch of T tokens leaves rows T.. as they were, so a batch of at least T skips padding)
+        self._routed_padded: dict[int, int] = {}
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._attn_timer = StepTimer("executor attention", profile)
@@ -484,6 +487,7 @@ class CudaExecutor:
             for b in self.buckets["expert"]:
                 bufs = self._routed_bufs(b, True)
                 bufs._t["payload"][:, self.spec.hidden_size:].copy_(self._padding_tail())  # padding tokens only
+                self._routed_padded[b] = 0
                 for layer in lays:
                     mine = owned(layer, self.device) if self.spec.is_moe_layer(layer) else None
                     if mine is None or not bool(mine.any()):
@@ -763,8 +767,12 @@ class CudaExecutor:
             payload_T.copy_(payloads[0])
         else:
             torch.cat(payloads, out=payload_T)
-        if tail_pad.shape[0]:  # padding tokens: owned by nobody, weight 0
+        # Padding tokens: owned by nobody, weight 0. A static bucket's rows from _routed_padded[b] on still hold the
+        # padding tail a batch before wrote (the graph only reads its input): rewritten only below a shorter batch.
+        if tail_pad.shape[0] and (not static or self._routed_padded.get(b, T + 1) > T):
             tail_pad.copy_(self._padding_tail())
+        if static:
+            self._routed_padded[b] = T
         tm.lap("routed:payload_in")
         select = self._routed_select(layer, owned)
         self._run_expert(("expert_routed", layer, b, id(owned)), lambda: self._routed_body(layer, bufs, select),
