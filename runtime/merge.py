@@ -243,7 +243,9 @@ class MergeTable:
             row_of_pos = p % R
             order = row_of_pos * holders + p // R
             inv = np.arange(R * holders, dtype=np.int64).reshape(holders, R).T.copy()
-            got = (order, inv, row_of_pos, torch.from_numpy(inv).to(device),
+            # (through the pinned ring: `from_numpy(inv).to(device)` copied from pageable memory and synchronized the
+            # stream, draining the GPU's queue once per decode step, whenever a wave's size was new; run 123's trace)
+            got = (order, inv, row_of_pos, to_device(inv, device),
                    torch.ones((R, holders), dtype=torch.float32, device=device))
             if len(self._holder_layouts) < 4096:
                 self._holder_layouts[key] = got
