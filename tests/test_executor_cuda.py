@@ -664,3 +664,27 @@ def test_a_combine_for_attention_writes_that_batchs_input_and_other_batches_move
     assert ex.stats.attn_claims_moved == 2 and torch.equal(b, b_then) and b.data_ptr() != static_h.data_ptr()
     both(b, b_then)
     assert ex.stats.attn_claims_used == 1
+
+
+def test_embedding_rows_go_into_the_attention_input_and_an_eager_batch_spends_the_claim():
+    """embed() uploads the ids into a buffer kept for them and gathers the rows straight into the static input of the
+    attention bucket they fit (the same values as layers.embed); a decode batch then reads them in place, and a batch
+    that runs eagerly (a prompt's rows: not decode-shaped) reads them where they are and spends the claim, so the
+    bucket's next combine or embedding claims it again instead of a later batch moving stale rows out."""
+    from models import layers
+    lens = [5, 2, 7]
+    spec, w, kv_a, _, _, seg = _decode_pair(lens, seed=6)
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    static_h = ex._attn_bufs(8, True)._t["h"]
+    toks = [11, 12, 13]
+    e = ex.embed(toks)
+    assert torch.equal(e, layers.embed(w, torch.tensor(toks))) and e.data_ptr() == static_h.data_ptr()
+    ex.attention(1, e, lens, seg, kv_a)  # decode-shaped: in place
+    assert ex.stats.attn_claims_used == 1 and 8 not in ex._claims
+    e = ex.embed(toks)
+    assert e.data_ptr() == static_h.data_ptr()
+    assert kv_a.reserve(7, 3 + 8)
+    ex.attention(1, e, [0, 1, 2], [(7, 0, 3)], kv_a)  # one 3-row segment: eager
+    assert ex.stats.attn_eager == 1 and 8 not in ex._claims and ex.stats.attn_claims_moved == 0
+    assert ex.embed(toks).data_ptr() == static_h.data_ptr()  # claimed again: no back-off
+    assert ex.embed([]).shape == (0, spec.hidden_size)
