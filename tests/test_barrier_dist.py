@@ -26,12 +26,15 @@ def _first_divergence(a, b):
     return None
 
 
-def test_barrier_dist_tokens_match_streaming():
+@pytest.mark.parametrize("executor", ["torch", "cuda"])
+def test_barrier_dist_tokens_match_streaming(executor):
+    """The barrier baselines' tokens equal the streaming engine's, with the torch executor and the CUDA executor's
+    CPU twin (whose combines write the next attention batch's input in place, in both systems)."""
     from lowering.plan import compile_plan
     from runtime.experiments.barrier_dist import build_executor
     from runtime.cluster import Cluster, RunOptions
     import torch
-    es = ExecSpec(model="tiny-gpt-oss", dtype="float32", executor="torch", zipf_s=1.2)
+    es = ExecSpec(model="tiny-gpt-oss", dtype="float32", executor=executor, zipf_s=1.2)
     spec = cut_spec(es.model, None, es.dtype)
     plan = compile_plan(spec, 2)
     reqs = _requests(spec)
