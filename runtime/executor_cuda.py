@@ -195,6 +195,7 @@ class ExecStats:
     attn_eager: int = 0  # prefill or mixed batches
     attn_claims_used: int = 0  # decode batches whose input a combine had written in place (no input copy)
     attn_claims_moved: int = 0  # another output's rows moved out of a bucket's input first (_attn_input)
+    attn_outputs_moved: int = 0  # a bucket's last outputs still held when it replayed again: moved out first
     expert_graph: int = 0
     expert_eager: int = 0
     route_wait_s: float = 0.0  # route_arrays()'s waits for the routing copy (also counted in staging.wait_s)
@@ -305,6 +306,11 @@ class CudaExecutor:
         # routed expert bucket -> the first token row from which on its static payload holds padding tails
         # (_experts_routed: a batch of T tokens leaves rows T.. as they were, so a batch of at least T skips padding)
         self._routed_padded: dict[int, int] = {}
+        # attention bucket -> weak references to its last batch's outputs, handed out as views of the static output
+        # buffer (no clone): they are read in place until the bucket replays again, which first moves out any still
+        # held (_release_outputs); and -> batches still to clone after such a move (the same back-off as the claims)
+        self._out_claims: dict[int, list] = {}
+        self._out_skip: dict[int, int] = {}
         self._embed_ids: Optional[Tensor] = None  # device int64: the ids of a layer-0 batch (_embed_ids_rows)
         self._embed_views: dict[int, Tensor] = {}
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
@@ -473,6 +479,8 @@ class CudaExecutor:
         captured."""
         if not self.graphs.capture:  # (the CPU: nothing is captured)
             return 0
+        for b in list(self._out_claims):  # capturing replays the bodies over the static outputs
+            self._release_outputs(b)
         dv = self._view(kv)
         before = self.graphs.captures
 
@@ -685,6 +693,7 @@ class CudaExecutor:
             self.stats.attn_claims_used += 1
         tm.lap("h_copy")
         if static:
+            self._release_outputs(b)
             key = ("attn", layer, b, kv._cuda_exec_serial)
             g = self.graphs.get(key, lambda: self._attn_body(layer, bufs, dv, kv), self.attn_graphs)
             g.run()
@@ -694,7 +703,14 @@ class CudaExecutor:
             self._attn_body(layer, bufs, dv, kv)()
             self.stats.attn_eager_decode += 1
         tm.lap("replay")
-        out = out_T.clone().unbind(0)  # one copy: the static buffers are reused by the next batch
+        skip = self._out_skip.get(b, 0) if static else 0
+        if skip:  # backing off: one copy, the static buffers are reused by the next batch
+            self._out_skip[b] = skip - 1
+            out = out_T.clone().unbind(0)
+        else:  # views of the outputs where the graph wrote them (an eager batch's buffers are its own anyway)
+            out = out_T.unbind(0)
+            if static:
+                self._out_claims[b] = [weakref.ref(t) for t in out]
         h_res, x = out[0], out[1]
         tm.lap("out_clone")
         if self.spec.is_moe_layer(layer):
@@ -1056,6 +1072,23 @@ class CudaExecutor:
         view = self._attn_bufs(b, True)._t["h"][:T]
         self._claims[b] = weakref.ref(view)
         return view
+
+    def _release_outputs(self, b: int) -> None:
+        """Before attention bucket b replays: its last batch's outputs (views of the static output buffer) that are
+        still held (a merge group not combined yet: another wave, an in-process rank sharing this executor) move to
+        tensors of their own (Tensor.set_ repoints them where they are held), and the bucket clones its outputs for
+        its next _CLAIM_BACKOFF batches. In one wave's steady decode they are gone by then: the group's combine read
+        h_res before the wave's next attention batch was made, and x lived in the batch that is done."""
+        held = self._out_claims.pop(b, None)
+        if held is None:
+            return
+        live = [t for t in (r() for r in held) if t is not None]
+        if not live:
+            return
+        for t in live:
+            t.set_(t.clone())
+        self.stats.attn_outputs_moved += 1
+        self._out_skip[b] = _CLAIM_BACKOFF
 
     def _attn_input(self, b: int, h: Tensor) -> Optional[Tensor]:
         """What an attention batch of bucket b must copy into the bucket's static input: None when `h` is already

@@ -688,3 +688,34 @@ def test_embedding_rows_go_into_the_attention_input_and_an_eager_batch_spends_th
     assert ex.stats.attn_eager == 1 and 8 not in ex._claims and ex.stats.attn_claims_moved == 0
     assert ex.embed(toks).data_ptr() == static_h.data_ptr()  # claimed again: no back-off
     assert ex.embed([]).shape == (0, spec.hidden_size)
+
+
+def test_attention_outputs_are_views_until_the_bucket_replays_and_held_ones_move_out_first():
+    """A static attention batch hands out its outputs where the graph wrote them (no clone). When the bucket replays
+    while some are still held (another wave's merge group not combined yet), they move to tensors of their own first
+    and keep their values, and the bucket clones its outputs for the next _CLAIM_BACKOFF batches; outputs dropped
+    before the next replay move nowhere."""
+    from runtime.executor_cuda import _CLAIM_BACKOFF
+    lens = [5, 2, 7]
+    spec, w, kv_a, _, h, seg = _decode_pair(lens, seed=7)
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    static_out = ex._attn_bufs(8, True)._t["out"]
+
+    def attend(rows):
+        return ex.attention(1, rows, list(lens), list(seg), kv_a)
+
+    first = attend(h)
+    assert first[0].data_ptr() == static_out[0].data_ptr() and first[1].data_ptr() == static_out[1].data_ptr()
+    kept = [t.clone() for t in first]
+    second = attend(2 * h)  # the bucket replays while `first` is held
+    assert ex.stats.attn_outputs_moved == 1
+    assert all(torch.equal(t, k) for t, k in zip(first, kept)) and first[0].data_ptr() != static_out[0].data_ptr()
+    assert second[0].data_ptr() != static_out[0].data_ptr()  # backing off from this batch on: copies
+    del first, second
+    for _ in range(_CLAIM_BACKOFF - 1):
+        assert attend(h)[0].data_ptr() != static_out[0].data_ptr()
+    out = attend(h)
+    assert out[0].data_ptr() == static_out[0].data_ptr()
+    del out  # dropped before the next replay: nothing to move
+    attend(h)
+    assert ex.stats.attn_outputs_moved == 1
