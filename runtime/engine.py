@@ -912,21 +912,30 @@ class Engine:
         q0 = self.queues[self.attn_stage[0]]
         eos = self.cfg.eos_token_ids
         max_pos = self.cfg.max_position
-        steps, nstep = 0.0, 0
+        reqs = batch.out["reqs"]
+        # The wave hold's adaptive bound (hold_step) reads the mean time since each request's last token, and a
+        # chunked prompt's first token ends its chunking: both skipped when nothing uses them (this loop runs once per
+        # request per step: 0.15 -> 0.09 us per request here, ~3-4x that on the H200 hosts).
+        observe = getattr(self.policy, "observe_step", None) if getattr(self.policy, "hold_step", 0) > 0 else None
+        if observe is not None:
+            gaps = [now - r.token_times[-1] for r in reqs if r.token_times]
+            if gaps:
+                observe(sum(gaps) / len(gaps))
+        if self._chunked:
+            for req in reqs:
+                if req.chunked:  # its prompt's chunks are all through every layer: one segment in flight from now on
+                    req.chunked = False
+                    self._chunked -= 1
         cont_rids, cont_pos, cont_toks = [], [], []  # requests that go on: one attn(0) block
-        for req, tok in zip(batch.out["reqs"], batch.out["tokens"]):
-            if req.token_times:
-                steps += now - req.token_times[-1]
-                nstep += 1
-            req.output.append(tok)
+        for req, tok in zip(reqs, batch.out["tokens"]):
+            out = req.output
+            out.append(tok)
             req.token_times.append(now)
-            if req.chunked:  # its prompt's chunks are all through every layer: one segment in flight from now on
-                req.chunked = False
-                self._chunked -= 1
-            pos = len(req.prompt) + len(req.output) - 1  # where the new token would be written
+            n = len(out)
+            pos = len(req.prompt) + n - 1  # where the new token would be written
             if tok in eos and not req.ignore_eos:
                 self._finish(req, "eos", now)
-            elif len(req.output) >= req.max_new_tokens or pos >= max_pos:
+            elif n >= req.max_new_tokens or pos >= max_pos:
                 self._finish(req, "length", now)
             else:
                 cont_rids.append(req.rid)
@@ -935,9 +944,6 @@ class Engine:
         if cont_rids:
             q0.push(AttnBlock(cont_rids, cont_pos, cont_toks, None, now, len(cont_rids)))
         self.metrics.tokens += len(batch.out["tokens"])
-        observe = getattr(self.policy, "observe_step", None)  # the wave hold's adaptive bound
-        if nstep and observe is not None:
-            observe(steps / nstep)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_reason, req.t_finish = reason, now
