@@ -784,14 +784,11 @@ class ZmqDistTransport:
                 if target is None and self._engine_receives:
                     # Made on this thread's stream (the engine's), and the receive stream waits for that point: made
                     # on the receive stream it needed a stream context per message (the buffer's lap 35 us on the
-                    # H200 host, run 110). Read on the stream it was made on, it needs no record_stream at delivery
-                    # (_complete); the one here keeps a buffer dropped with its receive in flight (a close, a
-                    # failure) from being handed out again before the receive stream is done with it.
+                    # H200 host, run 110). Read on the stream it was made on, it needs no record_stream (_complete).
                     buf = self._pool.take(tuple(shape), torch_dtype)
                     fence = self._alloc_fence[src]  # (one per peer: a wait uses the record made before it)
                     fence.record(current_stream(self.device))
                     stream.wait_event(fence)
-                    buf.record_stream(stream)
                     item.engine_stream = True
                 elif target is None:  # fenced behind its last read / allocated on the receive stream
                     buf = self._pool.take(tuple(shape), torch_dtype, stream)
