@@ -270,7 +270,6 @@ class ZmqDistTransport:
             self._send_streams = {p: torch.cuda.Stream(self.device) for p in peers}
             self._recv_streams = {p: torch.cuda.Stream(self.device) for p in peers}
             self._produced = {p: torch.cuda.Event() for p in peers}  # _post: compute stream -> send stream
-            self._alloc_fence = {p: torch.cuda.Event() for p in peers}  # _on_header: buffer made -> receive stream
         self._pool = BufferPool(self.device, per_key=pool_per_size)
         if self.p2p == "lib":
             self._init_pair_comms(nccl_lib, store, namespace, timeout_s)
@@ -694,8 +693,8 @@ class ZmqDistTransport:
             return True
         t = item.tensor
         if t is not None:
-            if self._nccl and not item.engine_stream:
-                t.record_stream(current_stream(self.device))  # made on the receive stream, read on the engine's
+            if self._nccl:
+                t.record_stream(current_stream(self.device))  # it will be read on the engine's stream
             self.stats["received_bytes"] += t.numel() * t.element_size()
         self.stats["received"] += 1
         out.append(Arrival(item.peer, item.meta, t))
@@ -781,22 +780,12 @@ class ZmqDistTransport:
                 tm = self._recv_timer
                 tm.start()
                 stream = self._recv_streams[src]
-                if target is None and self._engine_receives:
-                    # Made on this thread's stream (the engine's), and the receive stream waits for that point: made
-                    # on the receive stream it needed a stream context per message (the buffer's lap 35 us on the
-                    # H200 host, run 110). Read on the stream it was made on, it needs no record_stream (_complete).
-                    buf = self._pool.take(tuple(shape), torch_dtype)
-                    fence = self._alloc_fence[src]  # (one per peer: a wait uses the record made before it)
-                    fence.record(current_stream(self.device))
-                    stream.wait_event(fence)
-                    item.engine_stream = True
-                elif target is None:  # fenced behind its last read / allocated on the receive stream
+                if target is None:  # fenced behind its last read / allocated on the receive stream
                     buf = self._pool.take(tuple(shape), torch_dtype, stream)
                 else:  # in place: after the work that allocated the target on its own stream
                     buf, ready = target
                     if ready is not None:
                         stream.wait_event(ready)
-                    item.engine_stream = True  # (a merge buffer: made on the engine's stream)
                 tm.lap("pool")
                 if self.p2p == "lib":  # the stream is an argument: no stream context (~15 us a message)
                     self._recv_comm[src].recv(buf, stream)
