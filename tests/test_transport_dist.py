@@ -345,38 +345,6 @@ def test_cuda_exchange_direct_nccl(p2p):
         assert r["teardown"] == ("destroyed" if p2p == "lib" else None), r  # clean close, in time
 
 
-def test_event_lane_gives_completed_events_back_and_the_next_transfer_records_one():
-    """EventLane puts a completed item's event into `spare` (never one still pending), and _stream_event records a
-    spare event again before it makes a new one. Fake CUDA events on CPU."""
-    import collections
-    import queue
-
-    from runtime.step_timer import StepTimer
-    from runtime.transport import zmq_dist
-    from runtime.transport.completion import EventLane, Item
-
-    class FakeEvent:
-        def __init__(self, done):
-            self.done, self.recorded_on = done, []
-
-        def query(self):
-            return self.done
-
-        def record(self, stream):
-            self.recorded_on.append(stream)
-
-    spare: collections.deque = collections.deque()
-    lane = EventLane("recv<-1", queue.SimpleQueue(), spare)
-    a, b = Item(False, 1, 0, {}), Item(False, 1, 1, {})
-    ea, eb = a.event, b.event = FakeEvent(True), FakeEvent(False)
-    lane.submit(a)
-    lane.submit(b)
-    lane.drain()
-    assert list(spare) == [ea] and lane.busy() == 1 and b.event is eb and a.event is None
-    assert zmq_dist._stream_event("stream 1", StepTimer("t", False), spare) is ea
-    assert ea.recorded_on == ["stream 1"] and not spare
-
-
 def test_nccl_poll_notices_event_completion_without_waiting_out_a_slice():
     """poll(timeout) on the NCCL path (EventLanes, no waiter threads) must re-query lane events while
     it waits, and a receptor's _WAKE must start that. Fake CUDA events on CPU; no processes."""

@@ -105,13 +105,9 @@ class WaiterLane:
 
 
 class EventLane:
-    """`spare`: where completed items' events go for the transport to record again (a new event per message was
-    a constructor and, at its garbage collection, a cudaEventDestroy; a completed event can be re-recorded)."""
-
-    def __init__(self, name: str, done: "queue.SimpleQueue[Item]", spare: Optional[collections.deque] = None):
+    def __init__(self, name: str, done: "queue.SimpleQueue[Item]"):
         self._done = done
         self._items: "collections.deque[Item]" = collections.deque()
-        self._spare = spare
 
     def submit(self, item: Item) -> None:
         if item.delay_s > 0:
@@ -132,15 +128,12 @@ class EventLane:
         now = None
         while self._items:
             item = self._items[0]
-            ev = item.event
-            if ev is not None and not ev.query():
+            if item.event is not None and not item.event.query():
                 return
             if item.ready_at:
                 now = now or time.monotonic()
                 if now < item.ready_at:
                     return
-            if ev is not None and self._spare is not None:
-                self._spare.append(ev)
             item.event = None
             self._done.put(item)  # forward before removing, same reason as WaiterLane
             self._items.popleft()

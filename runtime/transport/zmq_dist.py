@@ -47,7 +47,6 @@ On NCCL, poll(timeout) used to sleep 500 us without re-querying lane events (~50
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import pickle
@@ -116,14 +115,10 @@ def _pair_groups(world_size: int, backend: str) -> dict[tuple[int, int], object]
     return groups
 
 
-def _stream_event(stream, tm: StepTimer, spare: collections.deque):
+def _stream_event(stream, tm: StepTimer):
     """An event marking the end of what is posted on `stream` so far, for the engine thread to query
-    (EventLane). With DATAFLOW_NCCL_P2P=lib the ncclSend/ncclRecv ran on `stream` itself. `spare`: completed
-    events the lanes gave back (deque pop and append are atomic: the receptor thread may post receives)."""
-    try:
-        event = spare.pop()
-    except IndexError:
-        event = torch.cuda.Event()
+    (EventLane). With DATAFLOW_NCCL_P2P=lib the ncclSend/ncclRecv ran on `stream` itself."""
+    event = torch.cuda.Event()
     event.record(stream)
     tm.lap("event")
     return event
@@ -140,12 +135,12 @@ def _c10d_wire(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _C10D_NCCL_DTYPES else t.reshape(-1).view(torch.uint8)
 
 
-def _end_event(work, stream, tm: StepTimer, spare: collections.deque):
+def _end_event(work, stream, tm: StepTimer):
     """c10d path: the NCCL operation `work` was posted under `stream` but runs on c10d's own stream;
     Work.wait() makes `stream` wait for it (the host does not block), then the event marks that point."""
     work.wait()
     tm.lap("work.wait")
-    return _stream_event(stream, tm, spare)
+    return _stream_event(stream, tm)
 
 
 def _p2p_mode(nccl: bool) -> tuple[str, Optional[object]]:
@@ -259,13 +254,9 @@ class ZmqDistTransport:
             self._send_group = {p: groups[(rank, p)] for p in peers}
             self._recv_group = {p: groups[(p, rank)] for p in peers}
         self._done: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
-        self._spare_events: collections.deque = collections.deque(maxlen=256)  # completed transfers' (EventLane)
-        if self._nccl:
-            self._send_lanes = {p: EventLane(f"send->{p}", self._done, self._spare_events) for p in peers}
-            self._recv_lanes = {p: EventLane(f"recv<-{p}", self._done, self._spare_events) for p in peers}
-        else:
-            self._send_lanes = {p: WaiterLane(f"send->{p}", self._done) for p in peers}
-            self._recv_lanes = {p: WaiterLane(f"recv<-{p}", self._done) for p in peers}
+        Lane = EventLane if self._nccl else WaiterLane
+        self._send_lanes = {p: Lane(f"send->{p}", self._done) for p in peers}
+        self._recv_lanes = {p: Lane(f"recv<-{p}", self._done) for p in peers}
         if self._nccl:
             self._send_streams = {p: torch.cuda.Stream(self.device) for p in peers}
             self._recv_streams = {p: torch.cuda.Stream(self.device) for p in peers}
@@ -579,12 +570,12 @@ class ZmqDistTransport:
                 # caching allocator from reusing it early if the item is dropped sooner (close, failure).
                 t.record_stream(stream)
                 tm.lap("record_stream")
-                item.event = _stream_event(stream, tm, self._spare_events)
+                item.event = _stream_event(stream, tm)
             else:
                 with torch.cuda.stream(stream):
                     work = dist.isend(_c10d_wire(t), dst, group=self._send_group[dst])
                     tm.lap("isend")
-                    item.event = _end_event(work, stream, tm, self._spare_events)
+                    item.event = _end_event(work, stream, tm)
         else:
             item.work = dist.isend(t, dst, group=self._send_group[dst])
         if self._send_delay is not None:
@@ -790,12 +781,12 @@ class ZmqDistTransport:
                 if self.p2p == "lib":  # the stream is an argument: no stream context (~15 us a message)
                     self._recv_comm[src].recv(buf, stream)
                     tm.lap("ncclRecv")
-                    item.event = _stream_event(stream, tm, self._spare_events)
+                    item.event = _stream_event(stream, tm)
                 else:
                     with torch.cuda.stream(stream):  # c10d orders its op after the current stream
                         work = dist.irecv(_c10d_wire(buf), src, group=self._recv_group[src])
                         tm.lap("irecv")
-                        item.event = _end_event(work, stream, tm, self._spare_events)
+                        item.event = _end_event(work, stream, tm)
             else:
                 buf = self._pool.take(tuple(shape), torch_dtype) if target is None else target[0]
                 item.work = dist.irecv(buf, src, group=self._recv_group[src])
