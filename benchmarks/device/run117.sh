@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Device run 117 (nvidia-h200-x2, TWO GPUs, ~6 minutes): session 15's tree (NOTES §32) over NCCL: the merge group's
-# y and event reused, decisions on an unchanged idle state skipped, transfers' events recorded again, receive buffers
-# made on the engine's stream (no stream context per message). (1) the NCCL transport tests on two GPUs and the
+# Device run 117 (nvidia-h200-x2, TWO GPUs, ~6 minutes; NOT RUN in session 15: no two-GPU machine was lent): session
+# 15's tree (NOTES §32) over NCCL, with the two NCCL-only changes that were reverted until they run on two GPUs brought
+# back first (`git cherry-pick 165d62f 45df8d4 e9d962f`: transfers' events recorded again, receive buffers made on the
+# engine's stream). (1) the NCCL transport tests on two GPUs and the
 # kernel/executor/runtime-unit tests; (2) gpu_bench correctness on GPU 0; (3) fp32 2-GPU tokens == CPU; (4) A/B against
 # 3cdf379 (session 14's last tree), 20B-L8, bf16, C=512, clean, streaming/defrag + 30 ms hold, 2 rounds, with wave
 # timelines and phases (run 110's setting, one round fewer: this session's device time).
