@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run 118 (nvidia-h200-x2, TWO GPUs, ~6 minutes): the issue-7 matrix at C=256 on session 15's tree (NOTES §32),
+# Device run 118 (nvidia-h200-x2, TWO GPUs, ~6 minutes; not run in session 15: no two-GPU machine was lent): the issue-7 matrix at C=256 on session 15's tree (NOTES §32),
 # run 113's setting: 20B-L8, bf16, 2 rounds, streaming/defrag + 30 ms wave hold against all-gather EP,
 # clean, compute hog on GPU 1, +5 ms link bursts, NVLink hog. Output: env.txt, ep256.md, logs.tgz.
 set -u
