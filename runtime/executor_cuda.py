@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import atexit
 import os
-import weakref
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -416,9 +416,8 @@ class CudaExecutor:
     # ------------------------------------------------------------------ interface
     @torch.no_grad()
     def embed(self, token_ids: list[int]) -> Tensor:
-        """The rows of `token_ids` (layers.embed's values): the ids go up through the staging ring as a numpy fill and
-        one copy, and one index_select reads the rows (3-4 torch calls where a tensor from the list, its h2d and an
-        indexing expression took ~10: 230-350 us per layer-0 batch on the H200 host, run 109)."""
+        """The rows of `token_ids` (layers.embed's values), gathered by one index_select from ids uploaded through the
+        staging ring into a device buffer kept for them."""
         tm = self._embed_timer
         tm.start()
         T = len(token_ids)
