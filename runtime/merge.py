@@ -130,12 +130,13 @@ class MergeTable:
         return [(g.rids[s], g.pos0[s], g.layer) for g in self._groups.values()
                 for s in np.flatnonzero(g.missing > 0).tolist()]
 
-    def open(self, layer: int, rids: list[int], pos0: list[int], first: np.ndarray, n: Optional[np.ndarray],
+    def open(self, layer: int, rids: list[int], pos0: list[int], first, n: Optional[np.ndarray],
              h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, now: float,
              plan: Optional[DispatchPlan] = None, holders: int = 0) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
         start[s] .. start[s]+n[s]-1 (segments back to back, in order; n None: one row each, a decode wave's group,
-        whose per-segment arrays are then shared read-only ones). `plan`: the batch's dispatch plan
+        whose per-segment arrays are then shared read-only ones; `first`: each segment's first kept position, a list or
+        an int64 array). `plan`: the batch's dispatch plan
         (runtime/dispatch_plan.py: its order, f at position p, and the packed device inputs; None = identity
         order, weights packed here). `weights` [R, k]: numpy or a tensor. Tags: `group.gid << TAG_SHIFT | p`.
         `holders` > 0: the device-routed dispatch (a holder group, see the module doc): `weights` is ignored,
