@@ -19,7 +19,7 @@ import pstats, sys, io
 path, out = sys.argv[1], sys.argv[2]
 for key in ("tottime", "cumulative"):
     s = io.StringIO()
-    pstats.Stats(path, stream=s).sort_stats(key).print_stats(60)
+    pstats.Stats(path, stream=s).sort_stats(key).print_stats(150)
     open(f"{out}/prof_{key}.txt", "w").write(s.getvalue())
 PY
 head -45 "$OUT/prof_tottime.txt" | tail -38 | cut -c1-160
