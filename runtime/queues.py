@@ -149,7 +149,7 @@ class SampleItem:
 class MuQueue:
     """FIFO of items for one stage. `token_weight` is 1 for attn/sample rows and 1/k for expert rows."""
 
-    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "_rows", "_pushes")
+    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "rows", "_pushes")
 
     def __init__(self, stage_id: int, kind: str, layer: int, cap: int, token_weight: float = 1.0,
                  pushes: Optional[list[int]] = None) -> None:
@@ -161,7 +161,7 @@ class MuQueue:
         self.cap = cap
         self.token_weight = token_weight
         self._items: deque = deque()
-        self._rows = 0
+        self.rows = 0  # rows queued (0 exactly when empty: only items with rows are pushed); push and take keep it
         self._pushes = pushes
 
     def __len__(self) -> int:
@@ -171,13 +171,9 @@ class MuQueue:
         return iter(self._items)
 
     @property
-    def rows(self) -> int:
-        return self._rows
-
-    @property
     def depth(self) -> float:
         """Queue depth in tokens (Q(s) of the scheduler)."""
-        return self._rows * self.token_weight
+        return self.rows * self.token_weight
 
     def oldest_enqueue(self) -> Optional[float]:
         # FIFO: the front item is the one that has waited longest.
@@ -186,7 +182,7 @@ class MuQueue:
     def push(self, item) -> None:
         if item.n:
             self._items.append(item)
-            self._rows += item.n
+            self.rows += item.n
             if self._pushes is not None:
                 self._pushes[0] += 1
 
@@ -223,7 +219,7 @@ class MuQueue:
             rows += n
         # Put skipped items back in front, in their original order.
         items.extendleft(reversed(kept))
-        self._rows -= rows
+        self.rows -= rows
         return out
 
     def has_eligible(self, eligible: Optional[Callable[[object], bool]] = None) -> bool:
