@@ -742,7 +742,7 @@ def test_in_place_inputs_and_outputs_keep_tokens_with_chunked_prompts_and_ranks_
     reqs = [Request(i, f"r{i}", [rng.randrange(3, spec.vocab_size) for _ in range(rng.choice([1, 2, 5, 13, 30]))], 8,
                     ignore_eos=True, arrival=rng.random() * 0.01) for i in range(14)]
     res = run_workload(compile_plan(spec, 3, attn_cap=8), reqs,
-                       RunOptions(policy="flfs", executor="cuda", kv_blocks=128), weights=w)
+                       RunOptions(policy="flfs", executor="cuda", kv_blocks=128, clock="virtual"), weights=w)
     compared = 0
     for r in res.requests:
         want = ref.generate(r.prompt, r.max_new_tokens, ignore_eos=True)
