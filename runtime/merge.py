@@ -346,13 +346,19 @@ class MergeTable:
         """Account for positions `p` (an index array or a slice) just filled in group g: the segments this
         completed (ascending); a group with no open segment left leaves the table."""
         if self.whole_groups:  # complete only with the group's last part: all segments at once
-            done = np.arange(len(g.missing)) if g.nfilled == len(g.filled) else _NONE
-            if len(done):
-                g.missing[:] = 0
-        else:
-            dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
-            g.missing -= dec
-            done = np.flatnonzero((g.missing == 0) & (dec > 0))
+            if g.nfilled != len(g.filled):
+                return _NONE
+            g.missing[:] = 0
+            S = len(g.rids)
+            g.open_segments = 0
+            self._open_segments -= S
+            self._open_rows[g.layer] -= g.rows
+            del self._groups[g.gid]
+            self._give_back(g)
+            return self._decode_arrays(S)[1]  # every segment (0 .. S-1, shared and read-only)
+        dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
+        g.missing -= dec
+        done = np.flatnonzero((g.missing == 0) & (dec > 0))
         if len(done):
             g.open_segments -= len(done)
             self._open_segments -= len(done)
