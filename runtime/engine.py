@@ -56,7 +56,6 @@ from runtime.scheduler import HOLD, Decision, StageView, make_policy
 from runtime.step_timer import StepTimer
 
 _EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
-_NONE_CHECKED: dict = {}  # no stage's items need an eligibility check (Engine.views)
 
 # Message kinds on the wire (meta["t"]).
 MSG_EXPERT_IN = "x"  # home -> expert owner: routed rows
@@ -427,8 +426,6 @@ class Engine:
         reqs = self.requests
 
         def eligible(item) -> bool:
-            if not self._chunked:  # no request can overtake itself (Request.kv_next)
-                return True
             if type(item) is AttnItem:
                 req = reqs[item.rid]
                 return not req.chunked or req.kv_next[layer] == item.pos0
@@ -436,6 +433,11 @@ class Engine:
                 item.ready = all(not reqs[r].chunked or reqs[r].kv_next[layer] == p for r, p in zip(item.rids, item.pos))
             return item.ready
         return eligible
+
+    def _eligibility(self, sid: int):
+        """Stage sid's per-item eligibility check, or None when every queued item is eligible: a stage other than
+        attention, or no chunked prompt in flight (then no request can overtake itself: Request.kv_next)."""
+        return self._eligible.get(sid) if self._chunked else None
 
     # ------------------------------------------------------------------ decisions: scheduling
     def views(self) -> list[StageView]:
@@ -449,14 +451,12 @@ class Engine:
         # expert batches 13% smaller and the rank slower; NOTES §22 item 4).
         waiting = () if not self.deferred else {self.expert_stage[l] for l, r in enumerate(self._deferred_attn_rows)
                                                  if r and l in self.expert_stage}
-        # With no chunked prompt in flight every queued item is eligible (_attn_eligible): no per-item check
-        eligible = self._eligible if self._chunked else _NONE_CHECKED
         out = []
         for sid, q in enumerate(self.queues):
             if not q.rows:  # (an attribute: len(q) is a method call, 17-73 per decision)
                 out.append(_EMPTY_VIEW)
                 continue
-            v = StageView(q.depth, sid not in waiting and q.has_eligible(eligible.get(sid)),
+            v = StageView(q.depth, sid not in waiting and q.has_eligible(self._eligibility(sid)),
                           now - q.oldest_enqueue())
             if hold and v.runnable:
                 v.incoming = self._incoming(sid)
@@ -501,7 +501,7 @@ class Engine:
             self.hold_s = decision.hold_s
             return None
         stage = self.stages[decision.stage]
-        items = self.queues[stage.id].take(self._eligible.get(stage.id) if self._chunked else None)
+        items = self.queues[stage.id].take(self._eligibility(stage.id))
         tm.lap("take")
         if not items:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "

@@ -318,7 +318,6 @@ class CudaExecutor:
         self._out_claims: dict[int, list] = {}
         self._out_skip: dict[int, int] = {}
         self._embed_ids: Optional[Tensor] = None  # device int64: the ids of a layer-0 batch (_embed_ids_rows)
-        self._embed_views: dict[int, Tensor] = {}
         # DATAFLOW_PROFILE_EXEC=1: wall time per step of the attention / expert calls, printed at exit
         profile = os.environ.get("DATAFLOW_PROFILE_EXEC") == "1"
         self._attn_timer = StepTimer("executor attention", profile)
@@ -443,13 +442,10 @@ class CudaExecutor:
     def _embed_ids_rows(self, T: int) -> Tensor:
         """The first T entries of the device buffer for embedding ids (int64, grown to the largest batch seen), a view
         kept per T. One buffer serves every batch: each upload into it is queued after the previous batch's gather."""
-        view = self._embed_views.get(T)
-        if view is None:
-            if self._embed_ids is None or self._embed_ids.numel() < T:
-                self._embed_ids = torch.empty(max(T, 256), dtype=torch.int64, device=self.device)
-                self._embed_views = {}
-            view = self._embed_views[T] = self._embed_ids[:T]
-        return view
+        if self._embed_ids is None or self._embed_ids.numel() < T:
+            self._embed_ids = torch.empty(max(T, 256), dtype=torch.int64, device=self.device)
+        buf = self._embed_ids
+        return self._first_rows(("embed_ids", buf.numel(), T), True, lambda: (buf[:T],))[0]
 
     def _mark(self) -> Optional[torch.cuda.Event]:
         if self.profile is None or self.device.type != "cuda":

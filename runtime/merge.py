@@ -349,23 +349,20 @@ class MergeTable:
             if g.nfilled != len(g.filled):
                 return _NONE
             g.missing[:] = 0
-            S = len(g.rids)
-            g.open_segments = 0
-            self._open_segments -= S
-            self._open_rows[g.layer] -= g.rows
+            done, rows = self._decode_arrays(len(g.rids))[1], g.rows  # every segment (0 .. S-1, shared, read-only)
+        else:
+            dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
+            g.missing -= dec
+            done = np.flatnonzero((g.missing == 0) & (dec > 0))
+            if not len(done):
+                return done
+            rows = int(g.n[done].sum())
+        g.open_segments -= len(done)
+        self._open_segments -= len(done)
+        self._open_rows[g.layer] -= rows
+        if g.open_segments == 0:
             del self._groups[g.gid]
             self._give_back(g)
-            return self._decode_arrays(S)[1]  # every segment (0 .. S-1, shared and read-only)
-        dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
-        g.missing -= dec
-        done = np.flatnonzero((g.missing == 0) & (dec > 0))
-        if len(done):
-            g.open_segments -= len(done)
-            self._open_segments -= len(done)
-            self._open_rows[g.layer] -= int(g.n[done].sum())
-            if g.open_segments == 0:
-                del self._groups[g.gid]
-                self._give_back(g)
         return done
 
     @staticmethod
