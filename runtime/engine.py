@@ -134,6 +134,10 @@ def _async_sample_from_env() -> bool:
     return _flag_from_env("DATAFLOW_ASYNC_SAMPLE", "complete a sample batch when its tokens arrive", "1")
 
 
+def _step_ahead_from_env() -> bool:
+    return _flag_from_env("DATAFLOW_STEP_AHEAD", "queue a request's next step when its sample batch is launched", "1")
+
+
 def _async_route_from_env() -> bool:
     return _flag_from_env("DATAFLOW_ASYNC_ROUTE", "dispatch an attention batch when its routing arrives", "0")
 
@@ -179,6 +183,7 @@ class Engine:
         # is checked or recorded (a per-row Python loop per attention batch and another per block; 10-25 us per
         # 256-row attention batch on the H200 host, NOTES §29 item 5)
         self._chunked = 0
+        self._unread = 0  # rows of sample batches launched whose tokens are not read yet (Request.unread summed)
         self.decode_only = False
         # Wave hold (runtime/scheduler.py): rows each home announced it will still send to this rank's
         # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
@@ -190,6 +195,15 @@ class Engine:
         # `execute`; +15% tok/s on 2 x H200 (run 42, benchmarks/NOTES.md §20). Deferred batches complete at the
         # next `next_batch()` that finds them ready, in any driver.
         self.async_sample = _async_sample_from_env()
+        # Step-ahead (with asynchronous sampling of greedy batches; DATAFLOW_STEP_AHEAD=0 turns it off): when a
+        # sample batch is launched, the next step's layer-0 rows of its requests that go on whatever token they get
+        # (not at their length limit) are queued at once, their ids left on the device for the embedding. The host
+        # reads the tokens later, while the device runs that next step: without it the device drained at every step
+        # boundary, waiting for the host to read the tokens, complete the batch, embed and launch layer 0. A request
+        # whose token turns out to be EOS "drains": it is finished then, and its extra row runs to the sample, whose
+        # token is dropped, before its KV blocks are released and its finish is reported (the coordinator's free
+        # blocks mirror the release).
+        self.step_ahead = _step_ahead_from_env()
         # Asynchronous dispatch, the same for attention batches (an executor with `route_start`: the CUDA one
         # routing inside its attention graph; DATAFLOW_ASYNC_ROUTE=1, off by default): the host needs the routing
         # (which ranks get how many rows) before it can dispatch, and a router inside the graph answers only
@@ -548,10 +562,65 @@ class Engine:
             start = getattr(self.executor, "sample_batch_start", None) if self.async_sample else None
             pending = start(logits, params, steps) if start is not None else None
             if pending is None:
+                if self._unread:  # tokens go to a request in step order: read the older samples of any first
+                    self._read_unread()
                 batch.out["tokens"] = self.executor.sample_batch(logits, params, steps)
             else:  # ready() / tokens(): completed by complete() or complete_deferred()
                 batch.out["pending"] = pending
+                batch.out["ahead"] = self._step_ahead(reqs, pending) if self.step_ahead else None
+                for r in reqs:
+                    r.unread += 1
+                self._unread += len(reqs)
             batch.out["reqs"] = reqs
+
+    def _step_ahead(self, reqs: list[Request], pending) -> Optional[list[bool]]:
+        """Queue the next step's layer-0 block of the requests of a sample batch just launched that go on whatever
+        token they sample, their ids taken on the device (see `step_ahead`); which rows it queued (None: none). Not a
+        request whose earlier sample is still unread (its tokens, EOS or not, are not known yet: it goes on when
+        they are, as without step-ahead), draining, or finishing its chunked prompt."""
+        device_ids = getattr(pending, "device_ids", None)
+        if device_ids is None:
+            return None
+        max_pos = self.cfg.max_position
+        rows, rids, pos = [], [], []
+        for i, req in enumerate(reqs):
+            if req.unread or req.draining or req.chunked:
+                continue
+            n = len(req.output) + 1  # the output's length with the token being sampled
+            p = len(req.prompt) + n - 1  # where that token's K/V goes next step
+            if n < req.max_new_tokens and p < max_pos:
+                rows.append(i)
+                rids.append(req.rid)
+                pos.append(p)
+        if not rows:
+            return None
+        ids = device_ids(None if len(rows) == len(reqs) else rows)
+        self.queues[self.attn_stage[0]].push(AttnBlock(rids, pos, ids, None, self.clock.now(), len(rids)))
+        if len(rows) == len(reqs):
+            return [True] * len(reqs)
+        ahead = [False] * len(reqs)
+        for i in rows:
+            ahead[i] = True
+        return ahead
+
+    def _read_unread(self) -> None:
+        """Wait for every deferred sample batch's tokens and complete it (with the other deferred batches ready)."""
+        for b in self.deferred:
+            p = b.out.get("pending")
+            if p is not None:
+                p.wait()
+        self.complete_deferred()
+
+    def _layer0_ids(self, items: list):
+        """A layer-0 batch's token ids for the embedding: a list of ints, or a device tensor when a block's ids stayed
+        on the device (step-ahead)."""
+        if len(items) == 1:
+            return items[0].tokens
+        if all(type(it.tokens) is list for it in items):
+            return [t for it in items for t in it.tokens]
+        dev = next(it.tokens.device for it in items if type(it.tokens) is not list)
+        return torch.cat([it.tokens if type(it.tokens) is not list else to_device(np.asarray(it.tokens, dtype=np.int64), dev)
+                          for it in items])
 
     def _exec_attn(self, batch: Batch) -> None:
         tm = self._exec_timer
@@ -559,7 +628,7 @@ class Engine:
         layer = batch.stage.layer
         items: list = batch.items  # AttnItem segments and AttnBlocks
         if layer == 0:
-            h = self.executor.embed([t for it in items for t in it.tokens])
+            h = self.executor.embed(self._layer0_ids(items))
         else:
             h = self._gather_h(items)
         tm.lap("embed" if layer == 0 else "gather_h")
@@ -709,9 +778,12 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ dispatch
-    def _sample_pos(self, req: Request) -> int:
-        """The position whose logits give the request's next token."""
-        return len(req.prompt) - 1 + len(req.output)
+    @staticmethod
+    def _sampled(req: Request, last_pos: int) -> bool:
+        """Whether a segment of `req` ending at position last_pos is sampled after the last layer: a decode row, or the
+        prompt's last chunk (an earlier chunk is not). By position, not by len(req.output): with step-ahead a row can
+        reach the last layer before its request's previous token was read."""
+        return last_pos >= len(req.prompt) - 1
 
     def _complete_attn(self, batch: Batch) -> None:
         tm = self._dispatch_timer
@@ -744,7 +816,7 @@ class Engine:
                         reqs[r].kv_next[layer] = p + 1
                 if last and track:  # a chunked prompt's one-row chunk may not be its sampled row
                     for i, (r, p) in enumerate(zip(it.rids, it.pos)):
-                        if p == self._sample_pos(reqs[r]):
+                        if self._sampled(reqs[r], p):
                             keep.append(row + i)
                             rids.append(r)
                             pos0s.append(p)
@@ -764,9 +836,9 @@ class Engine:
             if last:
                 # After the last layer only the sampled position matters; the other prompt rows
                 # were needed for their K/V only.
-                sp = self._sample_pos(req)
-                if it.pos0 <= sp < it.pos0 + it.n:
-                    keep.append(row + sp - it.pos0)
+                sp = it.pos0 + it.n - 1
+                if self._sampled(req, sp):
+                    keep.append(row + it.n - 1)
                     rids.append(it.rid)
                     pos0s.append(it.pos0)
                     first.append(sp)
@@ -918,7 +990,7 @@ class Engine:
         # request per step: 0.15 -> 0.09 us per request here, ~3-4x that on the H200 hosts).
         observe = getattr(self.policy, "observe_step", None) if getattr(self.policy, "hold_step", 0) > 0 else None
         if observe is not None:
-            gaps = [now - r.token_times[-1] for r in reqs if r.token_times]
+            gaps = [now - r.token_times[-1] for r in reqs if r.token_times and not r.draining]
             if gaps:
                 observe(sum(gaps) / len(gaps))
         if self._chunked:
@@ -927,26 +999,45 @@ class Engine:
                     req.chunked = False
                     self._chunked -= 1
         cont_rids, cont_pos, cont_toks = [], [], []  # requests that go on: one attn(0) block
-        for req, tok in zip(reqs, batch.out["tokens"]):
+        tokens = batch.out["tokens"]
+        ahead = batch.out.get("ahead")  # rows whose next step was queued at the launch (step-ahead), or None
+        if "ahead" in batch.out:  # launched asynchronously: its requests' unread samples are counted
+            for r in reqs:
+                r.unread -= 1
+            self._unread -= len(reqs)
+        counted = len(tokens)
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if req.draining:  # its EOS came at the step before; this row was queued before that was known
+                self._release(req)
+                counted -= 1
+                continue
             out = req.output
             out.append(tok)
             req.token_times.append(now)
             n = len(out)
             pos = len(req.prompt) + n - 1  # where the new token would be written
             if tok in eos and not req.ignore_eos:
-                self._finish(req, "eos", now)
+                self._finish(req, "eos", now, ahead is not None and ahead[i])
             elif n >= req.max_new_tokens or pos >= max_pos:
                 self._finish(req, "length", now)
-            else:
+            elif ahead is None or not ahead[i]:
                 cont_rids.append(req.rid)
                 cont_pos.append(pos)
                 cont_toks.append(tok)
         if cont_rids:
             q0.push(AttnBlock(cont_rids, cont_pos, cont_toks, None, now, len(cont_rids)))
-        self.metrics.tokens += len(batch.out["tokens"])
+        self.metrics.tokens += counted
 
-    def _finish(self, req: Request, reason: str, now: float) -> None:
+    def _finish(self, req: Request, reason: str, now: float, row_queued: bool = False) -> None:
+        """`row_queued`: its next step's row is on its way already (step-ahead): it drains (see `step_ahead`)."""
         req.finish_reason, req.t_finish = reason, now
+        if row_queued:
+            req.draining = True
+        else:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """A finished request leaves: its KV blocks are freed and the driver may report it."""
         self.kv.release(req.rid)
         del self.requests[req.rid]
         self.finished.append(req)

@@ -58,8 +58,11 @@ class TorchExecutor:
         self.device = weights.embed.device
 
     @torch.no_grad()
-    def embed(self, token_ids: list[int]) -> Tensor:
-        return layers.embed(self.w, torch.tensor(token_ids, dtype=torch.long, device=self.device))
+    def embed(self, token_ids) -> Tensor:
+        """token_ids: a list of ints or an int64 tensor."""
+        if not isinstance(token_ids, Tensor):
+            token_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return layers.embed(self.w, token_ids)
 
     @torch.no_grad()
     def attention(self, layer: int, h: Tensor, positions: list[int], segments: list[tuple[int, int, int]],

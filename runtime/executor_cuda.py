@@ -69,6 +69,7 @@ from models.sampling import SamplingParams, sample
 from models.weights import ModelWeights, stack_qkv
 from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
+from runtime.device_index import to_device
 from runtime.host_staging import HostStaging, PendingHost  # noqa: F401 (PendingHost: part of this module's API)
 from runtime.kv_cache_paged_gpu import DeviceBlockTables
 from runtime.routed_rows import (device_routed_from_env, pack as pack_routed, pack_tail, payload_columns,
@@ -98,7 +99,8 @@ class DeviceLogits:
                  eager=None) -> None:
         self._tensor, self._eager = logits, eager
         self._n = logits.shape[0] if logits is not None else argmax.shape[0]
-        self._argmax = staging.d2h(torch.argmax(logits, dim=-1) if argmax is None else argmax)
+        self._ids = torch.argmax(logits, dim=-1) if argmax is None else argmax  # (argmax: a graph's static buffer)
+        self._argmax = staging.d2h(self._ids)
         self._host: Optional[list[int]] = None
 
     @property
@@ -133,6 +135,14 @@ class DeviceLogits:
         if len(self):
             self.greedy(0)  # reads the copy once (and releases its slot)
         return list(self._host or [])
+
+    def device_ids(self, rows: Optional[list[int]] = None) -> Tensor:
+        """The greedy ids of rows `rows` (all when None) as a device tensor of their own, queued right behind the
+        argmax (the engine's step-ahead: the next step embeds them before the host has read them; a copy, since the
+        sample graph's buffer is rewritten by its next replay)."""
+        if rows is None:
+            return self._ids.clone()
+        return self._ids.index_select(0, to_device(np.asarray(rows, dtype=np.int64), self._ids.device))
 
     def __getitem__(self, i: int) -> "LogitsRow":
         return LogitsRow(self, i)
@@ -420,9 +430,10 @@ class CudaExecutor:
 
     # ------------------------------------------------------------------ interface
     @torch.no_grad()
-    def embed(self, token_ids: list[int]) -> Tensor:
+    def embed(self, token_ids) -> Tensor:
         """The rows of `token_ids` (layers.embed's values), gathered by one index_select from ids uploaded through the
-        staging ring into a device buffer kept for them."""
+        staging ring into a device buffer kept for them. `token_ids`: a list of ints, or int64 ids on the device
+        already (the engine's step-ahead: a sample batch's greedy ids that the host has not read yet)."""
         tm = self._embed_timer
         tm.start()
         T = len(token_ids)
@@ -431,8 +442,11 @@ class CudaExecutor:
         # The ids into a device buffer kept for them (an upload to a new tensor allocated one: 32-69 us, run 123's
         # trace), the rows straight into the attention bucket's static input they go to (the combine's claim, which
         # the layer-0 batch reads without a copy).
-        ids = self._embed_ids_rows(T)
-        self.staging.h2d_array(ids, lambda a: a.__setitem__(slice(None), token_ids))
+        if isinstance(token_ids, Tensor):
+            ids = token_ids
+        else:
+            ids = self._embed_ids_rows(T)
+            self.staging.h2d_array(ids, lambda a: a.__setitem__(slice(None), token_ids))
         tm.lap("upload")
         out = self._claim_attn_input(T)
         h = torch.index_select(self.w.embed, 0, ids) if out is None else torch.index_select(self.w.embed, 0, ids, out=out)

@@ -43,7 +43,8 @@ class AttnItem:
 @dataclass(slots=True)
 class AttnBlock:
     """n one-row segments entering attention of a layer together: request rids[i] at position pos[i],
-    its token tokens[i] (layer 0) or hidden row h[hrow + i] (deeper layers). What a merge completes or a
+    its token tokens[i] (layer 0: a list, or int64 ids on the device that the host has not read yet, Engine.step_ahead)
+    or hidden row h[hrow + i] (deeper layers). What a merge completes or a
     sample batch produces in decode, as one queue item: per token per layer the engine then does no
     object creation, push, take or eligibility call of its own (benchmarks/NOTES.md §19 item 9).
     `ready`: every row was seen eligible (a row stays eligible until it runs: only it moves its
@@ -51,7 +52,7 @@ class AttnBlock:
 
     rids: list[int]
     pos: list[int]
-    tokens: Optional[list[int]]
+    tokens: Optional[list[int] | torch.Tensor]
     h: Optional[torch.Tensor]
     t_enq: float
     n: int

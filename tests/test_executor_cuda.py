@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from functools import lru_cache
 
 import pytest
@@ -539,6 +540,88 @@ def _tokens_equal_reference(ref: ReferenceDecoder, requests) -> int:
             assert r.output[s] == tok, f"{r.name} step {s}: {r.output} vs {want.tokens}"
             compared += 1
     return compared
+
+
+@pytest.mark.parametrize("ranks,slow", [(1, False), (2, False), (1, True), (2, True)])
+def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks, slow):
+    """Step-ahead (Engine.step_ahead) through the CUDA executor's twin, wall clock (asynchronous sampling): a sample
+    batch's next step is queued at its launch with its ids on the device. With an EOS id that requests reach
+    mid-run, a request that samples it while its next row is already queued drains: its output ends at the EOS as
+    the reference's does, its extra row's token is dropped, its KV blocks come back, every request finishes.
+    `slow`: each batch's tokens reach the host 30 ms after its launch (a device behind the host), so samples are still
+    unread when the next step's are launched and when such a row, merged with a later prompt's rows, reaches the
+    last layer (whether it is sampled is told by its position); every third sample batch is sampled on the host (as one with a row that
+    samples, not greedy, is), after the unread ones are read (tokens in step order)."""
+    from collections import Counter
+
+    from runtime.engine import Engine
+    from runtime.executor_cuda import DeviceLogits
+    engines, queued, drained = [], [], []
+    real_init, real_ahead, real_finish = Engine.__init__, Engine._step_ahead, Engine._finish
+
+    def spy_init(self, *a, **k):
+        real_init(self, *a, **k)
+        engines.append(self)
+
+    def spy_ahead(self, reqs, pending):
+        ahead = real_ahead(self, reqs, pending)
+        queued.append(sum(ahead or ()))
+        return ahead
+
+    def spy_finish(self, req, reason, now, row_queued=False):
+        drained.append(row_queued)
+        return real_finish(self, req, reason, now, row_queued)
+    monkeypatch.setattr(Engine, "__init__", spy_init)
+    monkeypatch.setattr(Engine, "_step_ahead", spy_ahead)
+    monkeypatch.setattr(Engine, "_finish", spy_finish)
+    if slow:
+        real_init_logits, real_ready, real_wait = DeviceLogits.__init__, DeviceLogits.ready, DeviceLogits.wait
+
+        def init_logits(self, *a, **k):
+            real_init_logits(self, *a, **k)
+            self._due = time.perf_counter() + 0.03
+
+        def late_ready(self):
+            return time.perf_counter() >= self._due and real_ready(self)
+
+        def late_wait(self):
+            time.sleep(max(0.0, self._due - time.perf_counter()))
+            real_wait(self)
+        monkeypatch.setattr(DeviceLogits, "__init__", init_logits)
+        monkeypatch.setattr(DeviceLogits, "ready", late_ready)
+        monkeypatch.setattr(DeviceLogits, "wait", late_wait)
+        real_start, starts = CudaExecutor.sample_batch_start, []
+
+        def start_or_not(self, logits, params, steps):  # every third batch sampled on the host, as one with a
+            starts.append(len(starts))  # sampling (not greedy) row would be
+            return None if len(starts) % 3 == 0 else real_start(self, logits, params, steps)
+        monkeypatch.setattr(CudaExecutor, "sample_batch_start", start_or_not)
+    spec, w = model("tiny-gpt-oss")
+    ref = ReferenceDecoder(spec, w)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(rng.choice([1, 1, 3]))] for _ in range(10)]
+    free = [ref.generate(p, 8, ignore_eos=True).tokens for p in prompts]
+    eos = Counter(t for toks in free for t in set(toks[1:5])).most_common(1)[0][0]  # reached mid-run by several
+    spec = spec.model_copy(update={"eos_token_ids": [eos]})
+    arrivals = [0.0] * len(prompts)
+    if slow:  # prompts of 3 arriving while others decode: their rows join blocks whose tokens are unread
+        prompts += [[rng.randrange(3, spec.vocab_size) for _ in range(3)] for _ in range(8)]
+        arrivals += [0.015 * i for i in range(1, 9)]
+    reqs = [Request(i, f"r{i}", p, 8, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+    res = run_workload(compile_plan(spec, ranks), reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=64),
+                       weights=w)
+    stopped = 0
+    for r in res.requests:
+        want = ref.generate(r.prompt, r.max_new_tokens, eos_ids=[eos])
+        if min(_margin(x) for x in want.logits) < 1e-3:  # a near-tie: the twin may take the other token
+            continue
+        assert r.output == want.tokens and r.finish_reason == ("eos" if want.finish_reason == "eos" else "length"), \
+            (r.name, r.output, want.tokens)
+        stopped += r.finish_reason == "eos" and len(r.output) < r.max_new_tokens
+    assert stopped >= 2 and all(r.done for r in res.requests)
+    assert sum(queued) > 0 and any(drained), (queued, drained)
+    for e in engines:
+        assert not e.requests and e.kv.allocator.used_blocks == 0 and e._unread == 0
 
 
 def test_host_staging_typed_views_cached_per_slot_and_dropped_on_growth():
