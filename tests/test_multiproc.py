@@ -237,3 +237,25 @@ def test_the_phase_profile_counts_only_the_loops_collections():
         assert len(ph.gc[2]) == 1 and "gc gen2: 1 collections" in ph.report(0)
     finally:
         gc.callbacks.remove(ph.on_gc)
+
+
+def test_eos_requests_drain_in_rank_processes_with_step_ahead():
+    """Step-ahead across real rank processes (the CUDA executor's CPU twin, gloo + ZeroMQ, 2 ranks): with an EOS id
+    that several requests sample mid-run, a request whose next row was already queued drains before its finish is
+    reported (the coordinator's free-block mirror and the stop protocol count on that order); outputs end at the EOS
+    like the reference's, and the run's token count is the outputs' (a drained row's token is not counted)."""
+    from collections import Counter
+
+    name = "tiny-gpt-oss"
+    spec, _, ref = model(name)
+    reqs = make_requests(spec.vocab_size, 10, seed=7, max_new=8, max_prompt=6, spread=0.0)
+    free = [ref.generate(r.prompt, 8, ignore_eos=True).tokens for r in reqs]
+    eos = Counter(t for toks in free for t in set(toks[1:5])).most_common(1)[0][0]
+    for r in reqs:
+        r.ignore_eos = False
+    plan = compile_plan(spec.model_copy(update={"eos_token_ids": [eos]}), 2, attn_cap=16, block_size=4)
+    wl = [(reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=128))]
+    [res] = run_workloads_multiprocess(plan, wl, timeout=80)
+    assert assert_matches_reference(name, res.requests, ignore_eos=False, eos=(eos,)) > 15
+    stopped = [r for r in res.requests if r.finish_reason == "eos" and len(r.output) < r.max_new_tokens]
+    assert len(stopped) >= 2 and res.metrics["tokens"] == sum(len(r.output) for r in res.requests)
