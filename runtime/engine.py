@@ -195,7 +195,7 @@ class Engine:
         # `execute`; +15% tok/s on 2 x H200 (run 42, benchmarks/NOTES.md §20). Deferred batches complete at the
         # next `next_batch()` that finds them ready, in any driver.
         self.async_sample = _async_sample_from_env()
-        # Step-ahead (with asynchronous sampling of greedy batches; DATAFLOW_STEP_AHEAD=0 turns it off): when a
+        # Step-ahead (with asynchronous sampling; DATAFLOW_STEP_AHEAD=0 turns it off): when a
         # sample batch is launched, the next step's layer-0 rows of its requests that go on whatever token they get
         # (not at their length limit) are queued at once, their ids left on the device for the embedding. The host
         # reads the tokens later, while the device runs that next step: without it the device drained at every step
@@ -558,7 +558,8 @@ class Engine:
             rids = items[0].rids if len(items) == 1 else [r for it in items for r in it.rids]
             reqs = [self.requests[r] for r in rids]
             logits = self.executor.logits(h)
-            params, steps = [r.params for r in reqs], [len(r.output) for r in reqs]
+            # a request's step counts its unread samples too (step-ahead: its output may lag)
+            params, steps = [r.params for r in reqs], [len(r.output) + r.unread for r in reqs]
             start = getattr(self.executor, "sample_batch_start", None) if self.async_sample else None
             pending = start(logits, params, steps) if start is not None else None
             if pending is None:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from graph_ir.spec import ModelSpec
 from models import layers
-from models.sampling import SamplingParams, sample
+from models.sampling import SamplingParams, sample, sample_tokens
 from models.weights import ModelWeights
 from runtime.routed_rows import unpack as unpack_routed
 
@@ -31,24 +31,6 @@ def row_blocks(x) -> Tensor:
     if isinstance(x, Tensor):
         return x
     return x[0] if len(x) == 1 else torch.cat(x)
-
-
-def sample_batch(logits, params: list, steps: list[int], one) -> list[int]:
-    """Shared by the executors: batched greedy argmax over a [B, V] tensor, `one(i, params, step)`
-    for the rows that sample with parameters."""
-    n = len(params)
-    greedy = [i for i, p in enumerate(params) if p is None or p.greedy]
-    if len(greedy) == n:
-        return torch.argmax(logits.detach().to("cpu", torch.float32), dim=-1).tolist()
-    out = [0] * n
-    if greedy:
-        sel = logits.index_select(0, torch.tensor(greedy, dtype=torch.long, device=logits.device))
-        for i, t in zip(greedy, torch.argmax(sel.detach().to("cpu", torch.float32), dim=-1).tolist()):
-            out[i] = t
-    for i, p in enumerate(params):
-        if not (p is None or p.greedy):
-            out[i] = one(i, p, steps[i])
-    return out
 
 
 class TorchExecutor:
@@ -126,6 +108,5 @@ class TorchExecutor:
         return sample(logits, params or _GREEDY, step)
 
     def sample_batch(self, logits: Tensor, params: list[Optional[SamplingParams]], steps: list[int]) -> list[int]:
-        """sample() of every row: greedy rows with one argmax call (same ids as row by row: fp32,
-        lowest id wins ties), the others one by one (each seeded by its own (seed, step))."""
-        return sample_batch(logits, params, steps, lambda i, p, s: sample(logits[i], p, s))
+        """sample() of every row, in one batched call where the logits are (models.sampling.sample_tokens)."""
+        return sample_tokens(logits, params, steps).tolist()

@@ -65,7 +65,7 @@ from models import layers
 from models.attention import gqa_project, gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
 from models.moe import route_tokens, shared_expert_out
 from models.rope import rope_parameters, rotary_dim
-from models.sampling import SamplingParams, sample
+from models.sampling import SamplingParams, sample, sample_tokens
 from models.weights import ModelWeights, stack_qkv
 from runtime.capture import GraphCache, StaticBuffers, bucket_for
 from runtime.cuda_stream import current_stream
@@ -1169,16 +1169,22 @@ class CudaExecutor:
 
     def sample_batch_start(self, logits: DeviceLogits, params: list[Optional[SamplingParams]],
                            steps: list[int]) -> Optional[DeviceLogits]:
-        """The engine's asynchronous sampling: for an all-greedy batch, the logits whose argmax copy is already
-        on its way to a pinned slot (held until read: the ring must not reuse it meanwhile), with ready() /
-        tokens(); None (sample synchronously) when any row samples."""
-        if not params or not all(p is None or p.greedy for p in params):
+        """The engine's asynchronous sampling: the batch's token ids on their way to a pinned slot (held until read:
+        the ring must not reuse it meanwhile), with ready() / tokens() / device_ids(). An all-greedy batch's are the
+        logits' argmax (the sample graph's); a batch with rows that sample draws all its rows on the device
+        (models.sampling.sample_tokens over the eagerly computed logits) and hands out their ids the same way.
+        None for an empty batch."""
+        if not params:
             return None
-        logits._argmax.hold()
-        return logits
+        if all(p is None or p.greedy for p in params):
+            pending = logits
+        else:
+            pending = DeviceLogits(None, self.staging, argmax=sample_tokens(logits.tensor, params, steps))
+        pending._argmax.hold()
+        return pending
 
     def sample_batch(self, logits: DeviceLogits, params: list[Optional[SamplingParams]], steps: list[int]) -> list[int]:
-        """sample() of every row; greedy rows come from the batch argmax DeviceLogits copied once."""
+        """sample() of every row, in one device call; an all-greedy batch reads the argmax DeviceLogits copied once."""
         if all(p is None or p.greedy for p in params):
             return [logits.greedy(i) for i in range(len(params))] if params else []
-        return [self.sample(logits[i], p, s) for i, (p, s) in enumerate(zip(params, steps))]
+        return sample_tokens(logits.tensor, params, steps).tolist()

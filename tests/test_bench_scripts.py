@@ -34,6 +34,13 @@ def test_host_speed_prices_the_cpu_building_blocks():
     assert len(rows) >= 6 and all(us > 0 for _, us in rows)
 
 
+def test_sampling_bench_checks_and_times_both_samplers(capsys):
+    import sampling_bench
+    assert sampling_bench.main(["--vocab", "512", "--rows", "1,4", "--reps", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| 4 |") == 3 and "0 failed checks" in out
+
+
 def test_gpu_bench_correctness_section_passes_on_the_cpu_twin(tmp_path):
     """gpu_bench's correctness section on CPU shapes: fp32 tokens == the reference and the bf16 teacher-forced logits
     within the stated tolerance, for every policy. Its teacher forcing had silently recorded nothing since sampling

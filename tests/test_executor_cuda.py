@@ -19,7 +19,7 @@ import torch
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
-from models.sampling import SamplingParams
+from models.sampling import SamplingParams, sample
 from models.weights import random_weights
 from runtime.capture import bucket_for
 from runtime.cluster import RunOptions, run_workload
@@ -354,12 +354,15 @@ def test_combine_bit_equal_and_greedy_sampling():
     assert torch.equal(ref.combine(h_res, sh, rows, wts, row_index), ref.combine(h_res, sh, y, wts))
     lg, rl = ex.logits(h_res), ref.logits(h_res)
     assert [ex.sample(lg[i], None, 0) for i in range(T)] == [ref.sample(rl[i], None, 0) for i in range(T)]
-    # the engine's asynchronous sampling: greedy batches only; tokens equal the synchronous ones
-    want = ref.sample_batch(rl, [None] * T, [0] * T)
-    pending = ex.sample_batch_start(ex.logits(h_res), [None] * T, [0] * T)
-    assert pending.ready() and pending.tokens() == want
-    assert ex.sample_batch_start(ex.logits(h_res), [None, SamplingParams(temperature=0.7, seed=1)] + [None] * (T - 2),
-                                 [0] * T) is None
+    # the engine's asynchronous sampling, greedy or not: tokens equal the synchronous ones, and the reference's
+    for params in ([None] * T, [None, SamplingParams(temperature=0.7, seed=1)] + [None] * (T - 3)
+                   + [SamplingParams(temperature=1.3, top_p=0.8, top_k=20, seed=2)]):
+        want = ref.sample_batch(rl, params, list(range(T)))
+        assert want == [sample(rl[i], p or SamplingParams(), i) for i, p in enumerate(params)]
+        pending = ex.sample_batch_start(ex.logits(h_res), params, list(range(T)))
+        assert pending.ready() and pending.tokens() == want
+        assert ex.sample_batch(ex.logits(h_res), params, list(range(T))) == want
+        assert pending.device_ids().tolist() == want and pending.device_ids([T - 1, 0]).tolist() == [want[-1], want[0]]
 
 
 def test_sample_bucket_argmax_and_lazy_logits_equal_the_eager_head():
@@ -547,7 +550,9 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
     """Step-ahead (Engine.step_ahead) through the CUDA executor's twin, wall clock (asynchronous sampling): a sample
     batch's next step is queued at its launch with its ids on the device. With an EOS id that requests reach
     mid-run, a request that samples it while its next row is already queued drains: its output ends at the EOS as
-    the reference's does, its extra row's token is dropped, its KV blocks come back, every request finishes.
+    the reference's does, its extra row's token is dropped, its KV blocks come back, every request finishes. A third
+    of the requests sample (temperature, top-p) on the device, stepped ahead too: their step index counts the
+    samples not read yet.
     `slow`: each batch's tokens reach the host 30 ms after its launch (a device behind the host), so samples are still
     unread when the next step's are launched and when such a row, merged with a later prompt's rows, reaches the
     last layer (whether it is sampled is told by its position); every third sample batch is sampled on the host (as one with a row that
@@ -607,13 +612,14 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
     if slow:  # prompts of 3 arriving while others decode: their rows join blocks whose tokens are unread
         prompts += [[rng.randrange(3, spec.vocab_size) for _ in range(3)] for _ in range(8)]
         arrivals += [0.015 * i for i in range(1, 9)]
-    reqs = [Request(i, f"r{i}", p, 8, arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i) if i % 3 == 2 else None for i in range(len(prompts))]
+    reqs = [Request(i, f"r{i}", p, 8, params=params[i], arrival=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
     res = run_workload(compile_plan(spec, ranks), reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=64),
                        weights=w)
     stopped = 0
     for r in res.requests:
-        want = ref.generate(r.prompt, r.max_new_tokens, eos_ids=[eos])
-        if min(_margin(x) for x in want.logits) < 1e-3:  # a near-tie: the twin may take the other token
+        want = ref.generate(r.prompt, r.max_new_tokens, sampling=r.params, eos_ids=[eos])
+        if r.params is None and min(_margin(x) for x in want.logits) < 1e-3:  # a near-tie: the twin may differ
             continue
         assert r.output == want.tokens and r.finish_reason == ("eos" if want.finish_reason == "eos" else "length"), \
             (r.name, r.output, want.tokens)
