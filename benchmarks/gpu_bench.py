@@ -174,6 +174,31 @@ def _reference(spec, w32, reqs_t):
     return refs, err16, mx
 
 
+def _sampled_row(name, spec, w32, plan, ex, reqs_t) -> dict:
+    """fp32, requests that sample (temperature 0.8, top-p 0.9, a seed each) through the engine and this executor
+    (drawn on the device, asynchronously, stepped ahead) against the CPU reference's draws: every token equal (a draw
+    flips only where fp32 rounding moves a boundary across its uniform: models.sampling.sample_tokens)."""
+    ref = ReferenceDecoder(spec, w32)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(len(reqs_t))]
+    refs = [ref.generate(p, m, sampling=params[i], ignore_eos=True) for i, (p, m) in enumerate(reqs_t)]
+    rec = dict(model=name, dtype="float32", ffn=ex.ffn_impl, policy="defrag", tol=0.0,
+               variant="shipped, sampled (T 0.8, top-p 0.9)")
+    try:
+        reqs = [Request(i, f"s{i}", list(p), m, params=params[i], ignore_eos=True, arrival=0.0)
+                for i, (p, m) in enumerate(reqs_t)]
+        cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=256))
+        cl.run(reqs)
+        detach_all(ex, cl)
+        rec.update(_compare_tokens(reqs, refs, -1.0))  # no near-tie cut: a draw is compared whatever the margin
+        rec.update(ok=rec["mismatches"] == 0, vacuous=rec["compared"] == 0)
+    except Exception as err:  # noqa: BLE001
+        rec.update(ok=False, error=f"{type(err).__name__}: {err}"[:400])
+        traceback.print_exc()
+    log(f"  {name} float32  ffn={ex.ffn_impl:10s} sampled {'OK ' if rec.get('ok') else 'BAD'} "
+        f"compared={rec.get('compared')} mismatches={rec.get('mismatches')} {rec.get('error') or rec.get('first_mismatch') or ''}")
+    return rec
+
+
 def _compare_tokens(reqs, refs, tol: float) -> dict:
     """Tokens vs the reference: up to the first step whose reference top-2 margin is below `tol`
     (past it a run may legitimately pick the other token), and the greedy prefix that matches
@@ -270,6 +295,8 @@ def section_correctness(args, dev: torch.device, results: dict) -> None:
                         f"{'OK ' if rec.get('ok') else 'BAD'} compared={rec.get('compared')} "
                         f"mismatches={rec.get('mismatches')} greedy prefix {rec.get('prefix_match')}/"
                         f"{rec.get('prefix_total')}{tfs} {rec.get('error') or rec.get('first_mismatch') or ''}")
+                if dtype == torch.float32 and impl == impls[0]:
+                    out.append(_sampled_row(name, spec, w32, plan, ex, reqs_t))
 
 
 # ------------------------------------------------------------------------------------------------

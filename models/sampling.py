@@ -1,9 +1,9 @@
-"""Token sampling: greedy, or temperature / top-k / top-p with per-(seed, step) random numbers.
+"""Token sampling: greedy, or temperature / top-k / top-p with one per-(seed, step) uniform.
 
-A token depends only on (logits, params, step): its random numbers are a hash of the request's seed, the step
-index and the token id (`uniforms`: integer arithmetic, the same bits on every device), so the same request yields
-the same tokens whatever it was batched with, in whatever order ranks processed it, on whatever rank it ran, and
-the whole batch is sampled where its logits are (`sample_tokens`).
+A token depends only on (logits, params, step): its uniform is a hash of the request's seed and the step index
+(`step_seed`, computed on the host, the same on every device), so the same request yields the same tokens whatever
+it was batched with, in whatever order ranks processed it, on whatever rank it ran, and the whole batch is sampled
+where its logits are (`sample_tokens`).
 """
 from __future__ import annotations
 
@@ -79,47 +79,26 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return p / p.sum()
 
 
-_M32 = 0xFFFFFFFF
+def _unit(key: int) -> float:
+    """A uniform in [0, 1 - 2^-53] from a 63-bit key: its top 53 bits, exact in float64."""
+    return (key >> 10) * (1.0 / (1 << 53))
 
 
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32): in two 16-bit halves of c, so no product leaves int64 (an
-    overflowing product is undefined behaviour in C++, whatever the hardware does)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(x: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finalizer (every input bit flips each output bit with probability ~1/2)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def uniforms(keys: list[int], n: int, device) -> Tensor:
-    """[R, n] fp32 uniforms in (0, 1), entry (r, i) a hash of (keys[r], i): 24 bits, so exact in fp32 and equal on
-    every device (integer arithmetic only)."""
-    ids = torch.arange(n, dtype=torch.int64, device=device)[None]
-    k = torch.tensor([[key & _M32, (key >> 32) & _M32] for key in keys], dtype=torch.int64, device=device)
-    x = _fmix32(_mul32(ids, 0x9E3779B1) ^ k[:, :1])
-    x = _fmix32(x ^ k[:, 1:])
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
-
-# rows sampled per pass: bounds the [rows, V] temporaries (int64 hashes: 1.6 MB per row at V = 201k)
-_SAMPLE_CHUNK = 32
+# rows sampled per pass: bounds the [rows, V] temporaries (fp32 probabilities and their fp64 running sum: 2.4 MB per
+# row at GPT-OSS's V = 201k)
+_SAMPLE_CHUNK = 64
 
 
 def sample_tokens(logits: Tensor, params: list[Optional[SamplingParams]], steps: list[int]) -> Tensor:
     """Token ids [B] (int64, on the logits' device) of logits [B, V]: row i greedy (argmax in fp32, lowest id wins
-    ties) when params[i] is None or greedy, else drawn from _filtered's probabilities with (params[i].seed,
-    steps[i]): by an exponential race, token = argmax_v p_v / E_v with E_v = -log(u_v) and u_v = uniforms(seed,
-    step)'s entry v, which picks v with probability p_v exactly (for u's 24-bit resolution). Batched and on the
-    device: no row goes to the host (a 201k-token row cost 4-22 ms on the CPU, per row and step, before). A row's
-    token depends only on (its logits, its params, its step), never on the rows beside it. Across devices, `log`,
-    `softmax` and `cumsum` may round differently in the last bit, so a CPU and a GPU run can part only where two
-    candidates' scores (or a top-p cut) tie within that rounding."""
+    ties) when params[i] is None or greedy, else drawn from _filtered's probabilities by the inverse of their
+    cumulative sum in token-id order, at one uniform per row from (params[i].seed, steps[i]) (`step_seed`, `_unit`):
+    the first token whose running sum exceeds u times the total. A token the filters dropped is never drawn (its
+    running sum equals the one before it). The running sum is fp64, so a CPU and a GPU (sequential against parallel
+    summation) part only where u lands within ~1e-12 of a boundary, or where the fp32 probabilities' last bit (softmax
+    rounds differently on each) moves one across it. Batched and on the device: no row goes to the host (a 201k-token
+    row cost 4-22 ms on the CPU, per row and step, before). A row's token depends only on (its logits, its params,
+    its step), never on the rows beside it."""
     x = logits.detach().float()
     out = torch.argmax(x, dim=-1)
     rows = [i for i, p in enumerate(params) if p is not None and not p.greedy]
@@ -128,8 +107,12 @@ def sample_tokens(logits: Tensor, params: list[Optional[SamplingParams]], steps:
         idx = torch.tensor(part, dtype=torch.long, device=x.device)
         ps = [params[i] for i in part]
         probs = _filtered(x.index_select(0, idx), ps)
-        u = uniforms([step_seed(p.seed, steps[i]) for p, i in zip(ps, part)], x.shape[-1], x.device)
-        out = out.index_copy(0, idx, torch.argmax(probs / -torch.log(u), dim=-1))
+        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        u = torch.tensor([_unit(step_seed(p.seed, steps[i])) for p, i in zip(ps, part)], dtype=torch.float64,
+                         device=x.device)
+        # u < 1 - 2^-53, so u * total rounds to below the total (never up to it): the search stops at a kept token
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        out = out.index_copy(0, idx, tok)
     return out
 
 

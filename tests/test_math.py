@@ -352,6 +352,34 @@ def test_sampling_deterministic_per_seed_and_step() -> None:
     assert step_seed(1, 2) != step_seed(2, 1)
 
 
+def test_sampled_frequencies_follow_the_filtered_probabilities(monkeypatch) -> None:
+    """The inverse-CDF draw (models.sampling.sample_tokens) picks each token with its filtered probability, never a
+    dropped one, also at the uniform's ends (the largest, 1 - 2^-53, still lands below the total: the last kept token)."""
+    import models.sampling as sampling
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    for p, want in ((SamplingParams(temperature=1.0, seed=3), [0.5, 0.3, 0.15, 0.05]),
+                    (SamplingParams(temperature=1.0, top_p=0.7, seed=3), [0.625, 0.375, 0.0, 0.0]),
+                    (SamplingParams(temperature=1.0, top_k=3, seed=5), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])):
+        n = 4000
+        got = torch.bincount(sampling.sample_tokens(logits.repeat(n, 1), [p] * n, list(range(n))), minlength=4) / n
+        assert torch.allclose(got, torch.tensor(want), atol=0.03), (p, got)
+        assert all(got[i] == 0 for i, w in enumerate(want) if w == 0)
+    drop_tail = torch.log(torch.tensor([0.3, 0.4, 0.2, 0.1]))  # top-k 2 drops the last two tokens
+    for u, tok in ((0.0, 0), (1.0 - 2.0 ** -53, 1)):
+        monkeypatch.setattr(sampling, "_unit", lambda key, u=u: u)
+        assert sample(drop_tail, SamplingParams(temperature=1.0, top_k=2), 0) == tok
+
+
+def test_batched_sampling_equals_row_by_row() -> None:
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(70, 3000, generator=g) * 3  # more rows than one pass of the batched sampler takes
+    ps = [None if i % 4 == 0 else SamplingParams(temperature=0.5 + i / 50, top_p=[1.0, 0.9, 0.5][i % 3],
+                                                 top_k=[0, 40][i % 2], seed=i) for i in range(70)]
+    steps = [3 * i for i in range(70)]
+    from models.sampling import sample_tokens
+    assert sample_tokens(x, ps, steps).tolist() == [sample(x[i], ps[i] or SamplingParams(), steps[i]) for i in range(70)]
+
+
 def test_top_p_top_k_filter() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
