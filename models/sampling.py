@@ -42,11 +42,11 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def _filtered(x: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Probabilities [R, V] in fp32 (rows not renormalized after the top-p cut: the draw does not need it) of
-    logits x [R, V] fp32 after each row's temperature, top-k and top-p (nucleus: the smallest set of
+    """Probabilities [R, V] in x's dtype (rows not renormalized after the top-p cut: the draw does not need it) of
+    logits x [R, V] after each row's temperature, top-k and top-p (nucleus: the smallest set of
     highest-probability tokens whose mass reaches top_p; the top token is always kept). Row by row the same
     operations whatever the batch: a row's result does not depend on the rows beside it."""
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device)
+    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
     x = x / temp[:, None]
     V = x.shape[-1]
     ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
@@ -65,7 +65,7 @@ def _filtered(x: Tensor, params: list[SamplingParams]) -> Tensor:
         sub = probs.index_select(0, idx)
         sorted_p, order = torch.sort(sub, dim=-1, descending=True, stable=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-        top = torch.tensor([ps[i] for i in rows], dtype=torch.float32, device=x.device)
+        top = torch.tensor([ps[i] for i in rows], dtype=x.dtype, device=x.device)
         drop_sorted = before >= top[:, None]
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
@@ -74,8 +74,8 @@ def _filtered(x: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The normalized probabilities [V] a sampled token of `logits` [V] is drawn from (see _filtered)."""
-    p = _filtered(logits.detach().float()[None], [params])[0]
+    """The normalized probabilities [V] (fp64) a sampled token of `logits` [V] is drawn from (see _filtered)."""
+    p = _filtered(logits.detach().double()[None], [params])[0]
     return p / p.sum()
 
 
@@ -84,7 +84,7 @@ def _unit(key: int) -> float:
     return (key >> 10) * (1.0 / (1 << 53))
 
 
-# rows sampled per pass: bounds the [rows, V] temporaries (fp32 probabilities and their fp64 running sum: 2.4 MB per
+# rows sampled per pass: bounds the [rows, V] temporaries (fp64 logits, probabilities, running sum: 1.6 MB each per
 # row at GPT-OSS's V = 201k)
 _SAMPLE_CHUNK = 64
 
@@ -94,9 +94,9 @@ def sample_tokens(logits: Tensor, params: list[Optional[SamplingParams]], steps:
     ties) when params[i] is None or greedy, else drawn from _filtered's probabilities by the inverse of their
     cumulative sum in token-id order, at one uniform per row from (params[i].seed, steps[i]) (`step_seed`, `_unit`):
     the first token whose running sum exceeds u times the total. A token the filters dropped is never drawn (its
-    running sum equals the one before it). The running sum is fp64, so a CPU and a GPU (sequential against parallel
-    summation) part only where u lands within ~1e-12 of a boundary, or where the fp32 probabilities' last bit (softmax
-    rounds differently on each) moves one across it. Batched and on the device: no row goes to the host (a 201k-token
+    running sum equals the one before it). Filters, probabilities and running sum are fp64: with fp32 ones a GPU's
+    blocked softmax and a CPU's rounded differently enough to move a boundary across u for 1 row in ~256 at V = 201k
+    (run 133); in fp64 a CPU and a GPU part only where u lands within ~1e-12 of a boundary. Batched and on the device: no row goes to the host (a 201k-token
     row cost 4-22 ms on the CPU, per row and step, before). A row's token depends only on (its logits, its params,
     its step), never on the rows beside it."""
     x = logits.detach().float()
@@ -106,8 +106,8 @@ def sample_tokens(logits: Tensor, params: list[Optional[SamplingParams]], steps:
         part = rows[a:a + _SAMPLE_CHUNK]
         idx = torch.tensor(part, dtype=torch.long, device=x.device)
         ps = [params[i] for i in part]
-        probs = _filtered(x.index_select(0, idx), ps)
-        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        probs = _filtered(x.index_select(0, idx).double(), ps)
+        cdf = torch.cumsum(probs, dim=-1)
         u = torch.tensor([_unit(step_seed(p.seed, steps[i])) for p, i in zip(ps, part)], dtype=torch.float64,
                          device=x.device)
         # u < 1 - 2^-53, so u * total rounds to below the total (never up to it): the search stops at a kept token

@@ -383,9 +383,9 @@ def test_batched_sampling_equals_row_by_row() -> None:
 def test_top_p_top_k_filter() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
-    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(p, torch.tensor([0.625, 0.375, 0.0, 0.0], dtype=torch.float64))
     p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=3))
-    torch.testing.assert_close(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.95)
 
 
 # ---------------------------------------------------------------- weights
