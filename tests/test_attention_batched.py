@@ -97,6 +97,54 @@ def test_batched_decode_matches_per_segment(family, seed, monkeypatch):
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_batch_takes_its_decode_rows_batched_and_matches_per_segment(family, seed, monkeypatch):
+    """A batch of decode rows beside a new prompt's chunk (a request arriving during decode): its one-row segments go
+    through one batched write + gather + attention, the chunk through the per-segment path, in the batch's row order
+    (the chunk sits between decode rows); outputs and written K/V equal the all-per-segment path's."""
+    spec = load_spec(SPECS / f"{family}.yaml")
+    w = random_weights(spec, seed=seed)
+    rng = random.Random(10 + seed)
+    gen = torch.Generator().manual_seed(seed)
+    B = rng.choice([3, 6, 9])
+    lengths = [rng.randint(1, 30) for _ in range(B)]
+    chunk = rng.randint(2, 12)  # sequence B: a prompt's first chunk
+    kv_batched, kv_ref = _stores(spec.num_layers, lengths + [chunk], 1, rng)
+    gathers = []
+    real_gather = PagedKVStore.gather
+    monkeypatch.setattr(PagedKVStore, "gather", lambda self, *a: gathers.append(1) or real_gather(self, *a))
+    for layer in range(spec.num_layers):
+        lw = w.layers[layer]
+        T = sum(lengths)
+        x = torch.randn(T, spec.hidden_size, generator=gen)
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        segs, row = [], 0
+        for i, n in enumerate(lengths):
+            segs.append((i, row, n))
+            row += n
+        for kv in (kv_batched, PerSegment(kv_ref)):
+            attn.attention(spec, lw, layer, x, pos, segs, kv)
+        # the mixed batch: decode rows of sequences 0..k-1, the chunk, the other decode rows
+        k = B // 2
+        segs = [(i, i, 1) for i in range(k)] + [(B, k, chunk)] + [(i, chunk + i, 1) for i in range(k, B)]
+        pos = torch.tensor([lengths[i] for i in range(k)] + list(range(chunk)) + [lengths[i] for i in range(k, B)])
+        x = torch.randn(B + chunk, spec.hidden_size, generator=gen)
+        n_gathers = len(gathers)
+        got = attn.attention(spec, lw, layer, x, pos, segs, kv_batched)
+        assert len(gathers) == n_gathers + 1, "the decode rows were not batched"
+        want = attn.attention(spec, lw, layer, x, pos, segs, PerSegment(kv_ref))
+        assert _rel(got, want) <= 1e-5, (family, layer, _rel(got, want))
+        for i, n in enumerate(lengths + [chunk - 1]):
+            for a, b in zip(kv_batched.read(layer, i, n + 1), kv_ref.read(layer, i, n + 1)):
+                assert torch.equal(a, b)
+
+
+def test_one_row_segments_split_from_the_rest():
+    one, rest = attn._split_one_row([(1, 0, 1), (2, 1, 5), (3, 6, 1), (2, 7, 1), (4, 8, 1)])
+    assert one == [(1, 0), (3, 6), (4, 8)] and rest == [(2, 1, 5), (2, 7, 1)]  # sequence 2 twice: both stay in order
+
+
 @pytest.mark.parametrize("window,sinks", [(None, False), (5, False), (None, True), (5, True)])
 def test_attend_decode_batch_matches_attend(window, sinks):
     """The kernel alone on padded K/V, GQA 6/2; the mask and sinks must matter in this setup."""

@@ -41,6 +41,14 @@ def test_sampling_bench_checks_and_times_both_samplers(capsys):
     assert out.count("| 4 |") == 3 and "0 failed checks" in out
 
 
+def test_mixed_batch_bench_compares_both_paths(capsys):
+    import mixed_batch_bench
+    assert mixed_batch_bench.main(["--decode", "8", "--chunk", "5", "--context", "9", "--reps", "1",
+                                   "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "one segment at a time" in out and out.rstrip().endswith("ok")
+
+
 def test_gpu_bench_correctness_section_passes_on_the_cpu_twin(tmp_path):
     """gpu_bench's correctness section on CPU shapes: fp32 tokens == the reference and the bf16 teacher-forced logits
     within the stated tolerance, for every policy. Its teacher forcing had silently recorded nothing since sampling
