@@ -232,6 +232,10 @@ def _env(name: str, default: str, valid: tuple) -> str:
 
 
 class CudaExecutor:
+    # Decode batches (one-row segments) run through the bucketed path, a CUDA graph on CUDA; a batch with a prompt's
+    # multi-row chunk runs eagerly, decode rows and all. The engine then keeps the two apart (Engine.separate_prefill).
+    decode_graphs = True
+
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
                  graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
                  permute_impl: Optional[str] = None, max_context: Optional[int] = None,

@@ -49,6 +49,13 @@ def test_mixed_batch_bench_compares_both_paths(capsys):
     assert "one segment at a time" in out and out.rstrip().endswith("ok")
 
 
+def test_arrivals_bench_runs_every_variant_on_the_cpu(capsys):
+    import arrivals_bench
+    assert arrivals_bench.main(["--smoke", "--rounds", "1", "--requests", "10", "--initial", "4"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| {v} |" in out for v in arrivals_bench.VARIANTS) and "10/10 |" in out
+
+
 def test_gpu_bench_correctness_section_passes_on_the_cpu_twin(tmp_path):
     """gpu_bench's correctness section on CPU shapes: fp32 tokens == the reference and the bf16 teacher-forced logits
     within the stated tolerance, for every policy. Its teacher forcing had silently recorded nothing since sampling
