@@ -1,8 +1,8 @@
 """Serving with arrivals: real prompts (prefill) arriving while others decode, one rank in-process, the CUDA
 executor, side by side in one run: tokens/s, ITL and time to first token of
-  separate  - a prompt's chunks and decode rows in separate attention batches (Engine.separate_prefill, the default
-              with the CUDA executor since session 16: decode batches stay on their CUDA graphs);
-  mixed     - both in one batch, its decode rows batched on the eager path (DATAFLOW_SEPARATE_PREFILL=0);
+  separate  - a prompt's chunks and decode rows in separate attention batches (Engine.separate_prefill,
+              DATAFLOW_SEPARATE_PREFILL=1: decode batches stay on their CUDA graphs);
+  mixed     - both in one batch, its decode rows batched on the eager path (the default);
   before    - both in one batch, every segment on its own (session 15's path for such batches).
 
     python benchmarks/arrivals_bench.py                           # CUDA: GPT-OSS-20B cut to 4 layers, bf16

@@ -221,14 +221,15 @@ class Engine:
         # token is dropped, before its KV blocks are released and its finish is reported (the coordinator's free
         # blocks mirror the release).
         self.step_ahead = _step_ahead_from_env()
-        # An attention batch of one kind: decode rows, or prompts' multi-row chunks (an executor that replays decode
-        # batches as CUDA graphs: a prompt's chunk beside decode rows would take all of them off the graph, ~20x the
-        # graph's time for 256 decode rows at GPT-OSS-20B shapes, run 135). The rows of the other kind wait for the
-        # next attention batch of the stage. DATAFLOW_SEPARATE_PREFILL=0 mixes them (executors without graphs do).
+        # DATAFLOW_SEPARATE_PREFILL=1 (off by default): an attention batch of one kind, decode rows or prompts'
+        # multi-row chunks, with an executor that replays decode batches as CUDA graphs (a prompt's chunk beside
+        # decode rows takes them all off the graph, run 135). The rows of the other kind wait for the stage's next
+        # batch. Measured no gain in run 136's serving workload, where a bf16 check of gpu_bench exceeded its tolerance
+        # with it on (NOTES §33 item 4), so it is opt-in until it is understood.
         self.separate_prefill = (getattr(executor, "decode_graphs", False)
                                  and _flag_from_env("DATAFLOW_SEPARATE_PREFILL",
                                                     "a prompt's chunks and decode rows in separate attention batches",
-                                                    "1"))
+                                                    "0"))
         # Asynchronous dispatch, the same for attention batches (an executor with `route_start`: the CUDA one
         # routing inside its attention graph; DATAFLOW_ASYNC_ROUTE=1, off by default): the host needs the routing
         # (which ranks get how many rows) before it can dispatch, and a router inside the graph answers only

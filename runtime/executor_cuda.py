@@ -233,7 +233,7 @@ def _env(name: str, default: str, valid: tuple) -> str:
 
 class CudaExecutor:
     # Decode batches (one-row segments) run through the bucketed path, a CUDA graph on CUDA; a batch with a prompt's
-    # multi-row chunk runs eagerly, decode rows and all. The engine then keeps the two apart (Engine.separate_prefill).
+    # multi-row chunk runs eagerly, decode rows and all. The engine can keep the two apart (Engine.separate_prefill).
     decode_graphs = True
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
