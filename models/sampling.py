@@ -41,11 +41,15 @@ def step_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 1
 
 
-def _filtered(x: Tensor, params: list[SamplingParams]) -> Tensor:
+def _filtered(x: Tensor, params: list[SamplingParams], keys: Optional[Tensor] = None) -> Tensor:
     """Probabilities [R, V] in x's dtype (rows not renormalized after the top-p cut: the draw does not need it) of
     logits x [R, V] after each row's temperature, top-k and top-p (nucleus: the smallest set of
     highest-probability tokens whose mass reaches top_p; the top token is always kept). Row by row the same
-    operations whatever the batch: a row's result does not depend on the rows beside it."""
+    operations whatever the batch: a row's result does not depend on the rows beside it. `keys`: the same logits in
+    a narrower dtype (fp32 beside fp64 x) that orders tokens as x does, used for the top-k threshold and the top-p
+    sort (the sort is most of top-p's time; fewer bytes, the same order and ties: x is keys widened exactly, and the
+    temperature, a positive divisor, keeps distinct values distinct)."""
+    keys = x if keys is None else keys
     temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
     x = x / temp[:, None]
     V = x.shape[-1]
@@ -53,17 +57,20 @@ def _filtered(x: Tensor, params: list[SamplingParams]) -> Tensor:
     if any(ks):
         rows = [i for i, k in enumerate(ks) if k]
         idx = torch.tensor(rows, dtype=torch.long, device=x.device)
-        sub = x.index_select(0, idx)
+        sub = keys.index_select(0, idx)
         kk = torch.tensor([ks[i] - 1 for i in rows], dtype=torch.long, device=x.device)
         kth = torch.topk(sub, max(ks), dim=-1).values.gather(1, kk[:, None])
-        x = x.index_copy(0, idx, sub.masked_fill(sub < kth, float("-inf")))
+        drop = sub < kth
+        x = x.index_copy(0, idx, x.index_select(0, idx).masked_fill(drop, float("-inf")))
+        keys = keys.index_copy(0, idx, sub.masked_fill(drop, float("-inf")))
     probs = torch.softmax(x, dim=-1)
     ps = [p.top_p for p in params]
     if any(t < 1.0 for t in ps):
         rows = [i for i, t in enumerate(ps) if t < 1.0]
         idx = torch.tensor(rows, dtype=torch.long, device=x.device)
         sub = probs.index_select(0, idx)
-        sorted_p, order = torch.sort(sub, dim=-1, descending=True, stable=True)
+        order = torch.sort(keys.index_select(0, idx), dim=-1, descending=True, stable=True).indices
+        sorted_p = sub.gather(1, order)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
         top = torch.tensor([ps[i] for i in rows], dtype=x.dtype, device=x.device)
         drop_sorted = before >= top[:, None]
@@ -106,7 +113,8 @@ def sample_tokens(logits: Tensor, params: list[Optional[SamplingParams]], steps:
         part = rows[a:a + _SAMPLE_CHUNK]
         idx = torch.tensor(part, dtype=torch.long, device=x.device)
         ps = [params[i] for i in part]
-        probs = _filtered(x.index_select(0, idx).double(), ps)
+        sub = x.index_select(0, idx)
+        probs = _filtered(sub.double(), ps, keys=sub)
         cdf = torch.cumsum(probs, dim=-1)
         u = torch.tensor([_unit(step_seed(p.seed, steps[i])) for p, i in zip(ps, part)], dtype=torch.float64,
                          device=x.device)

@@ -380,6 +380,16 @@ def test_batched_sampling_equals_row_by_row() -> None:
     assert sample_tokens(x, ps, steps).tolist() == [sample(x[i], ps[i] or SamplingParams(), steps[i]) for i in range(70)]
 
 
+def test_filters_ordered_by_narrower_keys_equal_the_wide_ones() -> None:
+    """sample_tokens sorts the fp32 logits for top-k / top-p (faster) while it filters fp64 ones: the same result,
+    ties included (bf16-rounded logits have many)."""
+    from models.sampling import _filtered
+    x = (torch.randn(40, 5000, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16).float()
+    ps = [SamplingParams(temperature=0.3 + i / 20, top_p=[1.0, 0.9, 0.5, 0.95][i % 4], top_k=[0, 40, 0, 3][i % 4])
+          for i in range(40)]
+    assert torch.equal(_filtered(x.double(), ps), _filtered(x.double(), ps, keys=x))
+
+
 def test_top_p_top_k_filter() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
