@@ -99,7 +99,8 @@ class DeviceLogits:
                  eager=None) -> None:
         self._tensor, self._eager = logits, eager
         self._n = logits.shape[0] if logits is not None else argmax.shape[0]
-        self._ids = torch.argmax(logits, dim=-1) if argmax is None else argmax  # (argmax: a graph's static buffer)
+        # the ids: the logits' argmax, or given (a sample graph's static buffer, or ids drawn on the device)
+        self._ids = torch.argmax(logits, dim=-1) if argmax is None else argmax
         self._argmax = staging.d2h(self._ids)
         self._host: Optional[list[int]] = None
 
@@ -137,9 +138,9 @@ class DeviceLogits:
         return list(self._host or [])
 
     def device_ids(self, rows: Optional[list[int]] = None) -> Tensor:
-        """The greedy ids of rows `rows` (all when None) as a device tensor of their own, queued right behind the
-        argmax (the engine's step-ahead: the next step embeds them before the host has read them; a copy, since the
-        sample graph's buffer is rewritten by its next replay)."""
+        """The token ids of rows `rows` (all when None: the argmax, or the ids sample_tokens drew) as a device tensor
+        of their own, queued right behind them (the engine's step-ahead: the next step embeds them before the host has
+        read them; a copy, since the sample graph's buffer is rewritten by its next replay)."""
         if rows is None:
             return self._ids.clone()
         return self._ids.index_select(0, to_device(np.asarray(rows, dtype=np.int64), self._ids.device))
