@@ -92,17 +92,29 @@ PERMUTE_IMPLS = ("triton", "torch")
 
 class DeviceLogits:
     """logits [T, V] plus the batched greedy argmax, copied to the host once. `argmax`: the ids already computed on
-    the device (the sample graph's static buffer, copied right behind its replay); the logits are then computed only
-    if read, by `eager()` (the same rows through the same ops)."""
+    the device, or a function that computes them (the sample graph's replay: its ids are its static buffer), called
+    only when the ids are first wanted, so a batch that samples from the eager logits never replays the graph (its LM
+    head would run twice); the logits are computed only if read, by `eager()` (the same rows through the same ops).
+    `n`: the rows, when neither the logits nor the ids are given yet."""
 
-    def __init__(self, logits: Optional[Tensor], staging: HostStaging, argmax: Optional[Tensor] = None,
-                 eager=None) -> None:
-        self._tensor, self._eager = logits, eager
-        self._n = logits.shape[0] if logits is not None else argmax.shape[0]
-        # the ids: the logits' argmax, or given (a sample graph's static buffer, or ids drawn on the device)
-        self._ids = torch.argmax(logits, dim=-1) if argmax is None else argmax
-        self._argmax = staging.d2h(self._ids)
+    def __init__(self, logits: Optional[Tensor], staging: HostStaging, argmax=None, eager=None,
+                 n: Optional[int] = None) -> None:
+        self._tensor, self._eager, self._staging = logits, eager, staging
+        self._make_ids = argmax if callable(argmax) else None
+        self._ids: Optional[Tensor] = None if callable(argmax) else argmax
+        self._n = logits.shape[0] if logits is not None else (n if n is not None else argmax.shape[0])
+        self._copy = None  # the ids' copy to the host (HostStaging.d2h), made with the ids
         self._host: Optional[list[int]] = None
+
+    @property
+    def _argmax(self):
+        """The ids' copy to the host, the ids made first if they are not yet."""
+        if self._copy is None:
+            if self._ids is None:
+                # the ids: the logits' argmax, or the function's (a sample graph's static buffer)
+                self._ids = self._make_ids() if self._make_ids is not None else torch.argmax(self._tensor, dim=-1)
+            self._copy = self._staging.d2h(self._ids)
+        return self._copy
 
     @property
     def tensor(self) -> Tensor:
@@ -141,6 +153,7 @@ class DeviceLogits:
         """The token ids of rows `rows` (all when None: the argmax, or the ids sample_tokens drew) as a device tensor
         of their own, queued right behind them (the engine's step-ahead: the next step embeds them before the host has
         read them; a copy, since the sample graph's buffer is rewritten by its next replay)."""
+        self._argmax  # the ids exist (and are on their way to the host)
         if rows is None:
             return self._ids.clone()
         return self._ids.index_select(0, to_device(np.asarray(rows, dtype=np.int64), self._ids.device))
@@ -1133,9 +1146,10 @@ class CudaExecutor:
 
     @torch.no_grad()
     def logits(self, h: Tensor) -> DeviceLogits:
-        """The batch's logits with their greedy argmax on its way to the host. A batch that fits a sample bucket
-        replays that bucket's graph (norm, LM head, argmax: 16 torch calls on the host became ~7, and a sample batch
-        857-900 -> 129-143 us of host on the H200 host; NOTES §28); the logits are recomputed eagerly only if read."""
+        """The batch's logits and their greedy argmax (copied to the host once). For a batch that fits a sample bucket
+        the argmax is that bucket's graph (norm, LM head, argmax: 16 torch calls on the host became ~7, and a sample
+        batch 857-900 -> 129-143 us of host on the H200 host; NOTES §28), replayed when the ids are first wanted; the
+        logits are computed eagerly only if read (a batch that samples: then the graph never runs)."""
         h = self._to_dev(h)
         T = h.shape[0]
         head = lambda: layers.final_logits(self.spec, self.w, h)  # noqa: E731 (the eager logits)
@@ -1143,10 +1157,13 @@ class CudaExecutor:
         if b is None or T == 0:
             return DeviceLogits(head(), self.staging)
         bufs = self._sample_bufs(b)
-        h_in, ids = self._first_rows(("sample", b, T), True, lambda: (bufs._t["h"][:T], bufs._t["ids"][:T]))
-        h_in.copy_(h)
-        self.graphs.get(("sample", -1, b), lambda: self._sample_body(bufs)).run()
-        return DeviceLogits(None, self.staging, argmax=ids, eager=head)
+
+        def replay() -> Tensor:
+            h_in, ids = self._first_rows(("sample", b, T), True, lambda: (bufs._t["h"][:T], bufs._t["ids"][:T]))
+            h_in.copy_(h)
+            self.graphs.get(("sample", -1, b), lambda: self._sample_body(bufs)).run()
+            return ids
+        return DeviceLogits(None, self.staging, argmax=replay, eager=head, n=T)
 
     def _sample_bufs(self, b: int) -> StaticBuffers:
         bufs = self._bufs_cache.get(("sample", b))

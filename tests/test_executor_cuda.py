@@ -365,6 +365,22 @@ def test_combine_bit_equal_and_greedy_sampling():
         assert pending.device_ids().tolist() == want and pending.device_ids([T - 1, 0]).tolist() == [want[-1], want[0]]
 
 
+def test_a_batch_that_samples_runs_its_lm_head_once(monkeypatch):
+    """The sample graph (norm, LM head, argmax) replays only when the argmax is wanted: a batch with rows that sample
+    reads the eager logits instead, so its 1.16 GB-at-GPT-OSS LM head runs once, not twice; a greedy batch replays."""
+    from models import layers as model_layers
+    spec, w = model("tiny-gpt-oss")
+    ex = CudaExecutor(spec, w, device="cpu")
+    heads = []
+    real = model_layers.final_logits
+    monkeypatch.setattr(model_layers, "final_logits", lambda *a: heads.append(1) or real(*a))
+    h = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    for params in ([None] * 5, [SamplingParams(temperature=0.7, seed=i) for i in range(5)]):
+        heads.clear()
+        pending = ex.sample_batch_start(ex.logits(h), params, list(range(5)))
+        assert pending.tokens() and len(heads) == 1, (params[0], len(heads))
+
+
 def test_sample_bucket_argmax_and_lazy_logits_equal_the_eager_head():
     """A sample batch that fits a bucket runs the bucket's body (norm, LM head, argmax into the static ids buffer,
     padded rows included); its greedy ids equal the eager logits' argmax, the logits are computed only if read and
