@@ -593,6 +593,7 @@ class Engine:
             start = getattr(self.executor, "sample_batch_start", None) if self.async_sample else None
             pending = start(logits, params, steps) if start is not None else None
             if pending is None:
+                # (the CUDA executor starts every non-empty batch; an executor that declines one lands here)
                 if self._unread:  # tokens go to a request in step order: read the older samples of any first
                     self._read_unread()
                 batch.out["tokens"] = self.executor.sample_batch(logits, params, steps)

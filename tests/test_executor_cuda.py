@@ -572,8 +572,8 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
     samples not read yet.
     `slow`: each batch's tokens reach the host 30 ms after its launch (a device behind the host), so samples are still
     unread when the next step's are launched and when such a row, merged with a later prompt's rows, reaches the
-    last layer (whether it is sampled is told by its position); every third sample batch is sampled on the host (as one with a row that
-    samples, not greedy, is), after the unread ones are read (tokens in step order)."""
+    last layer (whether it is sampled is told by its position); every third sample batch is sampled synchronously
+    (as with an executor without asynchronous sampling), after the unread ones are read (tokens in step order)."""
     from collections import Counter
 
     from runtime.engine import Engine
@@ -614,8 +614,8 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
         monkeypatch.setattr(DeviceLogits, "wait", late_wait)
         real_start, starts = CudaExecutor.sample_batch_start, []
 
-        def start_or_not(self, logits, params, steps):  # every third batch sampled on the host, as one with a
-            starts.append(len(starts))  # sampling (not greedy) row would be
+        def start_or_not(self, logits, params, steps):  # every third batch sampled synchronously
+            starts.append(len(starts))
             return None if len(starts) % 3 == 0 else real_start(self, logits, params, steps)
         monkeypatch.setattr(CudaExecutor, "sample_batch_start", start_or_not)
     spec, w = model("tiny-gpt-oss")
