@@ -1033,12 +1033,11 @@ class Engine:
         cont_rids, cont_pos, cont_toks = [], [], []  # requests that go on: one attn(0) block
         tokens = batch.out["tokens"]
         ahead = batch.out.get("ahead")  # rows whose next step was queued at the launch (step-ahead), or None
-        if "ahead" in batch.out:  # launched asynchronously: its requests' unread samples are counted
-            for r in reqs:
-                r.unread -= 1
-            self._unread -= len(reqs)
+        read = int("ahead" in batch.out)  # launched asynchronously: its requests' unread samples are counted
+        self._unread -= read * len(reqs)
         counted = len(tokens)
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            req.unread -= read
             if req.draining:  # its EOS came at the step before; this row was queued before that was known
                 self._release(req)
                 counted -= 1

@@ -52,6 +52,26 @@ def _stores(num_layers: int, lengths: list[int], steps: int, rng: random.Random)
     return stores
 
 
+def _count_gathers(monkeypatch) -> list:
+    """PagedKVStore.gather counted: one entry per batched gather (the batched path's mark)."""
+    gathers = []
+    real_gather = PagedKVStore.gather
+    monkeypatch.setattr(PagedKVStore, "gather", lambda self, *a: gathers.append(1) or real_gather(self, *a))
+    return gathers
+
+
+def _prefill(spec, lw, layer: int, lengths: list[int], gen, kv_batched, kv_ref) -> None:
+    """Every sequence's prompt at `layer` (multi-row segments: the per-segment path on both stores)."""
+    x = torch.randn(sum(lengths), spec.hidden_size, generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    segs, row = [], 0
+    for i, n in enumerate(lengths):
+        segs.append((i, row, n))
+        row += n
+    for kv in (kv_batched, PerSegment(kv_ref)):
+        attn.attention(spec, lw, layer, x, pos, segs, kv)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_batched_decode_matches_per_segment(family, seed, monkeypatch):
@@ -66,22 +86,11 @@ def test_batched_decode_matches_per_segment(family, seed, monkeypatch):
     lengths[-1] = rng.randint(10, 40)
     steps = 3  # decode steps: the batched writes are read back by the next steps
     kv_batched, kv_ref = _stores(spec.num_layers, lengths, steps, rng)
-    gathers = []
-    real_gather = PagedKVStore.gather
-    monkeypatch.setattr(PagedKVStore, "gather", lambda self, *a: gathers.append(1) or real_gather(self, *a))
+    gathers = _count_gathers(monkeypatch)
 
     for layer in range(spec.num_layers):
         lw = w.layers[layer]
-        # Prefill every sequence (multi-row segments: per-segment path on both stores).
-        T = sum(lengths)
-        x = torch.randn(T, spec.hidden_size, generator=gen)
-        pos = torch.cat([torch.arange(n) for n in lengths])
-        segs, row = [], 0
-        for i, n in enumerate(lengths):
-            segs.append((i, row, n))
-            row += n
-        for kv in (kv_batched, PerSegment(kv_ref)):
-            attn.attention(spec, lw, layer, x, pos, segs, kv)
+        _prefill(spec, lw, layer, lengths, gen, kv_batched, kv_ref)
         for s in range(steps):
             x = torch.randn(B, spec.hidden_size, generator=gen)
             pos = torch.tensor([n + s for n in lengths])
@@ -111,20 +120,10 @@ def test_mixed_batch_takes_its_decode_rows_batched_and_matches_per_segment(famil
     lengths = [rng.randint(1, 30) for _ in range(B)]
     chunk = rng.randint(2, 12)  # sequence B: a prompt's first chunk
     kv_batched, kv_ref = _stores(spec.num_layers, lengths + [chunk], 1, rng)
-    gathers = []
-    real_gather = PagedKVStore.gather
-    monkeypatch.setattr(PagedKVStore, "gather", lambda self, *a: gathers.append(1) or real_gather(self, *a))
+    gathers = _count_gathers(monkeypatch)
     for layer in range(spec.num_layers):
         lw = w.layers[layer]
-        T = sum(lengths)
-        x = torch.randn(T, spec.hidden_size, generator=gen)
-        pos = torch.cat([torch.arange(n) for n in lengths])
-        segs, row = [], 0
-        for i, n in enumerate(lengths):
-            segs.append((i, row, n))
-            row += n
-        for kv in (kv_batched, PerSegment(kv_ref)):
-            attn.attention(spec, lw, layer, x, pos, segs, kv)
+        _prefill(spec, lw, layer, lengths, gen, kv_batched, kv_ref)
         # the mixed batch: decode rows of sequences 0..k-1, the chunk, the other decode rows
         k = B // 2
         segs = [(i, i, 1) for i in range(k)] + [(B, k, chunk)] + [(i, chunk + i, 1) for i in range(k, B)]
