@@ -1,8 +1,10 @@
 """Serving with arrivals: real prompts (prefill) arriving while others decode, one rank in-process, the CUDA
 executor, side by side in one run: tokens/s, ITL and time to first token of
+  split     - both in one batch, its decode rows through their bucketed path (the CUDA graph), the rest eagerly
+              (CudaExecutor.split_mixed: the default since session 17);
+  mixed     - both in one batch, its decode rows batched on the eager path (session 16's default);
   separate  - a prompt's chunks and decode rows in separate attention batches (Engine.separate_prefill,
               DATAFLOW_SEPARATE_PREFILL=1: decode batches stay on their CUDA graphs);
-  mixed     - both in one batch, its decode rows batched on the eager path (the default);
   before    - both in one batch, every segment on its own (session 15's path for such batches).
 
     python benchmarks/arrivals_bench.py                           # CUDA: GPT-OSS-20B cut to 4 layers, bf16
@@ -12,7 +14,8 @@ executor, side by side in one run: tokens/s, ITL and time to first token of
 `--initial` requests arrive at t = 0, the rest at `--rate` per second (Poisson, seeded); prompt lengths and new
 tokens uniform in A:B; greedy, EOS ignored, Zipf routing (benchmarks/gpu_bench.py's setting). Every variant gets the
 same requests; the table also says how many requests' tokens equal the first variant's (bf16 batches of another
-composition may round a near-tie the other way).
+composition may round a near-tie the other way). TTFT is over all requests (the `--initial` burst shares one
+prefill, so it sets the percentiles) and, in the last column, over those arriving later.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from runtime.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executor_cuda import CudaExecutor  # noqa: E402
 from runtime.requests import Request  # noqa: E402
 
-VARIANTS = ("separate", "mixed", "before")
+VARIANTS = ("split", "mixed", "separate", "before")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -57,9 +60,10 @@ def _requests(spec, n: int, initial: int, rate: float, prompt: tuple, new: tuple
 
 def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
     os.environ["DATAFLOW_SEPARATE_PREFILL"] = "1" if variant == "separate" else "0"
-    real_split = attn._split_one_row
+    real_split = attn.split_one_row
+    inner.split_mixed = variant == "split"
     if variant == "before":
-        attn._split_one_row = lambda segments: ([], list(segments))
+        attn.split_one_row = lambda segments: ([], list(segments))
     try:
         cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
         if hasattr(inner, "prepare"):
@@ -75,14 +79,15 @@ def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
         wall = time.perf_counter() - t
         detach_all(inner, cl)
     finally:
-        attn._split_one_row = real_split
+        attn.split_one_row = real_split
         os.environ.pop("DATAFLOW_SEPARATE_PREFILL", None)
     itl = sorted(b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:]))
     ttft = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times)
+    later = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times and r.arrival > t0)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3 if xs else float("nan")  # noqa: E731
     return dict(tokens=sum(len(r.output) for r in reqs), wall=wall,
                 tok_s=sum(len(r.output) for r in reqs) / wall, itl50=q(itl, 0.5), itl99=q(itl, 0.99),
-                ttft50=q(ttft, 0.5), ttft99=q(ttft, 0.99), outputs=[list(r.output) for r in reqs])
+                ttft50=q(ttft, 0.5), ttft99=q(ttft, 0.99), later50=q(later, 0.5), outputs=[list(r.output) for r in reqs])
 
 
 def main(argv=None) -> int:
@@ -127,17 +132,18 @@ def main(argv=None) -> int:
             res = _run(v, plan, ex, inner, template, kv_blocks, dev)
             rows[v].append(res)
             print(f"  round {r + 1} {v:9s} {res['tok_s']:9.1f} tok/s  ITL p50 {res['itl50']:.2f} p99 {res['itl99']:.2f} "
-                  f"ms  TTFT p50 {res['ttft50']:.1f} p99 {res['ttft99']:.1f} ms  ({res['wall']:.2f} s)", flush=True)
+                  f"ms  TTFT p50 {res['ttft50']:.1f} p99 {res['ttft99']:.1f} (later arrivals p50 {res['later50']:.1f}) ms  "
+                  f"({res['wall']:.2f} s)", flush=True)
     first = rows[variants[0]][0]["outputs"]
     base = statistics.median(x["tok_s"] for x in rows[variants[0]])
     print(f"\n| variant | tok/s (median of {args.rounds}) | vs {variants[0]} | ITL p50 ms | ITL p99 ms | TTFT p50 ms | "
-          f"TTFT p99 ms | requests with {variants[0]}'s tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"TTFT p99 ms | requests with {variants[0]}'s tokens | TTFT p50 ms, later arrivals |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for v in variants:
         med = lambda k: statistics.median(x[k] for x in rows[v])  # noqa: E731
         same = sum(a == b for a, b in zip(rows[v][0]["outputs"], first))
         print(f"| {v} | {med('tok_s'):.1f} | {med('tok_s') / base:.2f}x | {med('itl50'):.2f} | {med('itl99'):.2f} | "
-              f"{med('ttft50'):.1f} | {med('ttft99'):.1f} | {same}/{len(first)} |")
+              f"{med('ttft50'):.1f} | {med('ttft99'):.1f} | {same}/{len(first)} | {med('later50'):.1f} |")
     return 0
 
 

@@ -100,11 +100,12 @@ class NullExecutor:
         ids, w = self.route(layer, x)
         return pack(x, ids, w)  # (the CUDA executor's attention graph packs them so)
 
-    def experts_routed(self, layer, payloads, owned):
+    def experts_routed(self, layer, payloads, owned, out=None):
         def f():  # per token: twice the row where any of its experts is held here (the weights sum to 1)
             sel = row_blocks([ids_of(p, K) for p in payloads]).to(torch.int64)
             x = row_blocks([p[:, :p.shape[1] - payload_columns(K, p.dtype)] for p in payloads])
-            return x * owned[sel].any(dim=1, keepdim=True) * 2.0
+            y = x * owned[sel].any(dim=1, keepdim=True) * 2.0
+            return y if out is None else out.copy_(y)
         return self._timed(f)
 
     def shared_expert(self, layer, x):

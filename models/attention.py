@@ -210,7 +210,7 @@ def _decode_batch(segments: Sequence[Segment], T: int) -> Optional[tuple]:
     return seq_ids
 
 
-def _split_one_row(segments: Sequence[Segment]) -> tuple[list[tuple[int, int]], list]:
+def split_one_row(segments: Sequence[Segment]) -> tuple[list[tuple[int, int]], list]:
     """([(seq id, row)] of the one-row segments whose sequence has no other segment in the batch, [the others])."""
     count: dict = {}
     for seq_id, _, _ in segments:
@@ -253,7 +253,7 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
         # during decode) takes its one-row segments through the batched path and loops over the rest only: one by
         # one, 256 decode rows beside a 40-row chunk cost 18x a pure decode batch on the CPU (NOTES §33 item 3).
         # Segments of different sequences touch different K/V, so their order does not matter.
-        one, rest = _split_one_row(segments)
+        one, rest = split_one_row(segments)
         if len(one) > 1:
             rows = torch.tensor([r for _, r in one], dtype=torch.long, device=q.device)
             pos = positions.index_select(0, rows.to(positions.device))

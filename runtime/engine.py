@@ -574,7 +574,12 @@ class Engine:
             if type(items[0]) is RoutedItem:  # device-routed: whole batches, selected on the device
                 layer = batch.stage.layer
                 owned = self.owned_experts(layer, items[0].payload.device)
-                batch.out["y"] = self.executor.experts_routed(layer, [it.payload for it in items], owned)
+                # This home's own item alone: its output goes straight into its merge group's buffer (the expert
+                # graph's output copied there, where it went to a new tensor and then the merge copied it again)
+                into = self.merge.rows_at(items[0].tag0, items[0].out_rows) \
+                    if len(items) == 1 and items[0].home == self.rank else None
+                batch.out["y"] = self.executor.experts_routed(layer, [it.payload for it in items], owned, out=into)
+                batch.out["landed"] = into is not None
                 return
             if len(items) == 1:
                 x, ids = items[0].x, items[0].expert
@@ -1007,7 +1012,7 @@ class Engine:
                 part = torch.cat([y[a:b] for a, b, _ in parts])
                 rows = encode_tags(np.concatenate([it.tag for _, _, it in parts]))
             if dst == self.rank:
-                self._merge_rows(layer, rows, part)
+                self._merge_rows(layer, rows, part, batch.out.get("landed", False))  # (landed: the batch's only part)
             else:
                 self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": rows}, part)
 

@@ -72,12 +72,13 @@ class TorchExecutor:
         return layers.experts_forward(self.spec, self.w, layer, row_blocks(x), ids)
 
     @torch.no_grad()
-    def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor) -> Tensor:
+    def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """The device-routed dispatch's expert batch (runtime/routed_rows.py): items whose payloads [T_i, H + c] hold
         T_i token rows with their top-k expert ids and weights (routed_rows.pack); returns [sum T_i, H]: per token,
         sum_j weights[t, j] * output of expert ids[t, j] over the slots j whose expert this rank holds (owned),
-        in slot order in fp32 from zero (models.moe.combine's order), zero when it holds none of them. Here the held
-        slots are selected on the host (data-dependent shapes) and run through experts()."""
+        in slot order in fp32 from zero (models.moe.combine's order), zero when it holds none of them; written into
+        `out` [sum T_i, H] (and returned) when given. Here the held slots are selected on the host (data-dependent
+        shapes) and run through experts()."""
         parts = [unpack_routed(p, self.spec.hidden_size) for p in payloads]
         x = row_blocks([xp for xp, _, _ in parts])
         ids = row_blocks([ip for _, ip, _ in parts])
@@ -89,7 +90,8 @@ class TorchExecutor:
         slots = torch.zeros((flat.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         if rows.numel():
             slots[rows] = self.experts(layer, x.index_select(0, rows // k), flat[rows])
-        return layers.moe_combine(torch.zeros_like(x), None, slots.view(x.shape[0], k, -1), weights)
+        y = layers.moe_combine(torch.zeros_like(x), None, slots.view(x.shape[0], k, -1), weights)
+        return y if out is None else out.copy_(y)
 
     @torch.no_grad()
     def combine(self, h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor,

@@ -62,7 +62,7 @@ from kernels.rms_norm import rms_norm_fused
 from kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
 from kernels.topk_merge import topk_merge
 from models import layers
-from models.attention import gqa_project, gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
+from models.attention import gqa_project, gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale, split_one_row
 from models.moe import route_tokens, shared_expert_out
 from models.rope import rope_parameters, rotary_dim
 from models.sampling import SamplingParams, sample, sample_tokens
@@ -217,6 +217,7 @@ class ExecStats:
     attn_graph: int = 0
     attn_eager_decode: int = 0  # decode-shaped but over the largest bucket / no table row
     attn_eager: int = 0  # prefill or mixed batches
+    attn_mixed_split: int = 0  # mixed batches whose decode rows went through the bucketed path (_attn_mixed)
     attn_claims_used: int = 0  # decode batches whose input a combine had written in place (no input copy)
     attn_claims_moved: int = 0  # another output's rows moved out of a bucket's input first (_attn_input)
     attn_outputs_moved: int = 0  # a bucket's last outputs still held when it replayed again: moved out first
@@ -247,14 +248,15 @@ def _env(name: str, default: str, valid: tuple) -> str:
 
 class CudaExecutor:
     # Decode batches (one-row segments) run through the bucketed path, a CUDA graph on CUDA; a batch with a prompt's
-    # multi-row chunk runs eagerly, decode rows and all. The engine can keep the two apart (Engine.separate_prefill).
+    # multi-row chunk runs its decode rows there too and only the rest eagerly (`split_mixed`, _attn_mixed). The
+    # engine can keep the two apart instead (Engine.separate_prefill).
     decode_graphs = True
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
                  graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
                  permute_impl: Optional[str] = None, max_context: Optional[int] = None,
                  table_rows: int = 4096, buckets: Optional[dict] = None,
-                 route_on_device: Optional[bool] = None) -> None:
+                 route_on_device: Optional[bool] = None, split_mixed: bool = True) -> None:
         """`plan`: its capture buckets are used (else the published ones); `device`: default the
         weights' device. Implementation choices default to the fast ones on CUDA and the torch
         references on CPU; env DATAFLOW_ATTN_IMPL / DATAFLOW_FFN_IMPL / DATAFLOW_PERMUTE_IMPL or
@@ -262,7 +264,8 @@ class CudaExecutor:
         (device page-table width); longer ones run eagerly. `route_on_device`: keep each attention batch's
         routing on the device for the device-routed dispatch (default: the plan's dispatch, or by device without
         one; DATAFLOW_DISPATCH overrides: runtime/routed_rows.py; the barrier baselines, which read the routing on
-        the host, pass False)."""
+        the host, pass False). `split_mixed`: a mixed batch's decode rows go through the bucketed path (False: the
+        whole batch eagerly, as before session 17; for A/B runs)."""
         self.spec = spec
         self.device = torch.device(device) if device is not None else weights.embed.device
         if self.device.type == "cuda" and self.device.index is None:
@@ -298,6 +301,8 @@ class CudaExecutor:
             planned = plan.cluster.dispatch if plan is not None else None
             route_on_device = device_routed_from_env(planned == "device" if planned is not None else on_cuda)
         self.route_on_device = route_on_device
+        self.split_mixed = split_mixed
+        self._stitching: Optional[list] = None  # while _attn_mixed runs its two parts: their pending pieces
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
@@ -584,13 +589,17 @@ class CudaExecutor:
             if b is None:
                 self.stats.note("attn: decode batch above the largest bucket")
             return self._attn_decode(layer, h, positions, rows, dv, kv, b)
-        if rows is not None:
-            self.stats.note("attn: sequence without a device table row")
-        self.stats.attn_eager += 1
         b = bucket_for(T, self.buckets["attn"])
         held = self._claims.get(b)
         if held is not None and held() is h:  # read where it is: the claim is spent (kept, a later batch would move it)
             del self._claims[b]
+        if rows is not None:
+            self.stats.note("attn: sequence without a device table row")
+        elif self.split_mixed:
+            got = self._attn_mixed(layer, h, positions, segments, kv, dv)
+            if got is not None:
+                return got
+        self.stats.attn_eager += 1
         return self._attn_eager(layer, h, positions, segments, kv)
 
     def _attn_eager(self, layer, h, positions, segments, kv):
@@ -608,10 +617,67 @@ class CudaExecutor:
                 ids, wts = self.keyed_router.route_torch(layer, base0, pos)
             shared = shared_expert_out(self.spec, lw, x)
             if self.route_on_device:
-                self._pending = _Pending(x, None, shared, ids.shape[1], pack_routed(x, ids, wts))
+                self._set_pending(x, shared, None, pack_routed(x, ids, wts), own=True)
             else:
-                both = torch.cat([ids.to(torch.float32), wts], dim=1)
-                self._pending = _Pending(x, self.staging.d2h(both), shared, ids.shape[1])
+                self._set_pending(x, shared, torch.cat([ids.to(torch.float32), wts], dim=1), None, own=True)
+        return h_res, x
+
+    def _set_pending(self, x: Tensor, shared: Optional[Tensor], route: Optional[Tensor], payload: Optional[Tensor],
+                     own: bool) -> None:
+        """What an attention call leaves beyond (h_res, x): the routing on its way to the host (`route`, [T, 2k] fp32:
+        ids as values, then weights), or kept on the device (`payload`). `own`: the payload is the batch's own tensor,
+        not a view of a static buffer (which the next batch of the bucket rewrites: cloned here). While _attn_mixed
+        runs its parts, the pieces are only collected."""
+        if self._stitching is not None:
+            self._stitching.append((x, shared, route, payload))
+            return
+        if payload is not None:
+            self._pending = _Pending(x, None, shared, self.top_k, payload if own else payload.clone())
+        else:
+            self._pending = _Pending(x, self.staging.d2h(route), shared, self.top_k)
+
+    def _attn_mixed(self, layer, h, positions, segments, kv, dv):
+        """A mixed batch (a prompt's chunk beside decode rows) in two parts: the one-row segments of sequences with no
+        other segment here through the bucketed path (the decode graph on CUDA), the rest eagerly; the outputs put
+        back in the batch's row order. None when there is no such split (then all eagerly). Why: the eager path
+        costs ~4 ms more per 256 decode rows at GPT-OSS-20B shapes than their graph (run 135), and every step is
+        mixed while requests keep arriving."""
+        one, rest = split_one_row(segments)
+        if not one or not rest:
+            return None
+        rows = dv.rows_of([s for s, _ in one])
+        dec = [r for _, r in one]
+        dec_pos = [positions[r] for r in dec]
+        if None in rows or max(dec_pos) >= dv.width * kv.block_size:
+            return None
+        order = list(dec)
+        rest_segs = []
+        for seq, start, n in rest:
+            rest_segs.append((seq, len(order) - len(dec), n))
+            order.extend(range(start, start + n))
+        perm = np.asarray(order, dtype=np.int64)
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(len(perm), dtype=np.int64)
+        both = to_device(np.concatenate([perm, inv]), h.device)
+        T, D = len(perm), len(dec)
+        hp = h.index_select(0, both[:T])
+        self._stitching = parts = []
+        try:
+            b = bucket_for(D, self.buckets["attn"])
+            out_d = self._attn_decode(layer, hp[:D], dec_pos, rows, dv, kv, b)
+            out_r = self._attn_eager(layer, hp[D:], [positions[i] for i in order[D:]], rest_segs, kv)
+        finally:
+            self._stitching = None
+        back = both[T:]
+
+        def stitch(a: Tensor, b_: Tensor) -> Tensor:
+            return torch.cat([a, b_]).index_select(0, back)
+        h_res, x = stitch(out_d[0], out_r[0]), stitch(out_d[1], out_r[1])
+        if parts:  # a MoE layer: the routing (or payload) and shared-expert rows of both parts, in row order too
+            (_, sh_d, ro_d, pa_d), (_, sh_r, ro_r, pa_r) = parts
+            self._set_pending(x, None if sh_d is None else stitch(sh_d, sh_r), None if ro_d is None else stitch(ro_d, ro_r),
+                              None if pa_d is None else stitch(pa_d, pa_r), own=True)
+        self.stats.attn_mixed_split += 1
         return h_res, x
 
     def _first_rows(self, key: tuple, static: bool, make) -> tuple:
@@ -715,7 +781,6 @@ class CudaExecutor:
             if static:
                 self._meta_last[b] = (trash, positions, rows)
         tm.lap("meta_h2d")
-        k = self.top_k
         h_in, out_T, route_T, payload_T = self._first_rows(("attn", b, T), static, lambda: (
             bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T],
             bufs._t["payload"][:T] if "payload" in bufs._t else None))
@@ -748,10 +813,9 @@ class CudaExecutor:
         tm.lap("out_clone")
         if self.spec.is_moe_layer(layer):
             shared = out[2] if len(out) > 2 else None
-            if self.route_on_device:  # the static buffer is reused by the next batch: one copy, on the device
-                self._pending = _Pending(x, None, shared, k, payload_T.clone())
-            else:
-                self._pending = _Pending(x, self.staging.d2h(route_T), shared, k)
+            # (a payload from the static buffer is cloned: the next batch of the bucket rewrites it)
+            self._set_pending(x, shared, None if self.route_on_device else route_T,
+                              payload_T if self.route_on_device else None, own=not static)
         tm.lap("route_d2h")
         return h_res, x
 
@@ -811,20 +875,21 @@ class CudaExecutor:
         return t[1:]
 
     @torch.no_grad()
-    def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor) -> Tensor:
+    def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync. Its own
         graph kind ("expert_routed", bucketed in slots): the host copies the items' payloads (token rows, expert ids
         and weights: routed_rows.pack's layout) into the bucket's static input and replays; inside the graph each
         token row goes to its k slots, the ids map to held rows (slots of experts this rank does not own -> the
         padding id), the expert FFN runs, the slots it does not own are zeroed, and topk_merge sums each token's
-        slots with their weights (from zero, slot order, fp32): one row per token out."""
+        slots with their weights (from zero, slot order, fp32): one row per token out, copied into `out` when given
+        (the merge group's buffer: runtime/merge.MergeTable.rows_at), else into a tensor of its own."""
         start = self._mark()
         try:
-            return self._experts_routed(layer, payloads, owned)
+            return self._experts_routed(layer, payloads, owned, out)
         finally:
             self._marked("expert", start)
 
-    def _experts_routed(self, layer, payloads, owned):
+    def _experts_routed(self, layer, payloads, owned, out):
         tm = self._expert_timer
         tm.start()
         k = self.top_k
@@ -849,7 +914,7 @@ class CudaExecutor:
         self._run_expert(("expert_routed", layer, b, id(owned)), lambda: self._routed_body(layer, bufs, select),
                          static)
         tm.lap("replay")
-        y = y_T.clone()
+        y = y_T.clone() if out is None else out.copy_(y_T)  # (the static buffer is reused by the next batch)
         tm.lap("y_clone")
         return y
 

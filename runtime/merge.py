@@ -265,10 +265,20 @@ class MergeTable:
         if n == 0 or shape[0] != n:
             return None
         g = self._groups.get(t0 >> TAG_SHIFT)
-        p0 = t0 & TAG_MASK
-        if g is None or p0 + n > len(g.filled) or tuple(shape[1:]) != tuple(g.y.shape[1:]) or dtype != g.y.dtype:
+        if g is None or tuple(shape[1:]) != tuple(g.y.shape[1:]) or dtype != g.y.dtype:
             return None
-        return g.y[p0:p0 + n], g.ready
+        rows = self.rows_at(t0, n)
+        return None if rows is None else (rows, g.ready)
+
+    def rows_at(self, first: int, n: int) -> Optional[torch.Tensor]:
+        """The buffer rows of tags first .. first + n - 1 (one group's positions): where an expert batch that runs on
+        the group's own rank, on the stream the group was opened on, can write its output (`add(..., landed=True)`
+        then only does the bookkeeping). None when the group is gone or the run leaves it."""
+        g = self._groups.get(first >> TAG_SHIFT)
+        p0 = first & TAG_MASK
+        if g is None or n <= 0 or p0 + n > len(g.filled):
+            return None
+        return g.y[p0:p0 + n]
 
     def add(self, tags: np.ndarray, y: torch.Tensor, landed: bool = False) -> list[tuple[MergeGroup, np.ndarray]]:
         """Store expert output rows y[i] at tags[i] (`landed`: they were received in place, see

@@ -140,7 +140,7 @@ def test_mixed_batch_takes_its_decode_rows_batched_and_matches_per_segment(famil
 
 
 def test_one_row_segments_split_from_the_rest():
-    one, rest = attn._split_one_row([(1, 0, 1), (2, 1, 5), (3, 6, 1), (2, 7, 1), (4, 8, 1)])
+    one, rest = attn.split_one_row([(1, 0, 1), (2, 1, 5), (3, 6, 1), (2, 7, 1), (4, 8, 1)])
     assert one == [(1, 0), (3, 6), (4, 8)] and rest == [(2, 1, 5), (2, 7, 1)]  # sequence 2 twice: both stay in order
 
 

@@ -46,7 +46,7 @@ def test_mixed_batch_bench_compares_both_paths(capsys):
     assert mixed_batch_bench.main(["--decode", "8", "--chunk", "5", "--context", "9", "--reps", "1",
                                    "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "one segment at a time" in out and out.rstrip().endswith("ok")
+    assert "one segment at a time" in out and "mixed, split" in out and out.rstrip().endswith("ok")
 
 
 def test_arrivals_bench_runs_every_variant_on_the_cpu(capsys):

@@ -212,6 +212,46 @@ def test_decode_attention_matches_torch_executor(name):
     assert not kb_all[na:kv_a.allocator.num_blocks].any()
 
 
+@pytest.mark.parametrize("name,route_on_device", [("tiny-gpt-oss", False), ("tiny-gpt-oss", True),
+                                                  ("tiny-qwen2-moe", False), ("tiny-deepseek-v2", True)])
+def test_a_mixed_batch_runs_its_decode_rows_bucketed_and_equals_the_whole_batch_eager(name, route_on_device):
+    """A batch with a new prompt's chunk, decode rows on both sides of it and a sequence with two one-row segments:
+    the decode rows (one-row segments of sequences with no other segment here) go through the bucketed path, the
+    rest eagerly, and everything the batch leaves (h_res, x, routing or payload, shared expert, the K/V written) equals
+    the whole batch run eagerly (the executor with split_mixed=False) within the decode kernel's fp32 rounding."""
+    spec, w = model(name)
+    lens = [3, 9, 1, 14, 6]
+    kv = {False: _prefilled(spec, w, lens)}
+    for kv_ in kv.values():
+        assert kv_.reserve(5, 14)
+    kv[True] = copy.deepcopy(kv[False])
+    # rows: seq 0 decode, seq 5's 6-row chunk, seq 1 decode, seq 2 twice (positions 1 and 2), seq 3 decode
+    segments = [(0, 0, 1), (5, 1, 6), (1, 7, 1), (2, 8, 1), (2, 9, 1), (3, 10, 1)]
+    positions = [3, 0, 1, 2, 3, 4, 5, 9, 1, 2, 14]
+    h = torch.randn(len(positions), spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    layer = next(l for l in range(spec.num_layers) if spec.is_moe_layer(l))
+    out, ex = {}, {}
+    for split in (False, True):
+        ex[split] = e = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 8], "expert": [64]},
+                                     route_on_device=route_on_device, split_mixed=split)
+        h_res, x = e.attention(layer, h, positions, segments, kv[split])
+        extra = (e.routed_payload(layer, x),) if route_on_device else e.route(layer, x)
+        out[split] = (h_res, x, e.shared_expert(layer, x)) + extra
+    assert (ex[True].stats.attn_mixed_split, ex[True].stats.attn_eager) == (1, 0)
+    assert (ex[False].stats.attn_mixed_split, ex[False].stats.attn_eager) == (0, 1)
+    for got, want in zip(out[True], out[False]):
+        if want is None:
+            assert got is None
+        elif want.dtype == torch.int64:  # the routing's expert ids
+            assert got.tolist() == want.tolist()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for sid, n in enumerate(lens + [0]):
+        m = n + (2 if sid == 2 else 1) if sid < 5 else 6
+        for a, b in zip(kv[True].read(layer, sid, m), kv[False].read(layer, sid, m)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_decode_padding_does_not_change_results():
     lens = [5, 2, 7]
     spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=3)
@@ -446,22 +486,24 @@ def test_asynchronous_dispatch_with_twin_matches_reference(monkeypatch):
     assert started and all(started)
 
 
-def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch, ranks):
     """DATAFLOW_DISPATCH=device through the CUDA executor's twin: the routing stays in a device copy (no host
     copy), owners select their slots through the expert graph's static buffers (padding id for the rest, zeroed
     after; grouped_mm has no sentinel and masks a held row instead) and return per-token partial sums, which
-    the home adds."""
+    the home adds. An expert batch of the home's own item alone writes into its merge group's buffer (`out`): every
+    batch on one rank (on two ranks here each batch holds both homes' waves)."""
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
     calls = []
     real = CudaExecutor.experts_routed
 
-    def spy(self, layer, payloads, owned):
-        calls.append(len(payloads))
-        return real(self, layer, payloads, owned)
+    def spy(self, layer, payloads, owned, out=None):
+        calls.append((len(payloads), out is not None))
+        return real(self, layer, payloads, owned, out)
     monkeypatch.setattr(CudaExecutor, "experts_routed", spy)
     monkeypatch.setattr(CudaExecutor, "route_arrays", lambda *a: pytest.fail("the routing went to the host"))
-    _twin_matches_reference("defrag:hold_fill=1,hold_us=2000")
-    assert calls
+    _twin_matches_reference("defrag:hold_fill=1,hold_us=2000", ranks)
+    assert calls and (ranks > 1 or all(into for _, into in calls))
 
 
 def test_attention_inputs_written_in_place_by_the_combine_with_twin_match_reference(monkeypatch):
@@ -651,15 +693,22 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
 def test_prompt_chunks_and_decode_rows_run_in_separate_attention_batches(monkeypatch, separate):
     """Engine.separate_prefill with the CUDA executor's twin: prompts arriving while others decode never share an
     attention batch with decode rows (which then stay on the bucketed, on CUDA captured, path), tokens equal the
-    reference's; with DATAFLOW_SEPARATE_PREFILL=0 the same workload does mix them (so the check has teeth)."""
+    reference's; with DATAFLOW_SEPARATE_PREFILL=0 the same workload does mix them (so the check has teeth), and the
+    mixed batches' decode rows go through the bucketed path (CudaExecutor._attn_mixed) with the same tokens."""
     monkeypatch.setenv("DATAFLOW_SEPARATE_PREFILL", separate)
-    kinds = []
-    real = CudaExecutor.attention
+    kinds, splits = [], []
+    real, real_mixed = CudaExecutor.attention, CudaExecutor._attn_mixed
 
     def spy(self, layer, h, positions, segments, kv):
         kinds.append({n == 1 for _, _, n in segments})
         return real(self, layer, h, positions, segments, kv)
+
+    def spy_mixed(self, *a):
+        got = real_mixed(self, *a)
+        splits.append(got is not None)
+        return got
     monkeypatch.setattr(CudaExecutor, "attention", spy)
+    monkeypatch.setattr(CudaExecutor, "_attn_mixed", spy_mixed)
     spec, w = model("tiny-gpt-oss")
     ref = ReferenceDecoder(spec, w)
     rng = random.Random(21)
@@ -670,6 +719,7 @@ def test_prompt_chunks_and_decode_rows_run_in_separate_attention_batches(monkeyp
     assert _tokens_equal_reference(ref, res.requests) >= 40
     mixed = sum(len(k) > 1 for k in kinds)
     assert (mixed == 0) if separate == "1" else (mixed > 0), (separate, mixed, len(kinds))
+    assert sum(splits) == 0 if separate == "1" else sum(splits) > 0, splits
 
 
 def test_host_staging_typed_views_cached_per_slot_and_dropped_on_growth():
