@@ -20,6 +20,7 @@ prefill, so it sets the percentiles) and, in the last column, over those arrivin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import random
@@ -73,10 +74,12 @@ def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
         t0 = cl.clock.now()  # arrivals count from here (the cluster's clock started before the graphs' capture)
         reqs = [Request(i, f"r{i}", list(p), m, ignore_eos=True, arrival=t0 + a)
                 for i, (p, m, a) in enumerate(template)]
+        before = dataclasses.asdict(inner.stats)
         t = time.perf_counter()
         cl.run(reqs)
         sync(dev)
         wall = time.perf_counter() - t
+        after = dataclasses.asdict(inner.stats)
         detach_all(inner, cl)
     finally:
         attn.split_one_row = real_split
@@ -85,7 +88,14 @@ def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
     ttft = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times)
     later = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times and r.arrival > t0)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3 if xs else float("nan")  # noqa: E731
-    return dict(tokens=sum(len(r.output) for r in reqs), wall=wall,
+    # Where the batches went: attention batches (count, mean rows, host ms in execute + complete) and the executor's
+    # paths (graph replays, eager batches, mixed batches split, outputs and claims moved out of a bucket)
+    att = [b for e in cl.engines for b in e.metrics.batches if b.kind == "attn"]
+    paths = {k: after[k] - before[k] for k in ("attn_graph", "attn_eager_decode", "attn_eager", "attn_mixed_split",
+                                              "attn_outputs_moved", "attn_claims_moved") if after[k] != before[k]}
+    diag = (f"{len(att)} attention batches, {sum(b.rows for b in att) / max(1, len(att)):.0f} rows each, "
+            f"{sum(b.t_end - b.t_start for b in att) * 1e3:.0f} ms in them; {paths}")
+    return dict(diag=diag, tokens=sum(len(r.output) for r in reqs), wall=wall,
                 tok_s=sum(len(r.output) for r in reqs) / wall, itl50=q(itl, 0.5), itl99=q(itl, 0.99),
                 ttft50=q(ttft, 0.5), ttft99=q(ttft, 0.99), later50=q(later, 0.5), outputs=[list(r.output) for r in reqs])
 
@@ -133,7 +143,7 @@ def main(argv=None) -> int:
             rows[v].append(res)
             print(f"  round {r + 1} {v:9s} {res['tok_s']:9.1f} tok/s  ITL p50 {res['itl50']:.2f} p99 {res['itl99']:.2f} "
                   f"ms  TTFT p50 {res['ttft50']:.1f} p99 {res['ttft99']:.1f} (later arrivals p50 {res['later50']:.1f}) ms  "
-                  f"({res['wall']:.2f} s)", flush=True)
+                  f"({res['wall']:.2f} s)\n      {res['diag']}", flush=True)
     first = rows[variants[0]][0]["outputs"]
     base = statistics.median(x["tok_s"] for x in rows[variants[0]])
     print(f"\n| variant | tok/s (median of {args.rounds}) | vs {variants[0]} | ITL p50 ms | ITL p99 ms | TTFT p50 ms | "
