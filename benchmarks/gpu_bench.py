@@ -9,7 +9,8 @@ Sections (each prints progress and lands in DIR/gpu_bench.json + DIR/gpu_bench.m
                reference (near-tie margin 1e-3, the tests' rule). bf16 (router-x30 variant of the
                model, see BF16_ROUTER_SCALE): (1) teacher-forced logits, the reference's tokens fed
                back through the runtime, max|diff| / max|logit| vs the stated tolerance u (6L+2),
-               u = 2^-8 (bf16_logit_tol); (2) free-running tokens vs the reference up to the first
+               u = 2^-8 (bf16_logit_tol), over the steps that are not router near-ties
+               (_router_near_ties: left out and counted); (2) free-running tokens vs the reference up to the first
                step whose reference top-2 margin is below delta = 2 x the largest |logit error|
                of an independent bf16 run (the CPU reference in bf16), plus the greedy prefix that
                matches before the first divergence. Per grouped-FFN implementation.
@@ -161,17 +162,41 @@ class TeacherForcing:
 
 
 def _reference(spec, w32, reqs_t):
+    """The fp32 reference of each request (tokens, logits); the CPU bf16 run's largest logit error on the same tokens;
+    the largest |logit|; and per request, which steps are router near-ties (`_router_near_ties`)."""
     ref = ReferenceDecoder(spec, w32)
     ref16 = ReferenceDecoder(spec, w32.to(dtype=torch.bfloat16))
-    refs, err16, mx = [], 0.0, 0.0
+    refs, near, err16, mx = [], [], 0.0, 0.0
     for prompt, m in reqs_t:
         r = ref.generate(prompt, m, ignore_eos=True)
         refs.append(r)
         L = torch.stack(r.logits).float()
-        l16 = ref16.forward_logits(prompt + r.tokens[:-1])[len(prompt) - 1:].float()
+        toks = prompt + r.tokens[:-1]
+        ref.router_log, ref16.router_log = [], []
+        ref.forward_logits(toks)
+        l16 = ref16.forward_logits(toks)[len(prompt) - 1:].float()
+        near.append(_router_near_ties(spec, ref.router_log, ref16.router_log, len(prompt)))
+        ref.router_log = ref16.router_log = None
         err16 = max(err16, float((l16 - L).abs().max()))
         mx = max(mx, float(L.abs().max()))
-    return refs, err16, mx
+    return refs, near, err16, mx
+
+
+def _router_near_ties(spec, log32: list, log16: list, prompt_len: int) -> list[bool]:
+    """Per generated step: whether the fp32 reference's expert choice for that step's token was within bf16 noise
+    at some MoE layer: its k-th and (k+1)-th router logits closer than twice the CPU bf16 run's router-logit error
+    at that token and layer. Another bf16 rounding may then pick the other expert (a legitimate outcome, of O(1)
+    effect on that token's logits under a sharpened router), which the per-stage rounding bound of `bf16_logit_tol`
+    does not describe: such steps are left out of the teacher-forced comparison (and counted). By logit order, which
+    is the choice order of the check models' routers (softmax, top-k softmax)."""
+    if not log32:
+        return []
+    k = spec.experts.top_k
+    a, b = torch.stack(log32), torch.stack(log16).float()  # [MoE layers, T, E]
+    top = torch.topk(a, k + 1, dim=-1).values
+    margin = top[..., k - 1] - top[..., k]
+    err = (b - a).abs().max(dim=-1).values
+    return (margin < 2 * err).any(dim=0)[prompt_len - 1:].tolist()
 
 
 def _sampled_row(name, spec, w32, plan, ex, reqs_t) -> dict:
@@ -242,7 +267,7 @@ def section_correctness(args, dev: torch.device, results: dict) -> None:
             # bf16: the router-x30 variant; teacher-forced logits vs the fp32 reference (stated
             # tolerance) and free-running tokens vs it up to the first near-tie of delta.
             w32 = w_base if dtype == torch.float32 else w_sharp
-            refs, err16, mx = _reference(spec, w32, reqs_t)
+            refs, near, err16, mx = _reference(spec, w32, reqs_t)
             delta = 2 * err16
             ltol = bf16_logit_tol(spec)
             log(f"correctness {name} {str(dtype)[6:]}: fp32 CPU reference done; max|logit| {mx:.3f}; CPU bf16 "
@@ -277,10 +302,13 @@ def section_correctness(args, dev: torch.device, results: dict) -> None:
                             cl = Cluster(plan, tf, RunOptions(policy=policy, kv_blocks=256))
                             cl.run(treqs)
                             detach_all(ex, cl)
-                            diff = max(float((tf.recorded[(i, s)] - refs[i].logits[s].float()).abs().max())
-                                       for i in range(len(refs)) for s in range(len(refs[i].tokens)))
-                            rec.update(tf_max_diff=diff, tf_ratio=diff / mx, tf_tol=ltol, cpu_bf16_ratio=err16 / mx)
-                            ok = ok and diff / mx <= ltol
+                            steps = [(i, s) for i in range(len(refs)) for s in range(len(refs[i].tokens))]
+                            kept = [(i, s) for i, s in steps if not (near[i] and near[i][s])]
+                            diff = max((float((tf.recorded[(i, s)] - refs[i].logits[s].float()).abs().max())
+                                        for i, s in kept), default=0.0)
+                            rec.update(tf_max_diff=diff, tf_ratio=diff / mx, tf_tol=ltol, cpu_bf16_ratio=err16 / mx,
+                                       tf_steps=len(kept), tf_left_out=len(steps) - len(kept))
+                            ok = ok and diff / mx <= ltol and bool(kept)
                         # compared == 0 (every first step a near-tie at this margin) is reported, not failed.
                         rec.update(ok=ok, vacuous=rec["compared"] == 0,
                                    stats=dict(attn_graph=ex.stats.attn_graph, expert_graph=ex.stats.expert_graph,
@@ -290,7 +318,8 @@ def section_correctness(args, dev: torch.device, results: dict) -> None:
                         traceback.print_exc()
                     out.append(rec)
                     tfs = (f" logits tf max|diff|/max|logit| {rec['tf_ratio']:.4f} (tol {rec['tf_tol']:.4f}, CPU bf16 "
-                           f"{rec['cpu_bf16_ratio']:.4f})" if "tf_ratio" in rec else "")
+                           f"{rec['cpu_bf16_ratio']:.4f}; {rec['tf_left_out']} router near-tie steps of "
+                           f"{rec['tf_left_out'] + rec['tf_steps']} left out)" if "tf_ratio" in rec else "")
                     log(f"  {name} {rec['dtype']:8s} ffn={impl:10s} {policy:7s} "
                         f"{'OK ' if rec.get('ok') else 'BAD'} compared={rec.get('compared')} "
                         f"mismatches={rec.get('mismatches')} greedy prefix {rec.get('prefix_match')}/"
@@ -675,12 +704,16 @@ def write_md(path: Path, meta: dict, results: dict) -> None:
         L += ["## Correctness vs the fp32 CPU reference", "",
               "fp32: shipped weights, tokens up to the first near-tie (margin 1e-3). bf16: router-x30 variant; "
               "teacher-forced logits (the reference's tokens fed back) max|diff| / max|logit| against the stated "
-              "tolerance u (6L+2), u = 2^-8, and tokens up to the first near-tie of 2x the CPU bf16 logit error; "
-              "'greedy prefix': tokens equal before each request's first divergence, any margin.", "",
-              "| model | dtype | weights | ffn | policy | logits ratio (tol; CPU bf16) | tol (margin) | compared | "
-              "mismatches | greedy prefix | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "tolerance u (6L+2), u = 2^-8, over the steps that are not router near-ties (the reference's k-th and "
+              "(k+1)-th router logits closer than twice the CPU bf16 router-logit error at some layer: another rounding "
+              "may pick the other expert there; left out: the count after the ratio), and tokens up to the first "
+              "near-tie of 2x the CPU bf16 logit error; 'greedy prefix': tokens equal before each request's first "
+              "divergence, any margin.", "",
+              "| model | dtype | weights | ffn | policy | logits ratio (tol; CPU bf16; steps left out) | tol (margin) | "
+              "compared | mismatches | greedy prefix | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["correctness"]:
-            lr = (f"{r['tf_ratio']:.4f} ({r['tf_tol']:.3f}; {r['cpu_bf16_ratio']:.4f})" if "tf_ratio" in r else "-")
+            lr = (f"{r['tf_ratio']:.4f} ({r['tf_tol']:.3f}; {r['cpu_bf16_ratio']:.4f}; "
+                  f"{r['tf_left_out']}/{r['tf_left_out'] + r['tf_steps']})" if "tf_ratio" in r else "-")
             L.append(f"| {r.get('model')} | {r.get('dtype')} | {r.get('variant', '-')} | {r.get('ffn')} | "
                      f"{r.get('policy', '-')} | {lr} | {r.get('tol', 0):.4f} | {r.get('compared', '-')} | "
                      f"{r.get('mismatches', '-')} | {r.get('prefix_match', '-')}/{r.get('prefix_total', '-')} | "

@@ -16,6 +16,7 @@ from graph_ir.spec import ModelSpec
 from models.attention import DenseKVStore
 from models.layers import (attention_stage, dense_mlp, embed, experts_forward, final_logits, moe_combine, route,
                            shared_expert)
+from models.moe import router_logits
 from models.sampling import SamplingParams, sample
 from models.weights import ModelWeights
 
@@ -34,6 +35,9 @@ class ReferenceDecoder:
         self.spec = spec
         self.w = weights
         self.device = weights.embed.device
+        # A list to record each MoE layer's router logits [T, E] (fp32) of every forward in (for checks that ask how
+        # close the expert choice was: benchmarks/gpu_bench.py); None: not recorded
+        self.router_log: Optional[list] = None
 
     @torch.no_grad()
     def forward(self, token_ids: Tensor, start_pos: int, kv: DenseKVStore) -> Tensor:
@@ -49,6 +53,8 @@ class ReferenceDecoder:
                 h = h_res + dense_mlp(spec, w, layer, x)
                 continue
             ids, weights = route(spec, w, layer, x)
+            if self.router_log is not None:
+                self.router_log.append(router_logits(spec, w.layers[layer], x).float())
             k = ids.shape[1]
             # One row per (token, slot), in slot order, as the runtime hands rows to moe_combine.
             y = experts_forward(spec, w, layer, x.repeat_interleave(k, dim=0), ids.reshape(-1))

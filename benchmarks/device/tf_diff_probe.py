@@ -28,7 +28,7 @@ spec = load_spec(ROOT / "models/specs/tiny-gpt-oss.yaml")
 rng = random.Random(0)
 reqs_t = [([rng.randrange(3, spec.vocab_size) for _ in range(rng.choice([1, 1, 3, 12, 40]))], 8) for _ in range(12)]
 w32 = sharp_router(random_weights(spec), BF16_ROUTER_SCALE)
-refs, err16, mx = _reference(spec, w32, reqs_t)
+refs, near, err16, mx = _reference(spec, w32, reqs_t)
 plan = compile_plan(spec, 2, dev.type)
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 ex = CudaExecutor(spec, w32.to(device=dev, dtype=dtype), plan, dev)
