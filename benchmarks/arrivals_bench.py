@@ -3,15 +3,14 @@ executor, side by side in one run: tokens/s, ITL and time to first token of
   split     - both in one batch, its decode rows through their bucketed path (the CUDA graph), the rest eagerly
               (CudaExecutor.split_mixed: the default since session 17);
   mixed     - both in one batch, its decode rows batched on the eager path (session 16's default);
-  separate  - a prompt's chunks and decode rows in separate attention batches (Engine.separate_prefill,
-              DATAFLOW_SEPARATE_PREFILL=1: decode batches stay on their CUDA graphs);
   before    - both in one batch, every segment on its own (session 15's path for such batches).
 
     python benchmarks/arrivals_bench.py                           # CUDA: GPT-OSS-20B cut to 4 layers, bf16
     python benchmarks/arrivals_bench.py --smoke                   # CPU: tiny-gpt-oss, fp32, seconds
     ... --requests 384 --initial 128 --rate 400 --prompt 64:512 --max-new 64:128 --rounds 2
 
-An untimed pass of the first variant comes first (first-use costs). `--initial` requests arrive at t = 0, the rest at `--rate` per second (Poisson, seeded); prompt lengths and new
+An untimed pass of the first variant comes first (first-use costs). `--initial` requests arrive at t = 0, the rest
+at `--rate` per second (Poisson, seeded); prompt lengths and new
 tokens uniform in A:B; greedy, EOS ignored, Zipf routing (benchmarks/gpu_bench.py's setting). Every variant gets the
 same requests; the table also says how many requests' tokens equal the first variant's (bf16 batches of another
 composition may round a near-tie the other way). TTFT is over all requests (the `--initial` burst shares one
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import random
 import statistics
 import sys
@@ -41,7 +39,7 @@ from runtime.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executor_cuda import CudaExecutor  # noqa: E402
 from runtime.requests import Request  # noqa: E402
 
-VARIANTS = ("split", "mixed", "separate", "before")
+VARIANTS = ("split", "mixed", "before")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -60,7 +58,6 @@ def _requests(spec, n: int, initial: int, rate: float, prompt: tuple, new: tuple
 
 
 def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
-    os.environ["DATAFLOW_SEPARATE_PREFILL"] = "1" if variant == "separate" else "0"
     real_split = attn.split_one_row
     inner.split_mixed = variant == "split"
     if variant == "before":
@@ -83,7 +80,6 @@ def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
         detach_all(inner, cl)
     finally:
         attn.split_one_row = real_split
-        os.environ.pop("DATAFLOW_SEPARATE_PREFILL", None)
     itl = sorted(b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:]))
     ttft = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times)
     later = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times and r.arrival > t0)

@@ -123,23 +123,6 @@ def _waiting_on(batch: "Batch"):
     return handle if handle is not None else batch.out["routing"]
 
 
-def _one_row(item) -> bool:
-    """A decode row (or rows): an AttnBlock, or a one-row segment."""
-    return type(item) is AttnBlock or item.n == 1
-
-
-def _same_kind_as_head(q, eligible):
-    """`eligible` narrowed to the items of the kind (one-row, or a prompt's multi-row chunk) of the queue's first
-    eligible item (Engine.separate_prefill)."""
-    head = next((it for it in q if eligible is None or eligible(it)), None)
-    if head is None:
-        return eligible
-    one = _one_row(head)
-    if eligible is None:
-        return lambda it: _one_row(it) == one
-    return lambda it: _one_row(it) == one and eligible(it)
-
-
 def _flag_from_env(name: str, on: str, default: str) -> bool:
     v = os.environ.get(name, default)
     if v not in ("0", "1"):
@@ -221,15 +204,6 @@ class Engine:
         # token is dropped, before its KV blocks are released and its finish is reported (the coordinator's free
         # blocks mirror the release).
         self.step_ahead = _step_ahead_from_env()
-        # DATAFLOW_SEPARATE_PREFILL=1 (off by default): an attention batch of one kind, decode rows or prompts'
-        # multi-row chunks, with an executor that replays decode batches as CUDA graphs (a prompt's chunk beside
-        # decode rows takes them all off the graph, run 135). The rows of the other kind wait for the stage's next
-        # batch. Measured no gain in run 136's serving workload, where a bf16 check of gpu_bench exceeded its tolerance
-        # with it on (NOTES §33 item 4), so it is opt-in until it is understood.
-        self.separate_prefill = (getattr(executor, "decode_graphs", False)
-                                 and _flag_from_env("DATAFLOW_SEPARATE_PREFILL",
-                                                    "a prompt's chunks and decode rows in separate attention batches",
-                                                    "0"))
         # Asynchronous dispatch, the same for attention batches (an executor with `route_start`: the CUDA one
         # routing inside its attention graph; DATAFLOW_ASYNC_ROUTE=1, off by default): the host needs the routing
         # (which ranks get how many rows) before it can dispatch, and a router inside the graph answers only
@@ -543,8 +517,6 @@ class Engine:
         stage = self.stages[decision.stage]
         q = self.queues[stage.id]
         eligible = self._eligibility(stage.id)
-        if self.separate_prefill and stage.kind == "attn" and len(q) > 1:
-            eligible = _same_kind_as_head(q, eligible)
         items = q.take(eligible)
         tm.lap("take")
         if not items:

@@ -248,9 +248,7 @@ def _env(name: str, default: str, valid: tuple) -> str:
 
 class CudaExecutor:
     # Decode batches (one-row segments) run through the bucketed path, a CUDA graph on CUDA; a batch with a prompt's
-    # multi-row chunk runs its decode rows there too and only the rest eagerly (`split_mixed`, _attn_mixed). The
-    # engine can keep the two apart instead (Engine.separate_prefill).
-    decode_graphs = True
+    # multi-row chunk runs its decode rows there too and only the rest eagerly (`split_mixed`, _attn_mixed).
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
                  graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
@@ -639,9 +637,9 @@ class CudaExecutor:
     def _attn_mixed(self, layer, h, positions, segments, kv, dv):
         """A mixed batch (a prompt's chunk beside decode rows) in two parts: the one-row segments of sequences with no
         other segment here through the bucketed path (the decode graph on CUDA), the rest eagerly; the outputs put
-        back in the batch's row order. None when there is no such split (then all eagerly). Why: the eager path
-        costs ~4 ms more per 256 decode rows at GPT-OSS-20B shapes than their graph (run 135), and every step is
-        mixed while requests keep arriving."""
+        back in the batch's row order. None when there is no such split (then all eagerly). Why: the eager path runs
+        decode rows ~4 ms slower per layer than their graph at GPT-OSS-20B shapes (run 135); split, such a batch took
+        1.5-1.7x less time per layer (run 141; benchmarks/NOTES.md §34 item 1)."""
         one, rest = split_one_row(segments)
         if not one or not rest:
             return None
@@ -675,8 +673,8 @@ class CudaExecutor:
         h_res, x = stitch(out_d[0], out_r[0]), stitch(out_d[1], out_r[1])
         if parts:  # a MoE layer: the routing (or payload) and shared-expert rows of both parts, in row order too
             (_, sh_d, ro_d, pa_d), (_, sh_r, ro_r, pa_r) = parts
-            self._set_pending(x, None if sh_d is None else stitch(sh_d, sh_r), None if ro_d is None else stitch(ro_d, ro_r),
-                              None if pa_d is None else stitch(pa_d, pa_r), own=True)
+            both_parts = [None if a is None else stitch(a, b_) for a, b_ in ((sh_d, sh_r), (ro_d, ro_r), (pa_d, pa_r))]
+            self._set_pending(x, *both_parts, own=True)
         self.stats.attn_mixed_split += 1
         return h_res, x
 

@@ -1,10 +1,11 @@
 """Where gpu_bench's bf16 teacher-forced logits differ most from the fp32 reference (tiny-gpt-oss, router x30,
-gpu_bench's 12 requests), with DATAFLOW_SEPARATE_PREFILL=0 and =1 in one process: the five largest (request, step)
+gpu_bench's 12 requests), with a mixed batch split (its one-row segments on the decode graph) and not, in one process: the five largest (request, step)
 differences each, with the request's prompt length, and the largest per step. Run 138's question: why separate
-batches put 8 rows of gpu_bench's correctness over tolerance on the H200 (runs 136-137) and not on the CPU."""
+batches put 8 rows of gpu_bench's correctness over tolerance on the H200 (runs 136-137) and not on the CPU (the
+separate batches, DATAFLOW_SEPARATE_PREFILL, are gone since session 17; the split sends those rows the same way). Each
+difference is marked '*' where the step is a router near-tie (gpu_bench._router_near_ties), which gpu_bench leaves out."""
 from __future__ import annotations
 
-import os
 import random
 import sys
 from pathlib import Path
@@ -33,8 +34,8 @@ plan = compile_plan(spec, 2, dev.type)
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 ex = CudaExecutor(spec, w32.to(device=dev, dtype=dtype), plan, dev)
 print(f"max|logit| {mx:.3f}; CPU bf16 err {err16:.4f}")
-for sep in ("0", "1"):
-    os.environ["DATAFLOW_SEPARATE_PREFILL"] = sep
+for split in (False, True):
+    ex.split_mixed = split
     tf = TeacherForcing(ex, {i: list(r.tokens) for i, r in enumerate(refs)})
     treqs = [Request(i, f"t{i}", list(p), len(refs[i].tokens), ignore_eos=True, arrival=0.0,
                      params=SamplingParams(seed=i)) for i, (p, _) in enumerate(reqs_t)]
@@ -43,8 +44,8 @@ for sep in ("0", "1"):
     detach_all(ex, cl)
     diffs = sorted(((float((tf.recorded[(i, s)] - refs[i].logits[s].float()).abs().max()) / mx, i, s)
                     for i in range(len(refs)) for s in range(len(refs[i].tokens))), reverse=True)
-    print(f"SEPARATE_PREFILL={sep}: top diffs (ratio, request, step, prompt length):",
-          [(round(d, 4), i, s, len(reqs_t[i][0])) for d, i, s in diffs[:6]])
+    print(f"split_mixed={split}: top diffs (ratio, request, step, prompt length, near-tie):",
+          [(round(d, 4), i, s, len(reqs_t[i][0]), "*" if near[i] and near[i][s] else "") for d, i, s in diffs[:6]])
     per_step = {}
     for d, i, s in diffs:
         per_step[s] = max(per_step.get(s, 0.0), d)
