@@ -229,24 +229,26 @@ def _linear(x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
 
 
 def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tensor, k: Tensor, v: Tensor,
-                     positions: Tensor, segments: Sequence[Segment], kv: KVStore) -> Tensor:
+                     positions: Tensor, segments: Sequence[Segment], kv: KVStore,
+                     host_positions: Optional[Sequence[int]] = None) -> Tensor:
     """Write each segment's K/V, then attend its queries over its whole context. Returns [T, nh, dv].
 
     A pure decode batch over a store with the batched API takes one batched write, gather and
     attention; anything else (prefill, mixed batches, the reference's dense store) goes segment by
-    segment."""
+    segment. `host_positions`: the positions as the caller knows them on the host (the stores' page
+    bookkeeping reads them there; else they are read back from `positions` once per batch)."""
     a = spec.attention
     scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    pos_cpu = torch.as_tensor(host_positions, dtype=torch.int64) if host_positions is not None else positions.cpu()
 
-    def decode(seq_ids, q, k, v, positions):
-        kv.write_rows(layer, seq_ids, positions, k, v)
-        lengths = positions.to(torch.int64) + 1
-        K, V = kv.gather(layer, seq_ids, lengths.tolist())
-        return attend_decode_batch(q, K, V, lengths.to(q.device), scale, window, sinks)
+    def decode(seq_ids, q, k, v, positions, pos_cpu):
+        kv.write_rows(layer, seq_ids, pos_cpu, k, v)
+        K, V = kv.gather(layer, seq_ids, (pos_cpu + 1).tolist())
+        return attend_decode_batch(q, K, V, positions.to(torch.int64) + 1, scale, window, sinks)
     batched = _batched_store(kv)
     seq_ids = _decode_batch(segments, q.shape[0]) if batched else None
     if seq_ids is not None:
-        return decode(seq_ids, q, k, v, positions)
+        return decode(seq_ids, q, k, v, positions, pos_cpu)
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     if batched:
         # A mixed batch (decode rows with a prompt's chunk: what a serving rank runs whenever a request arrives
@@ -255,16 +257,17 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
         # Segments of different sequences touch different K/V, so their order does not matter.
         one, rest = split_one_row(segments)
         if len(one) > 1:
-            rows = torch.tensor([r for _, r in one], dtype=torch.long, device=q.device)
+            idx = torch.tensor([r for _, r in one], dtype=torch.long)
+            rows = idx.to(q.device)  # (on CUDA the executor splits such batches before: CudaExecutor._attn_mixed)
             pos = positions.index_select(0, rows.to(positions.device))
-            out[rows] = decode([s for s, _ in one], q[rows], k[rows], v[rows], pos)
+            out[rows] = decode([s for s, _ in one], q[rows], k[rows], v[rows], pos, pos_cpu[idx])
             segments = rest
     for seq_id, start, n in segments:
         rows = slice(start, start + n)
-        pos = positions[rows]
-        kv.write(layer, seq_id, pos, k[rows], v[rows])
-        K, V = kv.read(layer, seq_id, int(pos[-1]) + 1)
-        out[rows] = attend(q[rows], K, V, pos, scale, window, sinks)
+        pc = pos_cpu[rows]
+        kv.write(layer, seq_id, pc, k[rows], v[rows])
+        K, V = kv.read(layer, seq_id, int(pc[-1]) + 1)
+        out[rows] = attend(q[rows], K, V, positions[rows], scale, window, sinks)
     return out
 
 
@@ -327,12 +330,12 @@ def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
 
 
 def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
-              segments: Sequence[Segment], kv: KVStore) -> Tensor:
+              segments: Sequence[Segment], kv: KVStore, host_positions: Optional[Sequence[int]] = None) -> Tensor:
     """Self-attention of normed input x [T, H] -> [T, H] (after the output projection): grouped-query
     attention, or DeepSeek-V2's multi-head latent attention, whose K/V are decompressed from the
     latent right away (kv_b) and cached per head (more KV memory than caching the latent, but one
-    KV/attention path for every family). Writes this batch's K/V to `kv`."""
+    KV/attention path for every family). Writes this batch's K/V to `kv` (`host_positions`: see _attend_segments)."""
     qkv = mla_qkv if spec.attention.kind == "mla" else gqa_qkv
     q, k, v = qkv(spec, w, x, positions)
-    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv)
+    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv, host_positions)
     return F.linear(out.reshape(x.shape[0], -1), w["o.w"], w.get("o.b"))

@@ -27,11 +27,14 @@ def embed(w: ModelWeights, token_ids: Tensor) -> Tensor:
 
 
 def attention_stage(spec: ModelSpec, w: ModelWeights, layer: int, h: Tensor, positions: Tensor,
-                    segments: Sequence[Segment], kv: KVStore) -> tuple[Tensor, Tensor]:
-    """(h_res, x): h_res = h + attn(norm(h)) (writes this batch's K/V to kv), x = post-attention norm of h_res."""
+                    segments: Sequence[Segment], kv: KVStore,
+                    host_positions: Optional[Sequence[int]] = None) -> tuple[Tensor, Tensor]:
+    """(h_res, x): h_res = h + attn(norm(h)) (writes this batch's K/V to kv), x = post-attention norm of h_res.
+    `host_positions`: `positions` as the host knows them (models.attention._attend_segments)."""
     lw = w.layers[layer]
     fp32w = norm_in_fp32(spec)
-    a = attention(spec, lw, layer, rms_norm(h, lw["attn_norm"], spec.rms_norm_eps, fp32w), positions, segments, kv)
+    a = attention(spec, lw, layer, rms_norm(h, lw["attn_norm"], spec.rms_norm_eps, fp32w), positions, segments, kv,
+                  host_positions)
     h_res = h + a
     return h_res, rms_norm(h_res, lw["mlp_norm"], spec.rms_norm_eps, fp32w)
 

@@ -602,7 +602,7 @@ class CudaExecutor:
 
     def _attn_eager(self, layer, h, positions, segments, kv):
         pos = self._positions(positions)
-        h_res, x = layers.attention_stage(self.spec, self.w, layer, h, pos, segments, kv)
+        h_res, x = layers.attention_stage(self.spec, self.w, layer, h, pos, segments, kv, positions)
         if self.spec.is_moe_layer(layer):
             lw = self.w.layers[layer]
             if self.keyed_router is None:

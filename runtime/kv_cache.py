@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from runtime.device_index import to_device
+
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -189,7 +191,7 @@ class PagedKVStore:
         top = int(blocks.max())
         kk = self._storage(self._k, layer, k, top)
         vv = self._storage(self._v, layer, v, top)
-        blocks, offs = blocks.to(kk.device), offs.to(kk.device)
+        blocks, offs = _upload(blocks, offs, kk.device)
         kk[blocks, offs] = k.to(kk.dtype)
         vv[blocks, offs] = v.to(vv.dtype)
 
@@ -198,7 +200,7 @@ class PagedKVStore:
         kk, vv = self._k[layer], self._v[layer]
         if kk is None:
             raise KeyError(f"layer {layer}: nothing written yet, cannot read {length} positions of {seq_id}")
-        blocks, offs = blocks.to(kk.device), offs.to(kk.device)
+        blocks, offs = _upload(blocks, offs, kk.device)
         return kk[blocks, offs], vv[blocks, offs]
 
     # -- batched decode API (models.attention uses it when a batch is all one-row segments) ----
@@ -218,8 +220,7 @@ class PagedKVStore:
         top = max(blocks)
         kk = self._storage(self._k, layer, k, top)
         vv = self._storage(self._v, layer, v, top)
-        b = torch.tensor(blocks, dtype=torch.int64, device=kk.device)
-        o = torch.tensor(pos, dtype=torch.int64, device=kk.device) % bs
+        b, o = _upload(torch.tensor(blocks, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64) % bs, kk.device)
         kk[b, o] = k.to(kk.dtype)
         vv[b, o] = v.to(vv.dtype)
 
@@ -242,8 +243,17 @@ class PagedKVStore:
         # its later reserved pages may lie beyond the lazily grown storage.
         tbl = torch.nn.utils.rnn.pad_sequence([self._table_tensor(s) for s in seq_ids], batch_first=True)[:, :pages]
         need = torch.tensor([-(-n // bs) for n in lens], dtype=torch.int64)
-        tbl = tbl.masked_fill(torch.arange(pages)[None, :] >= need[:, None], 0).to(kk.device)
+        tbl = to_device(tbl.masked_fill(torch.arange(pages)[None, :] >= need[:, None], 0), kk.device)
         B = tbl.shape[0]
         k = kk[tbl].view(B, pages * bs, *kk.shape[2:])[:, :lmax]
         v = vv[tbl].view(B, pages * bs, *vv.shape[2:])[:, :lmax]
         return k, v
+
+
+def _upload(blocks: torch.Tensor, offs: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A store's (page, offset) index pair, CPU int64 tensors of one length, on `device` in one copy through the pinned
+    ring (runtime/device_index.to_device). `.to(device)` of a pageable CPU tensor waits for the stream: on CUDA every
+    eager batch's K/V write and read (each prompt chunk, each layer) drained the device that way (NOTES §34 item 5)."""
+    both = to_device(torch.stack([blocks, offs]), device)
+    return both[0], both[1]
+

@@ -189,3 +189,52 @@ def test_wrappers_that_delegate_by_getattr_keep_the_per_segment_path():
     kv = PagedKVStore(1, BlockAllocator(8, BLOCK))
     assert attn._batched_store(kv)
     assert not attn._batched_store(RandomPrefixKV(kv))
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_host_positions_keep_the_device_positions_unread(host):
+    """With the positions as the host knows them (`host_positions`: the CUDA executor's list), a prefill batch, a
+    decode batch and a mixed one never read the device positions back (on CUDA each read waits for the device: two per
+    prompt chunk per layer before session 17); the outputs and the K/V equal those of a call without them, which reads
+    the positions back once per batch (so the check has teeth)."""
+    from torch.overrides import TorchFunctionMode
+    spec = load_spec(SPECS / "tiny-gpt-oss.yaml")
+    w = random_weights(spec, seed=3)
+    lw = w.layers[0]
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 9, 3]
+    kv_a, kv_b = _stores(spec.num_layers, lengths, 2, random.Random(3))
+    watched: list = []
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__) and \
+                    args and any(args[0] is p or args[0]._base is p for p in watched):
+                raise AssertionError(f"the device positions were read back ({func.__name__})")
+            return func(*args, **(kwargs or {}))
+
+    def run(x, pos, segs):
+        want = attn.attention(spec, lw, 0, x, pos, segs, kv_b)
+        host_pos = pos.tolist() if host else None
+        watched[:] = [pos]
+        try:
+            with Reads():
+                got = attn.attention(spec, lw, 0, x, pos, segs, kv_a, host_pos)
+        finally:
+            watched.clear()
+        assert torch.equal(got, want)
+
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    starts = [0, 5, 14]
+    if not host:  # the read-back is what the check catches
+        with pytest.raises(AssertionError, match="read back"):
+            run(torch.randn(17, spec.hidden_size, generator=gen), pos, [(i, s, n) for i, (s, n) in
+                                                                        enumerate(zip(starts, lengths))])
+        return
+    run(torch.randn(17, spec.hidden_size, generator=gen), pos, [(i, s, n) for i, (s, n) in enumerate(zip(starts, lengths))])
+    run(torch.randn(3, spec.hidden_size, generator=gen), torch.tensor(lengths), [(i, i, 1) for i in range(3)])
+    # mixed: two decode rows beside sequence 2's next two positions as one chunk
+    run(torch.randn(4, spec.hidden_size, generator=gen), torch.tensor([6, 10, 4, 5]), [(0, 0, 1), (1, 1, 1), (2, 2, 2)])
+    for i, n in enumerate(lengths):
+        for a, b in zip(kv_a.read(0, i, n + 2 + (i == 2)), kv_b.read(0, i, n + 2 + (i == 2))):
+            assert torch.equal(a, b)
