@@ -25,6 +25,7 @@ from runtime.capture import bucket_for
 from runtime.cluster import RunOptions, run_workload
 from runtime.executor import TorchExecutor
 from runtime.executor_cuda import CudaExecutor, HostStaging
+from runtime.experiments.routing_override import ZipfRouting
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.requests import Request
 from runtime.routed_rows import pack
@@ -212,13 +213,16 @@ def test_decode_attention_matches_torch_executor(name):
     assert not kb_all[na:kv_a.allocator.num_blocks].any()
 
 
-@pytest.mark.parametrize("name,route_on_device", [("tiny-gpt-oss", False), ("tiny-gpt-oss", True),
-                                                  ("tiny-qwen2-moe", False), ("tiny-deepseek-v2", True)])
-def test_a_mixed_batch_runs_its_decode_rows_bucketed_and_equals_the_whole_batch_eager(name, route_on_device):
+@pytest.mark.parametrize("name,route_on_device,keyed", [("tiny-gpt-oss", False, False), ("tiny-gpt-oss", True, False),
+                                                        ("tiny-qwen2-moe", False, False), ("tiny-deepseek-v2", True, False),
+                                                        ("tiny-gpt-oss", False, True), ("tiny-gpt-oss", True, True)])
+def test_a_mixed_batch_runs_its_decode_rows_bucketed_and_equals_the_whole_batch_eager(name, route_on_device, keyed):
     """A batch with a new prompt's chunk, decode rows on both sides of it and a sequence with two one-row segments:
     the decode rows (one-row segments of sequences with no other segment here) go through the bucketed path, the
     rest eagerly, and everything the batch leaves (h_res, x, routing or payload, shared expert, the K/V written) equals
-    the whole batch run eagerly (the executor with split_mixed=False) within the decode kernel's fp32 rounding."""
+    the whole batch run eagerly (the executor with split_mixed=False) within the decode kernel's fp32 rounding.
+    `keyed`: routed by a router keyed by (request, position, layer) inside the attention (the GPU benches' Zipf
+    routing): each part keys its rows by their own sequences."""
     spec, w = model(name)
     lens = [3, 9, 1, 14, 6]
     kv = {False: _prefilled(spec, w, lens)}
@@ -234,6 +238,8 @@ def test_a_mixed_batch_runs_its_decode_rows_bucketed_and_equals_the_whole_batch_
     for split in (False, True):
         ex[split] = e = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 8], "expert": [64]},
                                      route_on_device=route_on_device, split_mixed=split)
+        if keyed:
+            e.use_keyed_router(ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=3))
         h_res, x = e.attention(layer, h, positions, segments, kv[split])
         extra = (e.routed_payload(layer, x),) if route_on_device else e.route(layer, x)
         out[split] = (h_res, x, e.shared_expert(layer, x)) + extra
