@@ -26,22 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from graph_ir.spec import load_spec  # noqa: E402
 from models import layers  # noqa: E402
+from models.attention import PerSegmentKV  # noqa: E402
 from models.weights import random_weights  # noqa: E402
 from runtime.executor_cuda import CudaExecutor  # noqa: E402
 from runtime.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
-
-
-class OneByOne:
-    """The store without its batched API: every segment goes through write/read on its own."""
-
-    def __init__(self, inner: PagedKVStore) -> None:
-        self.inner = inner
-
-    def write(self, *a):
-        self.inner.write(*a)
-
-    def read(self, *a):
-        return self.inner.read(*a)
 
 
 def main(argv=None) -> int:
@@ -89,7 +77,7 @@ def main(argv=None) -> int:
 
     t_dec, _ = timed(run, kv, decode, pos_decode, h[:D])
     t_new, out_new = timed(run, kv, mixed, pos_mixed, h)
-    t_old, out_old = timed(run, OneByOne(kv), mixed, pos_mixed, h)
+    t_old, out_old = timed(run, PerSegmentKV(kv), mixed, pos_mixed, h)
     rel = float((out_new.float() - out_old.float()).abs().max() / out_old.float().abs().max())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     print(f"{args.spec} layer {layer} on {dev} ({str(dtype)[6:]}): {D} decode rows at context {args.context}, "

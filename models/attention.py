@@ -63,6 +63,20 @@ class KVStore(Protocol):
         ...
 
 
+class PerSegmentKV:
+    """A store seen through the KVStore protocol only (no write_rows / gather): `_attend_segments` then takes every
+    segment on its own, the reference path that the batched one is compared against (tests, benchmarks)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def write(self, *a):
+        self.inner.write(*a)
+
+    def read(self, *a):
+        return self.inner.read(*a)
+
+
 class DenseKVStore:
     """Contiguous in-memory KV store: one growable buffer per (layer, seq). For the reference decoder."""
 

@@ -189,8 +189,6 @@ class Cluster:
             wake += [now + e.hold_s for e in engines if e.hold_s > 0]  # wave holds expire
             wake += [now + 0.0002 for e in engines if e.deferred]  # sample tokens or routing on their way to the host
             if not wake and self.hub is not None and not self.admission.waiting:
-                for e in engines:
-                    print("ENGINE", e.rank, e.state(), {r: (q.unread, q.draining, q.output, q.max_new_tokens) for r, q in e.requests.items()}, e._unread, len(e.deferred))
                 raise self._stalled("nothing queued, nothing in flight, requests unfinished")
             gap = min(wake) - clock.now() if wake else 0.001
             time.sleep(min(max(gap, 0.0), 0.001))

@@ -516,15 +516,14 @@ class Engine:
             return None
         stage = self.stages[decision.stage]
         q = self.queues[stage.id]
-        eligible = self._eligibility(stage.id)
-        items = q.take(eligible)
+        items = q.take(self._eligibility(stage.id))
         tm.lap("take")
         if not items:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
                                f"nothing runnable")
         rows = sum(it.n for it in items)
-        if stage.kind == "attn" and rows >= stage.cap and self.queues[stage.id].rows:  # the cap cut a wave
-            if self.queues[stage.id].rows < stage.cap // 4:
+        if stage.kind == "attn" and rows >= stage.cap and q.rows:  # the cap cut a wave
+            if q.rows < stage.cap // 4:
                 self.metrics.attn_small_remainders += 1
             if sum(it.segments for it in items) == rows:  # decode rows only (prefill chunks fill the cap by design)
                 self.metrics.attn_capped_decode += 1

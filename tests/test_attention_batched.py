@@ -20,19 +20,7 @@ FAMILIES = ["tiny-gpt-oss", "tiny-deepseek-v2", "tiny-qwen3-moe", "tiny-mixtral"
 BLOCK = 4  # small pages: every batch crosses page boundaries
 
 
-class PerSegment:
-    """The KVStore protocol only (no write_rows/gather): forces the per-segment reference path."""
-
-    def __init__(self, inner: PagedKVStore) -> None:
-        self.inner = inner
-
-    def write(self, *a):
-        self.inner.write(*a)
-
-    def read(self, *a):
-        return self.inner.read(*a)
-
-
+PerSegment = attn.PerSegmentKV  # the per-segment reference path
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
