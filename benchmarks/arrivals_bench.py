@@ -1,9 +1,9 @@
 """Serving with arrivals: real prompts (prefill) arriving while others decode, one rank in-process, the CUDA
-executor, side by side in one run: tokens/s, ITL and time to first token of
-  split     - both in one batch, its decode rows through their bucketed path (the CUDA graph), the rest eagerly
-              (CudaExecutor.split_mixed: the default since session 17);
-  mixed     - both in one batch, its decode rows batched on the eager path (session 16's default);
-  before    - both in one batch, every segment on its own (session 15's path for such batches).
+executor, side by side in one run: tokens/s, ITL and time to first token of its prompt paths (CudaExecutor.prompts):
+  paged     - a batch holding prompt chunks runs like a decode batch, through the paged kernels (a CUDA graph up to
+              the largest bucket; the default since session 18);
+  split     - its decode rows so, the chunks by models.attention (session 17's default);
+  eager     - all of it by models.attention, decode rows batched (session 16's).
 
     python benchmarks/arrivals_bench.py                           # CUDA: GPT-OSS-20B cut to 4 layers, bf16
     python benchmarks/arrivals_bench.py --smoke                   # CPU: tiny-gpt-oss, fp32, seconds
@@ -34,12 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_bench import cut_spec, detach_all, device_weights, sync  # noqa: E402
 
 from lowering.plan import compile_plan  # noqa: E402
-from models import attention as attn  # noqa: E402
 from runtime.cluster import Cluster, RunOptions  # noqa: E402
-from runtime.executor_cuda import CudaExecutor  # noqa: E402
+from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor  # noqa: E402
 from runtime.requests import Request  # noqa: E402
 
-VARIANTS = ("split", "mixed", "before")
+VARIANTS = PROMPT_PATHS
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -58,37 +57,33 @@ def _requests(spec, n: int, initial: int, rate: float, prompt: tuple, new: tuple
 
 
 def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
-    real_split = attn.split_one_row
-    inner.split_mixed = variant == "split"
-    if variant == "before":
-        attn.split_one_row = lambda segments: ([], list(segments))
-    try:
-        cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
-        if hasattr(inner, "prepare"):
-            for e in cl.engines:
-                inner.prepare(e.kv, owned=e.owned_experts)
-        sync(dev)
-        t0 = cl.clock.now()  # arrivals count from here (the cluster's clock started before the graphs' capture)
-        reqs = [Request(i, f"r{i}", list(p), m, ignore_eos=True, arrival=t0 + a)
-                for i, (p, m, a) in enumerate(template)]
-        before = dataclasses.asdict(inner.stats)
-        t = time.perf_counter()
-        cl.run(reqs)
-        sync(dev)
-        wall = time.perf_counter() - t
-        after = dataclasses.asdict(inner.stats)
-        detach_all(inner, cl)
-    finally:
-        attn.split_one_row = real_split
+    inner.prompts = variant
+    cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
+    if hasattr(inner, "prepare"):
+        for e in cl.engines:
+            inner.prepare(e.kv, owned=e.owned_experts)
+    sync(dev)
+    t0 = cl.clock.now()  # arrivals count from here (the cluster's clock started before the graphs' capture)
+    reqs = [Request(i, f"r{i}", list(p), m, ignore_eos=True, arrival=t0 + a)
+            for i, (p, m, a) in enumerate(template)]
+    before = dataclasses.asdict(inner.stats)
+    t = time.perf_counter()
+    cl.run(reqs)
+    sync(dev)
+    wall = time.perf_counter() - t
+    after = dataclasses.asdict(inner.stats)
+    detach_all(inner, cl)
     itl = sorted(b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:]))
     ttft = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times)
     later = sorted(r.token_times[0] - r.arrival for r in reqs if r.token_times and r.arrival > t0)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3 if xs else float("nan")  # noqa: E731
     # Where the batches went: attention batches (count, mean rows, host ms in execute + complete) and the executor's
-    # paths (graph replays, eager batches, mixed batches split, outputs and claims moved out of a bucket)
+    # paths (graph replays, paged batches without a graph, paged batches with a prompt chunk, batches by
+    # models.attention, mixed batches split, outputs and claims moved out of a bucket)
     att = [b for e in cl.engines for b in e.metrics.batches if b.kind == "attn"]
-    paths = {k: after[k] - before[k] for k in ("attn_graph", "attn_eager_decode", "attn_eager", "attn_mixed_split",
-                                              "attn_outputs_moved", "attn_claims_moved") if after[k] != before[k]}
+    paths = {k: after[k] - before[k] for k in ("attn_graph", "attn_paged_eager", "attn_paged_prompt", "attn_eager",
+                                              "attn_mixed_split", "attn_outputs_moved", "attn_claims_moved")
+             if after[k] != before[k]}
     diag = (f"{len(att)} attention batches, {sum(b.rows for b in att) / max(1, len(att)):.0f} rows each, "
             f"{sum(b.t_end - b.t_start for b in att) * 1e3:.0f} ms in them; {paths}")
     return dict(diag=diag, tokens=sum(len(r.output) for r in reqs), wall=wall,

@@ -686,7 +686,7 @@ class Engine:
 
     def _block_segments(self, blk: AttnBlock) -> list:
         """The one-row segments (rid, row, 1) of a batch that is one block: the same list object at every layer of
-        the wave (the device tables key their row lookup on it: DeviceBlockTables.decode_rows)."""
+        the wave (the device tables key their row lookup on it: DeviceBlockTables.batch_rows)."""
         memo = self._wave_segments
         if memo is not None and memo[0] is blk.rids and memo[1] is blk.pos:
             return memo[2]

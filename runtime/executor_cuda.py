@@ -215,8 +215,9 @@ class _Pending:
 @dataclass
 class ExecStats:
     attn_graph: int = 0
-    attn_eager_decode: int = 0  # decode-shaped but over the largest bucket / no table row
-    attn_eager: int = 0  # prefill or mixed batches
+    attn_paged_eager: int = 0  # through the paged kernels without a graph (over the largest bucket, or graphs off)
+    attn_paged_prompt: int = 0  # batches holding a prompt's chunk that went through the paged kernels
+    attn_eager: int = 0  # by models.attention (a sequence without a table row; prompts='split' / 'eager')
     attn_mixed_split: int = 0  # mixed batches whose decode rows went through the bucketed path (_attn_mixed)
     attn_claims_used: int = 0  # decode batches whose input a combine had written in place (no input copy)
     attn_claims_moved: int = 0  # another output's rows moved out of a bucket's input first (_attn_input)
@@ -239,6 +240,9 @@ def _same(a: list, b: list) -> bool:
 _CLAIM_BACKOFF = 64  # claims a bucket skips after one of its claims had to be moved out (CudaExecutor._claim_skip)
 
 
+PROMPT_PATHS = ("paged", "split", "eager")  # CudaExecutor(prompts=...)
+
+
 def _env(name: str, default: str, valid: tuple) -> str:
     v = os.environ.get(name, "").strip().lower() or default
     if v not in valid:
@@ -247,14 +251,14 @@ def _env(name: str, default: str, valid: tuple) -> str:
 
 
 class CudaExecutor:
-    # Decode batches (one-row segments) run through the bucketed path, a CUDA graph on CUDA; a batch with a prompt's
-    # multi-row chunk runs its decode rows there too and only the rest eagerly (`split_mixed`, _attn_mixed).
+    # Every attention batch whose sequences have device page-table rows runs through the bucketed path (`_attn_paged`:
+    # the paged kernels, a CUDA graph on CUDA), prompt chunks and decode rows alike; the rest by models.attention.
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
                  graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
                  permute_impl: Optional[str] = None, max_context: Optional[int] = None,
                  table_rows: int = 4096, buckets: Optional[dict] = None,
-                 route_on_device: Optional[bool] = None, split_mixed: bool = True) -> None:
+                 route_on_device: Optional[bool] = None, prompts: str = "paged") -> None:
         """`plan`: its capture buckets are used (else the published ones); `device`: default the
         weights' device. Implementation choices default to the fast ones on CUDA and the torch
         references on CPU; env DATAFLOW_ATTN_IMPL / DATAFLOW_FFN_IMPL / DATAFLOW_PERMUTE_IMPL or
@@ -262,8 +266,9 @@ class CudaExecutor:
         (device page-table width); longer ones run eagerly. `route_on_device`: keep each attention batch's
         routing on the device for the device-routed dispatch (default: the plan's dispatch, or by device without
         one; DATAFLOW_DISPATCH overrides: runtime/routed_rows.py; the barrier baselines, which read the routing on
-        the host, pass False). `split_mixed`: a mixed batch's decode rows go through the bucketed path (False: the
-        whole batch eagerly, as before session 17; for A/B runs)."""
+        the host, pass False). `prompts`: how a batch holding a prompt's chunk runs (A/B runs; PROMPT_PATHS): "paged"
+        (the default) like a decode batch, through the paged kernels (a CUDA graph up to the largest bucket); "split"
+        its decode rows so and the rest by models.attention (session 17); "eager" all by models.attention (before)."""
         self.spec = spec
         self.device = torch.device(device) if device is not None else weights.embed.device
         if self.device.type == "cuda" and self.device.index is None:
@@ -299,7 +304,9 @@ class CudaExecutor:
             planned = plan.cluster.dispatch if plan is not None else None
             route_on_device = device_routed_from_env(planned == "device" if planned is not None else on_cuda)
         self.route_on_device = route_on_device
-        self.split_mixed = split_mixed
+        if prompts not in PROMPT_PATHS:
+            raise ValueError(f"prompts={prompts!r}: expected one of {PROMPT_PATHS}")
+        self.prompts = prompts
         self._stitching: Optional[list] = None  # while _attn_mixed runs its two parts: their pending pieces
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
@@ -580,20 +587,21 @@ class CudaExecutor:
         T = h.shape[0]
         dv = self._view(kv)
         tm.lap("view")
-        rows, fits = dv.decode_rows(segments, positions, T)  # decode: every segment one row (else rows None)
-        tm.lap("rows_of")
-        if fits:
+        rows, fits = dv.batch_rows(segments, positions, T)  # every row's table row, and whether all have one
+        if fits and (self.prompts == "paged" or len(rows) == len(segments)):
             b = bucket_for(T, self.buckets["attn"])
             if b is None:
-                self.stats.note("attn: decode batch above the largest bucket")
-            return self._attn_decode(layer, h, positions, rows, dv, kv, b)
+                self.stats.note("attn: batch above the largest bucket")
+            if len(rows) != len(segments):
+                self.stats.attn_paged_prompt += 1
+            return self._attn_paged(layer, h, positions, rows, dv, kv, b)
         b = bucket_for(T, self.buckets["attn"])
         held = self._claims.get(b)
         if held is not None and held() is h:  # read where it is: the claim is spent (kept, a later batch would move it)
             del self._claims[b]
-        if rows is not None:
-            self.stats.note("attn: sequence without a device table row")
-        elif self.split_mixed:
+        if not fits:
+            self.stats.note("attn: a sequence without a device table row, or a position past the tables' width")
+        elif self.prompts == "split":
             got = self._attn_mixed(layer, h, positions, segments, kv, dv)
             if got is not None:
                 return got
@@ -662,7 +670,7 @@ class CudaExecutor:
         self._stitching = parts = []
         try:
             b = bucket_for(D, self.buckets["attn"])
-            out_d = self._attn_decode(layer, hp[:D], dec_pos, rows, dv, kv, b)
+            out_d = self._attn_paged(layer, hp[:D], dec_pos, rows, dv, kv, b)
             out_r = self._attn_eager(layer, hp[D:], [positions[i] for i in order[D:]], rest_segs, kv)
         finally:
             self._stitching = None
@@ -757,7 +765,7 @@ class CudaExecutor:
                     out[2].copy_(shared_expert_out(spec, lw, x))
         return body
 
-    def _attn_decode(self, layer, h, positions, rows, dv, kv, b):
+    def _attn_paged(self, layer, h, positions, rows, dv, kv, b):
         T = h.shape[0]
         static = b is not None
         b = b if static else T
@@ -794,10 +802,10 @@ class CudaExecutor:
             g = self.graphs.get(key, lambda: self._attn_body(layer, bufs, dv, kv), self.attn_graphs)
             g.run()
             self.stats.attn_graph += int(g.capture)
-            self.stats.attn_eager_decode += int(not g.capture)
+            self.stats.attn_paged_eager += int(not g.capture)
         else:
             self._attn_body(layer, bufs, dv, kv)()
-            self.stats.attn_eager_decode += 1
+            self.stats.attn_paged_eager += 1
         tm.lap("replay")
         skip = self._out_skip.get(b, 0) if static else 0
         if skip:  # backing off: one copy, the static buffers are reused by the next batch

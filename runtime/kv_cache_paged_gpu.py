@@ -49,7 +49,7 @@ class DeviceBlockTables:
         self._free = list(range(rows - 1, -1, -1))  # pop() gives the lowest row first
         self.overflow = 0  # sequences that got no row (too long, or no row free)
         self.releases = 0  # rows given back so far: a row looked up before is still that sequence's while unchanged
-        self._decode_memo: Optional[tuple] = None  # (segments, releases, rows, positions, fits): decode_rows()
+        self._rows_memo: Optional[tuple] = None  # (segments, releases, rows, positions, fits): batch_rows()
         # Optional per-row int64 key of the row's sequence (`track_keys`): what a router inside the
         # attention graph hashes (CudaExecutor.use_keyed_router).
         self.keys: Optional[torch.Tensor] = None
@@ -102,26 +102,27 @@ class DeviceBlockTables:
             self._free.append(r)
             self.releases += 1
 
-    def decode_rows(self, segments, positions, T: int) -> tuple[Optional[list], bool]:
-        """(table rows, fits) of a batch of T rows: its segments' rows when every segment (rid, row, n) is one row
-        (else None, a prompt chunk), and whether they all have a row and their positions fit the tables' width. A
-        decode wave passes the same segments and positions lists at every layer of a step (Engine._block_segments):
+    def batch_rows(self, segments, positions, T: int) -> tuple[Optional[list], bool]:
+        """(table row of every batch row, fits) of a batch of T rows made of segments (rid, first row, n) in row order:
+        fits when every segment's sequence has a row and every position fits the tables' width. A prompt's chunk is
+        rows of one sequence like a decode row's: each row's context is its sequence's positions up to its own, the
+        K/V of the rows before it in this batch included (the paged kernels write the batch's K/V before attending).
+        A decode wave passes the same segments and positions lists at every layer of a step (Engine._block_segments):
         they are looked up and checked once, valid while no sequence released its row."""
-        memo = self._decode_memo
+        memo = self._rows_memo
         if memo is not None and memo[0] is segments and memo[1] == self.releases:
             rows = memo[2]
             if memo[3] is positions:
                 return rows, memo[4]
+        elif T > 0 and segments:  # column-wise with C-level loops (zip/map), no per-row Python for one-row segments
+            sids, starts, ns = zip(*segments)
+            rows = self.rows_of(sids)
+            if ns.count(1) != len(ns):  # a prompt's chunk: its sequence's row once per row
+                rows = [r for r, n in zip(rows, ns) for _ in range(n)]
         else:
-            rows = None
-            if T > 0 and len(segments) == T:  # column-wise with C-level loops (zip/map), no per-row Python
-                sids, _, ns = zip(*segments)
-                if ns.count(1) == T:
-                    rows = self.rows_of(sids)
-        if rows is None:
             return None, False
-        fits = None not in rows and max(positions) < self.width * self.kv.block_size
-        self._decode_memo = (segments, self.releases, rows, positions, fits)
+        fits = len(rows) == T and None not in rows and max(positions) < self.width * self.kv.block_size
+        self._rows_memo = (segments, self.releases, rows, positions, fits)
         return rows, fits
 
     def row_of(self, seq_id: int) -> Optional[int]:

@@ -44,12 +44,13 @@ def test_sampling_bench_checks_and_times_both_samplers(capsys):
     assert out.count("| 4 |") == 3 and "0 failed checks" in out
 
 
-def test_mixed_batch_bench_compares_both_paths(capsys):
+def test_mixed_batch_bench_compares_every_path(capsys):
     import mixed_batch_bench
     assert mixed_batch_bench.main(["--decode", "8", "--chunk", "5", "--context", "9", "--reps", "1",
                                    "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "one segment at a time" in out and "mixed, split" in out and out.rstrip().endswith("ok")
+    assert "one segment at a time" in out and out.rstrip().endswith("ok")
+    assert all(f"| mixed (8 + 5 rows) | {p} |" in out for p in ("paged", "split", "eager"))
 
 
 def test_arrivals_bench_runs_every_variant_on_the_cpu(capsys):

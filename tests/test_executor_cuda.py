@@ -24,7 +24,7 @@ from models.weights import random_weights
 from runtime.capture import bucket_for
 from runtime.cluster import RunOptions, run_workload
 from runtime.executor import TorchExecutor
-from runtime.executor_cuda import CudaExecutor, HostStaging
+from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor, HostStaging
 from runtime.experiments.routing_override import ZipfRouting
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.requests import Request
@@ -185,7 +185,7 @@ def test_decode_attention_matches_torch_executor(name):
     layer = spec.num_layers - 1
     want_res, want_x = ref.attention(layer, h, positions, segments, kv_a)
     got_res, got_x = ex.attention(layer, h, positions, segments, kv_b)
-    assert ex.stats.attn_eager == 0 and ex.stats.attn_eager_decode == 1
+    assert ex.stats.attn_eager == 0 and ex.stats.attn_paged_eager == 1
     torch.testing.assert_close(got_res, want_res, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_x, want_x, rtol=1e-4, atol=1e-4)
     if spec.is_moe_layer(layer):
@@ -213,39 +213,44 @@ def test_decode_attention_matches_torch_executor(name):
     assert not kb_all[na:kv_a.allocator.num_blocks].any()
 
 
+@pytest.mark.parametrize("prompts", ["paged", "split"])
 @pytest.mark.parametrize("name,route_on_device,keyed", [("tiny-gpt-oss", False, False), ("tiny-gpt-oss", True, False),
                                                         ("tiny-qwen2-moe", False, False), ("tiny-deepseek-v2", True, False),
                                                         ("tiny-gpt-oss", False, True), ("tiny-gpt-oss", True, True)])
-def test_a_mixed_batch_runs_its_decode_rows_bucketed_and_equals_the_whole_batch_eager(name, route_on_device, keyed):
-    """A batch with a new prompt's chunk, decode rows on both sides of it and a sequence with two one-row segments:
-    the decode rows (one-row segments of sequences with no other segment here) go through the bucketed path, the
-    rest eagerly, and everything the batch leaves (h_res, x, routing or payload, shared expert, the K/V written) equals
-    the whole batch run eagerly (the executor with split_mixed=False) within the decode kernel's fp32 rounding.
+def test_a_batch_with_a_prompt_chunk_through_the_paged_kernels_equals_it_by_models_attention(
+        name, route_on_device, keyed, prompts):
+    """A batch with a new prompt's chunk, decode rows on both sides of it and a sequence with two one-row segments.
+    prompts="paged" (the default): the whole batch goes through the paged kernels like a decode batch (each row attends
+    its sequence up to its own position, the batch's K/V written first; padded to bucket 16). "split": the decode rows
+    (one-row segments of sequences with no other segment here) go through them, the rest by models.attention.
+    Everything the batch leaves (h_res, x, routing or payload, shared expert, the K/V written) equals the whole batch
+    run by models.attention (prompts="eager") within the paged kernel's fp32 rounding.
     `keyed`: routed by a router keyed by (request, position, layer) inside the attention (the GPU benches' Zipf
-    routing): each part keys its rows by their own sequences."""
+    routing): each row is keyed by its own sequence."""
     spec, w = model(name)
     lens = [3, 9, 1, 14, 6]
-    kv = {False: _prefilled(spec, w, lens)}
-    for kv_ in kv.values():
-        assert kv_.reserve(5, 14)
-    kv[True] = copy.deepcopy(kv[False])
+    kv = {"eager": _prefilled(spec, w, lens)}
+    assert kv["eager"].reserve(5, 14)
+    kv[prompts] = copy.deepcopy(kv["eager"])
     # rows: seq 0 decode, seq 5's 6-row chunk, seq 1 decode, seq 2 twice (positions 1 and 2), seq 3 decode
     segments = [(0, 0, 1), (5, 1, 6), (1, 7, 1), (2, 8, 1), (2, 9, 1), (3, 10, 1)]
     positions = [3, 0, 1, 2, 3, 4, 5, 9, 1, 2, 14]
     h = torch.randn(len(positions), spec.hidden_size, generator=torch.Generator().manual_seed(4))
     layer = next(l for l in range(spec.num_layers) if spec.is_moe_layer(l))
     out, ex = {}, {}
-    for split in (False, True):
-        ex[split] = e = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 8], "expert": [64]},
-                                     route_on_device=route_on_device, split_mixed=split)
+    for path in ("eager", prompts):
+        ex[path] = e = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 16], "expert": [64]},
+                                    route_on_device=route_on_device, prompts=path)
         if keyed:
             e.use_keyed_router(ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=3))
-        h_res, x = e.attention(layer, h, positions, segments, kv[split])
+        h_res, x = e.attention(layer, h, positions, segments, kv[path])
         extra = (e.routed_payload(layer, x),) if route_on_device else e.route(layer, x)
-        out[split] = (h_res, x, e.shared_expert(layer, x)) + extra
-    assert (ex[True].stats.attn_mixed_split, ex[True].stats.attn_eager) == (1, 0)
-    assert (ex[False].stats.attn_mixed_split, ex[False].stats.attn_eager) == (0, 1)
-    for got, want in zip(out[True], out[False]):
+        out[path] = (h_res, x, e.shared_expert(layer, x)) + extra
+    st = ex[prompts].stats
+    want = (1, 0, 0) if prompts == "paged" else (0, 1, 0)
+    assert (st.attn_paged_prompt, st.attn_mixed_split, st.attn_eager) == want
+    assert (ex["eager"].stats.attn_paged_prompt, ex["eager"].stats.attn_eager) == (0, 1)
+    for got, want in zip(out[prompts], out["eager"]):
         if want is None:
             assert got is None
         elif want.dtype == torch.int64:  # the routing's expert ids
@@ -254,7 +259,7 @@ def test_a_mixed_batch_runs_its_decode_rows_bucketed_and_equals_the_whole_batch_
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for sid, n in enumerate(lens + [0]):
         m = n + (2 if sid == 2 else 1) if sid < 5 else 6
-        for a, b in zip(kv[True].read(layer, sid, m), kv[False].read(layer, sid, m)):
+        for a, b in zip(kv[prompts].read(layer, sid, m), kv["eager"].read(layer, sid, m)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -307,7 +312,7 @@ def test_a_decode_waves_table_rows_are_looked_up_once_until_a_release(monkeypatc
     monkeypatch.setattr(dv, "rows_of", lambda sids: (lookups.append(len(sids)), real(sids))[1])
     for layer in range(spec.num_layers):
         got = ex.attention(layer, h, lens[:3], seg, kv_a)
-        fresh._view(kv_b)._decode_memo = None
+        fresh._view(kv_b)._rows_memo = None
         want = fresh.attention(layer, h, lens[:3], list(seg), kv_b)
         for u, v in zip(got, want):
             assert torch.equal(u, v)
@@ -695,29 +700,22 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
         assert not e.requests and e.kv.allocator.used_blocks == 0 and e._unread == 0
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_prompts_arriving_during_decode_mix_with_decode_rows_and_keep_the_reference_tokens(monkeypatch, split):
+@pytest.mark.parametrize("prompts", PROMPT_PATHS)
+def test_prompts_arriving_during_decode_mix_with_decode_rows_and_keep_the_reference_tokens(monkeypatch, prompts):
     """Prompts arriving while others decode share attention batches with the decode rows (the CUDA executor's twin,
-    one rank, wall clock); such a batch runs its decode rows through the bucketed (on CUDA captured) path and the
-    prompts' chunks eagerly (CudaExecutor._attn_mixed), or, with split_mixed off, the whole batch eagerly; tokens equal
-    the reference's either way."""
-    kinds, splits = [], []
-    real, real_mixed, real_init = CudaExecutor.attention, CudaExecutor._attn_mixed, CudaExecutor.__init__
+    one rank, wall clock); each of CudaExecutor's prompt paths (the paged kernels for the whole batch; its decode rows
+    so and the chunks by models.attention; all by models.attention) keeps the reference's tokens."""
+    kinds, made = [], []
+    real, real_init = CudaExecutor.attention, CudaExecutor.__init__
 
     def spy(self, layer, h, positions, segments, kv):
         kinds.append({n == 1 for _, _, n in segments})
         return real(self, layer, h, positions, segments, kv)
 
-    def spy_mixed(self, *a):
-        got = real_mixed(self, *a)
-        splits.append(got is not None)
-        return got
-
     def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        self.split_mixed = split
+        real_init(self, *a, **kw, prompts=prompts)
+        made.append(self)
     monkeypatch.setattr(CudaExecutor, "attention", spy)
-    monkeypatch.setattr(CudaExecutor, "_attn_mixed", spy_mixed)
     monkeypatch.setattr(CudaExecutor, "__init__", init)
     spec, w = model("tiny-gpt-oss")
     ref = ReferenceDecoder(spec, w)
@@ -728,7 +726,11 @@ def test_prompts_arriving_during_decode_mix_with_decode_rows_and_keep_the_refere
                        weights=w)
     assert _tokens_equal_reference(ref, res.requests) >= 40
     assert sum(len(k) > 1 for k in kinds) > 0, len(kinds)  # mixed batches happened
-    assert sum(splits) > 0 if split else not splits, splits
+    (st,) = [e.stats for e in made]
+    took = {"paged": st.attn_paged_prompt, "split": st.attn_mixed_split, "eager": st.attn_eager}
+    # ("split" runs prompt-only batches all by models.attention)
+    unused = {"paged": ("split", "eager"), "split": ("paged",), "eager": ("paged", "split")}[prompts]
+    assert took[prompts] > 0 and not any(took[u] for u in unused), took
 
 
 def test_host_staging_typed_views_cached_per_slot_and_dropped_on_growth():
@@ -865,12 +867,13 @@ def test_a_combine_for_attention_writes_that_batchs_input_and_other_batches_move
 def test_embedding_rows_go_into_the_attention_input_and_an_eager_batch_spends_the_claim():
     """embed() uploads the ids into a buffer kept for them and gathers the rows straight into the static input of the
     attention bucket they fit (the same values as layers.embed); a decode batch then reads them in place, and a batch
-    that runs eagerly (a prompt's rows: not decode-shaped) reads them where they are and spends the claim, so the
-    bucket's next combine or embedding claims it again instead of a later batch moving stale rows out."""
+    that runs by models.attention (here a prompt's rows with prompts="eager"; by default, one with a sequence without a
+    device table row) reads them where they are and spends the claim, so the bucket's next combine or embedding claims
+    it again instead of a later batch moving stale rows out."""
     from models import layers
     lens = [5, 2, 7]
     spec, w, kv_a, _, _, seg = _decode_pair(lens, seed=6)
-    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]}, prompts="eager")
     static_h = ex._attn_bufs(8, True)._t["h"]
     toks = [11, 12, 13]
     e = ex.embed(toks)
@@ -917,19 +920,19 @@ def test_attention_outputs_are_views_until_the_bucket_replays_and_held_ones_move
     assert ex.stats.attn_outputs_moved == 1
 
 
-@pytest.mark.parametrize("dispatch", ["device", "host"])
+@pytest.mark.parametrize("dispatch,prompts", [("device", "paged"), ("host", "paged"), ("device", "eager")])
 def test_in_place_inputs_and_outputs_keep_tokens_with_chunked_prompts_and_ranks_sharing_the_executor(monkeypatch,
-                                                                                                    dispatch):
+                                                                                                    dispatch, prompts):
     """The hard case for the in-place attention inputs and outputs: three in-process ranks sharing one executor (they
-    take turns at every bucket), an attention cap of 8 with prompts up to 30 tokens (chunked prefill: eager batches
-    that spend claims, capped waves), every request against the reference; claims and held outputs are moved out on
-    the way (the counts say the moves happened)."""
+    take turns at every bucket), an attention cap of 8 with prompts up to 30 tokens (chunked prefill through the
+    bucketed path, or with prompts="eager" as eager batches that spend claims; capped waves), every request against
+    the reference; claims and held outputs are moved out on the way (the counts say the moves happened)."""
     monkeypatch.setenv("DATAFLOW_DISPATCH", dispatch)
     made = []
     real = CudaExecutor.__init__
 
     def spy(self, *a, **k):
-        real(self, *a, **k)
+        real(self, *a, **k, prompts=prompts)
         made.append(self)
     monkeypatch.setattr(CudaExecutor, "__init__", spy)
     spec, w = model("tiny-gpt-oss")
@@ -941,4 +944,5 @@ def test_in_place_inputs_and_outputs_keep_tokens_with_chunked_prompts_and_ranks_
                        RunOptions(policy="flfs", executor="cuda", kv_blocks=128, clock="virtual"), weights=w)
     compared = _tokens_equal_reference(ref, res.requests)
     stats = made[-1].stats
-    assert compared >= 60 and stats.attn_claims_moved and stats.attn_outputs_moved and stats.attn_eager
+    assert compared >= 60 and stats.attn_claims_moved and stats.attn_outputs_moved
+    assert (stats.attn_eager if prompts == "eager" else stats.attn_paged_prompt) > 0
