@@ -2,8 +2,8 @@
 executor, side by side in one run: tokens/s, ITL and time to first token of its prompt paths (CudaExecutor.prompts):
   paged     - a batch holding prompt chunks runs like a decode batch, through the paged kernels (a CUDA graph up to
               the largest bucket; the default since session 18);
-  split     - its decode rows so, the chunks by models.attention (session 17's default);
-  eager     - all of it by models.attention, decode rows batched (session 16's).
+  eager     - all of it by models.attention, decode rows batched (session 16's; session 17's "split", its decode rows
+              through the paged kernels and the chunks by models.attention, is gone: run 150).
 
     python benchmarks/arrivals_bench.py                           # CUDA: GPT-OSS-20B cut to 4 layers, bf16
     python benchmarks/arrivals_bench.py --smoke                   # CPU: tiny-gpt-oss, fp32, seconds
@@ -79,10 +79,10 @@ def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3 if xs else float("nan")  # noqa: E731
     # Where the batches went: attention batches (count, mean rows, host ms in execute + complete) and the executor's
     # paths (graph replays, paged batches without a graph, paged batches with a prompt chunk, batches by
-    # models.attention, mixed batches split, outputs and claims moved out of a bucket)
+    # models.attention, outputs and claims moved out of a bucket)
     att = [b for e in cl.engines for b in e.metrics.batches if b.kind == "attn"]
     paths = {k: after[k] - before[k] for k in ("attn_graph", "attn_paged_eager", "attn_paged_prompt", "attn_eager",
-                                              "attn_mixed_split", "attn_outputs_moved", "attn_claims_moved")
+                                              "attn_outputs_moved", "attn_claims_moved")
              if after[k] != before[k]}
     diag = (f"{len(att)} attention batches, {sum(b.rows for b in att) / max(1, len(att)):.0f} rows each, "
             f"{sum(b.t_end - b.t_start for b in att) * 1e3:.0f} ms in them; {paths}")

@@ -272,7 +272,7 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
         one, rest = split_one_row(segments)
         if len(one) > 1:
             idx = torch.tensor([r for _, r in one], dtype=torch.long)
-            rows = idx.to(q.device)  # (on CUDA the executor splits such batches before: CudaExecutor._attn_mixed)
+            rows = idx.to(q.device)  # (on CUDA the executor runs such batches through its paged kernels instead)
             pos = positions.index_select(0, rows.to(positions.device))
             out[rows] = decode([s for s, _ in one], q[rows], k[rows], v[rows], pos, pos_cpu[idx])
             segments = rest

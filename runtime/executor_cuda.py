@@ -62,7 +62,7 @@ from kernels.rms_norm import rms_norm_fused
 from kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
 from kernels.topk_merge import topk_merge
 from models import layers
-from models.attention import gqa_project, gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale, split_one_row
+from models.attention import gqa_project, gqa_qkv, mla_qkv, norm_in_fp32, rms_norm, softmax_scale
 from models.moe import route_tokens, shared_expert_out
 from models.rope import rope_parameters, rotary_dim
 from models.sampling import SamplingParams, sample, sample_tokens
@@ -218,7 +218,6 @@ class ExecStats:
     attn_paged_eager: int = 0  # through the paged kernels without a graph (over the largest bucket, or graphs off)
     attn_paged_prompt: int = 0  # batches holding a prompt's chunk that went through the paged kernels
     attn_eager: int = 0  # by models.attention (a sequence without a table row; prompts='split' / 'eager')
-    attn_mixed_split: int = 0  # mixed batches whose decode rows went through the bucketed path (_attn_mixed)
     attn_claims_used: int = 0  # decode batches whose input a combine had written in place (no input copy)
     attn_claims_moved: int = 0  # another output's rows moved out of a bucket's input first (_attn_input)
     attn_outputs_moved: int = 0  # a bucket's last outputs still held when it replayed again: moved out first
@@ -240,7 +239,7 @@ def _same(a: list, b: list) -> bool:
 _CLAIM_BACKOFF = 64  # claims a bucket skips after one of its claims had to be moved out (CudaExecutor._claim_skip)
 
 
-PROMPT_PATHS = ("paged", "split", "eager")  # CudaExecutor(prompts=...)
+PROMPT_PATHS = ("paged", "eager")  # CudaExecutor(prompts=...)
 
 
 def _env(name: str, default: str, valid: tuple) -> str:
@@ -267,8 +266,9 @@ class CudaExecutor:
         routing on the device for the device-routed dispatch (default: the plan's dispatch, or by device without
         one; DATAFLOW_DISPATCH overrides: runtime/routed_rows.py; the barrier baselines, which read the routing on
         the host, pass False). `prompts`: how a batch holding a prompt's chunk runs (A/B runs; PROMPT_PATHS): "paged"
-        (the default) like a decode batch, through the paged kernels (a CUDA graph up to the largest bucket); "split"
-        its decode rows so and the rest by models.attention (session 17); "eager" all by models.attention (before)."""
+        (the default) like a decode batch, through the paged kernels (a CUDA graph up to the largest bucket); "eager"
+        by models.attention (before session 18; session 17 ran a mixed batch's decode rows through the paged kernels
+        and the chunk by models.attention: gone, "paged" was 2-37x faster per layer, runs 149-150)."""
         self.spec = spec
         self.device = torch.device(device) if device is not None else weights.embed.device
         if self.device.type == "cuda" and self.device.index is None:
@@ -307,7 +307,6 @@ class CudaExecutor:
         if prompts not in PROMPT_PATHS:
             raise ValueError(f"prompts={prompts!r}: expected one of {PROMPT_PATHS}")
         self.prompts = prompts
-        self._stitching: Optional[list] = None  # while _attn_mixed runs its two parts: their pending pieces
         self._routed_tables: dict[tuple, tuple] = {}  # (layer, id(owned)) -> (owned, _routed_select's tables)
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
@@ -601,10 +600,6 @@ class CudaExecutor:
             del self._claims[b]
         if not fits:
             self.stats.note("attn: a sequence without a device table row, or a position past the tables' width")
-        elif self.prompts == "split":
-            got = self._attn_mixed(layer, h, positions, segments, kv, dv)
-            if got is not None:
-                return got
         self.stats.attn_eager += 1
         return self._attn_eager(layer, h, positions, segments, kv)
 
@@ -632,59 +627,11 @@ class CudaExecutor:
                      own: bool) -> None:
         """What an attention call leaves beyond (h_res, x): the routing on its way to the host (`route`, [T, 2k] fp32:
         ids as values, then weights), or kept on the device (`payload`). `own`: the payload is the batch's own tensor,
-        not a view of a static buffer (which the next batch of the bucket rewrites: cloned here). While _attn_mixed
-        runs its parts, the pieces are only collected."""
-        if self._stitching is not None:
-            self._stitching.append((x, shared, route, payload))
-            return
+        not a view of a static buffer (which the next batch of the bucket rewrites: cloned here)."""
         if payload is not None:
             self._pending = _Pending(x, None, shared, self.top_k, payload if own else payload.clone())
         else:
             self._pending = _Pending(x, self.staging.d2h(route), shared, self.top_k)
-
-    def _attn_mixed(self, layer, h, positions, segments, kv, dv):
-        """A mixed batch (a prompt's chunk beside decode rows) in two parts: the one-row segments of sequences with no
-        other segment here through the bucketed path (the decode graph on CUDA), the rest eagerly; the outputs put
-        back in the batch's row order. None when there is no such split (then all eagerly). Why: the eager path runs
-        decode rows ~4 ms slower per layer than their graph at GPT-OSS-20B shapes (run 135); split, such a batch took
-        1.5-1.7x less time per layer (run 141; benchmarks/NOTES.md §34 item 1)."""
-        one, rest = split_one_row(segments)
-        if not one or not rest:
-            return None
-        rows = dv.rows_of([s for s, _ in one])
-        dec = [r for _, r in one]
-        dec_pos = [positions[r] for r in dec]
-        if None in rows or max(dec_pos) >= dv.width * kv.block_size:
-            return None
-        order = list(dec)
-        rest_segs = []
-        for seq, start, n in rest:
-            rest_segs.append((seq, len(order) - len(dec), n))
-            order.extend(range(start, start + n))
-        perm = np.asarray(order, dtype=np.int64)
-        inv = np.empty_like(perm)
-        inv[perm] = np.arange(len(perm), dtype=np.int64)
-        both = to_device(np.concatenate([perm, inv]), h.device)
-        T, D = len(perm), len(dec)
-        hp = h.index_select(0, both[:T])
-        self._stitching = parts = []
-        try:
-            b = bucket_for(D, self.buckets["attn"])
-            out_d = self._attn_paged(layer, hp[:D], dec_pos, rows, dv, kv, b)
-            out_r = self._attn_eager(layer, hp[D:], [positions[i] for i in order[D:]], rest_segs, kv)
-        finally:
-            self._stitching = None
-        back = both[T:]
-
-        def stitch(a: Tensor, b_: Tensor) -> Tensor:
-            return torch.cat([a, b_]).index_select(0, back)
-        h_res, x = stitch(out_d[0], out_r[0]), stitch(out_d[1], out_r[1])
-        if parts:  # a MoE layer: the routing (or payload) and shared-expert rows of both parts, in row order too
-            (_, sh_d, ro_d, pa_d), (_, sh_r, ro_r, pa_r) = parts
-            both_parts = [None if a is None else stitch(a, b_) for a, b_ in ((sh_d, sh_r), (ro_d, ro_r), (pa_d, pa_r))]
-            self._set_pending(x, *both_parts, own=True)
-        self.stats.attn_mixed_split += 1
-        return h_res, x
 
     def _first_rows(self, key: tuple, static: bool, make) -> tuple:
         """The views `make()` returns of a batch's first rows of its bucket's static buffers, made once per

@@ -50,7 +50,7 @@ def test_mixed_batch_bench_compares_every_path(capsys):
                                    "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "one segment at a time" in out and out.rstrip().endswith("ok")
-    assert all(f"| mixed (8 + 5 rows) | {p} |" in out for p in ("paged", "split", "eager"))
+    assert all(f"| mixed (8 + 5 rows) | {p} |" in out for p in ("paged", "eager"))
 
 
 def test_arrivals_bench_runs_every_variant_on_the_cpu(capsys):

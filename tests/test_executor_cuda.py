@@ -213,32 +213,30 @@ def test_decode_attention_matches_torch_executor(name):
     assert not kb_all[na:kv_a.allocator.num_blocks].any()
 
 
-@pytest.mark.parametrize("prompts", ["paged", "split"])
 @pytest.mark.parametrize("name,route_on_device,keyed", [("tiny-gpt-oss", False, False), ("tiny-gpt-oss", True, False),
                                                         ("tiny-qwen2-moe", False, False), ("tiny-deepseek-v2", True, False),
                                                         ("tiny-gpt-oss", False, True), ("tiny-gpt-oss", True, True)])
 def test_a_batch_with_a_prompt_chunk_through_the_paged_kernels_equals_it_by_models_attention(
-        name, route_on_device, keyed, prompts):
+        name, route_on_device, keyed):
     """A batch with a new prompt's chunk, decode rows on both sides of it and a sequence with two one-row segments.
-    prompts="paged" (the default): the whole batch goes through the paged kernels like a decode batch (each row attends
-    its sequence up to its own position, the batch's K/V written first; padded to bucket 16). "split": the decode rows
-    (one-row segments of sequences with no other segment here) go through them, the rest by models.attention.
-    Everything the batch leaves (h_res, x, routing or payload, shared expert, the K/V written) equals the whole batch
-    run by models.attention (prompts="eager") within the paged kernel's fp32 rounding.
+    By default (prompts="paged") the whole batch goes through the paged kernels like a decode batch (each row attends
+    its sequence up to its own position, the batch's K/V written first; padded to bucket 16). Everything it leaves
+    (h_res, x, routing or payload, shared expert, the K/V written) equals the whole batch run by models.attention
+    (prompts="eager") within the paged kernel's fp32 rounding.
     `keyed`: routed by a router keyed by (request, position, layer) inside the attention (the GPU benches' Zipf
     routing): each row is keyed by its own sequence."""
     spec, w = model(name)
     lens = [3, 9, 1, 14, 6]
     kv = {"eager": _prefilled(spec, w, lens)}
     assert kv["eager"].reserve(5, 14)
-    kv[prompts] = copy.deepcopy(kv["eager"])
+    kv["paged"] = copy.deepcopy(kv["eager"])
     # rows: seq 0 decode, seq 5's 6-row chunk, seq 1 decode, seq 2 twice (positions 1 and 2), seq 3 decode
     segments = [(0, 0, 1), (5, 1, 6), (1, 7, 1), (2, 8, 1), (2, 9, 1), (3, 10, 1)]
     positions = [3, 0, 1, 2, 3, 4, 5, 9, 1, 2, 14]
     h = torch.randn(len(positions), spec.hidden_size, generator=torch.Generator().manual_seed(4))
     layer = next(l for l in range(spec.num_layers) if spec.is_moe_layer(l))
     out, ex = {}, {}
-    for path in ("eager", prompts):
+    for path in ("eager", "paged"):
         ex[path] = e = CudaExecutor(spec, w, device="cpu", buckets={"attn": [4, 16], "expert": [64]},
                                     route_on_device=route_on_device, prompts=path)
         if keyed:
@@ -246,11 +244,10 @@ def test_a_batch_with_a_prompt_chunk_through_the_paged_kernels_equals_it_by_mode
         h_res, x = e.attention(layer, h, positions, segments, kv[path])
         extra = (e.routed_payload(layer, x),) if route_on_device else e.route(layer, x)
         out[path] = (h_res, x, e.shared_expert(layer, x)) + extra
-    st = ex[prompts].stats
-    want = (1, 0, 0) if prompts == "paged" else (0, 1, 0)
-    assert (st.attn_paged_prompt, st.attn_mixed_split, st.attn_eager) == want
+    st = ex["paged"].stats
+    assert (st.attn_paged_prompt, st.attn_eager) == (1, 0)
     assert (ex["eager"].stats.attn_paged_prompt, ex["eager"].stats.attn_eager) == (0, 1)
-    for got, want in zip(out[prompts], out["eager"]):
+    for got, want in zip(out["paged"], out["eager"]):
         if want is None:
             assert got is None
         elif want.dtype == torch.int64:  # the routing's expert ids
@@ -259,7 +256,7 @@ def test_a_batch_with_a_prompt_chunk_through_the_paged_kernels_equals_it_by_mode
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for sid, n in enumerate(lens + [0]):
         m = n + (2 if sid == 2 else 1) if sid < 5 else 6
-        for a, b in zip(kv[prompts].read(layer, sid, m), kv["eager"].read(layer, sid, m)):
+        for a, b in zip(kv["paged"].read(layer, sid, m), kv["eager"].read(layer, sid, m)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -703,8 +700,8 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
 @pytest.mark.parametrize("prompts", PROMPT_PATHS)
 def test_prompts_arriving_during_decode_mix_with_decode_rows_and_keep_the_reference_tokens(monkeypatch, prompts):
     """Prompts arriving while others decode share attention batches with the decode rows (the CUDA executor's twin,
-    one rank, wall clock); each of CudaExecutor's prompt paths (the paged kernels for the whole batch; its decode rows
-    so and the chunks by models.attention; all by models.attention) keeps the reference's tokens."""
+    one rank, wall clock); both of CudaExecutor's prompt paths (the paged kernels for the whole batch; all of it by
+    models.attention) keep the reference's tokens."""
     kinds, made = [], []
     real, real_init = CudaExecutor.attention, CudaExecutor.__init__
 
@@ -727,10 +724,8 @@ def test_prompts_arriving_during_decode_mix_with_decode_rows_and_keep_the_refere
     assert _tokens_equal_reference(ref, res.requests) >= 40
     assert sum(len(k) > 1 for k in kinds) > 0, len(kinds)  # mixed batches happened
     (st,) = [e.stats for e in made]
-    took = {"paged": st.attn_paged_prompt, "split": st.attn_mixed_split, "eager": st.attn_eager}
-    # ("split" runs prompt-only batches all by models.attention)
-    unused = {"paged": ("split", "eager"), "split": ("paged",), "eager": ("paged", "split")}[prompts]
-    assert took[prompts] > 0 and not any(took[u] for u in unused), took
+    took = {"paged": st.attn_paged_prompt, "eager": st.attn_eager}
+    assert took[prompts] > 0 and sum(took.values()) == took[prompts], took
 
 
 def test_host_staging_typed_views_cached_per_slot_and_dropped_on_growth():

@@ -1,9 +1,9 @@
 """Where gpu_bench's bf16 teacher-forced logits differ most from the fp32 reference (tiny-gpt-oss, router x30,
-gpu_bench's 12 requests), with a mixed batch split (its one-row segments on the decode graph) and not, in one process: the five largest (request, step)
-differences each, with the request's prompt length, and the largest per step. Run 138's question: why separate
-batches put 8 rows of gpu_bench's correctness over tolerance on the H200 (runs 136-137) and not on the CPU (the
-separate batches, DATAFLOW_SEPARATE_PREFILL, are gone since session 17; the split sends those rows the same way). Each
-difference is marked '*' where the step is a router near-tie (gpu_bench._router_near_ties), which gpu_bench leaves out."""
+gpu_bench's 12 requests), by each of the CUDA executor's prompt paths (CudaExecutor.prompts), in one process: the five
+largest (request, step) differences each, with the request's prompt length, and the largest per step. Run 138's
+question: why separate batches put 8 rows of gpu_bench's correctness over tolerance on the H200 (runs 136-137) and not
+on the CPU (the separate batches, DATAFLOW_SEPARATE_PREFILL, are gone since session 17). Each difference is marked '*'
+where the step is a router near-tie (gpu_bench._router_near_ties), which gpu_bench leaves out."""
 from __future__ import annotations
 
 import random
@@ -21,7 +21,7 @@ from lowering.plan import compile_plan  # noqa: E402
 from models.sampling import SamplingParams  # noqa: E402
 from models.weights import random_weights  # noqa: E402
 from runtime.cluster import Cluster, RunOptions  # noqa: E402
-from runtime.executor_cuda import CudaExecutor  # noqa: E402
+from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor  # noqa: E402
 from runtime.requests import Request  # noqa: E402
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,8 +34,8 @@ plan = compile_plan(spec, 2, dev.type)
 dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
 ex = CudaExecutor(spec, w32.to(device=dev, dtype=dtype), plan, dev)
 print(f"max|logit| {mx:.3f}; CPU bf16 err {err16:.4f}")
-for split in (False, True):
-    ex.split_mixed = split
+for path in PROMPT_PATHS:
+    ex.prompts = path
     tf = TeacherForcing(ex, {i: list(r.tokens) for i, r in enumerate(refs)})
     treqs = [Request(i, f"t{i}", list(p), len(refs[i].tokens), ignore_eos=True, arrival=0.0,
                      params=SamplingParams(seed=i)) for i, (p, _) in enumerate(reqs_t)]
@@ -44,7 +44,7 @@ for split in (False, True):
     detach_all(ex, cl)
     diffs = sorted(((float((tf.recorded[(i, s)] - refs[i].logits[s].float()).abs().max()) / mx, i, s)
                     for i in range(len(refs)) for s in range(len(refs[i].tokens))), reverse=True)
-    print(f"split_mixed={split}: top diffs (ratio, request, step, prompt length, near-tie):",
+    print(f"prompts={path}: top diffs (ratio, request, step, prompt length, near-tie):",
           [(round(d, 4), i, s, len(reqs_t[i][0]), "*" if near[i] and near[i][s] else "") for d, i, s in diffs[:6]])
     per_step = {}
     for d, i, s in diffs:
