@@ -1,7 +1,9 @@
 """Serving with arrivals: real prompts (prefill) arriving while others decode, one rank in-process, the CUDA
 executor, side by side in one run: tokens/s, ITL and time to first token of its prompt paths (CudaExecutor.prompts):
   paged     - a batch holding prompt chunks runs like a decode batch, through the paged kernels (a CUDA graph up to
-              the largest bucket; the default since session 18);
+              the largest bucket; the default since session 18), its attention by row blocks (Triton: each K/V tile
+              read once per block of a chunk's rows);
+  per-row   - the same with its attention on the decode kernel, row by row (session 18's first form);
   eager     - all of it by models.attention, decode rows batched (session 16's; session 17's "split", its decode rows
               through the paged kernels and the chunks by models.attention, is gone: run 150).
 
@@ -38,7 +40,10 @@ from runtime.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor  # noqa: E402
 from runtime.requests import Request  # noqa: E402
 
-VARIANTS = PROMPT_PATHS
+# variant -> (CudaExecutor.prompts, row-block attention for chunks: CudaExecutor.block_rows kept, or 0)
+SETTINGS = {"paged": ("paged", True), "per-row": ("paged", False), "eager": ("eager", True)}
+VARIANTS = tuple(SETTINGS)
+assert set(PROMPT_PATHS) <= {p for p, _ in SETTINGS.values()}
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -56,8 +61,9 @@ def _requests(spec, n: int, initial: int, rate: float, prompt: tuple, new: tuple
     return out
 
 
-def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev) -> dict:
-    inner.prompts = variant
+def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev, block_rows: int) -> dict:
+    inner.prompts, blocks = SETTINGS[variant]
+    inner.block_rows = block_rows if blocks else 0
     cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
     if hasattr(inner, "prepare"):
         for e in cl.engines:
@@ -117,6 +123,7 @@ def main(argv=None) -> int:
     plan = compile_plan(spec, 1, "cuda" if dev.type == "cuda" else "cpu")
     P, M = _range(args.prompt), _range(args.max_new)
     inner = CudaExecutor(spec, w, plan, dev, max_context=P[1] + M[1] + 32)
+    block_rows = inner.block_rows
     ex = inner
     if dev.type == "cuda":
         from runtime.experiments.routing_override import ZipfRouting, routed
@@ -130,11 +137,11 @@ def main(argv=None) -> int:
     # An untimed pass first (the first variant, the first quarter of the requests): the launch's first run pays
     # first-use costs (kernel compiles, allocator growth) that would otherwise land on whichever variant runs first
     # (run 144: identical code paths measured 17-23% apart, the first run of the launch the slower)
-    _run(variants[0], plan, ex, inner, template[:max(1, len(template) // 4)], kv_blocks, dev)
+    _run(variants[0], plan, ex, inner, template[:max(1, len(template) // 4)], kv_blocks, dev, block_rows)
     rows: dict[str, list] = {v: [] for v in variants}
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
-            res = _run(v, plan, ex, inner, template, kv_blocks, dev)
+            res = _run(v, plan, ex, inner, template, kv_blocks, dev, block_rows)
             rows[v].append(res)
             print(f"  round {r + 1} {v:9s} {res['tok_s']:9.1f} tok/s  ITL p50 {res['itl50']:.2f} p99 {res['itl99']:.2f} "
                   f"ms  TTFT p50 {res['ttft50']:.1f} p99 {res['ttft99']:.1f} (later arrivals p50 {res['later50']:.1f}) ms  "

@@ -4,7 +4,9 @@ against every segment one by one (the path such batches took before), and a pure
 side in one run: milliseconds per layer and the ratio. Then the CUDA executor's whole attention stage (routing
 included) of the same batches and of the chunk alone, by each of its prompt paths (CudaExecutor.prompts): "paged",
 the whole batch through the paged kernels like a decode batch (a CUDA graph on CUDA up to the largest bucket;
-session 18), and "eager", all by models.attention; and the pure decode batch on its bucketed path.
+session 18), and "eager", all by models.attention; and the pure decode batch on its bucketed path. With the Triton
+kernels "paged" runs a batch with chunks by row blocks (each K/V tile read once per block of a chunk's rows), and
+"paged, row by row" on the decode kernel (CudaExecutor.block_rows = 0; session 18's first form).
 
     python benchmarks/mixed_batch_bench.py                          # tiny-gpt-oss, on CUDA if there is one
     python benchmarks/mixed_batch_bench.py --spec gpt-oss-20b --layers 1 --decode 256 --chunk 256 --context 512
@@ -116,10 +118,14 @@ def main(argv=None) -> int:
     print(f"| pure decode ({D} rows) | (bucketed) | {e_dec:.2f} | | 1.00x |")
     ok_e = True
     batches = ((f"mixed ({D} + {P} rows)", mixed, pos_m, h), (f"prompt only ({P} rows)", chunk, pos_c, h[k:k + P]))
+    block_rows = ex.block_rows
+    paths = ("eager",) + (("paged, row by row",) if block_rows else ()) + ("paged",)  # eager first: the reference
+    assert set(PROMPT_PATHS) <= set(paths)
     for name, segs, pos, x in batches:
         times, outs = {}, {}
-        for path in reversed(PROMPT_PATHS):  # "eager" first: the reference of the others
-            ex.prompts = path
+        for path in paths:
+            ex.prompts = path.split(",")[0]
+            ex.block_rows = 0 if "row by row" in path else block_rows
             times[path], outs[path] = timed(ex_run, segs, pos, x)
             ref = outs["eager"].float()
             rel_p = float((outs[path].float() - ref).abs().max() / ref.abs().max())

@@ -169,8 +169,89 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
+def _row_block_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, first_ptr, count_ptr, sinks_ptr, out_ptr,
+    scale, window, block_size, stride_table,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_oh,
+    GROUP, DK, DV,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # Program (row block j, kv head): rows first[j] .. first[j] + count[j] - 1, all of one sequence (the same page
+    # table), times the GROUP query heads of this kv head, as one M = ROWS * BLOCK_G tile of queries: each K/V tile of
+    # the sequence is read once for all of them. Row r's queries see keys 0..lens[r]-1 (and the window), as in the
+    # decode kernel; one online softmax over the block's whole key range, the sink added at the end.
+    j = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    n = tl.load(count_ptr + j)
+    if n > 0:
+        first = tl.load(first_ptr + j).to(tl.int64)
+        mi = tl.arange(0, ROWS * BLOCK_G)
+        r = mi // BLOCK_G
+        g = mi % BLOCK_G
+        valid = (r < n) & (g < GROUP)
+        row = first + r
+        heads = kvh * GROUP + g
+        length = tl.load(lens_ptr + row, mask=r < n, other=0).to(tl.int32)
+        qpos = length - 1
+        hi = tl.max(tl.where(r < n, length, 0), axis=0)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(tl.min(tl.where(r < n, length, hi), axis=0) - window, 0)
+        lo = lo // BLOCK_T * BLOCK_T
+        dk = tl.arange(0, BLOCK_DK)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(q_ptr + row[:, None] * stride_qb + heads[:, None] * stride_qh + dk[None, :],
+                    mask=valid[:, None] & (dk[None, :] < DK), other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m = tl.full([ROWS * BLOCK_G], -1.0e30, dtype=tl.float32)
+        l = tl.zeros([ROWS * BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([ROWS * BLOCK_G, BLOCK_DV], dtype=tl.float32)
+        for t0 in range(lo, hi, BLOCK_T):
+            pos = t0 + tl.arange(0, BLOCK_T)
+            tmask = pos < hi
+            block = tl.load(table_ptr + first * stride_table + pos // block_size, mask=tmask, other=0).to(tl.int64)
+            slot = (pos % block_size).to(tl.int64)
+            k_rows = block * stride_kb + slot * stride_kt + kvh * stride_kh
+            kt = tl.load(k_ptr + k_rows[None, :] + dk[:, None], mask=tmask[None, :] & (dk[:, None] < DK), other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, kt, input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)  # [M, BLOCK_T]
+            see = tmask[None, :] & (pos[None, :] <= qpos[:, None]) & valid[:, None]
+            if HAS_WINDOW:
+                see &= pos[None, :] > (qpos[:, None] - window)
+            s = tl.where(see, s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            v_rows = block * stride_vb + slot * stride_vt + kvh * stride_vh
+            v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if HAS_SINKS:  # the sink joins the denominator only (as the decode merge kernel adds it)
+            sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
+            m_all = tl.maximum(m, sink)
+            w = tl.exp(m - m_all)
+            l = l * w + tl.exp(sink - m_all)
+            acc = acc * w[:, None]
+        o = tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + row[:, None] * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (dv[None, :] < DV))
+
+
 _SPLIT = LazyJit(_decode_split_kernel)
 _MERGE = LazyJit(_decode_merge_kernel)
+_ROW_BLOCK = LazyJit(_row_block_kernel)
 
 
 @functools.cache
@@ -231,6 +312,60 @@ def paged_decode_attention_triton(
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, out, out.stride(0), out.stride(1),
         nh, dv, splits, HAS_SINKS=sinks is not None, BLOCK_S=max(2, next_power_of_2(splits)), BLOCK_DV=block_dv,
         num_warps=1,
+    )
+    return out.to(out_dtype)
+
+
+def row_blocks(rows_of_segments, rows_per_block: int) -> tuple[list[int], list[int]]:
+    """(first row, row count) of each block of at most `rows_per_block` consecutive rows of one sequence, from a batch's
+    segments (sequence, first row, rows): what `paged_row_block_attention` takes."""
+    first, count = [], []
+    for _, start, n in rows_of_segments:
+        for f in range(start, start + n, rows_per_block):
+            first.append(f)
+            count.append(min(rows_per_block, start + n - f))
+    return first, count
+
+
+def block_rows_for(nh: int, nkv: int) -> int:
+    """Rows per block of `paged_row_block_attention`: a 128-query tile (rows x the padded head group)."""
+    return max(1, 128 // next_power_of_2(nh // nkv))
+
+
+def paged_row_block_attention_triton(
+    q, k_cache, v_cache, block_table, context_lens, scale: float, sinks=None, window: int | None = None, *,
+    first, count, rows_per_block: int, block_t: int = 32, num_warps: int = 8,
+) -> torch.Tensor:
+    """`paged_decode_attention` (the same result for every row) scheduled by row blocks: `first` / `count` [>= blocks]
+    int tensors give each block's first row and row count (0: an unused block, at most `rows_per_block`), the rows of a
+    block being of one sequence (their block_table rows equal; `row_blocks` makes them, `block_rows_for` suggests their
+    size). A prompt's chunk reads each K/V tile once per block instead of once per row. Every row must be in a block."""
+    _check(q, k_cache, v_cache, block_table, context_lens, sinks)
+    B, nh, dk = q.shape
+    block_size, nkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache / v_cache must be contiguous in the head dimension")  # never copy a cache
+    out = torch.empty((B, nh, dv), dtype=kernel_store_dtype(q.dtype), device=q.device)
+    if B == 0:
+        return out.to(q.dtype)
+    out_dtype = q.dtype
+    q = q.to(k_cache.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_table = block_table.contiguous()
+    group = nh // nkv
+    block_g = next_power_of_2(group)
+    rows = next_power_of_2(rows_per_block)
+    block_dk, block_dv = max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))
+    _ROW_BLOCK[(first.shape[0], nkv)](
+        q, k_cache, v_cache, block_table, context_lens, first, count, sinks if sinks is not None else q, out,
+        float(scale), int(window or 0), block_size, block_table.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        group, dk, dv,
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, UPCAST=interpreting(),
+        IEEE=q.dtype == torch.float32 and not interpreting(),
+        ROWS=rows, BLOCK_G=block_g, BLOCK_T=max(16, block_t), BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+        num_warps=num_warps,
     )
     return out.to(out_dtype)
 

@@ -42,6 +42,7 @@ without capture, with the torch reference kernels, so CPU tests cover the paddin
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import time
@@ -56,7 +57,8 @@ from torch import Tensor
 
 from graph_ir.spec import ModelSpec
 from kernels.grouped_ffn import grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton
-from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from kernels.paged_attention import (block_rows_for, paged_decode_attention_torch, paged_decode_attention_triton,
+                                     paged_row_block_attention_triton, row_blocks)
 from kernels.permute import permute_to_experts_triton
 from kernels.rms_norm import rms_norm_fused
 from kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
@@ -304,6 +306,12 @@ class CudaExecutor:
             planned = plan.cluster.dispatch if plan is not None else None
             route_on_device = device_routed_from_env(planned == "device" if planned is not None else on_cuda)
         self.route_on_device = route_on_device
+        # Rows per block of the row-block attention for batches with prompt chunks (0: the decode kernel for them too,
+        # as with the torch reference, whose result is the same; A/B runs set it to 0 after construction). Opt-in
+        # (DATAFLOW_ROW_BLOCKS=1) until a GPU run has checked and timed the kernel (run152.sh; only the interpreter has)
+        a_ = spec.attention
+        on = self.attn_impl == "triton" and os.environ.get("DATAFLOW_ROW_BLOCKS", "0") == "1"
+        self.block_rows = block_rows_for(a_.num_heads, a_.num_kv_heads) if on else 0
         if prompts not in PROMPT_PATHS:
             raise ValueError(f"prompts={prompts!r}: expected one of {PROMPT_PATHS}")
         self.prompts = prompts
@@ -538,11 +546,15 @@ class CudaExecutor:
             def fill(a: np.ndarray) -> None:
                 a[0, :] = -1
                 a[1, :] = dv.trash_row
+                a[2:, :] = 0  # no row blocks
             self.staging.h2d_array(bufs._t["meta"], fill)
             self._meta_last.pop(b, None)
             for layer in lays:
                 if self.attn_graphs:
-                    capture(("attn", layer, b, kv._cuda_exec_serial), lambda: self._attn_body(layer, bufs, dv, kv))
+                    key = ("attn", layer, b, kv._cuda_exec_serial)
+                    capture(key, lambda: self._attn_body(layer, bufs, dv, kv))
+                    if self.block_rows:  # and the graph of batches with prompt chunks
+                        capture(key + ("blocks",), lambda: self._attn_body(layer, bufs, dv, kv, True))
         for b in self.buckets["expert"]:
             bufs = self._expert_bufs(b, True)
             pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
@@ -591,9 +603,12 @@ class CudaExecutor:
             b = bucket_for(T, self.buckets["attn"])
             if b is None:
                 self.stats.note("attn: batch above the largest bucket")
+            blocks = None
             if len(rows) != len(segments):
                 self.stats.attn_paged_prompt += 1
-            return self._attn_paged(layer, h, positions, rows, dv, kv, b)
+                if self.block_rows:
+                    blocks = row_blocks(segments, self.block_rows)
+            return self._attn_paged(layer, h, positions, rows, dv, kv, b, blocks)
         b = bucket_for(T, self.buckets["attn"])
         held = self._claims.get(b)
         if held is not None and held() is h:  # read where it is: the claim is spent (kept, a later batch would move it)
@@ -653,7 +668,8 @@ class CudaExecutor:
         H, dev = self.spec.hidden_size, self.device
         nout = 3 if self.spec.experts.shared_intermediate_size else 2
         bufs.get("h", (b, H), self.dtype, dev)
-        bufs.get("meta", (2, b), torch.int32, dev)
+        # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row counts
+        bufs.get("meta", (4, b), torch.int32, dev)
         bufs.get("out", (nout, b, H), self.dtype, dev)
         bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
         if self.spec.moe_layers:  # the device-routed payload: x's rows, ids and weights (runtime/routed_rows.py)
@@ -662,7 +678,10 @@ class CudaExecutor:
             self._bufs_cache[("attn", b)] = bufs
         return bufs
 
-    def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv):
+    def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv, blocked: bool = False):
+        """The attention stage of a bucket's rows. `blocked`: the attention by row blocks (meta rows 2-3; a batch with
+        prompt chunks on the Triton kernels: kernels.paged_attention.paged_row_block_attention_triton), the same
+        result as the decode kernel's with each K/V tile read once per block of a chunk's rows."""
         spec, lw, a = self.spec, self.w.layers[layer], self.spec.attention
         h_in, meta, out, route_out = bufs._t["h"], bufs._t["meta"], bufs._t["out"], bufs._t["route"]
         payload = bufs._t.get("payload")
@@ -673,6 +692,9 @@ class CudaExecutor:
         moe = spec.is_moe_layer(layer)
         eps, fp32w, k = spec.rms_norm_eps, self._fp32w, self.top_k
         attn_fn = paged_decode_attention_triton if self.attn_impl == "triton" else paged_decode_attention_torch
+        if blocked:
+            attn_fn = functools.partial(paged_row_block_attention_triton, first=meta[2], count=meta[3],
+                                        rows_per_block=self.block_rows)
         # one launch per norm, and RoPE + the KV write in one, where the attention kernels are Triton's
         # (kernels/rms_norm.py, kernels/rope_kv_write.py); else the torch references
         fused = self.attn_impl == "triton"
@@ -712,7 +734,9 @@ class CudaExecutor:
                     out[2].copy_(shared_expert_out(spec, lw, x))
         return body
 
-    def _attn_paged(self, layer, h, positions, rows, dv, kv, b):
+    def _attn_paged(self, layer, h, positions, rows, dv, kv, b, blocks=None):
+        """`blocks`: (first rows, row counts) of a batch with prompt chunks for the row-block attention (None: the
+        decode kernel)."""
         T = h.shape[0]
         static = b is not None
         b = b if static else T
@@ -724,15 +748,22 @@ class CudaExecutor:
             a[0, T:] = -1
             a[1, :T] = rows
             a[1, T:] = trash
+            if blocks is not None:  # the padding rows (context 0) in blocks of their own, the rest unused
+                first, count = blocks
+                pad = list(range(T, b, self.block_rows))
+                n = len(first) + len(pad)
+                a[2, :n] = first + pad
+                a[3, :n] = count + [min(self.block_rows, b - f) for f in pad]
+                a[3, n:] = 0
         tm = self._attn_timer
         # The bucket's meta buffer may hold these rows already: a decode wave's next layer is usually the same
         # batch (same requests, positions and table rows), and the buffer keeps what the last upload wrote (each
         # replay reads it in stream order). Comparing two lists is a few us; the upload ~50-80 us on the H200 host.
         last = self._meta_last.get(b) if static else None
-        if last is None or last[0] != trash or not _same(last[1], positions) or not _same(last[2], rows):
+        if last is None or last[0] != trash or not _same(last[1], positions) or not _same(last[2], rows) or blocks:
             self.staging.h2d_array(bufs._t["meta"], fill)
             if static:
-                self._meta_last[b] = (trash, positions, rows)
+                self._meta_last[b] = (trash, positions, rows) if blocks is None else None
         tm.lap("meta_h2d")
         h_in, out_T, route_T, payload_T = self._first_rows(("attn", b, T), static, lambda: (
             bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T],
@@ -745,13 +776,13 @@ class CudaExecutor:
         tm.lap("h_copy")
         if static:
             self._release_outputs(b)
-            key = ("attn", layer, b, kv._cuda_exec_serial)
-            g = self.graphs.get(key, lambda: self._attn_body(layer, bufs, dv, kv), self.attn_graphs)
+            key = ("attn", layer, b, kv._cuda_exec_serial) + (("blocks",) if blocks is not None else ())
+            g = self.graphs.get(key, lambda: self._attn_body(layer, bufs, dv, kv, blocks is not None), self.attn_graphs)
             g.run()
             self.stats.attn_graph += int(g.capture)
             self.stats.attn_paged_eager += int(not g.capture)
         else:
-            self._attn_body(layer, bufs, dv, kv)()
+            self._attn_body(layer, bufs, dv, kv, blocks is not None)()
             self.stats.attn_paged_eager += 1
         tm.lap("replay")
         skip = self._out_skip.get(b, 0) if static else 0

@@ -29,7 +29,8 @@ from kernels.dispatch import backend_for
 from kernels.grouped_ffn import (
     grouped_ffn, grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton, grouped_mm_supported,
 )
-from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from kernels.paged_attention import (block_rows_for, paged_decode_attention_torch, paged_decode_attention_triton,
+                                     paged_row_block_attention_triton, row_blocks)
 from kernels.permute import gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton
 from kernels.topk_merge import topk_merge, topk_merge_torch, topk_merge_triton
 
@@ -368,6 +369,37 @@ def test_paged_attention_triton(triton_device, dtype, window, with_sinks):
         assert torch.all(got[2] == 0)  # empty context
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_paged_row_block_attention_equals_the_decode_kernel_row_by_row(triton_device, dtype, window, with_sinks):
+    """A batch of prompt chunks and decode rows (rows of one sequence share its page-table row; a 40-row chunk spans
+    two blocks; a padding row of context 0) through the row-block schedule: each row's result is
+    paged_decode_attention's for that row."""
+    q0, k_cache, v_cache, table, _, sinks = _paged_inputs(dtype, triton_device, seed=2)
+    sinks = sinks if with_sinks else None
+    # (table row, first position, rows): a 6-row chunk at 3.., a decode row at 29, a 40-row chunk at 0.., padding
+    segs = [(1, 3, 6), (3, 29, 1), (0, 0, 40), (2, -1, 1)]
+    T = sum(n for *_, n in segs)
+    big = torch.cat([table] * 6, dim=1)[:, : math.ceil(41 / BLOCK)]  # room for 40 positions (pages reused: reads only)
+    rows = [t for t, _, n in segs for _ in range(n)]
+    lens = torch.tensor([p + i + 1 for _, p, n in segs for i in range(n)], dtype=torch.int32, device=triton_device)
+    bt = big[torch.tensor(rows)].to(triton_device)
+    q = torch.randn(T, NH, DK, generator=_gen(5)).to(dtype).to(triton_device)
+    ref = paged_decode_attention_torch(q, k_cache, v_cache, bt, lens, 0.3, sinks, window).float()
+    per = block_rows_for(NH, NKV)
+    first, count = row_blocks([(t, sum(n for *_, n in segs[:i]), n) for i, (t, _, n) in enumerate(segs)], per)
+    assert count == [6, 1, per, 40 - per, 1]
+    pad = 3  # unused blocks (count 0), as a captured bucket has
+    as_t = lambda v: torch.tensor(v + [0] * pad, dtype=torch.int32, device=triton_device)  # noqa: E731
+    got = paged_row_block_attention_triton(q, k_cache, v_cache, bt, lens, 0.3, sinks, window,
+                                           first=as_t(first), count=as_t(count), rows_per_block=per,
+                                           block_t=16).float()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    assert torch.all(got[-1] == 0)  # the padding row: empty context
+
+
 # ------------------------------------------------------------------------------------------
 # dispatch
 
@@ -499,7 +531,9 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
     """The attention graph's body as the GPU runs it (attn_impl="triton": the paged decode kernel, the fused RMSNorm,
     one q/k/v GEMM, RoPE and the KV write in one kernel), here through the interpreter, against the torch executor:
     the same hidden rows up to fp32 rounding. Families: sinks and windows (GPT-OSS), a partial rotary width (GLM),
-    q/k norms over all heads (OLMoE) and per head (Qwen3), and MLA (DeepSeek: interleaved RoPE, the torch ops)."""
+    q/k norms over all heads (OLMoE) and per head (Qwen3), and MLA (DeepSeek: interleaved RoPE, the torch ops).
+    Then a batch with a new prompt's 3-row chunk between the decode rows, padded to bucket 8: the row-block attention
+    (kernels.paged_attention.paged_row_block_attention_triton), the padding rows in blocks of their own."""
     import copy
 
     from graph_ir.spec import load_spec
@@ -511,6 +545,7 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
         pytest.skip("the interpreter's check of the attention body over a CPU KV store; on a GPU, "
                     "benchmarks/gpu_bench.py's correctness section checks the body against the torch executor")
     monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
+    monkeypatch.setenv("DATAFLOW_ROW_BLOCKS", "1")
     spec = load_spec(f"models/specs/{name}.yaml")
     w = random_weights(spec)
     ref = TorchExecutor(spec, w)
@@ -524,9 +559,18 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
             h = h_res + x
     kv_b = copy.deepcopy(kv_a)
     h = torch.randn(2, spec.hidden_size, generator=_gen(12))
-    ex = CudaExecutor(spec, w, device="cpu", attn_impl="triton", buckets={"attn": [4], "expert": [16]})
+    ex = CudaExecutor(spec, w, device="cpu", attn_impl="triton", buckets={"attn": [4, 8], "expert": [16]})
     segs = [(0, 0, 1), (1, 1, 1)]
     want = ref.attention(1, h, lens, segs, kv_a)
     got = ex.attention(1, h, lens, segs, kv_b)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+    for kv_ in (kv_a, kv_b):
+        assert kv_.reserve(2, 8)
+    segs, pos = [(0, 0, 1), (2, 1, 3), (1, 4, 1)], [4, 0, 1, 2, 7]
+    h = torch.randn(5, spec.hidden_size, generator=_gen(13))
+    want = ref.attention(1, h, pos, segs, kv_a)
+    got = ex.attention(1, h, pos, segs, kv_b)
+    assert ex.stats.attn_paged_prompt == 1 and ex.block_rows > 0 and ex.stats.attn_eager == 0
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
