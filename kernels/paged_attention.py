@@ -68,6 +68,44 @@ def paged_decode_attention_torch(
     return out
 
 
+def _tile_scores(q, k_ptr, table_row_ptr, t0, hi, block_size, kvh, stride_kb, stride_kt, stride_kh, dk, DK,
+                 UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Keys t0 .. t0 + BLOCK_T - 1 (< hi) of one sequence through its page table row, kv head kvh: (positions, their
+    # mask, page, slot, the unscaled q . k scores [queries, BLOCK_T]).
+    pos = t0 + tl.arange(0, BLOCK_T)
+    tmask = pos < hi
+    block = tl.load(table_row_ptr + pos // block_size, mask=tmask, other=0).to(tl.int64)
+    slot = (pos % block_size).to(tl.int64)
+    k_rows = block * stride_kb + slot * stride_kt + kvh * stride_kh
+    kt = tl.load(k_ptr + k_rows[None, :] + dk[:, None], mask=tmask[None, :] & (dk[:, None] < DK), other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return pos, tmask, block, slot, s
+
+
+def _online_softmax_step(s, m, l, acc, v_ptr, block, slot, tmask, kvh, stride_vb, stride_vt, stride_vh, dv, DV,
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # One tile of the online softmax: scaled, masked scores s (-inf where not seen) into the running max m,
+    # denominator l and weighted sum acc, with the tile's V rows. Returns the new (m, l, acc).
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v_rows = block * stride_vb + slot * stride_vt + kvh * stride_vh
+    v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     scale, window, block_size, stride_table,
@@ -106,32 +144,11 @@ def _decode_split_kernel(
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     for t0 in range(lo, hi, BLOCK_T):
-        pos = t0 + tl.arange(0, BLOCK_T)
-        tmask = pos < hi
-        block = tl.load(table_ptr + b * stride_table + pos // block_size, mask=tmask, other=0).to(tl.int64)
-        slot = (pos % block_size).to(tl.int64)
-        k_rows = block * stride_kb + slot * stride_kt + kvh * stride_kh
-        kt = tl.load(k_ptr + k_rows[None, :] + dk[:, None], mask=tmask[None, :] & (dk[:, None] < DK), other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)  # [BLOCK_G, BLOCK_T]
-        s = tl.where(tmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v_rows = block * stride_vb + slot * stride_vt + kvh * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        pos, tmask, block, slot, s = _tile_scores(q, k_ptr, table_ptr + b * stride_table, t0, hi, block_size, kvh,
+                                                  stride_kb, stride_kt, stride_kh, dk, DK, UPCAST, IEEE, BLOCK_T)
+        s = tl.where(tmask[None, :], s * scale, float("-inf"))  # [BLOCK_G, BLOCK_T]
+        m, l, acc = _online_softmax_step(s, m, l, acc, v_ptr, block, slot, tmask, kvh, stride_vb, stride_vt, stride_vh,
+                                         dv, DV, UPCAST, IEEE)
 
     part = (b * NH + heads) * SPLITS + split
     tl.store(part_m_ptr + part, m, mask=hmask)
@@ -209,35 +226,15 @@ def _row_block_kernel(
         l = tl.zeros([ROWS * BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([ROWS * BLOCK_G, BLOCK_DV], dtype=tl.float32)
         for t0 in range(lo, hi, BLOCK_T):
-            pos = t0 + tl.arange(0, BLOCK_T)
-            tmask = pos < hi
-            block = tl.load(table_ptr + first * stride_table + pos // block_size, mask=tmask, other=0).to(tl.int64)
-            slot = (pos % block_size).to(tl.int64)
-            k_rows = block * stride_kb + slot * stride_kt + kvh * stride_kh
-            kt = tl.load(k_ptr + k_rows[None, :] + dk[:, None], mask=tmask[None, :] & (dk[:, None] < DK), other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, kt, input_precision="ieee")
-            else:
-                s = tl.dot(q, kt)  # [M, BLOCK_T]
-            see = tmask[None, :] & (pos[None, :] <= qpos[:, None]) & valid[:, None]
+            pos, tmask, block, slot, s = _tile_scores(q, k_ptr, table_ptr + first * stride_table, t0, hi, block_size,
+                                                      kvh, stride_kb, stride_kt, stride_kh, dk, DK, UPCAST, IEEE,
+                                                      BLOCK_T)
+            see = tmask[None, :] & (pos[None, :] <= qpos[:, None]) & valid[:, None]  # [M, BLOCK_T]
             if HAS_WINDOW:
                 see &= pos[None, :] > (qpos[:, None] - window)
             s = tl.where(see, s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            v_rows = block * stride_vb + slot * stride_vt + kvh * stride_vh
-            v = tl.load(v_ptr + v_rows[:, None] + dv[None, :], mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, l, acc = _online_softmax_step(s, m, l, acc, v_ptr, block, slot, tmask, kvh, stride_vb, stride_vt,
+                                             stride_vh, dv, DV, UPCAST, IEEE)
         if HAS_SINKS:  # the sink joins the denominator only (as the decode merge kernel adds it)
             sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
             m_all = tl.maximum(m, sink)
@@ -249,9 +246,9 @@ def _row_block_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (dv[None, :] < DV))
 
 
-_SPLIT = LazyJit(_decode_split_kernel)
+_SPLIT = LazyJit(_decode_split_kernel, helpers=(_tile_scores, _online_softmax_step))
 _MERGE = LazyJit(_decode_merge_kernel)
-_ROW_BLOCK = LazyJit(_row_block_kernel)
+_ROW_BLOCK = LazyJit(_row_block_kernel, helpers=(_tile_scores, _online_softmax_step))
 
 
 @functools.cache
