@@ -57,8 +57,8 @@ from torch import Tensor
 
 from graph_ir.spec import ModelSpec
 from kernels.grouped_ffn import grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton
-from kernels.paged_attention import (block_rows_for, paged_decode_attention_torch, paged_decode_attention_triton,
-                                     paged_row_block_attention_triton, row_blocks)
+from kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_torch,
+                                     paged_decode_attention_triton, paged_row_block_attention_triton, row_blocks)
 from kernels.permute import permute_to_experts_triton
 from kernels.rms_norm import rms_norm_fused
 from kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
@@ -242,6 +242,11 @@ _CLAIM_BACKOFF = 64  # claims a bucket skips after one of its claims had to be m
 
 
 PROMPT_PATHS = ("paged", "eager")  # CudaExecutor(prompts=...)
+# A layer whose window is shorter than this runs batches with prompt chunks row by row (the decode kernel): each row
+# re-reads at most the window's keys, and a block's tile then costs more than the reads it saves (run 152, GPT-OSS's
+# 128-key window: a 128-row chunk 0.20 ms per layer by blocks against 0.17 row by row). Measured at 128 and without a
+# window only; 1024 is where the rows' re-reading is eight times the window-128 case's.
+ROW_BLOCK_MIN_WINDOW = 1024
 
 
 def _env(name: str, default: str, valid: tuple) -> str:
@@ -307,10 +312,10 @@ class CudaExecutor:
             route_on_device = device_routed_from_env(planned == "device" if planned is not None else on_cuda)
         self.route_on_device = route_on_device
         # Rows per block of the row-block attention for batches with prompt chunks (0: the decode kernel for them too,
-        # as with the torch reference, whose result is the same; A/B runs set it to 0 after construction). Opt-in
-        # (DATAFLOW_ROW_BLOCKS=1) until a GPU run has checked and timed the kernel (run152.sh; only the interpreter has)
+        # as with the torch reference, whose result is the same; A/B runs set it to 0 after construction, or
+        # DATAFLOW_ROW_BLOCKS=0). On by default since run 153 (NOTES §36 item 1)
         a_ = spec.attention
-        on = self.attn_impl == "triton" and os.environ.get("DATAFLOW_ROW_BLOCKS", "0") == "1"
+        on = self.attn_impl == "triton" and os.environ.get("DATAFLOW_ROW_BLOCKS", "1") == "1"
         self.block_rows = block_rows_for(a_.num_heads, a_.num_kv_heads) if on else 0
         if prompts not in PROMPT_PATHS:
             raise ValueError(f"prompts={prompts!r}: expected one of {PROMPT_PATHS}")
@@ -496,6 +501,11 @@ class CudaExecutor:
         buf = self._embed_ids
         return self._first_rows(("embed_ids", buf.numel(), T), True, lambda: (buf[:T],))[0]
 
+    def _row_blocked(self, layer: int) -> bool:
+        """Whether `layer` runs a batch with prompt chunks by row blocks (see ROW_BLOCK_MIN_WINDOW)."""
+        window = self.spec.attention.window(layer)
+        return self.block_rows > 0 and (window is None or window >= ROW_BLOCK_MIN_WINDOW)
+
     def _mark(self) -> Optional[torch.cuda.Event]:
         if self.profile is None or self.device.type != "cuda":
             return None
@@ -553,7 +563,7 @@ class CudaExecutor:
                 if self.attn_graphs:
                     key = ("attn", layer, b, kv._cuda_exec_serial)
                     capture(key, lambda: self._attn_body(layer, bufs, dv, kv))
-                    if self.block_rows:  # and the graph of batches with prompt chunks
+                    if self._row_blocked(layer):  # and the graph of batches with prompt chunks
                         capture(key + ("blocks",), lambda: self._attn_body(layer, bufs, dv, kv, True))
         for b in self.buckets["expert"]:
             bufs = self._expert_bufs(b, True)
@@ -606,7 +616,7 @@ class CudaExecutor:
             blocks = None
             if len(rows) != len(segments):
                 self.stats.attn_paged_prompt += 1
-                if self.block_rows:
+                if self._row_blocked(layer):
                     blocks = row_blocks(segments, self.block_rows)
             return self._attn_paged(layer, h, positions, rows, dv, kv, b, blocks)
         b = bucket_for(T, self.buckets["attn"])
@@ -668,8 +678,9 @@ class CudaExecutor:
         H, dev = self.spec.hidden_size, self.device
         nout = 3 if self.spec.experts.shared_intermediate_size else 2
         bufs.get("h", (b, H), self.dtype, dev)
-        # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row counts
-        bufs.get("meta", (4, b), torch.int32, dev)
+        # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row counts and the
+        # decode kernel's context of its other rows (kernels.paged_attention.paged_row_block_attention_triton)
+        bufs.get("meta", (5, b), torch.int32, dev)
         bufs.get("out", (nout, b, H), self.dtype, dev)
         bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
         if self.spec.moe_layers:  # the device-routed payload: x's rows, ids and weights (runtime/routed_rows.py)
@@ -694,7 +705,7 @@ class CudaExecutor:
         attn_fn = paged_decode_attention_triton if self.attn_impl == "triton" else paged_decode_attention_torch
         if blocked:
             attn_fn = functools.partial(paged_row_block_attention_triton, first=meta[2], count=meta[3],
-                                        rows_per_block=self.block_rows)
+                                        solo_lens=meta[4], rows_per_block=self.block_rows)
         # one launch per norm, and RoPE + the KV write in one, where the attention kernels are Triton's
         # (kernels/rms_norm.py, kernels/rope_kv_write.py); else the torch references
         fused = self.attn_impl == "triton"
@@ -748,13 +759,14 @@ class CudaExecutor:
             a[0, T:] = -1
             a[1, :T] = rows
             a[1, T:] = trash
-            if blocks is not None:  # the padding rows (context 0) in blocks of their own, the rest unused
+            if blocks is not None:  # the chunks' row blocks, the rest unused; the other rows' context (padding: 0)
                 first, count = blocks
-                pad = list(range(T, b, self.block_rows))
-                n = len(first) + len(pad)
-                a[2, :n] = first + pad
-                a[3, :n] = count + [min(self.block_rows, b - f) for f in pad]
-                a[3, n:] = 0
+                a[2, :len(first)] = first
+                a[3, :len(first)] = count
+                a[3, len(first):] = 0
+                a[4, :T] = a[0, :T] + 1
+                a[4, T:] = 0
+                clear_block_rows(a[4], first, count)
         tm = self._attn_timer
         # The bucket's meta buffer may hold these rows already: a decode wave's next layer is usually the same
         # batch (same requests, positions and table rows), and the buffer keeps what the last upload wrote (each

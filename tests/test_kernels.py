@@ -29,8 +29,8 @@ from kernels.dispatch import backend_for
 from kernels.grouped_ffn import (
     grouped_ffn, grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton, grouped_mm_supported,
 )
-from kernels.paged_attention import (block_rows_for, paged_decode_attention_torch, paged_decode_attention_triton,
-                                     paged_row_block_attention_triton, row_blocks)
+from kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_torch,
+                                     paged_decode_attention_triton, paged_row_block_attention_triton, row_blocks)
 from kernels.permute import gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton
 from kernels.topk_merge import topk_merge, topk_merge_torch, topk_merge_triton
 
@@ -374,8 +374,8 @@ def test_paged_attention_triton(triton_device, dtype, window, with_sinks):
 @pytest.mark.parametrize("with_sinks", [True, False])
 def test_paged_row_block_attention_equals_the_decode_kernel_row_by_row(triton_device, dtype, window, with_sinks):
     """A batch of prompt chunks and decode rows (rows of one sequence share its page-table row; a 40-row chunk spans
-    two blocks; a padding row of context 0) through the row-block schedule: each row's result is
-    paged_decode_attention's for that row."""
+    two blocks; a padding row of context 0) through the row-block schedule, the chunks' rows by blocks and the others
+    through the decode kernel: each row's result is paged_decode_attention's for that row."""
     q0, k_cache, v_cache, table, _, sinks = _paged_inputs(dtype, triton_device, seed=2)
     sinks = sinks if with_sinks else None
     # (table row, first position, rows): a 6-row chunk at 3.., a decode row at 29, a 40-row chunk at 0.., padding
@@ -389,11 +389,14 @@ def test_paged_row_block_attention_equals_the_decode_kernel_row_by_row(triton_de
     ref = paged_decode_attention_torch(q, k_cache, v_cache, bt, lens, 0.3, sinks, window).float()
     per = block_rows_for(NH, NKV)
     first, count = row_blocks([(t, sum(n for *_, n in segs[:i]), n) for i, (t, _, n) in enumerate(segs)], per)
-    assert count == [6, 1, per, 40 - per, 1]
+    assert count == [6, per, 40 - per]  # the one-row segments are left to the decode kernel
+    solo = clear_block_rows(lens.clone(), first, count)
+    solo[-1] = 0  # the padding row, as the executor writes it
+    assert solo.count_nonzero() == 1  # the decode row
     pad = 3  # unused blocks (count 0), as a captured bucket has
     as_t = lambda v: torch.tensor(v + [0] * pad, dtype=torch.int32, device=triton_device)  # noqa: E731
     got = paged_row_block_attention_triton(q, k_cache, v_cache, bt, lens, 0.3, sinks, window,
-                                           first=as_t(first), count=as_t(count), rows_per_block=per,
+                                           first=as_t(first), count=as_t(count), solo_lens=solo, rows_per_block=per,
                                            block_t=16).float()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref, **tol)
@@ -533,7 +536,8 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
     the same hidden rows up to fp32 rounding. Families: sinks and windows (GPT-OSS), a partial rotary width (GLM),
     q/k norms over all heads (OLMoE) and per head (Qwen3), and MLA (DeepSeek: interleaved RoPE, the torch ops).
     Then a batch with a new prompt's 3-row chunk between the decode rows, padded to bucket 8: the row-block attention
-    (kernels.paged_attention.paged_row_block_attention_triton), the padding rows in blocks of their own."""
+    (kernels.paged_attention.paged_row_block_attention_triton: the chunk by row blocks, the decode and padding rows
+    through the decode kernel)."""
     import copy
 
     from graph_ir.spec import load_spec
