@@ -4,6 +4,8 @@ executor, side by side in one run: tokens/s, ITL and time to first token of its 
               the largest bucket; the default since session 18), its attention by row blocks (Triton: each K/V tile
               read once per block of a chunk's rows);
   per-row   - the same with its attention on the decode kernel, row by row (session 18's first form);
+  no-yield  - paged, with prompt-only batches not yielding to overdue decode rows (DATAFLOW_DECODE_WAIT_MS=0: the
+              engine before session 19);
   eager     - all of it by models.attention, decode rows batched (session 16's; session 17's "split", its decode rows
               through the paged kernels and the chunks by models.attention, is gone: run 150).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import random
 import statistics
 import sys
@@ -40,10 +43,12 @@ from runtime.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor  # noqa: E402
 from runtime.requests import Request  # noqa: E402
 
-# variant -> (CudaExecutor.prompts, row-block attention for chunks: CudaExecutor.block_rows kept, or 0)
-SETTINGS = {"paged": ("paged", True), "per-row": ("paged", False), "eager": ("eager", True)}
+# variant -> (CudaExecutor.prompts, row-block attention for chunks: CudaExecutor.block_rows kept, or 0, the engine's
+# decode-wait bound in ms: None for the default)
+SETTINGS = {"paged": ("paged", True, None), "per-row": ("paged", False, None), "no-yield": ("paged", True, "0"),
+            "eager": ("eager", True, None)}
 VARIANTS = tuple(SETTINGS)
-assert set(PROMPT_PATHS) <= {p for p, _ in SETTINGS.values()}
+assert set(PROMPT_PATHS) <= {p for p, _, _ in SETTINGS.values()}
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -62,9 +67,17 @@ def _requests(spec, n: int, initial: int, rate: float, prompt: tuple, new: tuple
 
 
 def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev, block_rows: int) -> dict:
-    inner.prompts, blocks = SETTINGS[variant]
+    inner.prompts, blocks, wait_ms = SETTINGS[variant]
     inner.block_rows = block_rows if blocks else 0
-    cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
+    before_env = os.environ.pop("DATAFLOW_DECODE_WAIT_MS", None)
+    if wait_ms is not None:
+        os.environ["DATAFLOW_DECODE_WAIT_MS"] = wait_ms  # read when the engines are made
+    try:
+        cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
+    finally:
+        os.environ.pop("DATAFLOW_DECODE_WAIT_MS", None)
+        if before_env is not None:
+            os.environ["DATAFLOW_DECODE_WAIT_MS"] = before_env
     if hasattr(inner, "prepare"):
         for e in cl.engines:
             inner.prepare(e.kv, owned=e.owned_experts)
@@ -91,7 +104,9 @@ def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev, block_row
                                               "attn_outputs_moved", "attn_claims_moved")
              if after[k] != before[k]}
     diag = (f"{len(att)} attention batches, {sum(b.rows for b in att) / max(1, len(att)):.0f} rows each, "
-            f"{sum(b.t_end - b.t_start for b in att) * 1e3:.0f} ms in them; {paths}")
+            f"{sum(b.t_end - b.t_start for b in att) * 1e3:.0f} ms in them; {paths}; "
+            f"{sum(e.metrics.prompt_yields for e in cl.engines)} prompt batches yielded to decode rows; "
+            f"ITL max {itl[-1] * 1e3 if itl else float('nan'):.1f} ms")
     return dict(diag=diag, tokens=sum(len(r.output) for r in reqs), wall=wall,
                 tok_s=sum(len(r.output) for r in reqs) / wall, itl50=q(itl, 0.5), itl99=q(itl, 0.99),
                 ttft50=q(ttft, 0.5), ttft99=q(ttft, 0.99), later50=q(later, 0.5), outputs=[list(r.output) for r in reqs])

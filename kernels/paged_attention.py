@@ -19,6 +19,11 @@ The Triton version is flash-decoding: the context of one (sequence, kv head) is 
 few sequences), each an online softmax over BLOCK_T-token tiles gathered through the block
 table; a second small kernel merges the chunks and adds the sink. All query heads of one kv head
 share a program, so each K/V tile is read once per group.
+
+A prompt's chunk is rows of this kind too (each row at its own position, attending 0..its own), but
+row by row each of its rows re-reads the sequence's keys: `paged_row_block_attention_triton` gives
+a block of up to 16 of a chunk's rows (times the head group: a 128-query tile) one program, which
+reads each K/V tile once for all of them, and leaves the batch's other rows to the decode kernel.
 """
 
 from __future__ import annotations

@@ -117,6 +117,12 @@ class Batch:
     out: dict = field(default_factory=dict)  # executor results, filled by execute()
 
 
+def _holds_decode(batch: "Batch") -> bool:
+    """Whether an attention batch holds decode rows (a block, a one-row segment): its expert rows then queue in the
+    decode lane (runtime/queues.MuQueue)."""
+    return any(type(it) is AttnBlock or it.n == 1 for it in batch.items)
+
+
 def _waiting_on(batch: "Batch"):
     """A deferred batch's handle: its sample tokens ("pending") or its attention routing ("routing")."""
     handle = batch.out.get("pending")
@@ -136,6 +142,17 @@ def _async_sample_from_env() -> bool:
 
 def _step_ahead_from_env() -> bool:
     return _flag_from_env("DATAFLOW_STEP_AHEAD", "queue a request's next step when its sample batch is launched", "1")
+
+
+def _decode_wait_bound_from_env() -> float:
+    v = os.environ.get("DATAFLOW_DECODE_WAIT_MS", "2")
+    try:
+        ms = float(v)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:
+        raise ValueError(f"DATAFLOW_DECODE_WAIT_MS={v!r}: valid values are milliseconds >= 0 (0: off); default 2")
+    return ms * 1e-3
 
 
 def _async_route_from_env() -> bool:
@@ -195,6 +212,14 @@ class Engine:
         # `execute`; +15% tok/s on 2 x H200 (run 42, benchmarks/NOTES.md §20). Deferred batches complete at the
         # next `next_batch()` that finds them ready, in any driver.
         self.async_sample = _async_sample_from_env()
+        # Prompts yield to overdue decode rows (DATAFLOW_DECODE_WAIT_MS, default 2, 0 turns it off): when the policy
+        # picks a batch of prompt rows alone while decode rows somewhere have waited this long at their stage, the most
+        # overdue of those stages runs instead (`_decode_overdue`), so a token waits at most about this bound per stage
+        # (2 x layers + 1 stages) behind prompts. Why: a policy that scores queue depth (defrag) sweeps the prompts
+        # queued at a layer before the decode wave behind them moves on (ITL p99 0.5-1.1 s on the H200 with 2-8k-token
+        # prompts arriving, run 154; benchmarks/prefill_flood_sim.py, NOTES §36 item 2). Decode-only serving never
+        # picks a prompt-only batch, so it decides as before.
+        self.decode_wait_bound = _decode_wait_bound_from_env()
         # Step-ahead (with asynchronous sampling; DATAFLOW_STEP_AHEAD=0 turns it off): when a
         # sample batch is launched, the next step's layer-0 rows of its requests that go on whatever token they get
         # (not at their length limit) are queued at once, their ids left on the device for the embedding. The host
@@ -337,9 +362,10 @@ class Engine:
         if t == MSG_EXPERT_IN:
             self._enqueue_expert_rows(meta["layer"], meta["home"], decode_tags(meta["rows"]),
                                       decode_ids(meta["e"], self._id_dtype), tensor, meta.get("more", 0.0),
-                                      meta.get("next", 0.0))
+                                      meta.get("next", 0.0), "d" in meta)
         elif t == MSG_EXPERT_ROUTED:
-            self._enqueue_routed(meta["layer"], meta["home"], tensor, meta["rows"][0], meta.get("more", 0.0))
+            self._enqueue_routed(meta["layer"], meta["home"], tensor, meta["rows"][0], meta.get("more", 0.0),
+                                 "d" in meta)
         elif t == MSG_EXPERT_OUT:
             self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))  # array or run form
         elif self.on_control is not None:
@@ -348,24 +374,27 @@ class Engine:
             raise ValueError(f"rank {self.rank}: unknown message kind {t!r} from rank {src}")
 
     def _enqueue_expert_rows(self, layer: int, home: int, tags, experts, x: torch.Tensor,
-                             more: float = 0.0, nxt: float = 0.0) -> None:
+                             more: float = 0.0, nxt: float = 0.0, decode: bool = False) -> None:
         """One queue item for the whole block of routed rows; `more`: rows `home` expects to send here
         for this layer soon (the rest of its wave), for the wave hold; `nxt`: rows the same tokens will
         bring to this rank's expert(layer + 1) (the policy's hold_ahead; replaced by `more` when that
-        layer's dispatch from `home` arrives)."""
+        layer's dispatch from `home` arrives); `decode`: their attention batch held decode rows (the queue's
+        decode lane; on the wire, meta key "d")."""
         self._announced[layer][home] = more
         if nxt:
             ahead = self._announced[layer + 1]
             ahead[home] = ahead.get(home, 0.0) + nxt
         tags = np.asarray(tags, dtype=np.int64)
         self.queues[self.expert_stage[layer]].push(
-            ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags)))
+            ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags), decode))
 
-    def _enqueue_routed(self, layer: int, home: int, payload: torch.Tensor, tag0: int, more: float = 0.0) -> None:
+    def _enqueue_routed(self, layer: int, home: int, payload: torch.Tensor, tag0: int, more: float = 0.0,
+                        decode: bool = False) -> None:
         """One RoutedItem for a home's whole attention batch (device-routed dispatch; its packed payload as is)."""
         self._announced[layer][home] = more
         n = payload.shape[0] * self.cfg.top_k
-        self.queues[self.expert_stage[layer]].push(RoutedItem(home, layer, payload, tag0, self.clock.now(), n))
+        self.queues[self.expert_stage[layer]].push(RoutedItem(home, layer, payload, tag0, self.clock.now(), n,
+                                                              decode))
 
     def owned_experts(self, layer: int, device: torch.device) -> torch.Tensor:
         """bool [E] on `device`: the experts of `layer` this rank holds (one tensor per (layer, device): the CUDA
@@ -491,6 +520,21 @@ class Engine:
             return self.queues[self.sample_stage].depth + self.merge.open_rows(last) + self._deferred_attn_rows[last]
         return float(self.merge.open_rows(st.layer - 1) + self._deferred_attn_rows[st.layer - 1])
 
+    def _decode_overdue(self, chosen: MuQueue, views: list[StageView]) -> Optional[int]:
+        """The stage to run instead of `chosen`'s batch when that would hold prompt chunks alone: the runnable stage
+        whose decode rows have waited longest, if that is at least `decode_wait_bound` (else None)."""
+        if chosen.has_eligible_decode(self._eligibility(chosen.stage_id)):
+            return None
+        now, best, best_wait = self.clock.now(), None, self.decode_wait_bound
+        for sid, v in enumerate(views):
+            if not v.runnable:
+                continue
+            q = self.queues[sid]
+            t = q.decode_enqueue()
+            if t is not None and now - t >= best_wait and q.has_eligible_decode(self._eligibility(sid)):
+                best, best_wait = sid, now - t
+        return best
+
     def next_batch(self) -> Optional[Batch]:
         """Ask the policy for a stage and assemble its batch (popped from the queue), or None. A HOLD
         decision also returns None and sets `hold_s`: the driver should look again within that long
@@ -516,6 +560,12 @@ class Engine:
             return None
         stage = self.stages[decision.stage]
         q = self.queues[stage.id]
+        if stage.kind != "sample" and self.decode_wait_bound:
+            overdue = self._decode_overdue(q, views)
+            if overdue is not None:
+                decision = Decision(overdue, decision.scores)
+                stage, q = self.stages[overdue], self.queues[overdue]
+                self.metrics.prompt_yields += 1
         items = q.take(self._eligibility(stage.id))
         tm.lap("take")
         if not items:
@@ -908,6 +958,7 @@ class Engine:
         ahead = self._wave_ahead(batch)
         # hold_ahead: the same tokens' rows at expert(layer + 1), estimated with this layer's share per owner
         announce_next = getattr(self.policy, "hold_ahead", 0) and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
+        decode = _holds_decode(batch)
         tm.lap("gather")
         off = 0
         for d, c in enumerate(plan.counts.tolist()):
@@ -918,12 +969,14 @@ class Engine:
             nxt = float(c) if announce_next else 0.0
             if d == self.rank:
                 td = np.arange(tag0 + off, tag0 + off + c, dtype=np.int64)
-                self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more, nxt)
+                self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more, nxt, decode)
             else:
                 meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (tag0 + off, c),
                         "e": encode_ids(ed, self._id_dtype), "more": more}  # wire forms: runtime/expert_wire.py
                 if nxt:
                     meta["next"] = nxt
+                if decode:
+                    meta["d"] = 1
                 self.transport.send(d, meta, xd)
             off += c
         tm.lap("send+enqueue")
@@ -943,7 +996,8 @@ class Engine:
         tm.lap("routed:merge_open")
         T = payload.shape[0]
         if self.rank in owners:  # (opening the layer's group changed no count `more` was made of)
-            self._enqueue_routed(layer, self.rank, payload, (gid << TAG_SHIFT) + owners.index(self.rank) * T, more)
+            self._enqueue_routed(layer, self.rank, payload, (gid << TAG_SHIFT) + owners.index(self.rank) * T, more,
+                                 _holds_decode(batch))
         tm.lap("routed:enqueue")
 
     def _send_routed(self, batch: Batch, layer: int, payload: torch.Tensor) -> tuple[int, float]:
@@ -952,10 +1006,14 @@ class Engine:
         gid = self.merge.next_gid
         T = payload.shape[0]
         more = self._wave_ahead(batch) * self.cfg.top_k
+        decode = _holds_decode(batch)
         for j, d in enumerate(self._owners[layer]):
             if d != self.rank:
-                self.transport.send(d, {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank,
-                                        "rows": ((gid << TAG_SHIFT) + j * T, T), "more": more}, payload)
+                meta = {"t": MSG_EXPERT_ROUTED, "layer": layer, "home": self.rank,
+                        "rows": ((gid << TAG_SHIFT) + j * T, T), "more": more}
+                if decode:
+                    meta["d"] = 1
+                self.transport.send(d, meta, payload)
         return gid, more
 
     def _wave_ahead(self, batch: Batch) -> float:

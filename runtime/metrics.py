@@ -36,6 +36,8 @@ class RankMetrics:
     # Decode attention batches (one-row segments only) the cap cut with rows still queued: the rank ran its decodes
     # as several waves per layer (each wave costs a batch's host work per layer; benchmarks/NOTES.md §29 item 6).
     attn_capped_decode: int = 0
+    # Decisions where a batch of prompt chunks alone gave way to overdue decode rows (Engine._decode_overdue).
+    prompt_yields: int = 0
 
     def on_batch(self, rec: BatchRecord, waits: Iterable[float], counts: Optional[Iterable[int]] = None) -> None:
         """`waits[i]`: queueing delay of item i; `counts[i]`: how many rows it stands for (1 each when
@@ -74,6 +76,7 @@ def summarize(requests: list, ranks: list[RankMetrics], elapsed: float) -> dict:
     out["batches"] = sum(len(m.batches) for m in ranks)
     out["attn_small_remainders"] = sum(m.attn_small_remainders for m in ranks)
     out["attn_capped_decode"] = sum(m.attn_capped_decode for m in ranks)
+    out["prompt_yields"] = sum(m.prompt_yields for m in ranks)
     items = sum(m.queued_items for m in ranks)
     out["max_queue_delay_s"] = max((m.max_queue_delay for m in ranks), default=0.0)
     out["mean_queue_delay_s"] = sum(m.queue_delay_sum for m in ranks) / items if items else 0.0

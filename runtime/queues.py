@@ -12,6 +12,7 @@ only the slots of this rank's experts are real work.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, Optional
@@ -88,6 +89,7 @@ class ExpertItem:
     expert: np.ndarray  # int64 [n]
     t_enq: float
     n: int
+    decode: bool = False  # its attention batch held decode rows (MuQueue's decode lane)
 
     @property
     def out_rows(self) -> int:
@@ -96,8 +98,10 @@ class ExpertItem:
 
     def split(self, m: int) -> tuple["ExpertItem", "ExpertItem"]:
         """(first m rows, the rest): the batch cap cut this block."""
-        return (ExpertItem(self.home, self.layer, self.x[:m], self.tag[:m], self.expert[:m], self.t_enq, m),
-                ExpertItem(self.home, self.layer, self.x[m:], self.tag[m:], self.expert[m:], self.t_enq, self.n - m))
+        return (ExpertItem(self.home, self.layer, self.x[:m], self.tag[:m], self.expert[:m], self.t_enq, m,
+                           self.decode),
+                ExpertItem(self.home, self.layer, self.x[m:], self.tag[m:], self.expert[m:], self.t_enq, self.n - m,
+                           self.decode))
 
 
 @dataclass(slots=True)
@@ -114,6 +118,7 @@ class RoutedItem:
     tag0: int
     t_enq: float
     n: int  # T * k
+    decode: bool = False  # its attention batch held decode rows (MuQueue's decode lane)
 
     @property
     def out_rows(self) -> int:
@@ -128,8 +133,9 @@ class RoutedItem:
         least one token."""
         k = self.n // self.payload.shape[0]
         t = max(m // k, 1)
-        return (RoutedItem(self.home, self.layer, self.payload[:t], self.tag0, self.t_enq, t * k),
-                RoutedItem(self.home, self.layer, self.payload[t:], self.tag0 + t, self.t_enq, self.n - t * k))
+        return (RoutedItem(self.home, self.layer, self.payload[:t], self.tag0, self.t_enq, t * k, self.decode),
+                RoutedItem(self.home, self.layer, self.payload[t:], self.tag0 + t, self.t_enq, self.n - t * k,
+                           self.decode))
 
 
 @dataclass(slots=True)
@@ -148,9 +154,17 @@ class SampleItem:
 
 
 class MuQueue:
-    """FIFO of items for one stage. `token_weight` is 1 for attn/sample rows and 1/k for expert rows."""
+    """FIFO of items for one stage. `token_weight` is 1 for attn/sample rows and 1/k for expert rows.
 
-    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "rows", "_pushes")
+    Attention and expert queues have two lanes, each FIFO: items with decode rows (attention: AttnBlocks and one-row
+    segments; expert: the rows of an attention batch that held decode rows) and items of prompts alone. A batch takes
+    the decode lane first, then fills up from the other: a decode row never waits for the prompt work queued before it
+    (a prompt's chunk fills the cap, so FIFO put a batch of it, and its expert rows, ahead of the decode rows per
+    prefilling request, at every layer). K/V order is not at stake: a request is in one lane at a time (a prompt's
+    one-row last chunk, in the decode lane, waits for its earlier chunks' eligibility), and expert rows have none.
+    A sample queue has one lane: every row there is about to give a token."""
+
+    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "_decode", "rows", "_pushes")
 
     def __init__(self, stage_id: int, kind: str, layer: int, cap: int, token_weight: float = 1.0,
                  pushes: Optional[list[int]] = None) -> None:
@@ -161,15 +175,19 @@ class MuQueue:
         self.layer = layer
         self.cap = cap
         self.token_weight = token_weight
-        self._items: deque = deque()
+        self._items: deque = deque()  # (attention and expert queues: the prompts-only lane)
+        self._decode: Optional[deque] = deque() if kind in ("attn", "expert") else None
         self.rows = 0  # rows queued (0 exactly when empty: only items with rows are pushed); push and take keep it
         self._pushes = pushes
 
+    def _lanes(self) -> tuple:
+        return (self._items,) if self._decode is None else (self._decode, self._items)
+
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + (len(self._decode) if self._decode is not None else 0)
 
     def __iter__(self) -> Iterator:
-        return iter(self._items)
+        return itertools.chain(*self._lanes())
 
     @property
     def depth(self) -> float:
@@ -177,27 +195,50 @@ class MuQueue:
         return self.rows * self.token_weight
 
     def oldest_enqueue(self) -> Optional[float]:
-        # FIFO: the front item is the one that has waited longest.
-        return self._items[0].t_enq if self._items else None
+        # FIFO lanes: each one's front item is the one of it that has waited longest.
+        fronts = [lane[0].t_enq for lane in self._lanes() if lane]
+        return min(fronts) if fronts else None
+
+    def decode_enqueue(self) -> Optional[float]:
+        """When the longest-waiting decode row here was queued: the decode lane's front; a sample queue's oldest
+        item (every row there is about to give a token)."""
+        if self._decode is None:
+            return self.oldest_enqueue()
+        return self._decode[0].t_enq if self._decode else None
 
     def push(self, item) -> None:
         if item.n:
-            self._items.append(item)
+            if self._decode is not None and _decode_lane(item):
+                self._decode.append(item)
+            else:
+                self._items.append(item)
             self.rows += item.n
             if self._pushes is not None:
                 self._pushes[0] += 1
 
     def take(self, eligible: Optional[Callable[[object], bool]] = None) -> list:
-        """Pop items in FIFO order up to `cap` rows, skipping ineligible ones (they keep their place).
+        """Pop items in FIFO order up to `cap` rows, skipping ineligible ones (they keep their place); the decode
+        lane first, then the prompts' (class docstring).
 
         Stops at the first eligible item that would overflow the cap rather than searching for a
         smaller one further back: filling the batch is not worth breaking FIFO fairness. A block
         (expert/sample item) that would overflow is split: its first rows fill the batch, the rest
         stays at the front of the queue.
         """
-        out, kept, rows = [], [], 0
-        items = self._items
+        out: list = []
+        rows = 0
+        for items in self._lanes():
+            rows, full = self._take_lane(items, out, rows, eligible)
+            if full:
+                break
+        self.rows -= rows
+        return out
+
+    def _take_lane(self, items: deque, out: list, rows: int, eligible) -> tuple[int, bool]:
+        # take()'s loop over one lane: appends to `out`, returns the batch's rows and whether the cap stopped it.
+        kept = []
         cap = self.cap
+        full = False
         while items:
             item = items[0]
             n = item.n
@@ -213,19 +254,33 @@ class MuQueue:
                         items[0] = rest
                     else:  # a RoutedItem of one token, whose k slots cannot be cut, went whole
                         items.popleft()
+                    full = True
                     break
                 if out:
+                    full = True
                     break  # (a segment larger than the cap alone still runs, so nothing can stick forever)
             out.append(items.popleft())
             rows += n
         # Put skipped items back in front, in their original order.
         items.extendleft(reversed(kept))
-        self.rows -= rows
-        return out
+        return rows, full
 
     def has_eligible(self, eligible: Optional[Callable[[object], bool]] = None) -> bool:
-        if not self._items:
-            return False
         if eligible is None:
-            return True
-        return any(eligible(item) for item in self._items)
+            return bool(self.rows)
+        return any(eligible(item) for lane in self._lanes() for item in lane)
+
+    def has_eligible_decode(self, eligible: Optional[Callable[[object], bool]] = None) -> bool:
+        """Whether a batch taken now would hold a decode row (the decode lane; a sample queue's any row, as in
+        `decode_enqueue`)."""
+        if self._decode is None:
+            return self.has_eligible(eligible)
+        return any(eligible is None or eligible(item) for item in self._decode)
+
+
+def _decode_lane(item) -> bool:
+    # An attention queue's decode rows (blocks, one-row segments), an expert queue's rows of batches that held them
+    t = type(item)
+    if t is AttnItem:
+        return item.n == 1
+    return t is AttnBlock or item.decode

@@ -239,6 +239,32 @@ def test_queue_take_respects_cap_fifo_and_eligibility():
     assert len(big.take()) == 1  # an oversize item still runs alone, it never sticks
 
 
+def test_decode_rows_go_before_the_prompt_work_queued_earlier():
+    """Attention and expert queues take their decode lane first (MuQueue's docstring): a decode block queued behind
+    two prompt chunks runs in the next batch, and a chunk that then overflows the cap waits for the batch after; an
+    expert block of a batch that held decode rows goes before the prompt-only blocks queued before it. Within each
+    lane FIFO; the oldest item of either lane is the queue's oldest (the policies' wait)."""
+    q = MuQueue(0, "attn", 0, cap=8)
+    q.push(AttnItem(1, 0, 8, [1] * 8, None, 0.0))
+    q.push(AttnItem(2, 0, 8, [1] * 8, None, 0.1))
+    q.push(AttnBlock([3, 4], [9, 9], [5, 5], None, 0.2, 2))
+    q.push(AttnItem(5, 4, 1, [1], None, 0.3))  # a one-row segment: a decode row's lane
+    assert q.oldest_enqueue() == 0.0 and q.decode_enqueue() == 0.2 and q.has_eligible_decode()
+    got = q.take()
+    assert [type(it) for it in got] == [AttnBlock, AttnItem] and got[1].rid == 5 and q.rows == 16
+    assert not q.has_eligible_decode() and q.decode_enqueue() is None
+    assert [it.rid for it in q.take()] == [1] and [it.rid for it in q.take()] == [2] and len(q) == 0
+    e = MuQueue(1, "expert", 0, cap=4, token_weight=1 / 2)
+    e.push(_block(3, 0.0, 0))
+    e.push(_block(3, 0.1, 3))
+    urgent = _block(2, 0.2, 6)
+    urgent.decode = True
+    e.push(urgent)
+    got = e.take()
+    assert [it.n for it in got] == [2, 2] and np.concatenate([it.tag for it in got]).tolist() == [6, 7, 0, 1]
+    assert got[0].decode and not got[1].decode and [it.n for it in e] == [1, 3]
+
+
 def _block(n, t, first=0):
     return ExpertItem(0, 0, torch.arange(first, first + n, dtype=torch.float32)[:, None],
                       np.arange(first, first + n, dtype=np.int64), np.arange(first, first + n) % 3, t, n)

@@ -22,6 +22,13 @@ from runtime.requests import Request
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def _policies_alone(monkeypatch):
+    # The policies as the paper describes them: without the engine's guard that makes prompt-only batches yield to
+    # overdue decode rows (Engine.decode_wait_bound; tests/test_prefill_flood.py checks that guard)
+    monkeypatch.setenv("DATAFLOW_DECODE_WAIT_MS", "0")
+
 SPEC = load_spec("models/specs/tiny-mixtral.yaml")  # 4 MoE layers, 8 experts, top-2
 
 
