@@ -5,7 +5,7 @@ executor, side by side in one run: tokens/s, ITL and time to first token of its 
               read once per block of a chunk's rows);
   per-row   - the same with its attention on the decode kernel, row by row (session 18's first form);
   no-yield  - paged, with prompt-only batches not yielding to overdue decode rows (DATAFLOW_DECODE_WAIT_MS=0: the
-              engine before session 19);
+              engine before session 19); yield-10: yielding after 10 ms instead of the default;
   eager     - all of it by models.attention, decode rows batched (session 16's; session 17's "split", its decode rows
               through the paged kernels and the chunks by models.attention, is gone: run 150).
 
@@ -46,7 +46,7 @@ from runtime.requests import Request  # noqa: E402
 # variant -> (CudaExecutor.prompts, row-block attention for chunks: CudaExecutor.block_rows kept, or 0, the engine's
 # decode-wait bound in ms: None for the default)
 SETTINGS = {"paged": ("paged", True, None), "per-row": ("paged", False, None), "no-yield": ("paged", True, "0"),
-            "eager": ("eager", True, None)}
+            "yield-10": ("paged", True, "10"), "eager": ("eager", True, None)}
 VARIANTS = tuple(SETTINGS)
 assert set(PROMPT_PATHS) <= {p for p, _, _ in SETTINGS.values()}
 
