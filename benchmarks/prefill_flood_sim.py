@@ -36,10 +36,10 @@ def _range(text: str) -> tuple[int, int]:
 
 def flood(policy: str, bound_ms: float, *, model: str = "gpt-oss-20b", layers: int = 4, requests: int = 96,
           initial: int = 32, rate: float = 40.0, prompt=(2048, 8192), new=(16, 32), attn_per_row: float = 0.1e-6,
-          seed: int = 1) -> dict:
+          seed: int = 1, ranks: int = 1) -> dict:
     """One run: ITL / TTFT percentiles (seconds) and the engine's counts. `bound_ms` 0: the guard off."""
     spec = cut_spec(model, layers, None)
-    plan = compile_plan(spec, 1, "cpu")
+    plan = compile_plan(spec, ranks, "cpu")
     g = random.Random(seed)
     t, reqs = 0.0, []
     for i in range(requests):
@@ -47,7 +47,7 @@ def flood(policy: str, bound_ms: float, *, model: str = "gpt-oss-20b", layers: i
             t += g.expovariate(rate)
         reqs.append(Request(i, f"r{i}", [5] * g.randint(*prompt), g.randint(*new), ignore_eos=True, arrival=t))
     cost = CostModel(attn_fixed=150e-6, attn_per_row=attn_per_row, expert_fixed=200e-6, expert_per_row=0.3e-6)
-    kv_blocks = requests * (prompt[1] + new[1] + 16) // plan.kv.block_size + 8
+    kv_blocks = requests * (prompt[1] + new[1] + 16) // plan.kv.block_size + 8  # (per rank: room for all)
     old = os.environ.get("DATAFLOW_DECODE_WAIT_MS")
     os.environ["DATAFLOW_DECODE_WAIT_MS"] = str(bound_ms)  # the engine reads it when it is made
     try:

@@ -105,6 +105,9 @@ def _summary_table(metrics: dict, plan, policy: str):
         t.add_row(f"mean {kind} batch", f"{metrics[f'{kind}_mean_batch']:.1f} {unit} ({metrics[f'{kind}_batches']} batches)")
     t.add_row("max queueing delay", f"{metrics['max_queue_delay_s'] * 1e3:.2f} ms")
     t.add_row("mean inter-token latency", f"{metrics['mean_itl_s'] * 1e3:.2f} ms")
+    t.add_row("p99 / max inter-token latency", f"{metrics['p99_itl_s'] * 1e3:.2f} / {metrics['max_itl_s'] * 1e3:.2f} ms")
+    if metrics.get("prompt_yields"):  # Engine._decode_overdue (DATAFLOW_DECODE_WAIT_MS)
+        t.add_row("prompt batches yielded to decode", str(metrics["prompt_yields"]))
     if metrics.get("messages") is not None:
         t.add_row("messages between ranks", str(metrics["messages"]))
     return t

@@ -17,18 +17,21 @@ torch.set_num_threads(1)
 LOAD = dict(requests=40, initial=16, rate=40.0, prompt=(2048, 8192), new=(16, 32), layers=4)
 
 
-def test_prompt_batches_yield_to_overdue_decode_rows():
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_prompt_batches_yield_to_overdue_decode_rows(ranks):
+    """On two ranks the expert rows of a batch with decode rows cross the wire flagged (meta "d"): without the flag
+    the holder queues them behind prompt rows (ITL max 143 ms here instead of 20)."""
     bound_ms = 2.0
-    on = flood("defrag", bound_ms, **LOAD)
-    off = flood("defrag", 0, **LOAD)
+    on = flood("defrag", bound_ms, ranks=ranks, **LOAD)
+    off = flood("defrag", 0, ranks=ranks, **LOAD)
     assert on["tokens"] == off["tokens"] == on["wanted"]  # every request got all its tokens
     stages = 2 * LOAD["layers"] + 1
     limit = stages * bound_ms * 1e-3 + 3e-3  # + a few batch times (the batch that runs when the bound is reached)
     assert on["yields"] > 0
     assert on["itl_max"] < limit, on
     assert off["yields"] == 0 and off["itl_max"] > 3 * limit, off  # the stall the bound removes is there without it
-    # what it costs the prompts: nothing at the median here, the last token within 2%
-    assert on["ttft50"] <= off["ttft50"] * 1.02 and on["end"] <= off["end"] * 1.02
+    # what it costs the prompts here: TTFT p50 within 2%, the last token within 5%
+    assert on["ttft50"] <= off["ttft50"] * 1.02 and on["end"] <= off["end"] * 1.05
 
 
 def test_the_bound_is_read_from_the_environment_with_a_clear_error(monkeypatch):
