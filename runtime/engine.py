@@ -521,8 +521,9 @@ class Engine:
         return float(self.merge.open_rows(st.layer - 1) + self._deferred_attn_rows[st.layer - 1])
 
     def _decode_overdue(self, chosen: MuQueue, views: list[StageView]) -> Optional[int]:
-        """The stage to run instead of `chosen`'s batch when that would hold prompt chunks alone: the runnable stage
-        whose decode rows have waited longest, if that is at least `decode_wait_bound` (else None)."""
+        """The stage to run instead of `chosen`'s batch when that would hold prompt rows alone: the runnable stage
+        whose decode rows have waited longest, if that is at least `decode_wait_bound` (else None). Decode-only
+        serving returns at the first line (the chosen queue's decode lane)."""
         if chosen.has_eligible_decode(self._eligibility(chosen.stage_id)):
             return None
         now, best, best_wait = self.clock.now(), None, self.decode_wait_bound

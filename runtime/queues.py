@@ -273,9 +273,10 @@ class MuQueue:
     def has_eligible_decode(self, eligible: Optional[Callable[[object], bool]] = None) -> bool:
         """Whether a batch taken now would hold a decode row (the decode lane; a sample queue's any row, as in
         `decode_enqueue`)."""
-        if self._decode is None:
-            return self.has_eligible(eligible)
-        return any(eligible is None or eligible(item) for item in self._decode)
+        lane = self._items if self._decode is None else self._decode
+        if not lane:
+            return False
+        return eligible is None or any(eligible(item) for item in lane)
 
 
 def _decode_lane(item) -> bool:
