@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -69,15 +70,11 @@ def _requests(spec, n: int, initial: int, rate: float, prompt: tuple, new: tuple
 def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev, block_rows: int) -> dict:
     inner.prompts, blocks, wait_ms = SETTINGS[variant]
     inner.block_rows = block_rows if blocks else 0
-    before_env = os.environ.pop("DATAFLOW_DECODE_WAIT_MS", None)
-    if wait_ms is not None:
-        os.environ["DATAFLOW_DECODE_WAIT_MS"] = wait_ms  # read when the engines are made
-    try:
-        cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
-    finally:
+    with mock.patch.dict(os.environ):  # the engines read the bound when they are made; restored after
         os.environ.pop("DATAFLOW_DECODE_WAIT_MS", None)
-        if before_env is not None:
-            os.environ["DATAFLOW_DECODE_WAIT_MS"] = before_env
+        if wait_ms is not None:
+            os.environ["DATAFLOW_DECODE_WAIT_MS"] = wait_ms
+        cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
     if hasattr(inner, "prepare"):
         for e in cl.engines:
             inner.prepare(e.kv, owned=e.owned_experts)

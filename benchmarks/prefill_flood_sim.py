@@ -17,6 +17,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,17 +49,10 @@ def flood(policy: str, bound_ms: float, *, model: str = "gpt-oss-20b", layers: i
         reqs.append(Request(i, f"r{i}", [5] * g.randint(*prompt), g.randint(*new), ignore_eos=True, arrival=t))
     cost = CostModel(attn_fixed=150e-6, attn_per_row=attn_per_row, expert_fixed=200e-6, expert_per_row=0.3e-6)
     kv_blocks = requests * (prompt[1] + new[1] + 16) // plan.kv.block_size + 8  # (per rank: room for all)
-    old = os.environ.get("DATAFLOW_DECODE_WAIT_MS")
-    os.environ["DATAFLOW_DECODE_WAIT_MS"] = str(bound_ms)  # the engine reads it when it is made
-    try:
+    with mock.patch.dict(os.environ, {"DATAFLOW_DECODE_WAIT_MS": str(bound_ms)}):  # read when the engine is made
         cl = Cluster(plan, SimExecutor.for_spec(spec), RunOptions(policy=policy, clock="virtual", executor="sim",
                                                                   cost_model=cost, kv_blocks=kv_blocks))
         res = cl.run(reqs)
-    finally:
-        if old is None:
-            os.environ.pop("DATAFLOW_DECODE_WAIT_MS")
-        else:
-            os.environ["DATAFLOW_DECODE_WAIT_MS"] = old
     itl = sorted(b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:]))
     ttft = sorted(r.token_times[0] - r.arrival for r in reqs)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731

@@ -49,7 +49,7 @@ from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.metrics import BatchRecord, RankMetrics
-from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, RoutedItem, SampleItem
+from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, RoutedItem, SampleItem, is_decode
 from runtime.requests import Request
 from runtime.routed_rows import device_routed_from_env, pack as pack_routed
 from runtime.scheduler import HOLD, Decision, StageView, make_policy
@@ -120,7 +120,7 @@ class Batch:
 def _holds_decode(batch: "Batch") -> bool:
     """Whether an attention batch holds decode rows (a block, a one-row segment): its expert rows then queue in the
     decode lane (runtime/queues.MuQueue)."""
-    return any(type(it) is AttnBlock or it.n == 1 for it in batch.items)
+    return any(map(is_decode, batch.items))
 
 
 def _waiting_on(batch: "Batch"):

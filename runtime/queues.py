@@ -195,9 +195,12 @@ class MuQueue:
         return self.rows * self.token_weight
 
     def oldest_enqueue(self) -> Optional[float]:
-        # FIFO lanes: each one's front item is the one of it that has waited longest.
-        fronts = [lane[0].t_enq for lane in self._lanes() if lane]
-        return min(fronts) if fronts else None
+        # FIFO lanes: each one's front item is the one of it that has waited longest (read per runnable stage per
+        # decision: no list built)
+        items, dec = self._items, self._decode
+        if not dec:
+            return items[0].t_enq if items else None
+        return min(dec[0].t_enq, items[0].t_enq) if items else dec[0].t_enq
 
     def decode_enqueue(self) -> Optional[float]:
         """When the longest-waiting decode row here was queued: the decode lane's front; a sample queue's oldest
@@ -208,7 +211,7 @@ class MuQueue:
 
     def push(self, item) -> None:
         if item.n:
-            if self._decode is not None and _decode_lane(item):
+            if self._decode is not None and is_decode(item):
                 self._decode.append(item)
             else:
                 self._items.append(item)
@@ -279,8 +282,9 @@ class MuQueue:
         return eligible is None or any(eligible(item) for item in lane)
 
 
-def _decode_lane(item) -> bool:
-    # An attention queue's decode rows (blocks, one-row segments), an expert queue's rows of batches that held them
+def is_decode(item) -> bool:
+    """Whether a queue item goes in its queue's decode lane: attention decode rows (a block, a one-row segment), expert
+    rows of an attention batch that held decode rows."""
     t = type(item)
     if t is AttnItem:
         return item.n == 1
