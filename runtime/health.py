@@ -7,6 +7,15 @@ one that sent an explicit abort, turns into a `PeerFailure` the next time the en
 transport. The engine lets it propagate, the rank broadcasts its own abort (`abort_all`) so the other
 ranks do not have to wait for their own timeouts, and the process exits non-zero.
 
+A heartbeat thread beats even when the rank's main thread is stuck (a deadlock, an endless loop, a
+blocking call that never returns), so every heartbeat also carries the rank's progress: its serving
+loop's iteration count (0 while it is not in a serving loop: loading weights, capturing graphs) and
+the batches it ran. A peer whose loop count has not moved for longer than its bound while it keeps
+beating is wedged, and named. The bound follows the run's own pace: the larger of a floor
+(`stall_timeout_s`, `dataflow run --stall-timeout`) and STALL_FACTOR times the longest pause between
+advances seen from that peer so far, so a slow but progressing rank (long CPU prefills, a loaded
+host) is never called wedged, and a fast one is caught at the floor.
+
 This module knows nothing about sockets: the transport feeds it (`saw`, `closed`, `aborted`) and
 gives the heartbeat thread a function that sends one beat. It imports no torch so the launcher can
 use `abort_all` cheaply.
@@ -20,6 +29,33 @@ from typing import Callable, Optional
 
 DEFAULT_HEARTBEAT_S = 0.5
 DEFAULT_PEER_TIMEOUT_S = 10.0
+DEFAULT_STALL_TIMEOUT_S = 60.0
+STALL_FACTOR = 10.0
+
+
+class ProgressWatch:
+    """When a counter last advanced, and the bound on how long it may stand still: max(floor, STALL_FACTOR x the
+    longest pause between advances seen so far). Only the thread that calls `update` writes."""
+
+    def __init__(self, floor_s: float, now: float) -> None:
+        self.floor_s = floor_s
+        self.value: Optional[int] = None
+        self.since = now
+        self.longest = 0.0
+
+    def update(self, value: int, now: float) -> None:
+        if value != self.value:
+            if self.value is not None:
+                self.longest = max(self.longest, now - self.since)
+            self.value, self.since = value, now
+
+    def bound(self) -> float:
+        return max(self.floor_s, STALL_FACTOR * self.longest)
+
+    def stalled_for(self, now: float) -> Optional[float]:
+        """Seconds it stood still, if that is over its bound; else None."""
+        quiet = now - self.since
+        return quiet if quiet > self.bound() else None
 
 
 class PeerFailure(RuntimeError):
@@ -39,11 +75,14 @@ class PeerHealth:
     """What this rank knows about the liveness of each peer. `saw` is called from the receiving
     thread for every message (heartbeats included); `check` from the engine thread in poll()."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float = DEFAULT_PEER_TIMEOUT_S):
+    def __init__(self, rank: int, world_size: int, timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         now = time.monotonic()
+        self._loop = [ProgressWatch(stall_timeout_s, now) for _ in range(world_size)]  # serving-loop iterations
+        self.work = [0] * world_size  # batches each peer ran, as of its last heartbeat
         # Start every clock at construction: the transport is built after the rendezvous, so every
         # peer is known to be alive at this moment.
         self._last_seen = [now] * world_size
@@ -53,6 +92,11 @@ class PeerHealth:
 
     def saw(self, src: int) -> None:
         self._last_seen[src] = time.monotonic()  # one list store: atomic under the GIL
+
+    def saw_progress(self, src: int, loop: int, work: int) -> None:
+        """A heartbeat's progress: `loop` iterations of its serving loop (0: not serving), `work` batches run."""
+        self._loop[src].update(loop, time.monotonic())
+        self.work[src] = work
 
     def closed(self, src: int) -> None:
         """`src` shut down cleanly: its silence from now on is not a failure."""
@@ -86,6 +130,15 @@ class PeerHealth:
                 raise PeerFailure(peer, waiting_for(peer),
                                   f"no message or heartbeat from rank {peer} for {quiet:.1f} s "
                                   f"(timeout {self.timeout_s:g} s): dead or wedged")
+            watch = self._loop[peer]
+            if watch.value:  # 0 / None: not in a serving loop (starting, capturing): not judged here
+                stuck = watch.stalled_for(now)
+                if stuck is not None:
+                    raise PeerFailure(peer, waiting_for(peer),
+                                      f"rank {peer}'s serving loop has not advanced for {stuck:.1f} s while its "
+                                      f"heartbeat goes on (bound {watch.bound():.1f} s: the larger of "
+                                      f"--stall-timeout and {STALL_FACTOR:g}x its longest pause so far): its main "
+                                      f"thread is wedged")
 
 
 class Heartbeat:

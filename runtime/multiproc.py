@@ -19,7 +19,7 @@ admission, and collects the finished requests. Control protocol (meta["t"]):
                      one-way latency across hosts)
   synced rank -> 0   clock shifted; the coordinator admits nothing before every rank said so (a rank
                      must not time-stamp expert rows from a faster peer on its old time base)
-  adm    0 -> home   a request (the Request itself, pickled in the header) for workload w
+  adm    0 -> home   a request (runtime/requests.py request_to_wire: plain values) for workload w
   fin    home -> 0   a finished request: tokens, finish reason, times, home's free blocks and tokens
   stop   0 -> rank   every request of workload w finished: report and move on
   done   rank -> 0   this rank's metrics (and trace) of workload w; it is idle
@@ -31,7 +31,10 @@ every policy in one launch: spawning ranks is the expensive part).
 
 Failures end the run, they never hang it: a dead or wedged peer, an abort notice, or a failed
 transfer raise PeerFailure from the transport (naming the rank and what this rank was waiting for);
-the coordinator raises when no request finished for `stall_timeout_s`. runtime.launch turns either
+every heartbeat carries its rank's loop and batch counters (runtime/health.py), so a rank whose
+main thread is stuck is named by its peers, and the coordinator raises when requests are
+outstanding and no rank ran a batch for max(`stall_timeout_s`, 10x the longest pause between
+batches so far): a slow run that progresses is never cut off. runtime.launch turns either
 into an abort broadcast and a non-zero exit; `run_workloads_multiprocess` raises RunFailed with
 every rank's one-line message.
 
@@ -52,6 +55,7 @@ from typing import Optional
 from runtime.cpu_bind import bind_rank_threads
 from runtime.gc_settle import settle_heap, thaw_heap
 from runtime.launch import RankEnv, from_torchrun_env, launch_local, local_world, run_rank
+from runtime.requests import request_from_wire, request_to_wire
 
 CTRL_READY, CTRL_SYNC, CTRL_SYNCED = "ready", "sync", "synced"
 CTRL_ADMIT, CTRL_FIN, CTRL_STOP, CTRL_DONE = "adm", "fin", "stop", "done"
@@ -123,6 +127,7 @@ def rank_main(env: RankEnv, job: RankJob):
     # Transport first, weights second: its heartbeats keep every rank alive in the others' eyes while
     # a slow rank loads a checkpoint, and the ready barrier (startup_timeout_s) bounds the wait.
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
+                          stall_timeout_s=options0.stall_timeout_s,
                           chaos=job.chaos) as transport:
         executor = _rank_executor(plan, options0, env.rank, device)
         results = serve_rank(RankNode(env, plan, executor, transport, clock, job))
@@ -435,7 +440,7 @@ class RankNode:
             self.synced_acks.setdefault(meta["w"], set()).add(src)
         elif t == CTRL_ADMIT:
             self._check_workload(src, meta)
-            req = meta["req"]
+            req = request_from_wire(meta["req"])
             if not self.engine.admit(req):
                 raise RuntimeError(f"rank {self.rank} has {self.engine.free_blocks()} free KV blocks, too few for "
                                    f"request {req.name!r} the coordinator admitted here (its free-block mirror is off)")
@@ -447,8 +452,10 @@ class RankNode:
             e.metrics.max_queue_delay = max(e.metrics.max_queue_delay, e.oldest_wait())
             trace = (self.trace.events, self.trace.decisions) if self.trace is not None else None
             data_sent = (self.transport.stats["sent"] - self.sent_at_start) - (self.control_sent - self.control_at_start)
-            self._send(COORDINATOR, {"t": CTRL_DONE, "w": self.workload, "metrics": e.metrics, "trace": trace,
-                                     "data_messages": data_sent, "dispatch": e.dispatch_name})
+            from runtime.transport.rendezvous import listening
+            self._send(COORDINATOR, {"t": CTRL_DONE, "w": self.workload, "metrics": dataclasses.asdict(e.metrics),
+                                     "trace": trace, "data_messages": data_sent, "dispatch": e.dispatch_name,
+                                     "listening": listening()})
             if not self.is_coord:  # the coordinator stops when every rank's report is in
                 self.stopped = True
         elif self.is_coord and self.coord is not None:
@@ -494,9 +501,13 @@ class RankNode:
             post_receives = _timed(ph, "post_receives", post_receives)
             ph.in_loop = True
         fresh = False  # the idle wait just polled (and fed what came): no second poll before deciding
+        wedge = self.job.chaos.wedge_at(self.rank) if self.job.chaos is not None else None
         while not self.stopped:
+            tr.progress += 1  # the heartbeat carries it: peers see this loop turn (runtime/health.py)
             if ph is not None:
                 ph.iterations += 1
+            if wedge is not None and e.metrics.tokens >= wedge:
+                self.job.chaos.wedge()  # fault injection (tests): this thread stops here, the heartbeat goes on
             ran = False
             if tick is not None:
                 ran |= tick()
@@ -508,6 +519,7 @@ class RankNode:
                 execute(batch)
                 post_receives()
                 complete(batch)
+                tr.work += 1
                 ran = True
                 if ph is not None:
                     ph.batches[batch.stage.kind] = ph.batches.get(batch.stage.kind, 0) + 1
@@ -537,6 +549,7 @@ class RankNode:
                 fresh = feed(arrivals) > 0
             else:
                 fresh = feed(tr.poll(timeout=wait)) > 0
+        tr.progress = 0  # out of the serving loop: not judged by peers until the next one turns
         if ph is not None:
             ph.in_loop = False
 
@@ -588,7 +601,8 @@ class Coordinator:
         self.dones: dict[int, dict] = {}
         self.stop_sent = False
         self.t_begin = node.clock.now()  # arrivals are relative to this
-        self.last_progress = self.t_begin
+        from runtime.health import ProgressWatch
+        self.work = ProgressWatch(options.stall_timeout_s, time.monotonic())  # batches run on all ranks
         self.last_report = 0.0
 
     def tick(self) -> bool:
@@ -602,19 +616,32 @@ class Coordinator:
         for req, home in self.admission.admit(self.free):  # updates the mirror
             req.home = home
             # A fresh copy travels (sends to self are not copied): the coordinator's object gets the results.
-            node._send(home, {"t": CTRL_ADMIT, "w": self.w,
-                              "req": dataclasses.replace(req, output=[], token_times=[], kv_next=[])})
+            node._send(home, {"t": CTRL_ADMIT, "w": self.w, "req": request_to_wire(req)})
             did = True
         if self.finished == len(self.requests) and not self.stop_sent:
             self.stop_sent = True
             for r in range(node.world):
                 node._send(r, {"t": CTRL_STOP, "w": self.w})
-        if not did and now - self.last_progress > self.options.stall_timeout_s:
-            raise RuntimeError(f"run stalled: no request finished and none admitted for "
-                               f"{self.options.stall_timeout_s:g} s; {self.describe_wait(None)}")
-        if did:
-            self.last_progress = now
+        self._check_stall()
         return did
+
+    def _check_stall(self) -> None:
+        """Requests outstanding while no rank ran a batch for longer than the bound (health.ProgressWatch: the
+        larger of stall_timeout_s and 10x the longest pause between batches so far): the protocol is stuck (a
+        wedged rank is named by its peers first, from its heartbeat). Waiting for arrivals is not a stall."""
+        now = time.monotonic()
+        self.work.update(sum(self.node.transport.peer_work()), now)
+        if self.finished == len(self.requests) or not (self.admission.waiting or self._admitted_unfinished()):
+            self.work.since = now  # nothing is owed: no clock runs
+            return
+        stuck = self.work.stalled_for(now)
+        if stuck is not None:
+            raise RuntimeError(f"run stalled: requests are outstanding and no rank ran a batch for {stuck:.1f} s "
+                               f"(bound {self.work.bound():.1f} s, --stall-timeout {self.options.stall_timeout_s:g} "
+                               f"s); {self.describe_wait(None)}")
+
+    def _admitted_unfinished(self) -> bool:
+        return self.finished < len(self.requests) - len(self.pending) - self.admission.waiting
 
     def wait_budget(self, cap: float) -> float:
         if not self.pending:
@@ -629,7 +656,7 @@ class Coordinator:
             req = self.by_rid[meta["rid"]]
             if req.done:
                 raise RuntimeError(f"request {req.name!r} reported finished twice (by rank {src})")
-            req.output = meta["output"]
+            req.output = list(meta["output"])
             req.finish_reason = meta["reason"]
             req.t_admit = meta["t_admit"] - self.t_begin
             req.t_finish = meta["t_finish"] - self.t_begin
@@ -638,7 +665,6 @@ class Coordinator:
             self.reported_free[src] = meta["free"]
             self.rank_tokens[src] = meta["tokens"]
             self.finished += 1
-            self.last_progress = self.node.clock.now()
             self._progress()
         elif t == CTRL_DONE:
             self.dones[src] = meta
@@ -680,7 +706,7 @@ class Coordinator:
     def result(self) -> dict:
         """Outputs and metrics of this workload, shaped like runtime.cluster.RunResult's."""
         from runtime.metrics import summarize
-        ranks = [self.dones[r]["metrics"] for r in range(self.node.world)]
+        ranks = [_metrics_from_wire(self.dones[r]["metrics"]) for r in range(self.node.world)]
         reqs = self.requests
         elapsed = 0.0
         if reqs:
@@ -692,6 +718,7 @@ class Coordinator:
         metrics["ranks"] = self.node.world
         metrics["processes"] = self.node.world
         metrics["dispatch"] = self.dones[COORDINATOR].get("dispatch")
+        metrics["listening"] = [a for r in range(self.node.world) for a in self.dones[r].get("listening") or ()]
         trace = None
         if self.options.trace:
             shift = self.t_begin
@@ -707,6 +734,16 @@ class Coordinator:
             trace = (events, decisions)
         self._progress(final=True)
         return {"requests": reqs, "metrics": metrics, "trace": trace}
+
+
+def _metrics_from_wire(d: dict):
+    """A rank's RankMetrics from its end-of-workload report (dataclasses.asdict of it; arrays arrive as tuples)."""
+    from runtime.metrics import BatchRecord, RankMetrics
+    names = {f.name for f in dataclasses.fields(RankMetrics)}
+    m = RankMetrics(**{k: v for k, v in d.items() if k in names and k != "batches"})
+    if "batches" in d:
+        m.batches = [BatchRecord(**b) if type(b) is dict else b for b in d["batches"]]
+    return m
 
 
 # ------------------------------------------------------------------------------ launcher side

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 HOME_POLICIES = ("most_free_kv", "round_robin")
 
 
@@ -56,6 +58,33 @@ class Request:
     def result(self) -> dict:
         return {"id": self.name, "prompt_token_ids": list(self.prompt), "output_token_ids": list(self.output),
                 "finish_reason": self.finish_reason}
+
+
+_WIRE_FIELDS = {"rid": (int,), "name": (str, int), "prompt": (np.ndarray,), "max_new_tokens": (int,),
+                "params": (dict, type(None)), "ignore_eos": (bool,), "arrival": (float, int), "home": (int,)}
+
+
+def request_to_wire(req: Request) -> dict:
+    """A request as the coordinator's admission message carries it (runtime/transport/wire.py: plain values, no
+    pickle): what the home needs to serve it; its state starts empty there."""
+    return {"rid": req.rid, "name": req.name, "prompt": np.asarray(req.prompt, dtype=np.int64),
+            "max_new_tokens": req.max_new_tokens, "ignore_eos": req.ignore_eos, "arrival": req.arrival,
+            "home": req.home, "params": None if req.params is None else req.params.model_dump()}
+
+
+def request_from_wire(d: dict) -> Request:
+    """The inverse of request_to_wire; ValueError (pydantic's included) for a field of the wrong type or range."""
+    from models.sampling import SamplingParams
+    if type(d) is not dict or d.keys() != _WIRE_FIELDS.keys():
+        raise ValueError(f"a request carries the fields {sorted(_WIRE_FIELDS)}, got {sorted(map(str, d))[:10]}")
+    for key, types in _WIRE_FIELDS.items():
+        if type(d[key]) not in types:
+            raise ValueError(f"request field {key!r} is a {type(d[key]).__name__}")
+    if d["prompt"].dtype != np.int64 or not len(d["prompt"]) or d["max_new_tokens"] < 1:
+        raise ValueError("a request needs a non-empty int64 prompt and max_new_tokens >= 1")
+    params = None if d["params"] is None else SamplingParams.model_validate(d["params"])
+    return Request(d["rid"], d["name"], d["prompt"].tolist(), d["max_new_tokens"], params=params,
+                   ignore_eos=d["ignore_eos"], arrival=float(d["arrival"]), home=d["home"])
 
 
 class Admission:

@@ -2,8 +2,10 @@
 
 Two-phase exchange (StreamEP): batch sizes change every step and a point-to-point receive needs a
 buffer of the right size, so
-  phase 1: the sender pushes a small header (kind, src, per-(src,dst) sequence number, the picklable
-           meta dict, the tensor's shape and dtype) to the receiver's ZeroMQ PULL socket;
+  phase 1: the sender pushes a small header (kind, src, per-(src,dst) sequence number, the meta dict
+           of plain values, the tensor's shape and dtype) to the receiver's ZeroMQ PULL socket, as one
+           authenticated msgpack frame (runtime/transport/wire.py: never pickle, bounded, signed with
+           the run's secret; a stray or hostile frame is dropped and counted, never fatal);
   phase 2: it posts `isend` of the tensor; the receiver's receptor thread, on seeing the header,
            takes a buffer of that shape from a pool and posts the matching `irecv`.
            On CUDA the default (DATAFLOW_NCCL_P2P=lib) skips torch.distributed here: ncclSend /
@@ -49,7 +51,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import queue
 import sys
 import threading
@@ -61,20 +62,20 @@ import torch.distributed as dist
 import zmq
 
 from runtime.cuda_stream import current_stream
-from runtime.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, Heartbeat, PeerFailure, PeerHealth,
-                            register_abort_hook)
+from runtime.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Heartbeat,
+                            PeerFailure, PeerHealth, register_abort_hook)
 from runtime.step_timer import StepTimer
 from runtime.transport.base import Arrival
 from runtime.transport.buffer_pool import BufferPool
 from runtime.transport.chaos import ChaosDelays
 from runtime.transport.completion import EventLane, Item, WaiterLane
 from runtime.transport.rendezvous import (DEFAULT_TIMEOUT_S, current_store, exchange_endpoints, host_address,
-                                          init_distributed, wait_keys)
+                                          init_distributed, run_secret, wait_keys)
+from runtime.transport.wire import ABORT, BYE, DATA, DEFAULT_MAX_FRAME_BYTES, HEARTBEAT, Codec, WireError
 
 __all__ = ["ZmqDistTransport", "init_distributed", "PeerFailure", "ChaosDelays"]
 
-# Header kinds. A header is the pickled tuple (kind, src, seq, meta, shape, dtype_name).
-DATA, HEARTBEAT, BYE, ABORT = 0, 1, 2, 3
+# Header kinds (DATA, HEARTBEAT, BYE, ABORT) and the frame layout: runtime/transport/wire.py.
 DEFAULT_INFLIGHT_LIMIT = 16
 _HEALTH_CHECK_EVERY_S = 0.05  # poll() is called in a tight loop; checking peers each time is waste
 # NCCL: poll(timeout) re-queries the busy lanes' events while it waits: while a receive is
@@ -180,7 +181,9 @@ class ZmqDistTransport:
     def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
                  inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, chaos: Optional[ChaosDelays] = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, pool_per_size: int = 8, receive_on: Optional[str] = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, pool_per_size: int = 8, receive_on: Optional[str] = None,
+                 secret: Optional[bytes] = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
         if not dist.is_initialized():
             raise RuntimeError("call runtime.transport.zmq_dist.init_distributed(rank, world, backend) first")
         self.rank = rank
@@ -218,7 +221,14 @@ class ZmqDistTransport:
         # that shape and dtype to receive into, a CUDA event the receive must wait for or None), or None
         # for a pool buffer. May run on the receptor thread. The engine uses it for expert outputs.
         self.recv_into: Optional[Callable[[int, dict, tuple, torch.dtype], Optional[tuple]]] = None
-        self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0, "in_place": 0}
+        self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0, "in_place": 0,
+                      "dropped": 0}
+        self._drop_logged: set[str] = set()
+        # Liveness of this rank's serving loop, carried by every heartbeat (runtime/health.py): `progress` counts
+        # loop iterations (0: not in a serving loop, e.g. loading weights or capturing graphs: not judged), `work`
+        # batches run. The engine thread writes them; the heartbeat thread reads them (int stores are atomic).
+        self.progress = 0
+        self.work = 0
         peers = [p for p in range(world_size) if p != rank]
         self._peers = peers
 
@@ -226,9 +236,14 @@ class ZmqDistTransport:
         # headers are small; a bounded HWM would make send() block or drop.
         store = store or current_store()
         namespace = f"zmq{next(_instances)}"
+        secret = secret or run_secret(store, rank, timeout_s)
+        self._codec = Codec(secret, rank, world_size, max_frame_bytes)
+        self._hb_codec = Codec(secret, rank, world_size, max_frame_bytes)  # the heartbeat thread's own
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        # A frame over the cap never reaches us: ZeroMQ drops it (and that connection) while reading its size.
+        self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         addr = host_address(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
         port = self._pull.bind_to_random_port(f"tcp://{addr}")
         self.endpoints = exchange_endpoints(store, namespace, rank, world_size, f"tcp://{addr}:{port}", timeout_s)
@@ -282,14 +297,13 @@ class ZmqDistTransport:
         self._closed = False
         self._aborted = False
 
-        self._health = PeerHealth(rank, world_size, peer_timeout_s)
+        self._health = PeerHealth(rank, world_size, peer_timeout_s, stall_timeout_s)
         self._closing = threading.Event()
         self._receptor: Optional[threading.Thread] = None
         if not self._engine_receives:
             self._receptor = threading.Thread(target=self._receive_loop, name=f"receptor-{rank}", daemon=True)
             self._receptor.start()
         self._hb_socks: list[zmq.Socket] = []
-        self._hb_bytes = pickle.dumps((HEARTBEAT, rank, 0, None, None, None))
         self._heartbeat = Heartbeat(heartbeat_s, self._beat, self._beat_exit, name=f"heartbeat-{rank}")
         register_abort_hook(self)
 
@@ -461,6 +475,12 @@ class ZmqDistTransport:
         if self._engine_receives and self._failure is None:
             self._receive_headers()
 
+    def peer_work(self) -> list[int]:
+        """Batches each peer ran as of its last heartbeat (this rank's own: `work`)."""
+        work = list(self._health.work)
+        work[self.rank] = self.work
+        return work
+
     def pending(self) -> int:
         """Messages this rank sent to peers whose delivery has not completed yet (tensor messages in
         flight or queued; meta-only messages count until handed to ZeroMQ)."""
@@ -476,7 +496,10 @@ class ZmqDistTransport:
         if self._aborted or self._ctx.closed:
             return
         self._aborted = True
-        header = pickle.dumps((ABORT, self.rank, -1, {"reason": reason, "culprit": culprit}, None, None))
+        from runtime.transport.wire import MAX_REASON_CHARS
+        culprit = culprit if isinstance(culprit, int) and 0 <= culprit < self.world_size else None
+        header = Codec(self._codec._key, self.rank, self.world_size).encode(  # any thread: a codec of its own
+            ABORT, -1, {"reason": str(reason)[:MAX_REASON_CHARS], "culprit": culprit})
         for p in self._peers:
             try:
                 self._push[p].send(header, zmq.NOBLOCK)
@@ -499,7 +522,7 @@ class ZmqDistTransport:
                       f"{timeout_s:g} s: {self._describe_outstanding()}", file=sys.stderr)
         self._closed = True
         if not self._aborted:
-            bye = pickle.dumps((BYE, self.rank, -1, None, None, None))
+            bye = self._codec.encode(BYE, -1)
             for p in self._peers:
                 try:
                     self._push[p].send(bye, zmq.NOBLOCK)
@@ -547,14 +570,13 @@ class ZmqDistTransport:
         tm = self._post_timer
         tm.start()
         if t is None:
-            self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, None, None), protocol=5))
+            self._push[dst].send(self._codec.encode(DATA, item.seq, item.meta))
             self._pending -= 1  # ZeroMQ owns it now; nothing to complete
             self.stats["sent"] += 1
             return
         if not t.is_contiguous():
             t = item.tensor = t.contiguous()  # the copy is what we send; kept alive by the item
-        self._push[dst].send(pickle.dumps((DATA, self.rank, item.seq, item.meta, tuple(t.shape),
-                                           str(t.dtype)[6:]), protocol=5))
+        self._push[dst].send(self._codec.encode(DATA, item.seq, item.meta, tuple(t.shape), str(t.dtype)[6:]))
         tm.lap("header")
         self._inflight[dst] += 1
         if self._nccl:
@@ -721,11 +743,12 @@ class ZmqDistTransport:
 
     def _receive_headers(self) -> int:
         """Handle every header waiting on the PULL socket (receptor thread, or the engine thread in
-        poll() when receive_on="engine"); returns how many. An error is kept for the engine thread's
-        next health check, naming the message."""
+        poll() when receive_on="engine"); returns how many. A frame that is not this run's (bad size,
+        tag or prefix) is dropped and counted; an error in a frame of a peer (its tag verified) is kept
+        for the engine thread's next health check, naming that peer and the message."""
         if self._receptor_error is not None:
             return 0
-        pull, n = self._pull, 0
+        pull, n, decode = self._pull, 0, self._codec.decode
         src, seq, meta = -1, -1, None
         try:
             while True:
@@ -737,17 +760,39 @@ class ZmqDistTransport:
                     raw = pull.recv(_ZMQ_NOBLOCK)
                 except zmq.Again:  # EVENTS said ready; never seen, but not an error
                     return n
-                kind, src, seq, meta, shape, dtype = pickle.loads(raw)
-                self._on_header(kind, src, seq, meta, shape, dtype)
+                try:
+                    f = decode(raw)
+                except WireError as err:
+                    if not err.authenticated:
+                        self._drop(str(err))
+                        continue
+                    src, seq, meta = err.src if err.src is not None else -1, -1, None
+                    raise
+                src, seq, meta = f.src, f.seq, f.meta
+                self._on_header(f.kind, src, seq, meta, f.shape, f.dtype)
                 n += 1
         except BaseException as err:  # reported by the engine thread's next poll()
+            if isinstance(err, WireError):
+                self._receptor_error = (src, f"a well-formed frame from rank {src}", err)
+                self._next_check = 0.0
+                return n
             self._receptor_error = (src, f"message #{seq} from rank {src} ({_summary(meta)})", err)
             self._next_check = 0.0
             return n
 
+    def _drop(self, why: str) -> None:
+        """A frame that is not this run's: counted, logged once per reason, never fatal."""
+        self.stats["dropped"] += 1
+        key = why.split(" (")[0][:40]
+        if key not in self._drop_logged:
+            self._drop_logged.add(key)
+            print(f"rank {self.rank}: dropped a frame on its message socket: {why} (later ones like it are counted, "
+                  f"not logged)", file=sys.stderr, flush=True)
+
     def _on_header(self, kind: int, src: int, seq: int, meta, shape, dtype) -> None:
         self._health.saw(src)
         if kind == HEARTBEAT:
+            self._health.saw_progress(src, meta["p"], meta["w"])
             return
         if kind == BYE:
             self._health.closed(src)
@@ -756,9 +801,12 @@ class ZmqDistTransport:
             self._health.aborted(src, meta.get("culprit"), meta["reason"])
             return
         expected = self._recv_seq[src]
+        if seq < expected:  # a replay of a frame already delivered (or a duplicate): its content is known
+            self._drop(f"message #{seq} from rank {src} again (next expected #{expected}): replayed or duplicated")
+            return
         if seq != expected:
             raise RuntimeError(f"rank {self.rank} got message #{seq} from rank {src} but expected #{expected}: "
-                               f"lost or duplicated message")
+                               f"lost message")
         self._recv_seq[src] = seq + 1
         item = Item(False, src, seq, meta, shape=shape, dtype=dtype)
         lane = self._recv_lanes[src]
@@ -811,9 +859,10 @@ class ZmqDistTransport:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(self.endpoints[p])
                 self._hb_socks.append(sock)
+        beat = self._hb_codec.encode(HEARTBEAT, -1, {"p": self.progress, "w": self.work})
         for sock in self._hb_socks:
             try:
-                sock.send(self._hb_bytes, zmq.NOBLOCK)
+                sock.send(beat, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # that peer is not draining; its silence is its own problem
 
