@@ -45,7 +45,7 @@ class ProgressWatch:
 
     def update(self, value: int, now: float) -> None:
         if value != self.value:
-            if self.value is not None:
+            if self.value:  # a pause counts only from a live value (0: not serving, e.g. starting up)
                 self.longest = max(self.longest, now - self.since)
             self.value, self.since = value, now
 

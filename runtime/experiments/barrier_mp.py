@@ -9,8 +9,9 @@ collective crosses the same lanes, and so the same injected delays, as the strea
 
 Rank 0 is the coordinator: it owns the request list and the arrival times, admits with the plan's
 home policy over a mirror of every rank's free KV blocks (updated by finish notices), and collects
-the finished requests. Control messages (meta["t"]): "adm" 0 -> home, "fin" home -> 0, "go" 0 -> all
-(the common time base after every rank is ready), "ready" rank -> 0. Barrier data messages carry
+the finished requests. Control messages (meta["t"], plain values: runtime/transport/wire.py): "b_adm"
+0 -> home, "b_fin" home -> 0, "b_go" 0 -> all (the common time base after every rank is ready),
+"b_ready" rank -> 0. Barrier data messages carry
 meta["t"] = "b" and their collective tag. Termination is agreed through the per-step all-gather of
 token counts: rank 0 says "more" until it collected every request, so all ranks stop at one step.
 """
@@ -61,7 +62,7 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
     from runtime.executor import TorchExecutor
     from runtime.kv_cache import BlockAllocator, PagedKVStore
     from runtime.metrics import BatchRecord, RankMetrics
-    from runtime.requests import Admission
+    from runtime.requests import Admission, request_from_wire, request_to_wire
     from runtime.transport.base import Arrival
 
     plan, spec = job.plan, job.plan.spec
@@ -74,6 +75,7 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
     total = len(job.requests)
     pending = sorted(job.requests, key=lambda r: (r.arrival, r.rid), reverse=True) if coord else []
     admission = Admission(plan.kv.block_size, nblocks, plan.placement.home_policy) if coord else None
+    by_rid = {r.rid: r for r in job.requests}
     free = list(nblocks)
     done: list = []
     route = (lambda layer, x, s, p: executor.route(layer, x)) if job.router is None else job.router
@@ -90,15 +92,17 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
         t = a.meta.get("t")
         if t == "b":
             inbox.setdefault(a.meta["tag"], {})[a.src] = a
-        elif t == "adm":
-            start(a.meta["req"], ctx.clock.now())
-        elif t == "fin":
-            req = a.meta["req"]
+        elif t == "b_adm":
+            start(request_from_wire(a.meta["req"]), ctx.clock.now())
+        elif t == "b_fin":  # the finished request's results, into the coordinator's own Request
+            req = by_rid[a.meta["rid"]]
+            req.home, req.output, req.finish_reason = a.src, list(a.meta["output"]), a.meta["reason"]
+            req.t_admit, req.t_finish, req.token_times = a.meta["t_admit"], a.meta["t_finish"], list(a.meta["times"])
             free[req.home] += admission.blocks_needed(req)
             done.append(req)
-        elif t == "ready":
+        elif t == "b_ready":
             state["ready"].add(a.src)
-        elif t == "go":
+        elif t == "b_go":
             state["t0"] = a.meta["t0"]
             ctx.clock = _Clock(state["t0"])
         else:
@@ -116,7 +120,8 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
                     free[req.home] += admission.blocks_needed(req)
                     done.append(req)
                 else:
-                    tr.send(0, {"t": "fin", "req": req})
+                    tr.send(0, {"t": "b_fin", "rid": req.rid, "output": list(req.output), "reason": req.finish_reason,
+                                "t_admit": req.t_admit, "t_finish": req.t_finish, "times": list(req.token_times)})
             ctx.finished.clear()
             if coord:
                 now = ctx.clock.now()
@@ -126,7 +131,7 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
                     if home == me:
                         start(req, now)
                     else:
-                        tr.send(home, {"t": "adm", "req": req})
+                        tr.send(home, {"t": "b_adm", "req": request_to_wire(req)})
 
     # startup: every rank ready (weights loaded), then one time base
     if coord:
@@ -134,10 +139,10 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
             pump(0.01)
         t0 = time.perf_counter()
         for p in range(1, R):
-            tr.send(p, {"t": "go", "t0": t0})
+            tr.send(p, {"t": "b_go", "t0": t0})
         state["t0"] = t0
     else:
-        tr.send(0, {"t": "ready"})
+        tr.send(0, {"t": "b_ready"})
         while state["t0"] is None:
             pump(0.01)
     ctx.clock = _Clock(state["t0"])

@@ -100,7 +100,8 @@ MESSAGES: dict[str, dict[str, tuple]] = {
             "tokens": (_INT, True)},
     "stop": {"t": (_STR, True), "w": (_INT, True)},
     "done": {"t": (_STR, True), "w": (_INT, True), "metrics": (_MAP, True), "trace": (_ANY, True),
-             "data_messages": (_INT, True), "dispatch": (_ANY, True), "listening": (_ANY, False)},
+             "data_messages": (_INT, True), "dispatch": (_ANY, True), "listening": (_ANY, False),
+             "dropped": (_INT, False)},
 }
 _CONTROL_META = {
     HEARTBEAT: {"p": (_INT, True), "w": (_INT, True)},
