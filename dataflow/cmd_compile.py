@@ -42,6 +42,9 @@ def resolve_model(model: str) -> tuple[ModelSpec, str]:
             raise UserError(f"{path}: importing Hugging Face checkpoints is not available in this build "
                             f"(models/checkpoint.py missing)") from None
         return import_spec(path), f"checkpoint {path}"
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path}: not a regular file; MODEL must be a model YAML, a shipped model name or a Hugging "
+                        f"Face checkpoint directory")
     if path.is_file():
         return load_spec(path), str(path)
     shipped = shipped_specs_dir() / f"{model}.yaml"
@@ -58,7 +61,8 @@ def register(app: typer.Typer) -> None:
     def compile(
         model: str = typer.Argument(..., help="model YAML, shipped model name (e.g. tiny), or HF checkpoint dir"),
         out: Path = typer.Option(Path(DEFAULT_PLAN_DIR), "-o", "--out", help="plan directory to write"),
-        ranks: int = typer.Option(2, "--ranks", "-n", help="number of ranks (one device each)"),
+        ranks: int = typer.Option(2, "--ranks", "-n", help="number of ranks (one device each): 1..64 on cpu (a "
+                                                          "process each), 1..1024 on cuda"),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
         placement: str = typer.Option("contiguous", "--placement", help="contiguous, round_robin or profile"),
         load_profile: Optional[Path] = typer.Option(None, "--load-profile",
@@ -88,9 +92,21 @@ def register(app: typer.Typer) -> None:
         from lowering.plan import compile_plan, save_plan
 
         spec, source = resolve_model(model)
+        note = None
+        if spec.weights.source == "checkpoint":
+            # Header-only (no tensor is read): every tensor the model needs is there with its shape, and every file
+            # holds the bytes its header promises, so a bad checkpoint fails here, not in every rank of `run`.
+            from models.checkpoint import check_checkpoint
+            try:
+                note = check_checkpoint(spec.weights.path, require_weights=False, spec=spec)
+            except UserError as err:
+                if source.startswith("checkpoint "):
+                    raise
+                raise UserError(f"{source}: field 'weights.path': {err}") from None  # a YAML naming a checkpoint
         if layers is not None:
-            if layers < 1:
-                raise UserError(f"option 'layers': got {layers}; valid: 1..{spec.num_layers}")
+            if not 1 <= layers <= spec.num_layers:
+                raise UserError(f"option 'layers': got {layers}; valid: 1..{spec.num_layers} ({spec.name} has "
+                                f"{spec.num_layers} layers)")
             spec = cut_layers(spec, layers)
             source += f", first {spec.num_layers} layers"
         plan = compile_plan(spec, ranks, device, device_memory_gib=device_memory, placement=placement,
@@ -99,6 +115,8 @@ def register(app: typer.Typer) -> None:
                             max_kv_tokens=max_kv_tokens, dispatch=dispatch, source=source)
         path = save_plan(plan, out)
         _print_summary(plan, path)
+        if note:
+            typer.echo(f"note: {note}", err=True)
 
 
 def _print_summary(plan, path: Path) -> None:

@@ -209,7 +209,11 @@ def write_dot(plan, path: Path, rank: Optional[int]) -> int:
                         f"option '--dot': one home's graph has {per_home} nodes (more than {MAX_DOT_NODES}); "
                         f"too large to draw")
     g = build_graph(plan.spec, plan.cluster.ranks, plan.placement.expert_rank, homes=homes)
-    path.write_text(to_dot(g))
+    try:
+        path.write_text(to_dot(g))
+    except OSError as err:
+        raise UserError(f"option '--dot': cannot write {path} ({err.strerror or err}); valid: a file path in an "
+                        f"existing, writable directory") from None
     return g.number_of_nodes()
 
 

@@ -132,11 +132,15 @@ def graph_problems(g: nx.DiGraph) -> list[str]:
             continue
         if not g.has_edge(sample, first):
             problems.append(f"home {h}: chain does not close (no edge sample -> attention(0))")
+        # One traversal each way per home, not a path search per layer: has_path per layer made this
+        # O(layers^2 x experts) (minutes for a 256-layer, 512-expert spec).
+        after_first = nx.descendants(g, first) | {first}
+        before_sample = nx.ancestors(g, sample) | {sample}
         for layer in range(L):
             a = ("attention", LayerID(layer, h))
             if a not in g:
                 problems.append(f"home {h}: no attention node for layer {layer}")
-            elif not nx.has_path(g, first, a) or not nx.has_path(g, a, sample):
+            elif a not in after_first or a not in before_sample:
                 problems.append(f"home {h}: layer {layer} attention is not on the chain attention(0) -> sample")
             if layer not in dense and ("merge", LayerID(layer, h)) not in g:
                 problems.append(f"home {h}: MoE layer {layer} has no merge node")

@@ -15,9 +15,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from graph_ir.errors import UserError
 
+# Upper bounds on sizes, so that a typo (num_layers: 1e26, num_experts: 10000000) is an error naming the field
+# rather than an OOM or a hang in compile, whose tables grow with layers x experts x ranks. Each is at least twice
+# the largest published model: 94 MoE layers (Qwen3-235B), 512 experts (Qwen3-Next), 128 heads of 256 channels,
+# hidden 16384 / intermediate 53248 (Llama-3.1-405B), a 262k vocabulary (Gemma 3), 10M positions (Llama 4 Scout).
+MAX_LAYERS = 256
+MAX_EXPERTS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_HIDDEN = 1 << 16
+MAX_INTERMEDIATE = 1 << 18
+MAX_VOCAB = 1 << 21
+MAX_POSITION = 1 << 24
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+    # allow_inf_nan=False: `theta: .inf` or `rms_norm_eps: .nan` is an error, not NaN logits at run time.
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, allow_inf_nan=False)
 
 
 class RopeSpec(_Strict):
@@ -26,7 +40,7 @@ class RopeSpec(_Strict):
     theta: float = Field(10000.0, gt=0)
     scaling: Literal["none", "linear", "yarn"] = "none"
     factor: float = Field(1.0, gt=0)
-    original_max_position: Optional[int] = Field(None, gt=0)
+    original_max_position: Optional[int] = Field(None, gt=0, le=MAX_POSITION)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     # YaRN attention-temperature knobs as DeepSeek-V2 uses them (None: the plain YaRN 0.1*ln(s)+1).
@@ -51,26 +65,26 @@ class AttentionSpec(_Strict):
     """Self-attention of every layer. `gqa` covers MHA/MQA/GQA; `mla` is DeepSeek-V2's latent attention."""
 
     kind: Literal["gqa", "mla"] = "gqa"
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
+    num_heads: int = Field(gt=0, le=MAX_HEADS)
+    num_kv_heads: int = Field(gt=0, le=MAX_HEADS)
+    head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
     qkv_bias: bool = False
     o_bias: bool = False
     # "head": RMSNorm over head_dim per head (Qwen3); "full": over all heads' q / k (OLMoE).
     qk_norm: Literal["none", "head", "full"] = "none"
     sinks: bool = False  # GPT-OSS: a learned per-head logit that absorbs attention mass
-    sliding_window: Optional[int] = Field(None, gt=0)
+    sliding_window: Optional[int] = Field(None, gt=0, le=MAX_POSITION)
     # Per-layer kind when some layers slide (GPT-OSS alternates). None: all layers use
     # `sliding_window` if it is set, else full attention.
     layer_types: Optional[list[Literal["full", "sliding"]]] = None
     softmax_scale: Optional[float] = Field(None, gt=0)  # None: 1/sqrt(qk head dim)
     rope: RopeSpec = Field(default_factory=RopeSpec)
     # MLA only.
-    q_lora_rank: Optional[int] = Field(None, gt=0)
-    kv_lora_rank: Optional[int] = Field(None, gt=0)
-    qk_nope_head_dim: Optional[int] = Field(None, gt=0)
-    qk_rope_head_dim: Optional[int] = Field(None, gt=0)
-    v_head_dim: Optional[int] = Field(None, gt=0)
+    q_lora_rank: Optional[int] = Field(None, gt=0, le=MAX_HIDDEN)
+    kv_lora_rank: Optional[int] = Field(None, gt=0, le=MAX_HIDDEN)
+    qk_nope_head_dim: Optional[int] = Field(None, gt=0, le=MAX_HEAD_DIM)
+    qk_rope_head_dim: Optional[int] = Field(None, gt=0, le=MAX_HEAD_DIM)
+    v_head_dim: Optional[int] = Field(None, gt=0, le=MAX_HEAD_DIM)
 
     @model_validator(mode="after")
     def _check(self) -> "AttentionSpec":
@@ -84,6 +98,20 @@ class AttentionSpec(_Strict):
                 raise ValueError(f"mla attention needs {', '.join(missing)}")
             if self.num_kv_heads != self.num_heads:
                 raise ValueError("mla attention has num_kv_heads == num_heads")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} is odd; RoPE rotates channel pairs, "
+                                 f"so valid: an even number")
+        else:
+            # models/rope.py rotary_dim: HF's int(head_dim * partial_rotary_factor) leading channels, rotated as
+            # pairs (x1 = first half, x2 = second half), so the rotated width must be even.
+            rot = int(self.head_dim * self.rope.partial_rotary_factor)
+            if rot < 2 or rot % 2:
+                f = self.rope.partial_rotary_factor
+                if f == 1:
+                    raise ValueError(f"head_dim {self.head_dim}: RoPE rotates channel pairs, so valid: an even "
+                                     f"head_dim (e.g. {self.head_dim + 1 if self.head_dim % 2 else 2})")
+                raise ValueError(f"head_dim {self.head_dim} x rope.partial_rotary_factor {f:g} = {rot} rotated "
+                                 f"channels: RoPE rotates channel pairs, so valid: an even number >= 2 of them")
         if self.layer_types is not None and "sliding" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has 'sliding' layers but sliding_window is not set")
         return self
@@ -116,8 +144,8 @@ class RouterSpec(_Strict):
     renormalize: bool = True  # divide the k weights by their sum
     bias: bool = False  # router linear has a bias (GPT-OSS)
     correction_bias: bool = False  # per-expert bias added for selection only
-    n_group: int = Field(1, gt=0)  # group-limited top-k: experts split into n_group groups...
-    topk_group: int = Field(1, gt=0)  # ...and only the best topk_group groups are eligible
+    n_group: int = Field(1, gt=0, le=MAX_EXPERTS)  # group-limited top-k: experts split into n_group groups...
+    topk_group: int = Field(1, gt=0, le=MAX_EXPERTS)  # ...and only the best topk_group groups are eligible
     routed_scaling: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
@@ -130,16 +158,16 @@ class RouterSpec(_Strict):
 class ExpertSpec(_Strict):
     """Routed experts (all the same shape) and the optional shared expert of each MoE layer."""
 
-    num_experts: int = Field(gt=0)
-    top_k: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
+    num_experts: int = Field(gt=0, le=MAX_EXPERTS)
+    top_k: int = Field(gt=0, le=MAX_EXPERTS)
+    intermediate_size: int = Field(gt=0, le=MAX_INTERMEDIATE)
     activation: Literal["silu_glu", "gptoss_glu"] = "silu_glu"
     # GPT-OSS clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], out = (up+1)*gate*sigmoid(alpha*gate)
     glu_alpha: float = 1.702
     glu_limit: float = 7.0
     bias: bool = False
     # Shared expert: one dense SwiGLU MLP on every token of the home rank (0 = none).
-    shared_intermediate_size: int = Field(0, ge=0)
+    shared_intermediate_size: int = Field(0, ge=0, le=MAX_INTERMEDIATE)
     shared_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w) scales the shared output
 
     @model_validator(mode="after")
@@ -153,7 +181,7 @@ class ExpertSpec(_Strict):
 
 class WeightsSpec(_Strict):
     source: Literal["random", "checkpoint"] = "random"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=1 << 63)  # torch generators take 64-bit seeds
     path: Optional[str] = None  # checkpoint directory (config.json + *.safetensors)
     init_std: float = Field(0.02, gt=0)  # random weights only
 
@@ -169,18 +197,18 @@ class ModelSpec(_Strict):
     # Which reference implementation the math follows; `custom` for user-declared models.
     family: Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe",
                     "deepseek_v2", "custom"] = "custom"
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    max_position: int = Field(4096, gt=0)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
+    hidden_size: int = Field(gt=0, le=MAX_HIDDEN)
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    max_position: int = Field(4096, gt=0, le=MAX_POSITION)
     rms_norm_eps: float = Field(1e-6, gt=0)
     tie_embeddings: bool = False
     attention: AttentionSpec
     router: RouterSpec = Field(default_factory=RouterSpec)
     experts: ExpertSpec
     # Layers with one dense MLP instead of experts (e.g. DeepSeek/GLM "first k dense").
-    dense_layers: list[int] = Field(default_factory=list)
-    dense_intermediate_size: Optional[int] = Field(None, gt=0)
+    dense_layers: list[int] = Field(default_factory=list, max_length=MAX_LAYERS)
+    dense_intermediate_size: Optional[int] = Field(None, gt=0, le=MAX_INTERMEDIATE)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     eos_token_ids: list[int] = Field(default_factory=list)
@@ -190,6 +218,9 @@ class ModelSpec(_Strict):
         bad = [l for l in self.dense_layers if not 0 <= l < self.num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} outside 0..{self.num_layers - 1}")
+        twice = sorted({l for l in self.dense_layers if self.dense_layers.count(l) > 1})
+        if twice:
+            raise ValueError(f"dense_layers lists layer(s) {twice} more than once")
         if self.dense_layers and self.dense_intermediate_size is None:
             raise ValueError("dense_layers needs dense_intermediate_size")
         if len(set(self.dense_layers)) == self.num_layers:
@@ -235,8 +266,37 @@ def cut_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     return ModelSpec.model_validate(data)
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    """One line per problem: file, dotted field path, the bad value and what pydantic says is valid."""
+def _int_range(model: type[BaseModel], loc: tuple) -> Optional[str]:
+    """"an integer LO..HI" for the int field at `loc` of `model` (its Field bounds), None when not found."""
+    import annotated_types as at
+
+    field = None
+    for part in loc:
+        if not isinstance(part, str) or model is None or part not in model.model_fields:
+            return None
+        field = model.model_fields[part]
+        ann = field.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if field is None:
+        return None
+    lo = hi = None
+    for m in field.metadata:
+        if isinstance(m, at.Gt):
+            lo = m.gt + 1
+        elif isinstance(m, at.Ge):
+            lo = m.ge
+        elif isinstance(m, at.Lt):
+            hi = m.lt - 1
+        elif isinstance(m, at.Le):
+            hi = m.le
+    if lo is None and hi is None:
+        return None
+    return f"an integer {lo if lo is not None else ''}..{hi if hi is not None else ''}"
+
+
+def format_validation_error(err: ValidationError, source: str, model: Optional[type[BaseModel]] = None) -> str:
+    """One line: the file, then per problem the dotted field path, the bad value and what pydantic says is
+    valid ("; "-separated, at most 5 shown)."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -246,16 +306,24 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         if msg.startswith("Value error, "):
             # Our own cross-field checks already name the values involved.
             msg = msg[len("Value error, "):]
+        if e["type"] in ("int_parsing", "int_parsing_size", "int_from_float", "int_type") and model is not None:
+            # pydantic says only "a valid integer" (for 1e26: "unable to parse input string"): name the range too.
+            if e["type"] == "int_parsing_size":
+                msg = "Input should be a valid integer, got a number far too large"
+            valid = _int_range(model, e["loc"])
+            if valid:
+                msg += f"; valid: {valid}"
         value = e.get("input")
         if isinstance(value, dict):
             # A whole mapping tells the reader nothing; the message names the offending fields.
-            lines.append(f"{source}: field '{loc}': {msg}")
+            lines.append(f"field '{loc}': {msg}")
             continue
         shown = repr(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
-        lines.append(f"{source}: field '{loc}': {msg} (got {shown})")
-    return "\n".join(lines)
+        lines.append(f"field '{loc}': {msg} (got {shown})")
+    more = f"; and {len(lines) - 5} more problems" if len(lines) > 5 else ""
+    return f"{source}: " + "; ".join(lines[:5]) + more
 
 
 def spec_from_dict(data: dict, source: str = "<spec>") -> ModelSpec:
@@ -264,18 +332,15 @@ def spec_from_dict(data: dict, source: str = "<spec>") -> ModelSpec:
     try:
         return ModelSpec.model_validate(data)
     except ValidationError as err:
-        raise UserError(format_validation_error(err, source)) from None
+        raise UserError(format_validation_error(err, source, ModelSpec)) from None
 
 
 def load_spec(path: str | Path) -> ModelSpec:
     """Read a model YAML. Every problem becomes a `UserError` naming the file and field."""
+    from graph_ir.files import load_yaml
+
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such model file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise UserError(f"{path}: not valid YAML: {err}") from None
+    data = load_yaml(path, "model file")
     return spec_from_dict(data, str(path))
 
 

@@ -82,4 +82,97 @@ def check_plan(plan: Plan) -> None:
     _require(len(plan.capture.graph_memory_bytes) == R, "capture plan does not cover every rank")
     for kind, bks in plan.capture.buckets.items():
         cap = plan.caps.expert_rows if kind == "expert" else plan.caps.attn_tokens
-        _require(bks == sorted(set(bks)) and bks[-1] == cap, f"{kind} buckets are not ascending up to the cap")
+        _require(bool(bks) and bks == sorted(set(bks)) and bks[-1] == cap,
+                 f"{kind} buckets are not ascending up to the cap")
+
+
+class _Count(str):
+    """A count shown as is in a message ("1 entries"), not repr'd like a value."""
+
+
+def check_loaded_plan(plan: Plan, source: str) -> None:
+    """The invariants of a plan read from disk, as UserErrors naming `source` (plan.json), the field, the value and
+    what is valid: a hand-edited plan whose sections disagree fails here, not as an IndexError in every rank. The
+    table shapes the runtime indexes come first, with precise messages; then `check_plan` (every invariant the
+    compiler guarantees) for the rest."""
+    from graph_ir.errors import UserError
+    from lowering.plan import MAX_RANKS
+    from lowering.queues import build_stages
+
+    def bad(field: str, got, valid: str) -> UserError:
+        shown = got if isinstance(got, _Count) else repr(got)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return UserError(f"{source}: field '{field}': got {shown}; valid: {valid}; the plan's sections disagree "
+                         f"(edited by hand?): compile the model again")
+
+    spec, R = plan.spec, plan.cluster.ranks
+    if R > MAX_RANKS:
+        raise bad("cluster.ranks", R, f"1..{MAX_RANKS}")
+    for name, table in (("ranks", plan.ranks), ("kv.num_blocks", plan.kv.num_blocks), ("memory", plan.memory),
+                        ("capture.graphs_per_rank", plan.capture.graphs_per_rank),
+                        ("capture.graph_memory_bytes", plan.capture.graph_memory_bytes)):
+        if len(table) != R:
+            raise bad(name, _Count(f"{len(table)} entries"), f"one per rank: {R} entries (cluster.ranks is {R})")
+    for i, (rp, m) in enumerate(zip(plan.ranks, plan.memory)):
+        if rp.rank != i:
+            raise bad(f"ranks[{i}].rank", rp.rank, str(i))
+        if m.rank != i:
+            raise bad(f"memory[{i}].rank", m.rank, str(i))
+        if m.kv_blocks != plan.kv.num_blocks[i]:
+            raise bad(f"kv.num_blocks[{i}]", plan.kv.num_blocks[i], f"{m.kv_blocks} (memory[{i}].kv_blocks)")
+    if plan.kv.dtype != spec.dtype:
+        raise bad("kv.dtype", plan.kv.dtype, f"{spec.dtype} (spec.dtype)")
+    if len(plan.kv.bytes_per_token_per_layer) != spec.num_layers:
+        raise bad("kv.bytes_per_token_per_layer", _Count(f"{len(plan.kv.bytes_per_token_per_layer)} entries"),
+                  f"one per layer: {spec.num_layers} entries (spec.num_layers)")
+
+    want = build_stages(spec)
+    if len(plan.stages) != len(want):
+        raise bad("stages", _Count(f"{len(plan.stages)} stages"), f"{len(want)} stages, the chain of spec's "
+                  f"{spec.num_layers} layers ({len(spec.moe_layers)} MoE)")
+    for i, (s, w) in enumerate(zip(plan.stages, want)):
+        for f in ("id", "kind", "layer", "next"):
+            if getattr(s, f) != getattr(w, f):
+                raise bad(f"stages[{i}].{f}", getattr(s, f), f"{getattr(w, f)!r} (stage {i} of the chain is "
+                          f"{w.kind} of layer {w.layer}, next {w.next})")
+
+    E = spec.experts.num_experts
+    er = plan.placement.expert_rank
+    if len(er) != spec.num_layers:
+        raise bad("placement.expert_rank", _Count(f"{len(er)} layers"), f"{spec.num_layers} layers (spec.num_layers)")
+    for layer, owners in enumerate(er):
+        if not spec.is_moe_layer(layer):
+            if owners:
+                raise bad(f"placement.expert_rank[{layer}]", owners, "[] (a dense layer has no experts)")
+            continue
+        if len(owners) != E:
+            raise bad(f"placement.expert_rank[{layer}]", _Count(f"{len(owners)} experts"),
+                      f"one rank per expert: {E} entries (spec.experts.num_experts)")
+        for e, r in enumerate(owners):
+            if not 0 <= r < R:
+                raise bad(f"placement.expert_rank[{layer}][{e}]", r, f"a rank 0..{R - 1}")
+
+    for i, rp in enumerate(plan.ranks):
+        if len(rp.queues) != len(want):
+            raise bad(f"ranks[{i}].queues", _Count(f"{len(rp.queues)} queues"), f"one per stage: {len(want)}")
+        for j, (q, s) in enumerate(zip(rp.queues, want)):
+            for f, sf in (("stage_id", "id"), ("kind", "kind"), ("layer", "layer"), ("next_stage", "next")):
+                if getattr(q, f) != getattr(s, sf):
+                    raise bad(f"ranks[{i}].queues[{j}].{f}", getattr(q, f), f"{getattr(s, sf)!r} (stage {j} is "
+                              f"{s.kind} of layer {s.layer})")
+            expert = s.kind == "expert"
+            cap = plan.caps.expert_rows if expert else plan.caps.attn_tokens
+            if q.batch_cap != cap:
+                raise bad(f"ranks[{i}].queues[{j}].batch_cap", q.batch_cap,
+                          f"{cap} (caps.{'expert_rows' if expert else 'attn_tokens'})")
+            held = plan.placement.experts_on(s.layer, i) if expert else []
+            if q.experts != held:
+                raise bad(f"ranks[{i}].queues[{j}].experts", q.experts,
+                          f"{held} (the experts placement.expert_rank[{s.layer}] puts on rank {i})")
+
+    try:
+        check_plan(plan)
+    except PlanInvariantError as err:
+        raise UserError(f"{source}: {err}; the plan's sections disagree (edited by hand?): compile the model "
+                        f"again") from None

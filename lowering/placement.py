@@ -10,11 +10,9 @@ Policies:
 """
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Optional
-
-import yaml
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec
@@ -53,11 +51,12 @@ def read_load_profile(profile: str | Path | list | dict, spec: ModelSpec) -> lis
         path = Path(profile)
         if not path.is_file():
             raise UserError(f"{path}: no such load profile file (--load-profile)")
-        try:
-            text = path.read_text()
-            profile = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (OSError, json.JSONDecodeError, yaml.YAMLError) as err:
-            raise UserError(f"{path}: not a readable JSON/YAML load profile: {err}") from None
+        from graph_ir.files import load_yaml, parse_json, read_text
+        # One-line errors for binary / non-UTF-8 files, bad syntax and keys given twice.
+        if path.suffix == ".json":
+            profile = parse_json(read_text(path, "load profile file"), str(path), "a valid JSON load profile")
+        else:
+            profile = load_yaml(path, "load profile file", max_bytes=None)
     E = spec.experts.num_experts
 
     def check_row(row: object, where: str) -> list[float]:
@@ -66,8 +65,9 @@ def read_load_profile(profile: str | Path | list | dict, spec: ModelSpec) -> lis
             raise UserError(f"{source}: field '{where}': expected a list of {E} per-expert loads, got {got}")
         out = []
         for i, x in enumerate(row):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0 or x != x:
-                raise UserError(f"{source}: field '{where}.{i}': load must be a number >= 0, got {x!r}")
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < math.inf:
+                raise UserError(f"{source}: field '{where}.{i}': load must be a number >= 0, got {x!r}"
+                                + ("; valid: a finite number" if x == math.inf else ""))
             out.append(float(x))
         return out
 

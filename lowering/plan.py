@@ -17,11 +17,10 @@ Conventions the runtime relies on:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec
@@ -54,6 +53,12 @@ DEFAULT_DEVICE_MEMORY_GIB = {"cpu": 16.0, "cuda": 132.0}
 DEFAULT_MIN_KV_TOKENS = 2048
 # The queue tables and routes grow with ranks; beyond this a plan is not something we can test.
 MAX_RANKS = 1024
+# A CPU rank is a whole OS process (its own torch runtime, ~0.3-0.5 GB resident, and a gloo + ZeroMQ link to every
+# other rank): 64 of them already fill a large host, so a CPU plan with more ranks could never run (1,000 were
+# OOM-killed). Larger clusters are GPU plans (--device cuda), up to MAX_RANKS.
+MAX_CPU_RANKS = 64
+# GiB per device: no device has more (an H200 has 141 GB, a big host a few TB); anything above is a typo (or inf).
+MAX_DEVICE_MEMORY_GIB = 16384.0
 
 StageKind = Literal["attn", "expert", "sample"]
 PlacementPolicy = Literal["contiguous", "round_robin", "profile"]
@@ -67,7 +72,7 @@ Dispatch = Literal["host", "device"]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Cluster(_Model):
@@ -82,10 +87,10 @@ class Cluster(_Model):
 class Stage(_Model):
     """One link of the stage chain. `layer` is the model layer (num_layers for the sampler)."""
 
-    id: int
+    id: NonNegativeInt
     kind: StageKind
-    layer: int
-    next: int
+    layer: NonNegativeInt
+    next: NonNegativeInt
 
 
 class BatchCaps(_Model):
@@ -97,7 +102,7 @@ class Placement(_Model):
     policy: PlacementPolicy = "contiguous"
     home_policy: HomePolicy = "most_free_kv"
     # expert_rank[layer][e] = rank holding expert e of that layer; [] for dense layers.
-    expert_rank: list[list[int]]
+    expert_rank: list[list[NonNegativeInt]]
     # Per-expert load used by `profile` placement (None for the other policies), per layer.
     load: Optional[list[list[float]]] = None
 
@@ -117,42 +122,42 @@ class Placement(_Model):
 class QueueEntry(_Model):
     """One mu-queue of a rank: where tokens of one stage wait, and where they go next."""
 
-    stage_id: int
+    stage_id: NonNegativeInt
     kind: StageKind
-    layer: int
-    next_stage: int
-    batch_cap: int  # tokens (attn/sample) or routed rows (expert)
-    experts: list[int] = Field(default_factory=list)  # expert ids of `layer` held by this rank
+    layer: NonNegativeInt
+    next_stage: NonNegativeInt
+    batch_cap: PositiveInt  # tokens (attn/sample) or routed rows (expert)
+    experts: list[NonNegativeInt] = Field(default_factory=list)  # expert ids of `layer` held by this rank
 
 
 class RankPlan(_Model):
-    rank: int
+    rank: NonNegativeInt
     queues: list[QueueEntry]
 
 
 class KVPlan(_Model):
     block_size: int = Field(gt=0)
     dtype: str
-    bytes_per_token: int  # all layers together
-    bytes_per_token_per_layer: list[int]
-    num_blocks: list[int]  # per rank
+    bytes_per_token: PositiveInt  # all layers together
+    bytes_per_token_per_layer: list[NonNegativeInt]
+    num_blocks: list[PositiveInt]  # per rank
 
 
 class CapturePool(_Model):
     """One memory pool / set of static buffers shared by the graphs of every listed layer at one bucket."""
 
     kind: StageKind
-    bucket: int
-    layers: list[int]
-    static_buffer_bytes: int
+    bucket: PositiveInt
+    layers: list[NonNegativeInt]
+    static_buffer_bytes: NonNegativeInt
 
 
 class CapturePlan(_Model):
     enabled: bool  # CUDA graphs are captured only on cuda; the plan is still computed for inspection
     buckets: dict[str, list[int]]  # per stage kind, ascending, last one == that kind's batch cap
     pools: list[CapturePool]
-    graphs_per_rank: list[int]
-    graph_memory_bytes: list[int]  # per rank, estimate (0 when not enabled)
+    graphs_per_rank: list[NonNegativeInt]
+    graph_memory_bytes: list[NonNegativeInt]  # per rank, estimate (0 when not enabled)
 
 
 RoutePattern = Literal["all_to_holders", "holders_to_all", "self"]
@@ -167,16 +172,16 @@ class Route(_Model):
     Pairs with src == dst are delivered locally by the runtime, never through the transport.
     """
 
-    src_stage: int
-    dst_stage: int
+    src_stage: NonNegativeInt
+    dst_stage: NonNegativeInt
     kind: Literal["dispatch", "combine", "local"]
     pattern: RoutePattern
-    src_ranks: list[int]
-    dst_ranks: list[int]
+    src_ranks: list[NonNegativeInt]
+    dst_ranks: list[NonNegativeInt]
     carries: str
-    row_bytes: int  # one hidden-state row
-    max_rows: int
-    max_message_bytes: int
+    row_bytes: NonNegativeInt  # one hidden-state row
+    max_rows: NonNegativeInt
+    max_message_bytes: NonNegativeInt
 
     def pairs(self) -> list[tuple[int, int]]:
         if self.pattern == "self":
@@ -185,17 +190,17 @@ class Route(_Model):
 
 
 class RankMemory(_Model):
-    rank: int
-    device_bytes: int
-    replicated_weight_bytes: int  # embed, head, attention, routers, shared/dense MLPs: on every rank
-    expert_weight_bytes: int  # only the experts placed here
-    weight_bytes: int
-    graph_bytes: int
-    workspace_bytes: int
-    kv_bytes: int
-    kv_capacity_tokens: int
-    kv_blocks: int
-    free_bytes: int  # what is left after all of the above
+    rank: NonNegativeInt
+    device_bytes: PositiveInt
+    replicated_weight_bytes: NonNegativeInt  # embed, head, attention, routers, shared/dense MLPs: on every rank
+    expert_weight_bytes: NonNegativeInt  # only the experts placed here
+    weight_bytes: NonNegativeInt
+    graph_bytes: NonNegativeInt
+    workspace_bytes: NonNegativeInt
+    kv_bytes: NonNegativeInt
+    kv_capacity_tokens: NonNegativeInt
+    kv_blocks: NonNegativeInt  # kv.num_blocks (positive in a plan) repeats it
+    free_bytes: NonNegativeInt  # what is left after all of the above
 
 
 class Plan(_Model):
@@ -250,6 +255,9 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
         raise _options_error("ranks", ranks, f"an integer 1..{MAX_RANKS}")
     if device not in DEFAULT_DEVICE_MEMORY_GIB:
         raise _options_error("device", device, "cpu, cuda")
+    if device == "cpu" and ranks > MAX_CPU_RANKS:
+        raise _options_error("ranks", ranks, f"an integer 1..{MAX_CPU_RANKS} for device cpu (every CPU rank is a "
+                                             f"process with its own torch runtime); larger clusters: --device cuda")
     if dispatch not in ("auto", "host", "device"):
         raise _options_error("dispatch", dispatch, "auto (device on cuda, host on cpu), host, device")
     if dispatch == "auto":
@@ -267,8 +275,10 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
         raise _options_error("max_kv_tokens", max_kv_tokens, f"an integer >= min_kv_tokens ({min_kv_tokens})")
     if device_memory_gib is None:
         device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB[device]
-    if not isinstance(device_memory_gib, (int, float)) or not device_memory_gib > 0:
-        raise _options_error("device_memory_gib", device_memory_gib, "a positive number of GiB")
+    if isinstance(device_memory_gib, bool) or not isinstance(device_memory_gib, (int, float)) \
+            or not 0 < device_memory_gib <= MAX_DEVICE_MEMORY_GIB:
+        raise _options_error("device_memory_gib", device_memory_gib,
+                             f"a positive number of GiB up to {MAX_DEVICE_MEMORY_GIB:g}")
 
     cluster = Cluster(ranks=ranks, device=device, device_memory_gib=float(device_memory_gib), dispatch=dispatch)
     caps = BatchCaps(attn_tokens=attn_cap, expert_rows=expert_cap)
@@ -305,13 +315,17 @@ def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
     plan_dir = Path(plan_dir)
     if plan_dir.exists() and not plan_dir.is_dir():
         raise UserError(f"{plan_dir}: exists and is not a directory; pick another -o PLAN_DIR")
-    plan_dir.mkdir(parents=True, exist_ok=True)
     path = plan_dir / PLAN_FILE
-    # Write then rename so a reader never sees half a plan.
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(plan.model_dump_json(indent=1))
-    tmp.replace(path)
-    (plan_dir / SUMMARY_FILE).write_text(plan_summary(plan))
+    try:
+        plan_dir.mkdir(parents=True, exist_ok=True)
+        # Write then rename so a reader never sees half a plan.
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(plan.model_dump_json(indent=1))
+        tmp.replace(path)
+        (plan_dir / SUMMARY_FILE).write_text(plan_summary(plan))
+    except OSError as err:
+        raise UserError(f"{err.filename or plan_dir}: cannot write the plan there ({err.strerror or err}); "
+                        f"pick another -o PLAN_DIR") from None
     return path
 
 
@@ -321,10 +335,11 @@ def load_plan(plan_dir: str | Path) -> Plan:
     path = plan_dir if plan_dir.suffix == ".json" else plan_dir / PLAN_FILE
     if not path.is_file():
         raise UserError(f"{path}: no plan here; run `dataflow compile MODEL --ranks N -o {plan_dir}` first")
+    from graph_ir.files import parse_json, read_text
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{path}: not a readable plan JSON ({err}); compile it again") from None
+        data = parse_json(read_text(path, "plan file"), str(path), "a readable plan JSON")
+    except UserError as err:
+        raise UserError(f"{err}; compile it again") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: not a plan (top level is {type(data).__name__}); compile it again")
     version = data.get("version")
@@ -332,7 +347,12 @@ def load_plan(plan_dir: str | Path) -> Plan:
         raise UserError(f"{path}: field 'version': plan version {version!r} is not supported "
                         f"(this dataflow reads version {PLAN_VERSION}); compile the model again")
     try:
-        return Plan.model_validate(data)
+        plan = Plan.model_validate(data)
     except ValidationError as err:
         from graph_ir.spec import format_validation_error
         raise UserError(format_validation_error(err, str(path))) from None
+    # The runtime indexes every table by rank, stage, layer and expert: a hand-edited plan whose sections
+    # disagree would end in an IndexError in every rank, or run with silently wrong tables.
+    from lowering.check import check_loaded_plan
+    check_loaded_plan(plan, str(path))
+    return plan

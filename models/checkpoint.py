@@ -12,6 +12,7 @@ config.json, unknown architecture, an unsupported setting, a missing or mis-shap
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec
@@ -42,6 +43,36 @@ def import_spec(path: str | Path) -> ModelSpec:
     root = cfg_path.parent
     return spec_from_config(data, str(cfg_path), name=root.resolve().name, path=str(root),
                             dtype_fallback=_dtype_from_tensors(root))
+
+
+def check_checkpoint(path: str | Path, require_weights: bool = True, spec: Optional[ModelSpec] = None) -> Optional[str]:
+    """Header-only validation of a checkpoint directory, reading no tensor data: config.json imports, every
+    safetensors header is well-formed and its tensors' bytes are inside the file (a truncated copy fails), and
+    every tensor the model needs is present with the expected shape (the checks `load_checkpoint` makes, so a
+    bad checkpoint fails in `dataflow compile`, not in every rank of `dataflow run`). `spec`: the model spec
+    that points at the directory (a YAML with `weights.source: checkpoint`), which must need the same tensors.
+    A directory with no weight files at all: a UserError, or with `require_weights=False` a note to show (a
+    plan can be compiled from config.json alone, e.g. to size a published model)."""
+    from models.hf_weights import SafetensorsDir, has_weight_files, load_tensors
+    from models.weights import expected_shapes
+
+    ckpt_spec = import_spec(path)
+    root = Path(ckpt_spec.weights.path)
+    if spec is not None:
+        want, have = expected_shapes(spec), expected_shapes(ckpt_spec)
+        for name in sorted(set(want) | set(have), key=lambda n: (n not in want, n)):
+            if want.get(name) != have.get(name):
+                found = list(have[name]) if name in have else "no such tensor"
+                expected = list(want[name]) if name in want else "no such tensor"
+                raise UserError(f"{spec.name}: weights.path {root}: its config.json gives tensor '{name}' shape "
+                                f"{found}, the spec needs {expected}; the spec and the checkpoint disagree")
+    if not has_weight_files(root):
+        msg = f"{root}: no *.safetensors files (and no model.safetensors.index.json)"
+        if require_weights:
+            raise UserError(f"{msg}; running the model needs its weights there")
+        return f"{msg}: the plan can be inspected, but `dataflow run` needs the weights there"
+    load_tensors(ckpt_spec, SafetensorsDir(root), check_only=True)
+    return None
 
 
 def load_checkpoint(path: str | Path, experts=None) -> tuple[ModelSpec, ModelWeights]:

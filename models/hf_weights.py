@@ -49,19 +49,72 @@ _FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
+# Bytes per element of the safetensors dtypes (sub-byte and unknown dtypes: only the bounds are checked).
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def _read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes) without reading tensor data."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise UserError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise UserError(f"{path}: not a safetensors file (header length {n})")
-        try:
-            return json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{path}: not a safetensors file (bad header)") from None
+    """The JSON header of a safetensors file (names, dtypes, shapes) without reading tensor data, checked
+    against the file: every entry well-formed, its byte range the size of its shape x dtype, and inside the
+    file (a truncated download fails here, naming the first tensor whose bytes are missing)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise UserError(f"{path}: not a safetensors file ({size} bytes, too short for a header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100_000_000:
+                raise UserError(f"{path}: not a safetensors file (header length {n})")
+            if 8 + n > size:
+                raise UserError(f"{path}: truncated: the header needs {8 + n} bytes, the file has {size}")
+            text = f.read(n)
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path}: not a safetensors file (bad header)") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: not a safetensors file (header is not a JSON object)")
+    data_len = size - 8 - n
+    cut: list[tuple[int, int, str]] = []  # (begin, end, name) of tensors whose bytes run past the end of the file
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor '{name}'"
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) \
+                or not isinstance(info.get("shape"), list) or not isinstance(info.get("data_offsets"), list):
+            raise UserError(f"{where}: header entry {str(info)[:80]!r} is not {{dtype, shape, data_offsets}}")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise UserError(f"{where}: shape {shape} is not a list of non-negative integers")
+        if len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets) \
+                or not 0 <= offsets[0] <= offsets[1]:
+            raise UserError(f"{where}: data_offsets {offsets} is not [begin, end] with 0 <= begin <= end")
+        itemsize = _ST_ITEMSIZE.get(info["dtype"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if itemsize is not None and offsets[1] - offsets[0] != numel * itemsize:
+            raise UserError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, shape {shape} "
+                            f"of {info['dtype']} needs {numel * itemsize}")
+        if offsets[1] > data_len:
+            cut.append((offsets[0], offsets[1], name))
+    if cut:
+        begin, end, name = min(cut)
+        missing = max(c[1] for c in cut) - data_len
+        raise UserError(f"{path}: truncated: {missing} bytes missing at the end ({size} bytes, the header needs "
+                        f"{size + missing}); tensor '{name}' is the first cut off ({len(cut)} in all); copy the "
+                        f"checkpoint again")
+    return header
+
+
+def has_weight_files(root: str | Path) -> bool:
+    """Whether a checkpoint directory has any weights (safetensors files or an index) at all."""
+    root = Path(root)
+    return (root / "model.safetensors.index.json").is_file() or any(root.glob("*.safetensors"))
 
 
 class SafetensorsDir:
@@ -76,8 +129,10 @@ class SafetensorsDir:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise UserError(f"{index}: not a safetensors index (needs a 'weight_map' object)") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise UserError(f"{index}: field 'weight_map': expected an object of tensor name -> shard file name")
             files = sorted(set(weight_map.values()))
             for fname in files:
                 if not (self.root / fname).is_file():
@@ -143,8 +198,9 @@ class SafetensorsDir:
 class _Loader:
     """Fetches HF tensors for one spec, checking each source shape and recording what was used."""
 
-    def __init__(self, spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None):
+    def __init__(self, spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None, dry: bool = False):
         self.spec, self.st = spec, st
+        self.dry = dry  # check only: every tensor comes back as an empty 'meta' tensor of its header's shape
         self.want = expected_shapes(spec)  # full shapes: what the checkpoint must contain
         self.held = held_per_layer(spec, experts)
         self.used: set[str] = set()
@@ -166,13 +222,18 @@ class _Loader:
                             f"expected {list(shape)}")
         self.used.add(hf)
 
+    def _meta(self, hf: str) -> Tensor:
+        return torch.empty(self.st.shape_of[hf], device="meta")
+
     def take(self, hf: str, shape: tuple[int, ...], canon: str) -> Tensor:
         self.check(hf, shape, canon)
-        return self.st.get(hf)
+        return self._meta(hf) if self.dry else self.st.get(hf)
 
     def take_experts(self, hf: str, shape: tuple[int, ...], canon: str, layer: int) -> Tensor:
         """A fused [E, ...] tensor of `layer`: every row, or only the held experts' rows."""
         self.check(hf, shape, canon)
+        if self.dry:
+            return self._meta(hf)
         held = self.held[layer]
         return self.st.get(hf) if held is None else self.st.get_rows(hf, held)
 
@@ -185,6 +246,8 @@ def _dequant_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
     """[..., G, 16] uint8 blocks + [..., G] uint8 scales -> [..., G*32] fp32, same math as
     transformers' `convert_moe_packed_tensors` (low nibble first; value * 2**(scale - 127)).
     Exact: FP4 values times powers of two fit fp32 (and bf16) without rounding."""
+    if blocks.is_meta:  # a header-only check (load_tensors(check_only=True)): the shape is all there is
+        return torch.empty(blocks.shape[:-2] + (blocks.shape[-2] * 32,), device="meta")
     lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
     blocks = blocks.to(torch.uint8)
     lo = lut[(blocks & 0x0F).long()]
@@ -311,10 +374,13 @@ def _ignorable(spec: ModelSpec, name: str, tied: bool) -> bool:
     return False
 
 
-def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None) -> ModelWeights:
+def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None,
+                 check_only: bool = False) -> Optional[ModelWeights]:
     """Map the checkpoint's tensors onto `spec`'s canonical names, cast to `spec.dtype`.
-    `experts`: read only these routed experts per layer (see models.weights.held_per_layer)."""
-    ld = _Loader(spec, st, experts)
+    `experts`: read only these routed experts per layer (see models.weights.held_per_layer).
+    `check_only`: read no tensor data, only run every header check the load would (each needed tensor present
+    with its shape, none unexpected) and return None."""
+    ld = _Loader(spec, st, experts, dry=check_only)
     ld.direct("model.embed_tokens.weight", "embed")
     ld.direct("model.norm.weight", "final_norm")
     if "lm_head" in ld.want:
@@ -331,6 +397,8 @@ def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = No
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
         raise UserError(f"{ld.where(unused[0])}: unexpected tensor '{unused[0]}'{more} for a {spec.family} model "
                         f"as config.json describes it; the config and the weights disagree")
+    if check_only:
+        return None
 
     dtype = torch_dtype(spec.dtype)
     # contiguous(): slices/transposes above are views; callers expect plain dense tensors.
