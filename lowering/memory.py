@@ -18,6 +18,30 @@ from lowering.plan import BatchCaps, CapturePlan, Cluster, KVPlan, Placement, Ra
 GIB = 1024 ** 3
 
 
+def host_memory_bytes() -> tuple[int, int]:
+    """(available, total) bytes of this host's memory (Linux /proc/meminfo); (a huge number, same) where it cannot
+    be read. The CPU plan's default device size and the CPU twin's run-time clamp (runtime/kv_fit.py) use it."""
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, value = line.split(":", 1)
+                info[name] = int(value.split()[0]) * 1024
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return 1 << 62, 1 << 62
+
+
+def default_cpu_memory_gib(ranks: int, cap_gib: float) -> float:
+    """Memory each CPU rank may plan for: 80% of this host's available memory shared by the ranks `dataflow run`
+    starts here, at most `cap_gib` each (in quarter GiB). The torch executor grows its KV pool page by page, so a
+    plan that assumed more than the host has (16 GiB per rank on any host, before) let a long workload push the
+    ranks into the kernel's OOM killer instead of waiting for pages."""
+    available, _ = host_memory_bytes()
+    share = 0.8 * available / max(ranks, 1) / GIB
+    return max(0.25, min(cap_gib, int(share * 4) / 4))
+
+
 def workspace_bytes(spec: ModelSpec, caps: BatchCaps) -> int:
     """Activations of the largest batch of any stage, twice (the batch running plus the next one
     being assembled), plus receive buffers of one full batch per stage kind."""

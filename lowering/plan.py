@@ -47,6 +47,8 @@ DEFAULT_BLOCK_SIZE = 16
 # caching allocator's rounding and eager batches' activations need the rest, so 132 GiB leaves
 # ~7.8 GiB (5.6%) of slack. (140 made every rank of a small model OOM while zeroing its KV pool.)
 # The runtime still checks the real free memory and clamps the KV pool (runtime/kv_fit.py).
+# cpu: the most a rank plans for; the default is what this host has available, shared by its ranks
+# (lowering/memory.py default_cpu_memory_gib).
 DEFAULT_DEVICE_MEMORY_GIB = {"cpu": 16.0, "cuda": 132.0}
 # Every rank must hold the KV of at least one request this long (the paper's contexts are <= 2048),
 # otherwise the plan "fits" but cannot serve anything.
@@ -274,7 +276,10 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
                                       or max_kv_tokens < min_kv_tokens):
         raise _options_error("max_kv_tokens", max_kv_tokens, f"an integer >= min_kv_tokens ({min_kv_tokens})")
     if device_memory_gib is None:
+        from lowering.memory import default_cpu_memory_gib
         device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB[device]
+        if device == "cpu":  # the ranks run on this host: what it has, shared (at most the nominal 16 GiB each)
+            device_memory_gib = default_cpu_memory_gib(ranks, device_memory_gib)
     if isinstance(device_memory_gib, bool) or not isinstance(device_memory_gib, (int, float)) \
             or not 0 < device_memory_gib <= MAX_DEVICE_MEMORY_GIB:
         raise _options_error("device_memory_gib", device_memory_gib,

@@ -39,17 +39,10 @@ MemGetInfo = Callable[[torch.device], tuple[int, int]]  # device -> (free bytes,
 
 
 def host_mem_get_info(_device=None) -> tuple[int, int]:
-    """(available, total) bytes of host memory (Linux /proc/meminfo), for the CUDA executor's CPU twin, whose
-    preallocated pool lives there; (a huge number, same) where it cannot be read (no check)."""
-    try:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, value = line.split(":", 1)
-                info[name] = int(value.split()[0]) * 1024
-        return info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError):
-        return 1 << 62, 1 << 62
+    """(available, total) bytes of host memory, for the CUDA executor's CPU twin, whose preallocated pool lives
+    there (lowering/memory.py host_memory_bytes)."""
+    from lowering.memory import host_memory_bytes
+    return host_memory_bytes()
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, k_row: tuple, v_row: tuple, dtype: torch.dtype) -> int:
