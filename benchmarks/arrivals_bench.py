@@ -74,7 +74,7 @@ def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev, block_row
         os.environ.pop("DATAFLOW_DECODE_WAIT_MS", None)
         if wait_ms is not None:
             os.environ["DATAFLOW_DECODE_WAIT_MS"] = wait_ms
-        cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300))
+        cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300, batch_log=None))
     if hasattr(inner, "prepare"):
         for e in cl.engines:
             inner.prepare(e.kv, owned=e.owned_experts)

@@ -11,6 +11,11 @@ contract as `run_workload`; gloo on CPU, NCCL when the plan targets cuda). Start
 outputs, the other ranks print nothing. `--in-process` runs all ranks in this process instead;
 `--clock virtual` (a simulation) always does. A failed rank ends the run with exit code 1 and one
 line per failed rank, no traceback.
+
+`-o` gets each request's line as it finishes (in finish order, flushed), so a run that fails keeps every
+finished request there; the summary of a failed run says how many finished and which did not. `-o` and
+`--trace` are checked before the run (exit 2 when they cannot be written). The trace keeps the run's latest
+batches only (runtime/trace.py: a ring per rank), written at the end of a successful run.
 """
 from __future__ import annotations
 
@@ -85,6 +90,39 @@ def _pages_for(requests: list, plan) -> int:
     return min(min(plan.kv.num_blocks), max(need + need // 4 + 8, 64))
 
 
+def _check_writable(option: str, path: Path) -> None:
+    """UserError (exit 2) unless `path` can be written: its directory exists, it is not a directory, and it opens
+    for writing. Checked before the run, so a typo does not cost a whole run."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a directory")
+    if not parent.is_dir():
+        raise UserError(f"{option} {path}: {parent} is not an existing directory")
+    existed = path.exists()
+    try:  # the real test (permissions, a read-only or special file system): open it as the run will
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise UserError(f"{option} {path}: not writable ({err.strerror or err})") from None
+    if not existed:
+        path.unlink(missing_ok=True)  # created by the run itself; nothing stays behind if it never gets that far
+
+
+UNFINISHED_LISTED = 20  # ids of unfinished requests a failed run's summary names (then "and N more")
+
+
+def _unfinished_summary(finished: list, requests: list, output: Optional[Path]) -> str:
+    """What a failed run did: how many requests finished (and where their lines are), which did not."""
+    done = {id(r) for r in finished}
+    left = [r.name for r in requests if id(r) not in done]
+    where = f"; their lines are in {output}" if output is not None and finished else ""
+    text = f"{len(finished)} of {len(requests)} requests finished before the failure{where}"
+    if left:
+        more = f" and {len(left) - UNFINISHED_LISTED} more" if len(left) > UNFINISHED_LISTED else ""
+        text += f"\ndid not finish: {', '.join(left[:UNFINISHED_LISTED])}{more}"
+    return text
+
+
 def _summary_table(metrics: dict, plan, policy: str):
     from rich.table import Table
 
@@ -141,6 +179,10 @@ def register(app: typer.Typer) -> None:
                                                            "(default: no limit)"),
         peer_timeout: float = typer.Option(10.0, "--peer-timeout",
                                            help="seconds of silence after which a rank counts as dead or wedged"),
+        stall_timeout: float = typer.Option(60.0, "--stall-timeout",
+                                            help="floor, in seconds, of how long a rank's loop (or, with requests "
+                                                 "outstanding, every rank's batches) may stand still before the run "
+                                                 "is called stalled; the bound grows to 10x the longest pause seen"),
         clock: str = typer.Option("wall", "--clock",
                                   help="wall, or virtual (batches timed by the cost model: a simulation)"),
         kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="override KV pages per rank"),
@@ -155,7 +197,7 @@ def register(app: typer.Typer) -> None:
         from models.sampling import SamplingParams
         from runtime.cluster import RunOptions, run_workload
         from runtime.scheduler import POLICIES, make_policy, parse_policy
-        from runtime.workload import default_workload, load_prompts, write_outputs
+        from runtime.workload import default_workload, load_prompts
 
         console = Console(stderr=True)
         plan = load_plan(plan_dir)
@@ -169,16 +211,53 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--policy / --policy-param: {err}") from None
         if clock not in ("wall", "virtual"):
             raise UserError(f"--clock {clock!r}; valid: wall, virtual")
-        if max_new_tokens < 1 or num_requests < 1:
-            raise UserError("--max-new-tokens and --num-requests must be >= 1")
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens {max_new_tokens}; valid: 1..{spec.max_position} "
+                            f"({spec.name}'s max_position, which prompt + new tokens must fit)")
+        # The default workload is a seeded demo (each request a Python object with its prompt); 100,000 requests of 16
+        # tokens already take hours on a CPU plan, and a count like 10**8 only stalls before the first token.
+        # A bigger workload is a --prompts file.
+        max_requests = 100_000
+        if prompts is None and not 1 <= num_requests <= max_requests:
+            raise UserError(f"--num-requests {num_requests}; valid: 1..{max_requests} "
+                            f"(larger workloads: --prompts FILE)")
+        if prompts is None and max_new_tokens > spec.max_position - 7:
+            # Like vLLM, which refuses a request whose prompt + max_tokens exceeds max_model_len: the default workload
+            # shortens its prompts (8 to 48 tokens, and a few of 1-8) to fit, but not below 8 tokens.
+            raise UserError(f"--max-new-tokens {max_new_tokens}: prompt + new tokens must fit {spec.name}'s "
+                            f"max_position {spec.max_position}, and the default workload needs room for prompts of 8 "
+                            f"tokens; valid: 1..{spec.max_position - 7} (or --prompts FILE with shorter "
+                            f"prompts)" if spec.max_position > 7 else
+                            f"--max-new-tokens {max_new_tokens}: {spec.name}'s max_position {spec.max_position} is "
+                            f"too short for the default workload's prompts (8 tokens and more); pass --prompts FILE")
+        if kv_blocks is not None and kv_blocks < 1:
+            raise UserError(f"--kv-blocks {kv_blocks}; valid: a positive number of KV pages per rank "
+                            f"(the plan has {min(plan.kv.num_blocks)})")
         try:
             sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         except ValidationError as err:
-            raise UserError(f"sampling options: {err.errors()[0]['loc'][0]}: {err.errors()[0]['msg']}") from None
+            e = err.errors()[0]
+            opt = "--" + str(e["loc"][0]).replace("_", "-")
+            raise UserError(f"sampling option {e['loc'][0]} ({opt} {e.get('input')!r}): {e['msg']}") from None
+        if spec.weights.source == "checkpoint":
+            # Header-only, no tensor read: a checkpoint changed or truncated since compile fails here with one line,
+            # not with a traceback in every rank process.
+            from models.checkpoint import check_checkpoint
+            check_checkpoint(spec.weights.path, require_weights=True, spec=spec)
 
-        if peer_timeout <= 0 or (procs_timeout is not None and procs_timeout <= 0):
-            raise UserError("--peer-timeout and --procs-timeout must be > 0")
+        if peer_timeout <= 0 or (procs_timeout is not None and procs_timeout <= 0) or not stall_timeout > 0:
+            raise UserError("--peer-timeout, --procs-timeout and --stall-timeout must be > 0")
         torchrun_rank = None if in_process or clock == "virtual" else _under_torchrun_rank()
+        import os
+        # Without torchrun every rank is a process started on this machine, each with its own torch runtime
+        # (~0.3-0.5 GB resident) and its own serving loop: beyond one per core (at least 8, so small boxes still run
+        # the 4-rank benchmarks) they only compete for memory and cores; 1,000 of them were OOM-killed.
+        max_local = max(8, os.cpu_count() or 1)
+        if not (in_process or clock == "virtual") and torchrun_rank is None and plan.cluster.ranks > max_local:
+            raise UserError(f"{plan_dir}: the plan has {plan.cluster.ranks} ranks, and `dataflow run` starts one "
+                            f"process per rank on this machine; valid: at most {max_local} local rank processes "
+                            f"(max(8, {os.cpu_count()} CPU cores)); start the ranks across hosts with torchrun, run "
+                            f"them all in this process with --in-process, or compile for fewer --ranks")
         if torchrun_rank not in (None, 0):
             requests = []  # only the coordinator (rank 0) reads the prompts; the others serve what it sends
         elif prompts is not None:
@@ -201,9 +280,18 @@ def register(app: typer.Typer) -> None:
                     kv_blocks = _pages_for(requests, plan)
                     note += f", with a KV pool of {kv_blocks} pages per rank for these requests (--kv-blocks sets it)"
         options = RunOptions(policy=policy, policy_params=params, clock=clock, trace=trace is not None,
-                             kv_blocks=kv_blocks)
+                             kv_blocks=kv_blocks, stall_timeout_s=stall_timeout)
         # The virtual clock is a simulation of the whole cluster: it needs every rank in one process.
         runner = None if in_process or clock == "virtual" else _multi_process_runner(procs_timeout, peer_timeout)
+        if torchrun_rank in (None, 0):  # the process that writes them: fail now, not after the whole run
+            for opt, path in (("--output", output), ("--trace", trace)):
+                if path is not None:
+                    _check_writable(opt, path)
+        if output is not None:
+            # Each request's line is written as it finishes (by rank 0's coordinator, or the in-process driver): a
+            # failed run keeps every finished one. Out of process, rank 0 then keeps no outputs (flat memory).
+            options.output_path = str(output)
+            options.keep_outputs = runner is None
         if note:
             console.print(f"[yellow]note:[/] {note}")
 
@@ -221,6 +309,10 @@ def register(app: typer.Typer) -> None:
                 raise UserError(str(err)) from None
             except Exception as err:
                 from runtime.multiproc import RunFailed as RanksFailed
+                if hasattr(err, "finished"):
+                    bar.stop()
+                    console.print(_unfinished_summary(err.finished, requests, output), markup=False, highlight=False,
+                                  soft_wrap=True)
                 if isinstance(err, RanksFailed):
                     raise RunFailed(f"run failed: {err}") from None
                 raise
@@ -228,8 +320,6 @@ def register(app: typer.Typer) -> None:
         if result is None:  # a torchrun rank other than 0: rank 0 reports
             return
 
-        if output is not None:
-            write_outputs(output, result.requests)
         if trace is not None and result.trace is not None:
             result.trace.write(trace, result.world_size)
         Console().print(_summary_table(result.metrics, plan, policy))
@@ -237,6 +327,6 @@ def register(app: typer.Typer) -> None:
         if hint:
             console.print(f"[yellow]hint:[/] {hint}")
         if output is not None:
-            console.print(f"outputs: {output}")
+            console.print(f"outputs: {output} (one line per request, in the order they finished)")
         if trace is not None:
             console.print(f"trace: {trace} (open in https://ui.perfetto.dev)")

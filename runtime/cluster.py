@@ -20,10 +20,10 @@ from typing import Callable, Optional
 from runtime.clock import VirtualClock, WallClock
 from runtime.cost_model import CostModel
 from runtime.engine import Batch, Engine, config_from_plan
-from runtime.metrics import summarize
+from runtime.metrics import BATCH_LOG, summarize
 from runtime.requests import Admission, Request
 from runtime.scheduler import make_policy
-from runtime.trace import TraceRecorder
+from runtime.trace import TRACE_BATCHES, TraceRecorder
 from runtime.transport.inproc import DelayFn, InprocHub
 
 # transport_factory(world_size, clock) -> one transport per rank
@@ -47,8 +47,21 @@ class RunOptions:
     # trace); picklable, so rank processes build the same one. None: the model's own router.
     router: Optional[object] = None
     until: Optional[float] = None  # stop at this clock time; unfinished requests are reported so
-    stall_timeout_s: float = 60.0  # wall clock: no progress for this long is a bug, not a wait
+    # Wall clock, the floor of the stall bound: a rank's serving loop (peers watch its heartbeat) or, with requests
+    # outstanding, every rank's batches standing still for max(this, 10x the longest pause seen) is a bug, not a wait
+    # (runtime/health.py ProgressWatch; `dataflow run --stall-timeout`).
+    stall_timeout_s: float = 60.0
     progress: Optional[Callable[[int, int, int], None]] = None  # (finished, total, tokens)
+    # One JSON line per finished request (runtime/workload.py output_line, the format of write_outputs), written and
+    # flushed as each finishes, in finish order, by whoever collects the finished requests (the in-process driver, or
+    # rank 0's coordinator): a run that fails later keeps them. run_workload / run_workloads_multiprocess create the
+    # file empty first.
+    output_path: Optional[str] = None
+    # Multi-process only. False: the coordinator keeps no tokens or times of a finished request once its line is out
+    # (RunResult.requests then carry none; the metrics come from running totals, p99 ITL within 1%): flat memory on
+    # rank 0 however many requests a long run serves. Needs output_path.
+    keep_outputs: bool = True
+    batch_log: Optional[int] = BATCH_LOG  # per-batch records an engine keeps (runtime/metrics.py); None: every one
 
 
 @dataclass
@@ -81,7 +94,7 @@ class Cluster:
         self.hub = getattr(self.transports[0], "hub", None)  # in-process: knows delivery times
         if options.clock == "virtual" and self.hub is None:
             raise ValueError("the virtual clock needs the in-process transport (it must know delivery times)")
-        self.trace = TraceRecorder() if options.trace else None
+        self.trace = TraceRecorder(TRACE_BATCHES * self.world_size) if options.trace else None
         cfgs = [config_from_plan(plan, r, options.kv_blocks) for r in range(self.world_size)]
         # All ranks share the executor's device here: their pools together must fit its free memory.
         from runtime.kv_fit import executor_kv_fit
@@ -89,8 +102,10 @@ class Cluster:
         for c in cfgs:
             c.num_blocks = min(c.num_blocks, fit)
         self.engines = [Engine(cfgs[r], executor, self.transports[r],
-                               self.clock, make_policy(options.policy, **options.policy_params), self.trace)
+                               self.clock, make_policy(options.policy, **options.policy_params), self.trace,
+                               batch_log=options.batch_log)
                         for r in range(self.world_size)]
+        self._out = None  # OutputWriter while run() streams finished requests to options.output_path
         if options.decode_only:
             for e in self.engines:
                 e.enable_decode_only()
@@ -120,6 +135,9 @@ class Cluster:
             if f:
                 done.extend(f)
                 got = True
+                if self._out is not None:
+                    for req in f:
+                        self._out.write(req)
         if got and self.options.progress:
             self.options.progress(len(done), total, sum(e.metrics.tokens for e in self.engines))
         return got
@@ -138,10 +156,22 @@ class Cluster:
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)
         done: list[Request] = []
         t0 = self.clock.now()
-        if self.options.clock == "virtual":
-            self._run_virtual(pending, done, len(requests))
-        else:
-            self._run_wall(pending, done, len(requests))
+        from runtime.workload import OutputWriter
+        self._out = OutputWriter(self.options.output_path, truncate=True) if self.options.output_path else None
+        try:
+            if self.options.clock == "virtual":
+                self._run_virtual(pending, done, len(requests))
+            else:
+                self._run_wall(pending, done, len(requests))
+        except Exception as err:
+            # The work done so far goes with the error: `err.finished` (finish order; each already on its line of
+            # options.output_path), as RunFailed.finished does for the multi-process runner.
+            err.finished = list(done)
+            raise
+        finally:
+            if self._out is not None:
+                self._out.close()
+                self._out = None
         elapsed = self.clock.now() - t0
         if requests:
             first = min(r.arrival for r in requests)

@@ -48,7 +48,7 @@ from runtime.dispatch_plan import plan_dispatch, warm_up as warm_up_dispatch
 from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags, id_dtype
 from runtime.kv_cache import BlockAllocator, PagedKVStore
 from runtime.merge import TAG_SHIFT, MergeGroup, MergeTable
-from runtime.metrics import BatchRecord, RankMetrics
+from runtime.metrics import BATCH_LOG, BatchRecord, RankMetrics
 from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue, RoutedItem, SampleItem, is_decode
 from runtime.requests import Request
 from runtime.routed_rows import device_routed_from_env, pack as pack_routed
@@ -161,7 +161,7 @@ def _async_route_from_env() -> bool:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, executor, transport, clock, policy=None,
-                 trace=None) -> None:
+                 trace=None, batch_log: Optional[int] = BATCH_LOG) -> None:
         self.cfg = cfg
         self.rank = cfg.rank
         self.executor = executor
@@ -191,7 +191,8 @@ class Engine:
         self._id_dtype = id_dtype(max((len(er) for er in cfg.expert_rank), default=1))  # expert ids on the wire
         self.requests: dict[int, Request] = {}  # live requests homed here
         self.finished: list[Request] = []  # done, not yet collected by the driver (take_finished)
-        self.metrics = RankMetrics(cfg.rank)
+        # Totals over every batch, records of the latest `batch_log` only (runtime/metrics.py): flat memory over a long run
+        self.metrics = RankMetrics(cfg.rank, batch_log=batch_log)
         # Messages of kinds the engine does not own (a multi-process driver's admissions, finish
         # notices, stop) go here, so drivers share the transport instead of opening a second one.
         self.on_control = None

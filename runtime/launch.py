@@ -11,7 +11,8 @@ Failure handling, because a distributed run must end, not hang:
   to its peers (runtime/health.py) and exits 1 (130 for Ctrl-C, 143 for SIGTERM);
 - when any rank exits non-zero, the launcher gives the others `grace_s` to notice and exit on their
   own (so their own messages name the dead rank), then SIGTERMs and, 2 s later, SIGKILLs the rest;
-- Ctrl-C / SIGTERM to the launcher are forwarded to every rank (a second one kills them outright);
+- Ctrl-C / SIGTERM to the launcher are forwarded to every rank (a second one kills them outright), a hang-up
+  (SIGHUP) as SIGTERM; the launch's temporary files go on every exit path (make_run_dir);
 - children die with the launcher: PR_SET_PDEATHSIG (Linux) or a ppid watchdog thread elsewhere.
 Children run in their own sessions so a terminal's Ctrl-C reaches only the launcher, which forwards it
 once, in order, instead of every rank being interrupted at a random point.
@@ -169,12 +170,68 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
     after one rank failed. Ctrl-C/SIGTERM (main thread only) are forwarded to the ranks, and after
     cleanup re-raised as KeyboardInterrupt / SystemExit(143). Never returns with a child alive.
     `on_tick`: called from the wait loop every ~20 ms (e.g. to show progress the ranks write to a
-    file); it must be quick and not raise.
+    file); it must be quick and not raise. The run's files (the pickled job: prompts included) live in
+    a private temporary directory that is gone when this returns or raises (see make_run_dir).
     """
+    run_dir = make_run_dir("dataflow-launch-")
+    try:
+        return _launch_local(run_dir, world_size, target, args, timeout, grace_s=grace_s, env=env,
+                             prefix_output=prefix_output, stdout=stdout, stderr=stderr, on_tick=on_tick)
+    finally:
+        remove_run_dir(run_dir)
+
+
+_RUN_DIRS: set[str] = set()  # made by make_run_dir and not removed yet (removed at exit by _remove_all)
+
+
+def _remove_all() -> None:
+    for d in list(_RUN_DIRS):
+        remove_run_dir(d)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive as far as we can tell
+        return True
+    return True
+
+
+def make_run_dir(prefix: str) -> str:
+    """A private temporary directory for one launch's files, named after this process (prefix + pid + "-"),
+    removed by remove_run_dir, at interpreter exit at the latest (atexit), and, when this process is SIGKILLed
+    or dies on a signal it does not handle, by the next make_run_dir of the same prefix: it removes those of
+    processes that are gone. (launch_local turns SIGINT/SIGTERM/SIGHUP into exceptions, so its `finally` runs.)"""
+    tmp = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(prefix)]
+    except OSError:
+        names = []
+    for n in names:
+        pid = n[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(tmp, n), ignore_errors=True)
+    if not _RUN_DIRS:
+        atexit.unregister(_remove_all)
+        atexit.register(_remove_all)
+    d = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+    _RUN_DIRS.add(d)
+    return d
+
+
+def remove_run_dir(path: str) -> None:
+    _RUN_DIRS.discard(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], args: tuple, timeout: Optional[float],
+                  *, grace_s: float, env: Optional[dict], prefix_output: bool, stdout, stderr,
+                  on_tick: Optional[Callable[[], None]]) -> LaunchResult:
     name = target_name(target)
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    run_dir = tempfile.mkdtemp(prefix="dataflow-launch-")
     with open(os.path.join(run_dir, "args.pkl"), "wb") as f:
         pickle.dump((name, tuple(args)), f)
     base = dict(os.environ)
@@ -184,6 +241,10 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
     # the ranks must not hide the packages the parent imports.
     paths = [_repo_root()] + [p for p in ((env or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
     base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    # DATAFLOW_RUN_SECRET: the key every rank signs its frames with (runtime/transport/wire.py), new per launch,
+    # handed over in the environment (readable by this user only), never through a socket.
+    import secrets
+    base.update(DATAFLOW_RUN_SECRET=secrets.token_hex(32))
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), DATAFLOW_LAUNCH_DIR=run_dir,
                 DATAFLOW_LAUNCH_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
@@ -197,11 +258,16 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
 
     def on_signal(signum, _frame):
         received.append(signum)
-        _signal_all(procs, signal.SIGKILL if len(received) > 1 else signum)
+        # A hang-up (terminal closed) ends the ranks like SIGTERM, so they broadcast an abort on their way out.
+        _signal_all(procs, signal.SIGKILL if len(received) > 1 else
+                    signal.SIGTERM if signum == getattr(signal, "SIGHUP", None) else signum)
 
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            old_handlers[sig] = signal.signal(sig, on_signal)
+        hup = getattr(signal, "SIGHUP", None)
+        for sig in (signal.SIGINT, signal.SIGTERM, hup):
+            # (a hang-up that nohup made this process ignore stays ignored)
+            if sig is not None and not (sig == hup and signal.getsignal(sig) == signal.SIG_IGN):
+                old_handlers[sig] = signal.signal(sig, on_signal)
 
     start = time.monotonic()
     codes: list[Optional[int]] = [None] * world_size
@@ -270,7 +336,6 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
                 msg = (f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}")
             errors[rank] = msg
         results.append(_read_pickle(os.path.join(run_dir, f"result.{rank}.pkl")))
-    shutil.rmtree(run_dir, ignore_errors=True)
 
     first_error = None
     if timed_out:
@@ -335,6 +400,17 @@ def _sigterm_to_exit(_signum, _frame):
     raise SystemExit(143)  # unwinds the target, so it can broadcast an abort (see run_rank)
 
 
+def _print_frames(err: BaseException, rank: int) -> None:
+    """The traceback of a rank's error without its last line (the error itself: the launcher's caller prints it
+    once, in the run's summary, from the error file)."""
+    te = traceback.TracebackException.from_exception(err)
+    lines = list(te.format())
+    last = list(te.format_exception_only())
+    if lines[-len(last):] == last:
+        lines = lines[:-len(last)] + [f"(rank {rank}'s error: see the run's summary)\n"]
+    sys.stderr.write("".join(lines))
+
+
 def _child_main() -> int:
     _die_with_parent(int(os.environ["DATAFLOW_LAUNCH_PARENT"]))
     signal.signal(signal.SIGTERM, _sigterm_to_exit)
@@ -359,10 +435,9 @@ def _child_main() -> int:
     except BaseException as err:
         from runtime.health import PeerFailure
         if not isinstance(err, PeerFailure):  # a peer's failure is an expected ending: its message says it all
-            traceback.print_exc()
+            _print_frames(err, env.rank)
         code, message = 1, _one_line(err)
-    if message is not None:
-        print(f"error: {message}", file=sys.stderr)
+    if message is not None:  # printed once, by whoever reports the run (launch_local's caller): not here as well
         with open(os.path.join(run_dir, f"error.{env.rank}"), "w") as f:
             f.write(message)
     # Exit without interpreter teardown: threads blocked in gloo waits or sockets to dead peers can

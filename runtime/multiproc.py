@@ -45,6 +45,7 @@ remap in the executor). On the tiny/CPU models this costs nothing worth the comp
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -67,7 +68,15 @@ _PROGRESS_EVERY_S = 0.1
 
 
 class RunFailed(RuntimeError):
-    """A multi-process run ended with failed ranks. The message names each failed rank and why."""
+    """A multi-process run ended with failed ranks. The message names each failed rank and why.
+    `finished`: the requests that finished before it (the caller's Request objects, results filled in, in finish
+    order, every workload's); `unfinished`: the others (submission order). Each finished one is also on its line of
+    its workload's RunOptions.output_path, when set."""
+
+    def __init__(self, message: str, finished: Optional[list] = None, unfinished: Optional[list] = None) -> None:
+        super().__init__(message)
+        self.finished = list(finished or [])
+        self.unfinished = list(unfinished or [])
 
 
 @dataclass
@@ -79,6 +88,7 @@ class RankJob:
     chaos: object = None  # runtime.transport.chaos.ChaosDelays: seeded per-message delays (tests)
     progress_path: Optional[str] = None  # the coordinator writes "done total tokens" here for the launcher
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    finished_path: Optional[str] = None  # the coordinator appends a JSON line per finished request (_journal)
 
 
 class SyncedClock:
@@ -392,7 +402,7 @@ class RankNode:
         cfg.num_blocks = min(cfg.num_blocks, self.kv_fit)
         self.engine = Engine(cfg, self.executor,
                              self.transport, self.clock, make_policy(options.policy, **options.policy_params),
-                             self.trace)
+                             self.trace, batch_log=options.batch_log)
         self.engine.on_control = self._on_control
         if hasattr(self.executor, "prepare"):
             # Capture every CUDA graph of this workload's KV store before serving, so no capture
@@ -455,7 +465,7 @@ class RankNode:
             from runtime.transport.rendezvous import listening
             self._send(COORDINATOR, {"t": CTRL_DONE, "w": self.workload, "metrics": dataclasses.asdict(e.metrics),
                                      "trace": trace, "data_messages": data_sent, "dispatch": e.dispatch_name,
-                                     "listening": listening()})
+                                     "listening": listening(), "dropped": self.transport.stats["dropped"]})
             if not self.is_coord:  # the coordinator stops when every rank's report is in
                 self.stopped = True
         elif self.is_coord and self.coord is not None:
@@ -604,6 +614,7 @@ class Coordinator:
         from runtime.health import ProgressWatch
         self.work = ProgressWatch(options.stall_timeout_s, time.monotonic())  # batches run on all ranks
         self.last_report = 0.0
+        self._open_outputs()
 
     def tick(self) -> bool:
         """Admit what is due and fits; stop the ranks when all finished. True when it did something."""
@@ -665,6 +676,7 @@ class Coordinator:
             self.reported_free[src] = meta["free"]
             self.rank_tokens[src] = meta["tokens"]
             self.finished += 1
+            self._keep(req)
             self._progress()
         elif t == CTRL_DONE:
             self.dones[src] = meta
@@ -672,6 +684,39 @@ class Coordinator:
                 self.node.stopped = True  # our own done came too: every rank reported
         else:
             raise RuntimeError(f"coordinator: unexpected control message {t!r} from rank {src}")
+
+    def _open_outputs(self) -> None:
+        """The finished-request streams: options.output_path (the user's lines; the launcher created it empty) and
+        the job's journal (what the launcher gives back with RunFailed.finished when the run fails later)."""
+        from runtime.metrics import RequestStats
+        from runtime.workload import OutputWriter
+        o = self.options
+        self.out = OutputWriter(o.output_path) if o.output_path else None
+        path = self.node.job.finished_path
+        self.journal = open(path, "a") if path else None
+        # keep_outputs=False: totals instead of every request's tokens and times (flat memory however long it runs)
+        self.stats = None if o.keep_outputs else RequestStats(exact=False)
+
+    def _keep(self, req) -> None:
+        """A finished request's line out (flushed: it survives any rank failing later), then, unless the
+        options keep outputs, its tokens and times folded into the totals and dropped."""
+        if self.out is not None:
+            self.out.write(req)
+        if self.journal is not None:
+            rec = {"w": self.w, "rid": req.rid, "home": req.home, "reason": req.finish_reason,
+                   "t_admit": req.t_admit, "t_finish": req.t_finish}
+            if self.stats is None:
+                rec.update(output=req.output, token_times=req.token_times)
+            self.journal.write(json.dumps(rec) + "\n")
+            self.journal.flush()
+        if self.stats is not None:
+            self.stats.add(req)
+            req.output, req.token_times = [], []
+
+    def close_outputs(self) -> None:
+        for f in (self.out, self.journal):
+            if f is not None:
+                f.close()
 
     def _progress(self, final: bool = False) -> None:
         tokens = sum(self.rank_tokens)
@@ -712,13 +757,14 @@ class Coordinator:
         if reqs:
             ends = [r.t_finish for r in reqs if r.done]
             elapsed = max(ends) - min(r.arrival for r in reqs)
-        metrics = summarize(reqs, ranks, elapsed)
+        metrics = summarize(reqs, ranks, elapsed, self.stats)
         metrics["messages"] = sum(self.dones[r]["data_messages"] for r in range(self.node.world))
         metrics["policy"] = self.options.policy
         metrics["ranks"] = self.node.world
         metrics["processes"] = self.node.world
         metrics["dispatch"] = self.dones[COORDINATOR].get("dispatch")
         metrics["listening"] = [a for r in range(self.node.world) for a in self.dones[r].get("listening") or ()]
+        metrics["dropped_frames"] = sum(self.dones[r].get("dropped", 0) for r in range(self.node.world))
         trace = None
         if self.options.trace:
             shift = self.t_begin
@@ -733,6 +779,7 @@ class Coordinator:
                 decisions.extend(dict(d, t=d["t"] - shift) for d in dec)
             trace = (events, decisions)
         self._progress(final=True)
+        self.close_outputs()
         return {"requests": reqs, "metrics": metrics, "trace": trace}
 
 
@@ -784,10 +831,15 @@ def _to_result(raw: dict, original: list, world: int):
 
 
 def _failure_message(res) -> str:
+    """One line per failed rank, the first failure first; each error said once (a survivor's message that quotes
+    the first failed rank's error, passed on by its abort notice, points to it instead of repeating it)."""
     lines = [res.first_error or "failed"]
+    first = res.errors.get(res.first_failed_rank) if res.first_failed_rank is not None else None
     for rank, msg in sorted(res.errors.items()):
         # "terminated (SIGTERM)" is the launcher ending a rank that had not failed: not a cause.
         if rank != res.first_failed_rank and msg != "terminated (SIGTERM)":
+            if first and len(first) > 20 and first in msg:
+                msg = msg.replace(first, f"(rank {res.first_failed_rank}'s error above)")
             lines.append(f"rank {rank}: {msg}")
     return "\n".join(lines)
 
@@ -798,32 +850,62 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
     """Serve several workloads [(requests, RunOptions)] one after the other on one launch of
     `plan.cluster.ranks` processes (or, under torchrun, as this process's rank). Returns one
     runtime.cluster.RunResult per workload (None on ranks other than 0 under torchrun).
-    `timeout`: seconds for the whole launch. Raises RunFailed naming the failed ranks."""
+    `timeout`: seconds for the whole launch. Raises RunFailed naming the failed ranks, with the requests that
+    finished before (`finished`, their results filled in) and the others (`unfinished`). A workload's
+    RunOptions.output_path is created empty here, and rank 0 appends each request's line as it finishes."""
     clean = [(list(reqs), _picklable(opts)) for reqs, opts in workloads]
     for reqs, opts in clean:
         _check_fits(plan, reqs, opts)
+        if not opts.keep_outputs and not opts.output_path:
+            raise ValueError("keep_outputs=False needs an output_path (the outputs would be nowhere)")
     progress = progress or (workloads[0][1].progress if len(workloads) == 1 else None)
     job = RankJob(plan, clean, peer_timeout_s, chaos)
     world = plan.cluster.ranks
 
     renv = from_torchrun_env()
-    if renv is not None and "DATAFLOW_LAUNCH_DIR" not in os.environ:
-        # Started by torchrun: this process is one rank. run_rank broadcasts an abort if we fail.
-        if progress is not None:
-            for _, opts in clean:
-                opts.progress = progress
+    torchrun = renv is not None and "DATAFLOW_LAUNCH_DIR" not in os.environ
+    if torchrun and renv.rank != COORDINATOR:
+        # Started by torchrun, one of the serving ranks: no files here (rank 0 writes them).
+        from runtime.health import PeerFailure
         try:
-            raws = run_rank(rank_main, renv, (job,))
-        except Exception as err:
-            from runtime.health import PeerFailure
-            if isinstance(err, PeerFailure):
-                raise RunFailed(f"rank {renv.rank}: {err}") from None
-            raise
+            run_rank(rank_main, renv, (job,))
+        except PeerFailure as err:
+            raise RunFailed(f"rank {renv.rank}: {err}") from None
+        return None
+    for path in dict.fromkeys(opts.output_path for _, opts in clean if opts.output_path):
+        open(path, "w").close()  # empty before any rank starts: lines of an earlier run never mix in
+    from runtime.launch import make_run_dir, remove_run_dir
+    tmpdir = make_run_dir("dataflow-progress-")
+    job.finished_path = os.path.join(tmpdir, "finished.jsonl")
+    try:
+        if torchrun:
+            # Started by torchrun: this process is rank 0. run_rank broadcasts an abort if we fail.
+            if progress is not None:
+                for _, opts in clean:
+                    opts.progress = progress
+            try:
+                raws = run_rank(rank_main, renv, (job,))
+            except Exception as err:
+                from runtime.health import PeerFailure
+                finished, unfinished = _finished_so_far(job.finished_path, workloads)
+                if isinstance(err, PeerFailure):
+                    raise RunFailed(f"rank {renv.rank}: {err}", finished, unfinished) from None
+                err.finished, err.unfinished = finished, unfinished  # what it did before, as with RunFailed
+                raise
+            return [_to_result(raw, reqs, world) for raw, (reqs, _) in zip(raws, workloads)]
+        res = _launch(plan, job, tmpdir, progress, timeout, peer_timeout_s, env)
+        if not res.ok:
+            raise RunFailed(_failure_message(res), *_finished_so_far(job.finished_path, workloads))
+        raws = res.results[COORDINATOR]
         if raws is None:
-            return None
+            raise RunFailed("rank 0 exited 0 but returned no results", *_finished_so_far(job.finished_path, workloads))
         return [_to_result(raw, reqs, world) for raw, (reqs, _) in zip(raws, workloads)]
+    finally:
+        remove_run_dir(tmpdir)
 
-    tmpdir = tempfile.mkdtemp(prefix="dataflow-progress-")
+
+def _launch(plan, job: RankJob, tmpdir: str, progress, timeout: Optional[float], peer_timeout_s: float,
+            env: Optional[dict]):
     job.progress_path = os.path.join(tmpdir, "progress")
     last = [None]
 
@@ -843,20 +925,36 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
     child_env = dict(env or {})
     if plan.cluster.device == "cuda":
         child_env.setdefault("NCCL_NVLS_ENABLE", "0")
+    # grace_s > the peer timeout: survivors get to notice a dead rank themselves and say what
+    # they were waiting for, instead of being SIGTERMed with nothing to say.
+    return launch_local(plan.cluster.ranks, rank_main, (job,), timeout=timeout, grace_s=peer_timeout_s + 5.0,
+                        env=child_env, on_tick=on_tick)
+
+
+def _finished_so_far(path: str, workloads: list) -> tuple[list, list]:
+    """The requests rank 0's coordinator reported finished (its journal, Coordinator._keep), results copied into
+    the caller's Request objects, in finish order; and the caller's others, in submission order."""
+    by_key = {(w, r.rid): r for w, (reqs, _) in enumerate(workloads) for r in reqs}
+    finished = []
     try:
-        # grace_s > the peer timeout: survivors get to notice a dead rank themselves and say what
-        # they were waiting for, instead of being SIGTERMed with nothing to say.
-        res = launch_local(world, rank_main, (job,), timeout=timeout, grace_s=peer_timeout_s + 5.0, env=child_env,
-                           on_tick=on_tick)
-    finally:
-        import shutil
-        shutil.rmtree(tmpdir, ignore_errors=True)
-    if not res.ok:
-        raise RunFailed(_failure_message(res))
-    raws = res.results[COORDINATOR]
-    if raws is None:
-        raise RunFailed("rank 0 exited 0 but returned no results")
-    return [_to_result(raw, reqs, world) for raw, (reqs, _) in zip(raws, workloads)]
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut by the coordinator's death mid-write
+            continue
+        req = by_key.pop((rec["w"], rec["rid"]), None)
+        if req is None:
+            continue
+        req.home, req.finish_reason = rec["home"], rec["reason"]
+        req.t_admit, req.t_finish = rec["t_admit"], rec["t_finish"]
+        if "output" in rec:
+            req.output, req.token_times = rec["output"], rec["token_times"]
+        finished.append(req)
+    return finished, list(by_key.values())
 
 
 def run_workload_multiprocess(plan, requests: list, options=None, **kwargs):

@@ -259,7 +259,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
 
         scaled = _ScaledCost(cost, inter)
         opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks,
-                          decode_only=cfg.workload.decode_only)
+                          decode_only=cfg.workload.decode_only, batch_log=None)  # the report reads every batch
         cluster = Cluster(plan, executor, opts, factory)
         for e in cluster.engines:
             e.policy = _DepthRecorder(e.policy, e.rank, probe)
