@@ -511,7 +511,9 @@ class RankNode:
             post_receives = _timed(ph, "post_receives", post_receives)
             ph.in_loop = True
         fresh = False  # the idle wait just polled (and fed what came): no second poll before deciding
-        wedge = self.job.chaos.wedge_at(self.rank) if self.job.chaos is not None else None
+        from runtime.transport.chaos import ChaosDelays
+        chaos = self.job.chaos  # (the lab's delay models travel here too; only ChaosDelays wedges)
+        wedge = chaos.wedge_at(self.rank) if isinstance(chaos, ChaosDelays) else None
         while not self.stopped:
             tr.progress += 1  # the heartbeat carries it: peers see this loop turn (runtime/health.py)
             if ph is not None:
