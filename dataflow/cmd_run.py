@@ -148,6 +148,11 @@ def _summary_table(metrics: dict, plan, policy: str):
         t.add_row("prompt batches yielded to decode", str(metrics["prompt_yields"]))
     if metrics.get("messages") is not None:
         t.add_row("messages between ranks", str(metrics["messages"]))
+    if metrics.get("listening"):  # the multi-process runner: what accepted connections during the run
+        t.add_row("listening (loopback unless MASTER_ADDR is not)",
+                  ", ".join(sorted({a.replace("tcp://", "") for a in metrics["listening"]})))
+    if metrics.get("dropped_frames"):  # frames not signed with the run's secret (runtime/transport/wire.py)
+        t.add_row("frames dropped (not this run's)", str(metrics["dropped_frames"]))
     return t
 
 
@@ -245,8 +250,10 @@ def register(app: typer.Typer) -> None:
             from models.checkpoint import check_checkpoint
             check_checkpoint(spec.weights.path, require_weights=True, spec=spec)
 
-        if peer_timeout <= 0 or (procs_timeout is not None and procs_timeout <= 0) or not stall_timeout > 0:
-            raise UserError("--peer-timeout, --procs-timeout and --stall-timeout must be > 0")
+        for opt, value in (("--peer-timeout", peer_timeout), ("--procs-timeout", procs_timeout),
+                           ("--stall-timeout", stall_timeout)):
+            if value is not None and not 0 < value < float("inf"):
+                raise UserError(f"{opt} {value}; valid: a positive number of seconds")
         torchrun_rank = None if in_process or clock == "virtual" else _under_torchrun_rank()
         import os
         # Without torchrun every rank is a process started on this machine, each with its own torch runtime
