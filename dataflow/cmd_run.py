@@ -142,8 +142,10 @@ def _summary_table(metrics: dict, plan, policy: str):
     for kind, unit in (("attn", "tokens"), ("expert", rows), ("sample", "tokens")):
         t.add_row(f"mean {kind} batch", f"{metrics[f'{kind}_mean_batch']:.1f} {unit} ({metrics[f'{kind}_batches']} batches)")
     t.add_row("max queueing delay", f"{metrics['max_queue_delay_s'] * 1e3:.2f} ms")
-    t.add_row("mean inter-token latency", f"{metrics['mean_itl_s'] * 1e3:.2f} ms")
-    t.add_row("p99 / max inter-token latency", f"{metrics['p99_itl_s'] * 1e3:.2f} / {metrics['max_itl_s'] * 1e3:.2f} ms")
+    ms = lambda key: f"{metrics[key] * 1e3:.2f}"  # noqa: E731
+    t.add_row("time to first token p50 / p99", f"{ms('p50_ttft_s')} / {ms('p99_ttft_s')} ms")
+    t.add_row("time per output token p50 / p99", f"{ms('p50_tpot_s')} / {ms('p99_tpot_s')} ms")
+    t.add_row("inter-token latency p50 / p99 / max", f"{ms('p50_itl_s')} / {ms('p99_itl_s')} / {ms('max_itl_s')} ms")
     if metrics.get("prompt_yields"):  # Engine._decode_overdue (DATAFLOW_DECODE_WAIT_MS)
         t.add_row("prompt batches yielded to decode", str(metrics["prompt_yields"]))
     if metrics.get("messages") is not None:

@@ -83,6 +83,7 @@ class PeerHealth:
         now = time.monotonic()
         self._loop = [ProgressWatch(stall_timeout_s, now) for _ in range(world_size)]  # serving-loop iterations
         self.work = [0] * world_size  # batches each peer ran, as of its last heartbeat
+        self.tokens = [0] * world_size  # tokens each peer sampled, likewise
         # Start every clock at construction: the transport is built after the rendezvous, so every
         # peer is known to be alive at this moment.
         self._last_seen = [now] * world_size
@@ -93,10 +94,12 @@ class PeerHealth:
     def saw(self, src: int) -> None:
         self._last_seen[src] = time.monotonic()  # one list store: atomic under the GIL
 
-    def saw_progress(self, src: int, loop: int, work: int) -> None:
-        """A heartbeat's progress: `loop` iterations of its serving loop (0: not serving), `work` batches run."""
+    def saw_progress(self, src: int, loop: int, work: int, tokens: int) -> None:
+        """A heartbeat's progress: `loop` iterations of its serving loop (0: not serving), `work` batches run,
+        `tokens` sampled."""
         self._loop[src].update(loop, time.monotonic())
         self.work[src] = work
+        self.tokens[src] = tokens
 
     def closed(self, src: int) -> None:
         """`src` shut down cleanly: its silence from now on is not a failure."""

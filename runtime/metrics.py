@@ -97,22 +97,72 @@ def _pct(sorted_vals: list[float], p: float) -> float:
     return sorted_vals[i]
 
 
-class RequestStats:
-    """Totals over finished requests: how many, tokens, inter-token latencies (ITL: gaps between a request's
-    consecutive tokens). exact=True keeps every gap (exact percentiles; memory grows with the tokens);
-    exact=False keeps a histogram of 1%-wide log bins instead (p99 within 1% of the exact one, max and mean exact,
-    memory bounded however many requests finish; a coordinator that drops finished outputs uses it)."""
+class Distribution:
+    """Samples of one latency (seconds): count, sum and max exactly, and either every sample (exact=True: exact
+    percentiles, memory grows with the samples) or a histogram of 1%-wide log bins (exact=False: percentiles within
+    1% of the exact ones, memory bounded however many samples come)."""
 
     _BIN = math.log(1.01)
+    _ZERO = -10 ** 9  # the bin of samples <= 0
+
+    def __init__(self, exact: bool = True) -> None:
+        self.n = 0
+        self.sum = 0.0
+        self.max = 0.0
+        self._all: Optional[list[float]] = [] if exact else None
+        self._hist: dict[int, int] = {}
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.sum += x
+        if x > self.max:
+            self.max = x
+        if self._all is not None:
+            self._all.append(x)
+        else:
+            k = math.floor(math.log(x) / self._BIN) if x > 0 else self._ZERO
+            self._hist[k] = self._hist.get(k, 0) + 1
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.n if self.n else 0.0
+
+    def pct(self, p: float) -> float:
+        if self._all is not None:
+            return _pct(sorted(self._all), p)
+        if not self.n:
+            return 0.0
+        want = min(self.n - 1, max(0, round(p / 100 * (self.n - 1))))
+        seen = 0
+        for k in sorted(self._hist):
+            seen += self._hist[k]
+            if seen > want:
+                return 0.0 if k == self._ZERO else min(math.exp((k + 1) * self._BIN), self.max)
+        return self.max
+
+
+def request_timings(req) -> dict:
+    """One request's latencies, on the run's clock: time to first token (from its arrival, queueing for KV
+    included), time per output token after the first (TPOT), and its inter-token latencies' median and p99.
+    None where a request has too few tokens for it."""
+    tt = req.token_times
+    gaps = sorted(b - a for a, b in zip(tt, tt[1:]))
+    return {"ttft_s": tt[0] - req.arrival if tt else None,
+            "tpot_s": (tt[-1] - tt[0]) / (len(tt) - 1) if len(tt) > 1 else None,
+            "itl_p50_s": _pct(gaps, 50) if gaps else None, "itl_p99_s": _pct(gaps, 99) if gaps else None}
+
+
+class RequestStats:
+    """Totals over finished requests: how many, tokens, and the distributions of inter-token latency (ITL: gaps
+    between a request's consecutive tokens), time to first token (TTFT) and time per output token (TPOT, one sample
+    per request). exact=False keeps histograms (Distribution): a coordinator that drops finished outputs uses it."""
 
     def __init__(self, exact: bool = True) -> None:
         self.finished = 0
         self.tokens = 0
-        self.itl_n = 0
-        self.itl_sum = 0.0
-        self.itl_max = 0.0
-        self._itl: Optional[list[float]] = [] if exact else None
-        self._hist: dict[int, int] = {}  # bin -> gaps (exact=False); bin None-like -10**9 for gaps <= 0
+        self.itl = Distribution(exact)
+        self.ttft = Distribution(exact)
+        self.tpot = Distribution(exact)
 
     @classmethod
     def of(cls, requests: Iterable) -> "RequestStats":
@@ -127,29 +177,11 @@ class RequestStats:
         self.tokens += len(req.output)
         tt = req.token_times
         for a, b in zip(tt, tt[1:]):
-            g = b - a
-            self.itl_n += 1
-            self.itl_sum += g
-            if g > self.itl_max:
-                self.itl_max = g
-            if self._itl is not None:
-                self._itl.append(g)
-            else:
-                k = math.floor(math.log(g) / self._BIN) if g > 0 else -10 ** 9
-                self._hist[k] = self._hist.get(k, 0) + 1
-
-    def itl_pct(self, p: float) -> float:
-        if self._itl is not None:
-            return _pct(sorted(self._itl), p)
-        if not self.itl_n:
-            return 0.0
-        want = min(self.itl_n - 1, max(0, round(p / 100 * (self.itl_n - 1))))
-        seen = 0
-        for k in sorted(self._hist):
-            seen += self._hist[k]
-            if seen > want:
-                return 0.0 if k == -10 ** 9 else min(math.exp((k + 1) * self._BIN), self.itl_max)
-        return self.itl_max
+            self.itl.add(b - a)
+        if tt:
+            self.ttft.add(tt[0] - req.arrival)
+        if len(tt) > 1:
+            self.tpot.add((tt[-1] - tt[0]) / (len(tt) - 1))
 
 
 def summarize(requests: list, ranks: list[RankMetrics], elapsed: float, stats: Optional[RequestStats] = None) -> dict:
@@ -171,9 +203,14 @@ def summarize(requests: list, ranks: list[RankMetrics], elapsed: float, stats: O
     items = sum(m.queued_items for m in ranks)
     out["max_queue_delay_s"] = max((m.max_queue_delay for m in ranks), default=0.0)
     out["mean_queue_delay_s"] = sum(m.queue_delay_sum for m in ranks) / items if items else 0.0
-    out["mean_itl_s"] = st.itl_sum / st.itl_n if st.itl_n else 0.0
-    out["p99_itl_s"] = st.itl_pct(99)
-    out["max_itl_s"] = st.itl_max
+    out["mean_itl_s"] = st.itl.mean
+    out["p50_itl_s"] = st.itl.pct(50)
+    out["p99_itl_s"] = st.itl.pct(99)
+    out["max_itl_s"] = st.itl.max
+    for name, dist in (("ttft", st.ttft), ("tpot", st.tpot)):
+        out[f"mean_{name}_s"] = dist.mean
+        out[f"p50_{name}_s"] = dist.pct(50)
+        out[f"p99_{name}_s"] = dist.pct(99)
     busy = [sum(k[2] for k in m.kinds.values()) for m in ranks]
     out["busy_fraction"] = [x / elapsed if elapsed > 0 else 0.0 for x in busy]
     return out

@@ -532,6 +532,7 @@ class RankNode:
                 post_receives()
                 complete(batch)
                 tr.work += 1
+                tr.tokens = e.metrics.tokens
                 ran = True
                 if ph is not None:
                     ph.batches[batch.stage.kind] = ph.batches.get(batch.stage.kind, 0) + 1
@@ -636,6 +637,7 @@ class Coordinator:
             for r in range(node.world):
                 node._send(r, {"t": CTRL_STOP, "w": self.w})
         self._check_stall()
+        self._progress()  # (at most every _PROGRESS_EVERY_S)
         return did
 
     def _check_stall(self) -> None:
@@ -721,13 +723,18 @@ class Coordinator:
                 f.close()
 
     def _progress(self, final: bool = False) -> None:
-        tokens = sum(self.rank_tokens)
+        """Report (finished, total, tokens) to the progress callback and the launcher's file, at most every
+        _PROGRESS_EVERY_S (and at the end). Tokens move with every heartbeat (each rank's count), not only with
+        finish notices."""
+        now = time.monotonic()
+        if not final and self.finished < len(self.requests) and now - self.last_report <= _PROGRESS_EVERY_S:
+            return
+        self.last_report = now
+        tokens = sum(max(a, b) for a, b in zip(self.rank_tokens, self.node.transport.peer_tokens()))
         if self.options.progress is not None:
             self.options.progress(self.finished, len(self.requests), tokens)
         path = self.node.job.progress_path
-        now = time.monotonic()
-        if path and (final or self.finished == len(self.requests) or now - self.last_report > _PROGRESS_EVERY_S):
-            self.last_report = now
+        if path:
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:
                 f.write(f"{self.w} {self.finished} {len(self.requests)} {tokens}")

@@ -56,8 +56,11 @@ class Request:
         return self.finish_reason is not None
 
     def result(self) -> dict:
+        """Its output line's fields: ids, tokens, finish reason, and its latencies in seconds (runtime/metrics.py
+        request_timings: ttft_s from its arrival, tpot_s, itl_p50_s, itl_p99_s; null where too few tokens)."""
+        from runtime.metrics import request_timings
         return {"id": self.name, "prompt_token_ids": list(self.prompt), "output_token_ids": list(self.output),
-                "finish_reason": self.finish_reason}
+                "finish_reason": self.finish_reason, **request_timings(self)}
 
 
 _WIRE_FIELDS = {"rid": (int,), "name": (str, int), "prompt": (np.ndarray,), "max_new_tokens": (int,),

@@ -76,9 +76,12 @@ def test_request_stats_histogram_is_bounded_and_close():
         exact.add(r)
         approx.add(r)
     assert approx.finished == exact.finished == 2000 and approx.tokens == exact.tokens
-    assert approx.itl_max == exact.itl_max and approx.itl_sum == pytest.approx(exact.itl_sum)
-    assert approx.itl_pct(99) == pytest.approx(exact.itl_pct(99), rel=0.011)
-    assert len(approx._hist) < 400
+    for name in ("itl", "ttft", "tpot"):
+        a, e = getattr(approx, name), getattr(exact, name)
+        assert a.n == e.n > 0 and a.max == e.max and a.sum == pytest.approx(e.sum)
+        for p in (50, 99):
+            assert a.pct(p) == pytest.approx(e.pct(p), rel=0.011), (name, p)
+        assert len(a._hist) < 400
 
 
 def test_step_timer_keeps_totals_and_a_bounded_sample():

@@ -102,7 +102,7 @@ MESSAGES: dict[str, dict[str, tuple]] = {
              "dropped": (_INT, False)},
 }
 _CONTROL_META = {
-    HEARTBEAT: {"p": (_INT, True), "w": (_INT, True)},
+    HEARTBEAT: {"p": (_INT, True), "w": (_INT, True), "k": (_INT, True)},
     ABORT: {"reason": (_STR, True), "culprit": (_ANY, True)},
 }
 MAX_REASON_CHARS = 4000

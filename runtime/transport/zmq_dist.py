@@ -229,6 +229,7 @@ class ZmqDistTransport:
         # batches run. The engine thread writes them; the heartbeat thread reads them (int stores are atomic).
         self.progress = 0
         self.work = 0
+        self.tokens = 0  # tokens this rank sampled (the coordinator's progress display adds them up)
         peers = [p for p in range(world_size) if p != rank]
         self._peers = peers
 
@@ -480,6 +481,12 @@ class ZmqDistTransport:
         work = list(self._health.work)
         work[self.rank] = self.work
         return work
+
+    def peer_tokens(self) -> list[int]:
+        """Tokens each peer sampled as of its last heartbeat (this rank's own: `tokens`)."""
+        tokens = list(self._health.tokens)
+        tokens[self.rank] = self.tokens
+        return tokens
 
     def pending(self) -> int:
         """Messages this rank sent to peers whose delivery has not completed yet (tensor messages in
@@ -792,7 +799,7 @@ class ZmqDistTransport:
     def _on_header(self, kind: int, src: int, seq: int, meta, shape, dtype) -> None:
         self._health.saw(src)
         if kind == HEARTBEAT:
-            self._health.saw_progress(src, meta["p"], meta["w"])
+            self._health.saw_progress(src, meta["p"], meta["w"], meta["k"])
             return
         if kind == BYE:
             self._health.closed(src)
@@ -859,7 +866,7 @@ class ZmqDistTransport:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(self.endpoints[p])
                 self._hb_socks.append(sock)
-        beat = self._hb_codec.encode(HEARTBEAT, -1, {"p": self.progress, "w": self.work})
+        beat = self._hb_codec.encode(HEARTBEAT, -1, {"p": self.progress, "w": self.work, "k": self.tokens})
         for sock in self._hb_socks:
             try:
                 sock.send(beat, zmq.NOBLOCK)
