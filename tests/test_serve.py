@@ -1,0 +1,168 @@
+"""`dataflow serve` (dataflow/openai_api.py over runtime/front.py): 2 CPU rank processes behind the HTTP API, driven
+by the official openai client. Token-id prompts here (a shipped spec has no tokenizer); text and chat prompts on a
+checkpoint with a tokenizer are in tests/test_text_io.py. Nothing asserts on wall-clock time; every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from lowering.plan import compile_plan, save_plan
+from test_runtime import assert_matches_reference, make_requests, model
+
+NAME = "tiny-mixtral"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module (starting rank processes is the expensive part): (base url, plan)."""
+    import uvicorn
+
+    from dataflow.cmd_serve import build_server
+    from dataflow.openai_api import create_app
+    spec, _, _ = model(NAME)
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    plan_dir = tmp_path_factory.mktemp("plan")
+    save_plan(plan, plan_dir)
+    srv, _ = build_server(plan_dir, kv_blocks=128, max_outstanding=128)
+    port = _free_port()
+    config = uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning")
+    http = uvicorn.Server(config)
+    th = threading.Thread(target=http.run, daemon=True)
+    th.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become healthy in 120 s"
+        time.sleep(0.2)
+    yield base, plan, srv
+    http.should_exit = True
+    th.join(60)
+    assert not th.is_alive(), "the server did not shut down"
+
+
+def _client(base: str):
+    import openai
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _requests(n: int, seed: int, max_new: int):
+    spec, _, _ = model(NAME)
+    return make_requests(spec.vocab_size, n, seed=seed, max_new=max_new, max_prompt=40)
+
+
+def test_completions_streamed_and_not_match_the_reference(server):
+    base, plan, _ = server
+    client = _client(base)
+    assert [m.id for m in client.models.list().data] == [plan.spec.name]
+    reqs = _requests(4, seed=11, max_new=10)
+    for r in reqs:
+        res = client.completions.create(model=plan.spec.name, prompt=r.prompt, max_tokens=r.max_new_tokens,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        choice = res.choices[0]
+        r.output, r.finish_reason = choice.model_extra["token_ids"], "length"
+        assert choice.finish_reason == "length" and res.usage.completion_tokens == r.max_new_tokens
+        streamed = []
+        for chunk in client.completions.create(model=plan.spec.name, prompt=r.prompt, max_tokens=r.max_new_tokens,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True}):
+            streamed.extend(chunk.choices[0].model_extra["token_ids"])
+        assert streamed == r.output
+    assert assert_matches_reference(NAME, reqs) > 15
+
+
+def test_64_concurrent_streams_lose_and_duplicate_nothing(server):
+    import openai
+    base, plan, _ = server
+    reqs = _requests(64, seed=12, max_new=8)
+
+    async def one(client, r):
+        got = []
+        stream = await client.completions.create(model=plan.spec.name, prompt=r.prompt, max_tokens=r.max_new_tokens,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            got.extend(chunk.choices[0].model_extra["token_ids"])
+        return got
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(client, r) for r in reqs))
+
+    outs = asyncio.run(main())
+    for r, out in zip(reqs, outs):
+        assert len(out) == r.max_new_tokens
+        r.output, r.finish_reason = out, "length"
+    assert assert_matches_reference(NAME, reqs) > 15
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_client_that_disconnects_frees_its_pages(server):
+    base, plan, srv = server
+    free_before = None
+    deadline = time.monotonic() + 30
+    while free_before is None:  # the ranks' admission state reaches /metrics every second
+        if srv.front.stats:
+            free_before = tuple(srv.front.stats["free_kv"])
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    aborted_before = _metric(base, 'dataflow_requests_total{finish_reason="abort"}')
+    prompt = _requests(1, seed=13, max_new=1)[0].prompt
+    body = {"model": plan.spec.name, "prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as res:
+        assert res.status_code == 200
+        lines = res.iter_lines()
+        for _ in range(3):  # a few tokens, then hang up
+            assert next(lines).startswith("data: ")
+            next(lines)
+    deadline = time.monotonic() + 60
+    while True:  # bounded: the cancel reaches the home, which finishes it at its next token and frees its pages
+        st = srv.front.stats
+        if srv.front.outstanding == 0 and st and tuple(st["free_kv"]) == free_before and st["running"] == 0:
+            break
+        assert time.monotonic() < deadline, (srv.front.outstanding, st, free_before)
+        time.sleep(0.1)
+    assert _metric(base, 'dataflow_requests_total{finish_reason="abort"}') == aborted_before + 1
+
+
+def test_bad_requests_get_openai_errors(server):
+    base, plan, _ = server
+    cases = [
+        ({"model": plan.spec.name, "prompt": [1, 2], "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": plan.spec.name, "prompt": "text needs a tokenizer"}, 400, "tokenizer"),
+        ({"model": plan.spec.name, "prompt": [10 ** 9]}, 400, "token ids"),
+        ({"model": plan.spec.name, "prompt": [1, 2], "max_tokens": 10 ** 6}, 400, "context"),
+        ({"model": "gpt-4", "prompt": [1, 2]}, 404, "not served"),
+        ({"prompt": [1], "n": 3}, 400, "n"),
+    ]
+    for body, status, words in cases:
+        res = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert res.status_code == status, (body, res.text)
+        err = res.json()["error"]
+        assert words in err["message"] and err["type"], (body, err)
+    res = httpx.post(f"{base}/v1/completions", content=b"{not json", timeout=30,
+                     headers={"content-type": "application/json"})
+    assert res.status_code == 400 and "error" in res.json()
+    assert _metric(base, "dataflow_generation_tokens_total") > 0
