@@ -265,7 +265,8 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model, "object": "model", "created": server.created,
-                                            "owned_by": "dataflow", "max_model_len": server.max_position}]}
+                                            "owned_by": "dataflow", "max_model_len": server.max_position,
+                                            "vocab_size": server.vocab_size}]}
 
     @app.get("/metrics")
     async def metrics():

@@ -166,3 +166,20 @@ def test_bad_requests_get_openai_errors(server):
                      headers={"content-type": "application/json"})
     assert res.status_code == 400 and "error" in res.json()
     assert _metric(base, "dataflow_generation_tokens_total") > 0
+
+
+def test_the_serving_benchmark_measures_the_server(server, tmp_path):
+    """benchmarks/serve_bench.py against this server: every request completes with its sampled length, and the
+    report has the latency percentiles (their values are the benchmark's business, not this test's)."""
+    import argparse
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    import serve_bench
+    base, _, _ = server
+    args = argparse.Namespace(base_url=base, plan=None, dataset="gsm8k", num_prompts=6, request_rate=50.0,
+                              max_context=96, vocab_size=None, kv_blocks=None, max_outstanding=64, seed=1)
+    report = asyncio.run(serve_bench.run(args))
+    serve_bench.write(report, tmp_path, "test")
+    assert report["completed"] == 6 and report["failed"] == 0, report["errors"]
+    assert report["p99_ttft_ms"] >= report["p50_ttft_ms"] > 0 and report["output_tokens_per_s"] > 0
+    assert "| TTFT |" in (tmp_path / "serve_bench.md").read_text()
