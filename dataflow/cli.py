@@ -19,8 +19,8 @@ DEFAULT_PLAN_DIR = "dataflow-plan"  # `compile` writes here without -o; `run`/`i
 def _register() -> None:
     # Each cmd_* module defines `register(app)` and imports its heavy dependencies (torch, the
     # runtime) inside the command, so `dataflow --help` stays fast.
-    from dataflow import cmd_bench, cmd_compile, cmd_inspect, cmd_run, cmd_transport_bench
-    for mod in (cmd_compile, cmd_inspect, cmd_run, cmd_bench, cmd_transport_bench):
+    from dataflow import cmd_bench, cmd_compile, cmd_inspect, cmd_run, cmd_serve, cmd_transport_bench
+    for mod in (cmd_compile, cmd_inspect, cmd_run, cmd_serve, cmd_bench, cmd_transport_bench):
         mod.register(app)
 
 

@@ -40,6 +40,27 @@ def _parse_params(items: list[str]) -> dict:
     return out
 
 
+def _tokenizer_of(spec):
+    """models.tokenizer.Tokenizer of the spec's checkpoint directory, or None (random weights, no tokenizer.json)."""
+    if spec.weights.source != "checkpoint":
+        return None
+    from models.tokenizer import load_tokenizer
+    return load_tokenizer(spec.weights.path)
+
+
+def _sampling_defaults(spec, **flags) -> dict:
+    """SamplingParams fields: each flag given (not None), else the checkpoint's generation_config.json default
+    (models/generation_config.py: do_sample false means greedy), else greedy with no filter."""
+    out = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    if spec.weights.source == "checkpoint":
+        from models.generation_config import read_generation_config
+        gen = read_generation_config(spec.weights.path)
+        if gen is not None:
+            out.update(gen.sampling)
+    out.update({k: v for k, v in flags.items() if v is not None})
+    return out
+
+
 class RunFailed(UserError):
     """A rank died, wedged or failed: the message names it; exit 1 (not a usage mistake)."""
     exit_code = 1
@@ -165,7 +186,10 @@ def register(app: typer.Typer) -> None:
     def run(
         plan_dir: Path = typer.Argument(Path(DEFAULT_PLAN_DIR), help="plan directory written by `dataflow compile`"),
         prompts: Optional[Path] = typer.Option(None, "--prompts",
-                                               help='JSONL: {"id", "prompt_token_ids", "max_new_tokens"?} per line'),
+                                               help='JSONL: {"id", "prompt_token_ids" | "prompt" (text) | "messages" '
+                                                    '(chat), "max_new_tokens"?, "temperature"?, "top_p"?, "top_k"?, '
+                                                    '"seed"?, "stop_token_ids"?, "stop"?} per line; text needs a '
+                                                    'checkpoint with tokenizer.json'),
         max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="for requests that do not set their own"),
         num_requests: int = typer.Option(8, "--num-requests", help="size of the default workload (no --prompts)"),
         ignore_eos: bool = typer.Option(False, "--ignore-eos", help="always generate max_new_tokens"),
@@ -173,9 +197,17 @@ def register(app: typer.Typer) -> None:
         policy_param: list[str] = typer.Option([], "--policy-param",
                                                help="policy parameter KEY=VALUE, repeatable (e.g. delta=0.9, "
                                                     "lookahead=4, history=4, bound=0.05)"),
-        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
-        top_p: float = typer.Option(1.0, "--top-p"),
-        top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+        temperature: Optional[float] = typer.Option(None, "--temperature",
+                                                    help="0 = greedy (default: the checkpoint's "
+                                                         "generation_config.json, else greedy)"),
+        top_p: Optional[float] = typer.Option(None, "--top-p", help="default: generation_config.json's, else 1"),
+        top_k: Optional[int] = typer.Option(None, "--top-k",
+                                            help="0 = off (default: generation_config.json's, else 0)"),
+        stop_token_id: list[int] = typer.Option([], "--stop-token-id",
+                                                help="a token id that ends a request besides the model's EOS; "
+                                                     "repeatable"),
+        stop: list[str] = typer.Option([], "--stop", help="a string that ends a request's text (needs a tokenizer); "
+                                                          "repeatable"),
         seed: int = typer.Option(0, "--seed", help="sampling seed (request i uses seed + i) and workload seed"),
         output: Optional[Path] = typer.Option(None, "--output", "-o", help="write one JSON line per request"),
         trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON"),
@@ -241,7 +273,8 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--kv-blocks {kv_blocks}; valid: a positive number of KV pages per rank "
                             f"(the plan has {min(plan.kv.num_blocks)})")
         try:
-            sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+            sampling = SamplingParams(**_sampling_defaults(spec, temperature=temperature, top_p=top_p, top_k=top_k),
+                                      seed=seed)
         except ValidationError as err:
             e = err.errors()[0]
             opt = "--" + str(e["loc"][0]).replace("_", "-")
@@ -267,15 +300,30 @@ def register(app: typer.Typer) -> None:
                             f"process per rank on this machine; valid: at most {max_local} local rank processes "
                             f"(max(8, {os.cpu_count()} CPU cores)); start the ranks across hosts with torchrun, run "
                             f"them all in this process with --in-process, or compile for fewer --ranks")
+        # Text in, text out: the tokenizer of the checkpoint the plan was compiled from (spec.weights.path); a spec
+        # with random weights has none and serves ids only.
+        tokenizer = _tokenizer_of(spec) if torchrun_rank in (None, 0) else None
+        bad = [t for t in stop_token_id if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise UserError(f"--stop-token-id {bad[0]}: outside the vocabulary 0..{spec.vocab_size - 1} of {spec.name}")
+        if stop and tokenizer is None and torchrun_rank in (None, 0):
+            from runtime.workload import no_tokenizer_reason
+            raise UserError(f"--stop {stop[0]!r}: stop strings need the text of the output, and "
+                            f"{no_tokenizer_reason(spec)}; valid: --stop-token-id")
+        if any(not s for s in stop):
+            raise UserError("--stop '': valid: a non-empty string")
         if torchrun_rank not in (None, 0):
             requests = []  # only the coordinator (rank 0) reads the prompts; the others serve what it sends
         elif prompts is not None:
-            requests = load_prompts(prompts, spec, max_new_tokens, sampling, ignore_eos)
+            # load_prompts gives request i the seed seed + i unless its line sets one
+            requests = load_prompts(prompts, spec, max_new_tokens, sampling, ignore_eos, tokenizer,
+                                    tuple(stop_token_id), tuple(stop))
         else:
-            requests = default_workload(spec, num_requests, max_new_tokens, seed, sampling, ignore_eos)
-        # One seed per request, so two requests with the same prompt do not sample the same tokens.
-        for r in requests:
-            r.params = sampling.model_copy(update={"seed": seed + r.rid})
+            requests = default_workload(spec, num_requests, max_new_tokens, seed, sampling, ignore_eos,
+                                        stop_token_ids=tuple(stop_token_id), tokenizer=tokenizer)
+            # One seed per request, so two requests with the same prompt do not sample the same tokens.
+            for r in requests:
+                r.params = sampling.model_copy(update={"seed": seed + r.rid})
 
         note = None
         if plan.cluster.device == "cuda":

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint directory (config.json + safetensors) -> (ModelSpec, ModelWeights).
 
-    import_spec(dir)      config.json only -> ModelSpec (weights.source = checkpoint, path = dir)
+    import_spec(dir)      config.json only -> ModelSpec (weights.source = checkpoint, path = dir); the stop ids are
+                          generation_config.json's eos_token_id when it sets one (as in transformers' generate)
     load_checkpoint(dir, experts=None)  -> (ModelSpec, ModelWeights in spec.dtype), every tensor
                           shape-checked; `experts`: only these routed experts per layer (a rank's)
 
@@ -41,8 +42,17 @@ def import_spec(path: str | Path) -> ModelSpec:
     path = Path(path)
     data, cfg_path = read_config(path)
     root = cfg_path.parent
-    return spec_from_config(data, str(cfg_path), name=root.resolve().name, path=str(root),
+    spec = spec_from_config(data, str(cfg_path), name=root.resolve().name, path=str(root),
                             dtype_fallback=_dtype_from_tensors(root))
+    # transformers' generate stops at generation_config.json's eos_token_id when the file sets one, not config.json's
+    from models.generation_config import read_generation_config
+    gen = read_generation_config(root)
+    if gen is not None and gen.eos_token_ids is not None and gen.eos_token_ids != spec.eos_token_ids:
+        bad = [t for t in gen.eos_token_ids if t >= spec.vocab_size]
+        if bad:
+            raise UserError(f"{gen.source}: 'eos_token_id' {bad} outside the vocabulary 0..{spec.vocab_size - 1}")
+        spec = spec.model_copy(update={"eos_token_ids": gen.eos_token_ids})
+    return spec
 
 
 def check_checkpoint(path: str | Path, require_weights: bool = True, spec: Optional[ModelSpec] = None) -> Optional[str]:

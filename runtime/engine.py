@@ -190,6 +190,7 @@ class Engine:
         warm_up_dispatch()  # numba: load (or compile) now, not in the first timed batch
         self._id_dtype = id_dtype(max((len(er) for er in cfg.expert_rank), default=1))  # expert ids on the wire
         self.requests: dict[int, Request] = {}  # live requests homed here
+        self.sampled: Optional[list[Request]] = None  # a list: requests of every sample batch go here (streaming)
         self.finished: list[Request] = []  # done, not yet collected by the driver (take_finished)
         # Totals over every batch, records of the latest `batch_log` only (runtime/metrics.py): flat memory over a long run
         self.metrics = RankMetrics(cfg.rank, batch_log=batch_log)
@@ -1085,8 +1086,12 @@ class Engine:
             pos = len(req.prompt) + n - 1  # where the new token would be written
             if tok in eos and not req.ignore_eos:
                 self._finish(req, "eos", now, ahead is not None and ahead[i])
+            elif req.stop_token_ids and tok in req.stop_token_ids:  # the request's own stop ids (runtime/requests.py)
+                self._finish(req, "stop", now, ahead is not None and ahead[i])
             elif n >= req.max_new_tokens or pos >= max_pos:
                 self._finish(req, "length", now)
+            elif req.cancelled:
+                self._finish(req, "abort", now, ahead is not None and ahead[i])
             elif ahead is None or not ahead[i]:
                 cont_rids.append(req.rid)
                 cont_pos.append(pos)
@@ -1094,6 +1099,17 @@ class Engine:
         if cont_rids:
             q0.push(AttnBlock(cont_rids, cont_pos, cont_toks, None, now, len(cont_rids)))
         self.metrics.tokens += counted
+        if self.sampled is not None:  # a serving front streams their new tokens (runtime/front_link.py)
+            self.sampled.extend(reqs)
+
+    def cancel(self, rid: int) -> bool:
+        """Its client went away: the request finishes at its next sampled token ("abort"), its KV freed then. False
+        when it is not here (finished already)."""
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        req.cancelled = True
+        return True
 
     def _finish(self, req: Request, reason: str, now: float, row_queued: bool = False) -> None:
         """`row_queued`: its next step's row is on its way already (step-ahead): it drains (see `step_ahead`)."""

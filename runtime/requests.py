@@ -27,10 +27,18 @@ class Request:
     params: Any = None  # models.sampling.SamplingParams (None: greedy)
     ignore_eos: bool = False
     arrival: float = 0.0
+    # Token ids that end it besides the model's EOS (spec.eos_token_ids), finish reason "stop"; honoured with
+    # ignore_eos too (as vLLM's stop_token_ids). Sent to the home with the request.
+    stop_token_ids: tuple = ()
+    # Text output (models/tokenizer.py text_output): the tokenizer that writes "text" in its output line, and the
+    # strings that end that text. Kept by whoever writes the lines (the driver, rank 0's coordinator); not sent to the
+    # home, which serves ids only.
+    stop: tuple = ()
+    tokenizer: Any = None
     # -- state, owned by the home engine --
     home: int = -1
     output: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "stop" (EOS) | "length"
+    finish_reason: Optional[str] = None  # "eos" (the model's EOS) | "stop" (stop_token_ids; a stop string) | "length"
     t_admit: float = -1.0
     t_finish: float = -1.0
     token_times: list[float] = field(default_factory=list)
@@ -45,6 +53,9 @@ class Request:
     # read yet; and finished (EOS) while its next step's row was already queued: it leaves once that row is sampled.
     unread: int = 0
     draining: bool = False
+    # Cancelled by its client (`dataflow serve`: a disconnect): it finishes at its next sampled token, reason "abort",
+    # the way it would at its length limit, so rows of it still in flight elsewhere come back first.
+    cancelled: bool = False
 
     @property
     def kv_tokens(self) -> int:
@@ -64,7 +75,8 @@ class Request:
 
 
 _WIRE_FIELDS = {"rid": (int,), "name": (str, int), "prompt": (np.ndarray,), "max_new_tokens": (int,),
-                "params": (dict, type(None)), "ignore_eos": (bool,), "arrival": (float, int), "home": (int,)}
+                "params": (dict, type(None)), "ignore_eos": (bool,), "arrival": (float, int), "home": (int,),
+                "stop_token_ids": (np.ndarray,)}
 
 
 def request_to_wire(req: Request) -> dict:
@@ -72,7 +84,8 @@ def request_to_wire(req: Request) -> dict:
     pickle): what the home needs to serve it; its state starts empty there."""
     return {"rid": req.rid, "name": req.name, "prompt": np.asarray(req.prompt, dtype=np.int64),
             "max_new_tokens": req.max_new_tokens, "ignore_eos": req.ignore_eos, "arrival": req.arrival,
-            "home": req.home, "params": None if req.params is None else req.params.model_dump()}
+            "home": req.home, "params": None if req.params is None else req.params.model_dump(),
+            "stop_token_ids": np.asarray(req.stop_token_ids, dtype=np.int64)}
 
 
 def request_from_wire(d: dict) -> Request:
@@ -85,9 +98,12 @@ def request_from_wire(d: dict) -> Request:
             raise ValueError(f"request field {key!r} is a {type(d[key]).__name__}")
     if d["prompt"].dtype != np.int64 or not len(d["prompt"]) or d["max_new_tokens"] < 1:
         raise ValueError("a request needs a non-empty int64 prompt and max_new_tokens >= 1")
+    if d["stop_token_ids"].dtype != np.int64 or d["stop_token_ids"].ndim != 1:
+        raise ValueError("a request's stop_token_ids are a 1-d int64 array")
     params = None if d["params"] is None else SamplingParams.model_validate(d["params"])
     return Request(d["rid"], d["name"], d["prompt"].tolist(), d["max_new_tokens"], params=params,
-                   ignore_eos=d["ignore_eos"], arrival=float(d["arrival"]), home=d["home"])
+                   ignore_eos=d["ignore_eos"], arrival=float(d["arrival"]), home=d["home"],
+                   stop_token_ids=tuple(d["stop_token_ids"].tolist()))
 
 
 class Admission:
@@ -116,6 +132,14 @@ class Admission:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    def remove(self, rid: int) -> Optional[Request]:
+        """Take a waiting request out (its client went away); None when it is not waiting."""
+        for req in self._waiting:
+            if req.rid == rid:
+                self._waiting.remove(req)
+                return req
+        return None
 
     def pick_home(self, need: int, free_blocks: list[int]) -> Optional[int]:
         fits = [r for r, f in enumerate(free_blocks) if f >= need]

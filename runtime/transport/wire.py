@@ -97,9 +97,21 @@ MESSAGES: dict[str, dict[str, tuple]] = {
             "t_admit": (_NUM, True), "t_finish": (_NUM, True), "token_times": (_SEQ, True), "free": (_INT, True),
             "tokens": (_INT, True)},
     "stop": {"t": (_STR, True), "w": (_INT, True)},
+    # the serving front's channel (runtime/front_link.py)
+    "fsub": {"t": (_STR, True), "req": (_MAP, True)},
+    "fcan": {"t": (_STR, True), "rid": (_INT, True)},
+    "fbye": {"t": (_STR, True)},
+    "fready": {"t": (_STR, True), "ranks": (_INT, True)},
+    "ftok": {"t": (_STR, True), "rid": (_SEQ, True), "toks": (_SEQ, True)},
+    "ffin": {"t": (_STR, True), "rid": (_INT, True), "reason": (_STR, True), "n": (_INT, True),
+             "ttft_s": (_NUM, False), "tpot_s": (_NUM, False), "itl_p50_s": (_NUM, False), "itl_p99_s": (_NUM, False),
+             "error": (_STR, False)},
+    "fstat": {"t": (_STR, True), "waiting": (_INT, True), "running": (_INT, True), "free_kv": (_SEQ, True),
+              "tokens": (_INT, True)},
+    "cancel": {"t": (_STR, True), "w": (_INT, True), "rid": (_INT, True)},
     "done": {"t": (_STR, True), "w": (_INT, True), "metrics": (_MAP, True), "trace": (_ANY, True),
              "data_messages": (_INT, True), "dispatch": (_ANY, True), "listening": (_ANY, False),
-             "dropped": (_INT, False)},
+             "dropped": (_INT, False), "startup": (_MAP, False)},
 }
 _CONTROL_META = {
     HEARTBEAT: {"p": (_INT, True), "w": (_INT, True), "k": (_INT, True)},

@@ -238,6 +238,7 @@ class ZmqDistTransport:
         store = store or current_store()
         namespace = f"zmq{next(_instances)}"
         secret = secret or run_secret(store, rank, timeout_s)
+        self.secret = secret  # (the serving front's channel signs with it too: runtime/front_link.py)
         self._codec = Codec(secret, rank, world_size, max_frame_bytes)
         self._hb_codec = Codec(secret, rank, world_size, max_frame_bytes)  # the heartbeat thread's own
         self._ctx = zmq.Context()
