@@ -170,6 +170,8 @@ class Server:
         tokens: list[int] = []
         sent = ""  # text already given out
         finished = False
+        ends = set(stop_ids)  # a token that ends the request: not part of its text (vLLM's convention)
+        hold = max((len(s) for s in stop), default=1) - 1
         try:
             async for new in stream:
                 now = time.monotonic()
@@ -177,7 +179,7 @@ class Server:
                 last = now
                 tokens.extend(new)
                 self.m_generated.inc(len(new))
-                text = self._text(tokens)
+                text = self._text(tokens, drop_last=tokens[-1] in ends)
                 cut = _first_stop(text, stop) if stop else -1
                 if cut >= 0:  # a stop string: the text ends before it, the request is cancelled
                     delta = text[len(sent):cut] if cut > len(sent) else ""
@@ -186,14 +188,17 @@ class Server:
                     self._finish("stop", t0)
                     yield delta, new, "stop"
                     return
-                delta = text[len(sent):] if not text.endswith("\ufffd") else ""  # (a partial character: later)
+                # Held back: a partial character at the end (it decodes as U+FFFD until its last byte comes), and as
+                # many characters as could be the start of a stop string, so no text given out is ever taken back.
+                safe = len(text.rstrip("\ufffd")) - hold
+                delta = text[len(sent):safe] if safe > len(sent) else ""
                 sent += delta
                 yield delta, new, None
             finished = True
             reason = stream.reason or "error"
             if reason == "error":
                 raise ApiError(500, stream.error or "the request failed", kind="server_error")
-            final = self._text(tokens, drop_last=reason in ("eos", "stop"))
+            final = self._text(tokens, drop_last=reason in ("eos", "stop") or bool(tokens) and tokens[-1] in ends)
             self._finish(reason, t0)
             yield final[len(sent):] if final.startswith(sent) else "", [], reason
         finally:

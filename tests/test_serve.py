@@ -5,6 +5,7 @@ checkpoint with a tokenizer are in tests/test_text_io.py. Nothing asserts on wal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -24,21 +25,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One server for the module (starting rank processes is the expensive part): (base url, plan)."""
+@contextlib.contextmanager
+def running_server(plan_dir, **options):
+    """`dataflow serve` on a plan directory, in this process (uvicorn on a thread, the ranks as processes), healthy:
+    yields (base url, Server); shut down after (bounded)."""
     import uvicorn
 
     from dataflow.cmd_serve import build_server
     from dataflow.openai_api import create_app
-    spec, _, _ = model(NAME)
-    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
-    plan_dir = tmp_path_factory.mktemp("plan")
-    save_plan(plan, plan_dir)
-    srv, _ = build_server(plan_dir, kv_blocks=128, max_outstanding=128)
+    srv, _ = build_server(plan_dir, **options)
     port = _free_port()
-    config = uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning")
-    http = uvicorn.Server(config)
+    http = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=http.run, daemon=True)
     th.start()
     base = f"http://127.0.0.1:{port}"
@@ -49,12 +46,26 @@ def server(tmp_path_factory):
                 break
         except httpx.HTTPError:
             pass
+        assert th.is_alive(), "the server failed to start"
         assert time.monotonic() < deadline, "the server did not become healthy in 120 s"
         time.sleep(0.2)
-    yield base, plan, srv
-    http.should_exit = True
-    th.join(60)
-    assert not th.is_alive(), "the server did not shut down"
+    try:
+        yield base, srv
+    finally:
+        http.should_exit = True
+        th.join(60)
+        assert not th.is_alive(), "the server did not shut down"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module (starting rank processes is the expensive part): (base url, plan, Server)."""
+    spec, _, _ = model(NAME)
+    plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
+    plan_dir = tmp_path_factory.mktemp("plan")
+    save_plan(plan, plan_dir)
+    with running_server(plan_dir, kv_blocks=128, max_outstanding=128) as (base, srv):
+        yield base, plan, srv
 
 
 def _client(base: str):

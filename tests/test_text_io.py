@@ -334,3 +334,35 @@ def test_text_output_stop_strings(ckpt):
     assert out["text"] == "Hello " and out["finish_reason"] == "stop"
     assert "world" in tok.decode(out["output_token_ids"]) and "world" not in tok.decode(out["output_token_ids"][:-1])
     assert text_output(tok, ids, "length", stop=["absent"])["text"] == full
+
+
+def test_the_server_answers_text_and_chat_like_dataflow_run(ckpt, tmp_path):
+    """`dataflow serve` on the checkpoint, driven by the openai client: completions and chat, streamed and not, give
+    `dataflow run`'s tokens and text for the same prompts; a stop string ends the text before it."""
+    openai = pytest.importorskip("openai")
+    from test_serve import running_server
+    path, plan, hf, _, _ = ckpt
+    want = _run(CliRunner(), plan, [{"id": "text", "prompt": TEXT}, {"id": "chat", "messages": CHAT}], tmp_path,
+                "--in-process")
+    with running_server(plan, max_outstanding=16) as (base, _srv):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        res = client.completions.create(model=name, prompt=TEXT, max_tokens=MAX_NEW, temperature=0)
+        assert res.choices[0].model_extra["token_ids"] == want["text"]["output_token_ids"]
+        assert res.choices[0].text == want["text"]["text"] and res.choices[0].finish_reason == "stop"
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=name, prompt=TEXT, max_tokens=MAX_NEW, temperature=0, stream=True))
+        assert streamed == want["text"]["text"]
+        chat = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX_NEW, temperature=0)
+        assert chat.choices[0].message.content == want["chat"]["text"]
+        assert chat.choices[0].model_extra["token_ids"] == want["chat"]["output_token_ids"]
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=name, messages=CHAT, max_tokens=MAX_NEW, temperature=0, stream=True)]
+        assert "".join(pieces) == want["chat"]["text"]
+        text = want["chat"]["text"]
+        if len(text.strip()) >= 2:  # a stop string taken from the middle of the expected text
+            stop = text.strip()[len(text.strip()) // 2:][:2]
+            cut = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX_NEW, temperature=0,
+                                                 stop=[stop])
+            assert cut.choices[0].message.content == text[:text.find(stop)]
+            assert cut.choices[0].finish_reason == "stop"
