@@ -260,15 +260,132 @@ def _is_norm(name: str) -> bool:
     return name in ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")
 
 
-def _expert_seed(seed: int, layer: int, name: str, expert: int) -> int:
-    """The seed of one expert's slice of one stacked tensor. A hash, not Python's hash() (salted per
-    process): every rank, process and machine derives the same stream for the same expert."""
-    d = hashlib.blake2b(f"{seed}/{layer}/{name}/{expert}".encode(), digest_size=8).digest()
-    return int.from_bytes(d, "little") >> 1  # 63 bits: any torch generator takes it
+# ------------------------------------------------------------------------------------------------ random init
+# Counter-based draws: every value is a pure function of (seed, tensor name or (layer, tensor, expert), element
+# index), computed with exact 32-bit integer arithmetic and then one float32 multiply, so a CPU build and a CUDA
+# build are bit-identical and a device builds its weights in place (no host draw, no copy). A GPT-OSS-20B rank drew
+# ~21e9 values with torch's CPU generator (mt19937 + Box-Muller, one thread) and copied them over: most of the
+# ~125 s before serving (issue 31). Until then the draws were torch.randn; every value changed with this recipe.
+_MIX1, _MIX2 = 0x21F0AAAD, 0x735A2D97  # odd multipliers below 2^31: x * m < 2^63 for x < 2^32 (the int64 path)
+_U32 = 0xFFFFFFFF
+_T_OFFSET = 131069  # T = 2 * (four 15-bit fields + one bit) - 131069: odd (never 0), symmetric about 0
+# sqrt(3) / 65536 rounded to float32 (this double is that float32 exactly): the draw's one rounding is T * _UNIT
+_UNIT = 2.6428997443872504e-05
+_MAX_DRAW = 1 << 31  # element indices per stream (2 j + 1 must fit 32 bits)
+_CHUNK = {"cpu": 1 << 16, "device": 1 << 24}  # elements per step: cache-sized on the host, large on a device
+
+
+def _stream_keys(seed: int, *parts) -> tuple[int, int]:
+    """The two 31-bit keys of one stream (a tensor, or one expert's slice of a stacked tensor). A hash, not
+    Python's hash() (salted per process): every rank, process and machine derives the same keys."""
+    d = hashlib.blake2b("/".join(str(p) for p in (seed, *parts)).encode(), digest_size=8).digest()
+    k = int.from_bytes(d, "little")
+    return k & 0x7FFFFFFF, (k >> 32) & 0x7FFFFFFF
+
+
+def _mix_np(x) -> None:
+    """In place on a uint32 array (numpy wraps unsigned arithmetic modulo 2^32)."""
+    x ^= x >> 16
+    x *= _MIX1
+    x ^= x >> 15
+    x *= _MIX2
+    x ^= x >> 15
+
+
+def _draw_numpy(start: int, n: int, k1: int, k2: int) -> Tensor:
+    """int32 [n]: the odd integers T of elements start..start+n-1 of the stream (k1, k2), on the host."""
+    import numpy as np
+    j2 = np.arange(start, start + n, dtype=np.uint32)
+    j2 <<= 1
+    a = j2 ^ np.uint32(k1)
+    b = (j2 | np.uint32(1)) ^ np.uint32(k1)
+    for x in (a, b):
+        _mix_np(x)
+        x ^= np.uint32(k2)
+        _mix_np(x)
+    s = (a & 0x7FFF) + ((a >> 16) & 0x7FFF) + (b & 0x7FFF) + ((b >> 16) & 0x7FFF) + ((a >> 15) & 1)
+    t = s.astype(np.int32)
+    t *= 2
+    t -= _T_OFFSET
+    return torch.from_numpy(t)
+
+
+def _mix_torch(x: Tensor) -> Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _MIX1) & _U32
+    x = x ^ (x >> 15)
+    x = (x * _MIX2) & _U32
+    return x ^ (x >> 15)
+
+
+def _draw_torch(start: int, n: int, k1: int, k2: int, device: torch.device) -> Tensor:
+    """_draw_numpy's values with torch int64 ops on any device (products stay below 2^63: no overflow)."""
+    j2 = torch.arange(start, start + n, dtype=torch.int64, device=device) * 2
+    a = _mix_torch(_mix_torch(j2 ^ k1) ^ k2)
+    b = _mix_torch(_mix_torch((j2 + 1) ^ k1) ^ k2)
+    s = (a & 0x7FFF) + ((a >> 16) & 0x7FFF) + (b & 0x7FFF) + ((b >> 16) & 0x7FFF) + ((a >> 15) & 1)
+    return (s * 2 - _T_OFFSET).to(torch.int32)
+
+
+def _mix_tl(x):
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x ^= x >> 15
+    return x
+
+
+def _draw_kernel(out_ptr, start, n, k1, k2, BLOCK: tl.constexpr):  # noqa: F821 (tl: bound by LazyJit)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # noqa: F821
+    j2 = (start + offs).to(tl.uint32) << 1  # noqa: F821
+    u1 = k1.to(tl.uint32)  # noqa: F821
+    u2 = k2.to(tl.uint32)  # noqa: F821
+    a = _mix_tl(_mix_tl(j2 ^ u1) ^ u2)
+    b = _mix_tl(_mix_tl((j2 | 1) ^ u1) ^ u2)
+    s = (a & 0x7FFF) + ((a >> 16) & 0x7FFF) + (b & 0x7FFF) + ((b >> 16) & 0x7FFF) + ((a >> 15) & 1)
+    t = s.to(tl.int32) * 2 - 131069  # noqa: F821
+    tl.store(out_ptr + offs, t, mask=offs < n)  # noqa: F821
+
+
+_DRAW_KERNEL = None  # kernels.dispatch.LazyJit of _draw_kernel, made at the first device draw
+
+
+def _draw_triton(start: int, n: int, k1: int, k2: int, device: torch.device) -> Tensor:
+    """_draw_numpy's values in one Triton kernel (uint32 arithmetic wraps modulo 2^32, as numpy's does)."""
+    global _DRAW_KERNEL
+    from kernels.dispatch import LazyJit, cdiv
+    if _DRAW_KERNEL is None:
+        _DRAW_KERNEL = LazyJit(_draw_kernel, helpers=(_mix_tl,), do_not_specialize=["start", "n", "k1", "k2"])
+    out = torch.empty(n, dtype=torch.int32, device=device)
+    _DRAW_KERNEL[(cdiv(n, 1024),)](out, start, n, k1, k2, BLOCK=1024)
+    return out
+
+
+def _drawer(device: torch.device, backend: Optional[str] = None):
+    """draw(start, n, k1, k2) -> int32 [n] on `device`. `backend`: numpy (host), triton (a CUDA device, or the
+    interpreter), torch (any device); default numpy on the host, Triton on CUDA when it imports, else torch. All
+    three give the same integers (tests/test_startup_phases.py compares them)."""
+    if backend is None:
+        if device.type == "cpu":
+            backend = "numpy"
+        else:
+            from kernels.dispatch import triton_available
+            backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "numpy":
+        if device.type != "cpu":
+            return lambda start, n, k1, k2: _draw_numpy(start, n, k1, k2).to(device)
+        return _draw_numpy
+    if backend == "triton":
+        return lambda start, n, k1, k2: _draw_triton(start, n, k1, k2, device)
+    if backend == "torch":
+        return lambda start, n, k1, k2: _draw_torch(start, n, k1, k2, device)
+    raise ValueError(f"backend {backend!r}: expected numpy, triton or torch")
 
 
 def _scaled(short: str, t: Tensor, std: float) -> Tensor:
-    """A standard normal draw -> the init of tensor kind `short` (in place, fp32)."""
+    """A draw of mean 0, std 1 -> the init of tensor kind `short` (in place, fp32; separate multiply and add: no
+    fused multiply-add, whose single rounding a device might use and the host not)."""
     if _is_norm(short):
         return t.mul_(0.1).add_(1.0)
     if short == "sinks":
@@ -278,27 +395,43 @@ def _scaled(short: str, t: Tensor, std: float) -> Tensor:
     return t.mul_(std)  # linear weights and biases alike
 
 
-def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | torch.device = "cpu",
-                   dtype: Optional[torch.dtype] = None, experts: ExpertSubset = None) -> ModelWeights:
-    """Seeded random weights of the right shapes (fp32 draw, then cast to `dtype`, default spec.dtype).
+def _fill(out: Tensor, keys: tuple[int, int], short: str, std: float, draw) -> None:
+    """Fill the contiguous `out` (any float dtype) with stream `keys`' values for tensor kind `short`: T * _UNIT
+    in float32 (mean 0, std 1: a sum of four uniforms, within +-3.47), _scaled, then rounded to out's dtype."""
+    flat = out.view(-1)
+    n = flat.numel()
+    if n > _MAX_DRAW:
+        raise ValueError(f"random init: a tensor of {n} elements; at most {_MAX_DRAW} per tensor or expert")
+    step = _CHUNK["cpu" if out.device.type == "cpu" else "device"]
+    for j0 in range(0, n, step):
+        m = min(step, n - j0)
+        z = draw(j0, m, *keys).to(torch.float32).mul_(_UNIT)
+        flat[j0:j0 + m].copy_(_scaled(short, z, std))
 
-    Linear weights ~ N(0, init_std); norm weights ~ 1 + N(0, 0.1) so a wrong norm is visible;
-    every bias, sink and correction bias is nonzero so the code paths using them are exercised.
+
+def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | torch.device = "cpu",
+                   dtype: Optional[torch.dtype] = None, experts: ExpertSubset = None, *,
+                   backend: Optional[str] = None) -> ModelWeights:
+    """Seeded random weights of the right shapes (float32 draw, then cast to `dtype`, default spec.dtype),
+    built on `device` directly.
+
+    Linear weights ~ init_std * Z; norm weights ~ 1 + 0.1 Z so a wrong norm is visible; Z has mean 0 and
+    std 1 (a sum of four uniforms, bounded at +-3.47: near-normal) and is never 0, so every bias, sink and
+    correction bias is nonzero and the code paths using them are exercised.
     `experts`: per layer the global expert ids to build (see held_per_layer; None = all): a rank
     builds only the experts the plan places on it.
 
-    Every routed expert's slice of a stacked `experts.*` tensor is drawn from its own generator
-    state, seeded by (seed, layer, tensor, expert): an expert has the same values whichever subset
-    is built, so a sharded run computes exactly what an unsharded one (and the reference) does.
-    All other tensors come from one generator, in the order of `expected_shapes`. So the same
-    (spec, seed, device kind) gives the same weights on every machine, and cutting layers keeps
-    the first layers' weights. `device="cuda"` draws on the GPU (a GPT-OSS-size model drawn on
-    the host takes minutes); its numbers differ from a CPU draw.
+    Every value is a pure function of (seed, tensor, element): a counter-based draw (_draw_numpy) in exact
+    integer arithmetic, then float32 multiplies, so the same (spec, seed) gives bit-identical weights on
+    every machine and device (a CUDA build equals the CPU reference's; `backend` picks the implementation of
+    the integer draw, for tests). Every routed expert's slice of a stacked `experts.*` tensor is its own stream,
+    keyed by (seed, layer, tensor, expert): an expert has the same values whichever subset is built, so a
+    sharded run computes exactly what an unsharded one (and the reference) does. Every other tensor is keyed by
+    (seed, name): cutting layers keeps the first layers' weights.
     """
     seed = spec.weights.seed if seed is None else seed
     device = torch.device(device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    g_expert = torch.Generator(device=device)  # re-seeded per (layer, tensor, expert)
+    draw = _drawer(device, backend)
     std = spec.weights.init_std
     dtype = torch_dtype(spec.dtype) if dtype is None else dtype
     held = held_per_layer(spec, experts)
@@ -310,15 +443,12 @@ def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | to
         if short in EXPERT_TENSORS:
             layer = int(name.split(".", 2)[1])
             ids = range(shape[0]) if held[layer] is None else held[layer]
-            # Filled one expert at a time: the fp32 temporary is one expert's, not the layer's.
             t = torch.empty((len(ids),) + shape[1:], dtype=out_dtype, device=device)
             for row, e in enumerate(ids):
-                g_expert.manual_seed(_expert_seed(seed, layer, short, e))
-                t[row].copy_(_scaled(short, torch.randn(shape[1:], generator=g_expert, dtype=torch.float32,
-                                                        device=device), std))
+                _fill(t[row], _stream_keys(seed, layer, short, e), short, std, draw)
         else:
-            t = _scaled(short, torch.randn(shape, generator=g, dtype=torch.float32, device=device), std)
-            t = t.to(out_dtype)
+            t = torch.empty(shape, dtype=out_dtype, device=device)
+            _fill(t, _stream_keys(seed, name), short, std, draw)
         tensors[name] = t
     layers = [{} for _ in range(spec.num_layers)]
     for name, t in tensors.items():
@@ -330,14 +460,17 @@ def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | to
                         held=None if experts is None else held)
 
 
-def load_weights(spec: ModelSpec, experts: ExpertSubset = None) -> ModelWeights:
+def load_weights(spec: ModelSpec, experts: ExpertSubset = None,
+                 device: Optional[str | torch.device] = None) -> ModelWeights:
     """Weights as `spec.weights` says: seeded random, or the checkpoint directory's tensors.
-    `experts`: only these routed experts per layer (see held_per_layer; None = all)."""
+    `experts`: only these routed experts per layer (see held_per_layer; None = all). `device`: where they
+    go (default the host): random weights are built there directly (the same values as on the host), a
+    checkpoint's are read on the host and moved and cast in one step."""
     if spec.weights.source == "random":
-        return random_weights(spec, experts=experts)
+        return random_weights(spec, experts=experts, device="cpu" if device is None else device)
     from models.checkpoint import load_checkpoint  # lazy: safetensors/json only needed here
 
     _, weights = load_checkpoint(spec.weights.path, experts=experts)
-    weights = weights.to(dtype=torch_dtype(spec.dtype))
+    weights = weights.to(device=device, dtype=torch_dtype(spec.dtype))
     validate_weights(spec, weights, source=str(spec.weights.path))
     return weights

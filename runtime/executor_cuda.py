@@ -324,6 +324,7 @@ class CudaExecutor:
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
         self.stats = ExecStats()
+        self.last_prepare: Optional[dict] = None  # where the last prepare() spent its time (prepare's doc)
         a = spec.attention
         self._mla = a.kind == "mla"
         self._qkv = mla_qkv if self._mla else gqa_qkv
@@ -530,24 +531,37 @@ class CudaExecutor:
             self.profile.append((kind, start, self._mark()))
 
     @torch.no_grad()
-    def prepare(self, kv, layers_: Optional[list[int]] = None, owned=None) -> int:
+    def prepare(self, kv, layers_: Optional[list[int]] = None, owned=None, *, host_experts: bool = True) -> int:
         """Capture every (layer, bucket) graph for this KV store now (attention) and for the
         executor (experts), so a timed run never captures. The warm-up pass of each capture runs
         on padding only (positions -1, trash page; sentinel experts). `owned`: the engine's
         owned_experts(layer, device), with which the device-routed expert graphs (keyed by that
-        tensor) are captured too when this executor keeps the routing on the device. Returns graphs
-        captured."""
+        tensor) are captured too when this executor keeps the routing on the device. `host_experts`
+        False: not the host-routed expert graphs (`experts()`), which a device-routed engine never runs
+        (the rank processes pass it; a caller that runs both kinds on one executor, like gpu_bench's
+        barrier baselines, keeps the default). Returns graphs captured. `last_prepare` says where the time
+        went: kv_alloc_s (this KV store's device pool and tables), and per graph kind the graphs, seconds
+        and the slowest one (the first of a kind compiles its Triton kernels)."""
+        self.last_prepare = None
         if not self.graphs.capture:  # (the CPU: nothing is captured)
             return 0
+        t0 = time.perf_counter()
         for b in list(self._out_claims):  # capturing replays the bodies over the static outputs
             self._release_outputs(b)
         dv = self._view(kv)
+        torch.cuda.synchronize(self.device)  # (the pool's zero fill: its time is the allocation's)
+        kinds: dict[str, list] = {}  # kind -> [graphs, seconds, slowest]
+        stats = self.last_prepare = {"kv_alloc_s": time.perf_counter() - t0, "kinds": kinds}
         before = self.graphs.captures
 
         def capture(key: tuple, make_body) -> None:  # the graph under `key` (kind, layer, bucket, ...), captured now
             g = self.graphs.get(key, make_body, True)
             if g.graph is None:
+                t = time.perf_counter()
                 g._capture()
+                dt = time.perf_counter() - t
+                k = kinds.setdefault(key[0] + ("_blocks" if key[-1] == "blocks" else ""), [0, 0.0, 0.0])
+                k[0], k[1], k[2] = k[0] + 1, k[1] + dt, max(k[2], dt)
 
         lays = list(range(self.spec.num_layers)) if layers_ is None else layers_
         for b in self.buckets["attn"]:
@@ -565,7 +579,7 @@ class CudaExecutor:
                     capture(key, lambda: self._attn_body(layer, bufs, dv, kv))
                     if self._row_blocked(layer):  # and the graph of batches with prompt chunks
                         capture(key + ("blocks",), lambda: self._attn_body(layer, bufs, dv, kv, True))
-        for b in self.buckets["expert"]:
+        for b in self.buckets["expert"] if host_experts else ():
             bufs = self._expert_bufs(b, True)
             pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
             self.staging.h2d_array(bufs._t["ids"], lambda a: a.fill(pad))
@@ -588,6 +602,12 @@ class CudaExecutor:
             bufs = self._sample_bufs(b)
             capture(("sample", -1, b), lambda: self._sample_body(bufs))
         torch.cuda.synchronize(self.device)
+        stats["capture_s"] = time.perf_counter() - t0 - stats["kv_alloc_s"]
+        if os.environ.get("DATAFLOW_VERBOSE") == "1":
+            print(f"{self.device}: KV pool {stats['kv_alloc_s']:.3f} s; captured {self.graphs.captures - before} "
+                  f"graphs in {stats['capture_s']:.3f} s: " + ", ".join(
+                      f"{k} {n} ({s:.3f} s, slowest {m:.3f} s)" for k, (n, s, m) in kinds.items()),
+                  file=sys.stderr, flush=True)
         return self.graphs.captures - before
 
     @torch.no_grad()

@@ -241,10 +241,11 @@ def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], a
     # the ranks must not hide the packages the parent imports.
     paths = [_repo_root()] + [p for p in ((env or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
     base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    # DATAFLOW_RUN_SECRET: the key every rank signs its frames with (runtime/transport/wire.py), new per launch,
-    # handed over in the environment (readable by this user only), never through a socket.
+    # DATAFLOW_RUN_SECRET: the key every rank signs its frames with (runtime/transport/wire.py), new per launch
+    # unless the caller passes one in `env` (a serving front shares it: runtime/front.py), handed over in the
+    # environment (readable by this user only), never through a socket.
     import secrets
-    base.update(DATAFLOW_RUN_SECRET=secrets.token_hex(32))
+    base["DATAFLOW_RUN_SECRET"] = (env or {}).get("DATAFLOW_RUN_SECRET") or secrets.token_hex(32)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), DATAFLOW_LAUNCH_DIR=run_dir,
                 DATAFLOW_LAUNCH_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
@@ -277,7 +278,8 @@ def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], a
     running_at_timeout: list[int] = []
     try:
         for rank in range(world_size):
-            child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            # DATAFLOW_SPAWNED_AT: when this launcher started the rank (its start-up phases count the spawn from it)
+            child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), DATAFLOW_SPAWNED_AT=f"{time.time():.6f}")
             pipe = subprocess.PIPE if prefix_output else None
             p = subprocess.Popen([sys.executable, "-m", "runtime.launch"], env=child_env, cwd=os.getcwd(),
                                  stdout=pipe, stderr=pipe, start_new_session=True)
@@ -411,7 +413,18 @@ def _print_frames(err: BaseException, rank: int) -> None:
     sys.stderr.write("".join(lines))
 
 
-def _child_main() -> int:
+_CHILD_STARTED: Optional[tuple[float, float]] = None  # (time.time(), time.perf_counter()) at a rank's first line
+
+
+def child_started() -> Optional[tuple[float, float]]:
+    """(wall clock, perf_counter) when this rank process ran its first line of Python (after the interpreter and
+    this module's imports), or None when launch_local did not start it (torchrun, or not a rank)."""
+    return _CHILD_STARTED
+
+
+def _child_main(started: Optional[tuple[float, float]] = None) -> int:
+    global _CHILD_STARTED
+    _CHILD_STARTED = started
     _die_with_parent(int(os.environ["DATAFLOW_LAUNCH_PARENT"]))
     signal.signal(signal.SIGTERM, _sigterm_to_exit)
     run_dir = os.environ["DATAFLOW_LAUNCH_DIR"]
@@ -460,6 +473,7 @@ def __getattr__(name: str):
 
 
 if __name__ == "__main__":
+    _started = (time.time(), time.perf_counter())
     # Run through the imported module, not this __main__ copy, so RankEnv is one class everywhere.
     import runtime.launch as _launch
-    _launch._child_main()
+    _launch._child_main(_started)

@@ -60,6 +60,7 @@ from runtime.requests import request_from_wire, request_to_wire
 
 CTRL_READY, CTRL_SYNC, CTRL_SYNCED = "ready", "sync", "synced"
 CTRL_ADMIT, CTRL_FIN, CTRL_STOP, CTRL_DONE = "adm", "fin", "stop", "done"
+CTRL_CANCEL = "cancel"
 COORDINATOR = 0
 DEFAULT_STARTUP_TIMEOUT_S = 300.0  # loading a real checkpoint can take minutes; liveness is the heartbeat's job
 _DEFERRED_POLL_S = 0.0002  # idle wait while a deferred batch's tokens or routing are being copied (engine.async_*)
@@ -89,6 +90,9 @@ class RankJob:
     progress_path: Optional[str] = None  # the coordinator writes "done total tokens" here for the launcher
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     finished_path: Optional[str] = None  # the coordinator appends a JSON line per finished request (_journal)
+    # (commands, events) endpoints of a serving front (runtime/front.py, runtime/front_link.py): the one workload is
+    # open, its requests come from the front while the ranks serve, and tokens stream back to it.
+    front: Optional[tuple] = None
 
 
 class SyncedClock:
@@ -119,28 +123,100 @@ def _device_and_backend(plan, local_rank: int):
     return torch.device("cpu"), "gloo"
 
 
+# Start-up phases of a rank process, in order (seconds each; StartupTimes): the launcher's spawn of the process up to
+# its first line of Python (the interpreter and runtime.launch), the imports (torch, the transport, the executor and
+# its kernels, and the job's unpickling), the device (CUDA context), the rendezvous (every rank arrived, the process
+# group, the ZeroMQ transport), the weights (built or loaded on the device), the executor (built over them), the KV
+# pool (sizing and allocation), the CUDA-graph capture and the start-up barrier (every rank ready, clocks synced);
+# "other" is the rest of "total" (spawn to serving).
+STARTUP_PHASES = ("spawn", "imports", "device_init", "rendezvous", "weights", "executor", "kv_alloc", "capture",
+                  "barrier")
+
+
+class StartupTimes:
+    """One rank's start-up phases (STARTUP_PHASES), timed with perf_counter from the process's first line (runtime.launch
+    records it; under torchrun, from rank_main's), the spawn from the launcher's clock reading in the environment
+    (time.time(): one host). A later workload of the same launch restarts the count: its KV pool, capture and barrier."""
+
+    def __init__(self) -> None:
+        from runtime.launch import child_started
+        started = child_started()
+        wall0, self.t0 = started or (time.time(), time.perf_counter())
+        spawned = os.environ.get("DATAFLOW_SPAWNED_AT") if started else None  # (launch_local's ranks only)
+        self.phases = dict.fromkeys(STARTUP_PHASES, 0.0)
+        self.phases["spawn"] = max(wall0 - float(spawned), 0.0) if spawned else 0.0
+        self.last = self.t0
+
+    def lap(self, phase: str) -> None:
+        """The time since the last lap (or start) goes to `phase` ("other": to none; report() counts it there)."""
+        now = time.perf_counter()
+        if phase != "other":
+            self.phases[phase] += now - self.last
+        self.last = now
+
+    def restart(self) -> None:
+        self.phases = dict.fromkeys(STARTUP_PHASES, 0.0)
+        self.t0 = self.last = time.perf_counter()
+
+    def report(self) -> dict:
+        """{phase: seconds} with "other" (not in a phase) and "total" (spawn to now)."""
+        out = {k: round(v, 6) for k, v in self.phases.items()}
+        total = self.phases["spawn"] + time.perf_counter() - self.t0
+        out["other"] = round(max(total - sum(self.phases.values()), 0.0), 6)
+        out["total"] = round(total, 6)
+        return out
+
+
+def _import_rank_modules(plan, options) -> None:
+    """Import what the rank will use, so the imports phase holds them (and no later phase does), with the numba
+    kernels' loads from their cache (each warm_up is once per process: the engine and the policy call it again)."""
+    import runtime.cluster  # noqa: F401
+    import runtime.engine  # noqa: F401
+    import runtime.kv_fit  # noqa: F401
+    import runtime.scheduler  # noqa: F401
+    import runtime.trace  # noqa: F401
+    import models.weights  # noqa: F401
+    from runtime.dispatch_plan import warm_up as warm_dispatch
+    from runtime.score_kernel import warm_up as warm_scores
+    warm_dispatch()
+    warm_scores()
+    if options.executor != "sim":
+        if plan.cluster.device == "cuda" or options.executor == "cuda":
+            import runtime.executor_cuda  # noqa: F401
+        else:
+            import runtime.executor  # noqa: F401
+
+
 def rank_main(env: RankEnv, job: RankJob):
     """One rank of a `dataflow run`. Returns the per-workload results on the coordinator, None elsewhere."""
+    startup = StartupTimes()
     from runtime.launch import set_rank_threads
     set_rank_threads(env, on_gpu=job.plan.cluster.device == "cuda")  # before any torch work
 
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
 
     plan = job.plan
+    options0 = job.workloads[0][1]
+    _import_rank_modules(plan, options0)
+    startup.lap("imports")
     if plan.cluster.ranks != env.world_size:
         raise ValueError(f"the plan is compiled for {plan.cluster.ranks} ranks but {env.world_size} processes were "
                          f"started (WORLD_SIZE)")
     device, backend = _device_and_backend(plan, env.local_rank)
+    if device.type == "cuda":
+        import torch
+        torch.cuda.init()  # the context now, not inside the first allocation of the weights
+    startup.lap("device_init")
     init_distributed(env.rank, env.world_size, backend)
-    options0 = job.workloads[0][1]
     clock = SyncedClock()
     # Transport first, weights second: its heartbeats keep every rank alive in the others' eyes while
     # a slow rank loads a checkpoint, and the ready barrier (startup_timeout_s) bounds the wait.
     with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
                           stall_timeout_s=options0.stall_timeout_s,
                           chaos=job.chaos) as transport:
-        executor = _rank_executor(plan, options0, env.rank, device)
-        results = serve_rank(RankNode(env, plan, executor, transport, clock, job))
+        startup.lap("rendezvous")
+        executor = _rank_executor(plan, options0, env.rank, device, startup)
+        results = serve_rank(RankNode(env, plan, executor, transport, clock, job, startup=startup))
     return results if env.rank == COORDINATOR else None
 
 
@@ -156,21 +232,29 @@ def serve_rank(node: "RankNode") -> list:
         raise _peer_failure_behind(node.transport, err, node.job.peer_timeout_s + 1.0) from None
 
 
-def _rank_executor(plan, options, rank: int, device):
+def _rank_executor(plan, options, rank: int, device, startup: Optional[StartupTimes] = None):
     """This rank's executor, over weights holding only the experts the plan places on `rank`: the
-    engine never runs another rank's expert, and a big model's experts do not fit on every rank."""
+    engine never runs another rank's expert, and a big model's experts do not fit on every rank.
+    The weights are built (random) or put (checkpoint) straight on `device`, where the executor keeps them
+    (the CUDA executor's device: `device` on a GPU rank, the host for its CPU twin)."""
     from models.weights import load_weights
     from runtime.cluster import build_executor
     if options.executor == "sim":
         return build_executor(plan, options)
-    weights = load_weights(plan.spec, experts=plan.placement.held_by(rank))
-    if options.executor == "torch":
-        weights = weights.to(device)
+    weights = load_weights(plan.spec, experts=plan.placement.held_by(rank), device=device)
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)  # (the draws are queued: their time belongs here)
+    if startup is not None:
+        startup.lap("weights")
     if os.environ.get("DATAFLOW_VERBOSE") == "1":
         held = [weights.layers[l]["experts.gate"].shape[0] for l in plan.spec.moe_layers]
         print(f"rank {rank}: weights {weights.num_bytes()} bytes, experts held per MoE layer {held}",
               file=sys.stderr, flush=True)
-    return build_executor(plan, options, weights)
+    executor = build_executor(plan, options, weights)
+    if startup is not None:
+        startup.lap("executor")
+    return executor
 
 
 def _profile_wanted(rank: int) -> bool:
@@ -334,7 +418,8 @@ def _peer_failure_behind(transport, err: RuntimeError, within_s: float):
 class RankNode:
     """One rank's driver loop over its engine(s); the coordinator's duties too on rank 0."""
 
-    def __init__(self, env: RankEnv, plan, executor, transport, clock: SyncedClock, job: RankJob) -> None:
+    def __init__(self, env: RankEnv, plan, executor, transport, clock: SyncedClock, job: RankJob,
+                 startup: Optional[StartupTimes] = None) -> None:
         self.env = env
         self.rank = env.rank
         self.world = env.world_size
@@ -360,12 +445,22 @@ class RankNode:
         # (each rank's figure travels in its ready notice).
         from runtime.engine import config_from_plan
         from runtime.kv_fit import executor_kv_fit
+        # Start-up phases (StartupTimes: rank_main's, else counted from here), reported with each workload's
+        # CTRL_DONE: the first workload's are the process's whole start, a later one's its KV pool, capture, barrier
+        self.startup = startup if startup is not None else StartupTimes()
+        self.startup_report: dict = {}
+        self.startup.lap("other")
         wanted = max(config_from_plan(plan, self.rank, o.kv_blocks).num_blocks for _, o in job.workloads)
         self.kv_fit = executor_kv_fit(executor, plan, self.rank, wanted)
+        self.startup.lap("kv_alloc")
         self.kv_fit_of: dict[int, int] = {}
         self.verbose = os.environ.get("DATAFLOW_VERBOSE") == "1"
         self.phases: Optional[_PhaseTimes] = None  # set by _profiled (DATAFLOW_PROFILE_RANK) only
         transport.describe_wait = self._describe_wait
+        self.front = None
+        if job.front is not None:
+            from runtime.front_link import FrontLink
+            self.front = FrontLink(job.front, transport.secret, self.rank, self.world)
 
     # -------------------------------------------------------------- life cycle
     def serve(self) -> list:
@@ -387,6 +482,8 @@ class RankNode:
                     results.append(self.coord.result())
         finally:
             thaw_heap()
+            if self.front is not None:
+                self.front.close()
         return results
 
     def _start_workload(self, w: int, options) -> None:
@@ -395,19 +492,34 @@ class RankNode:
         from runtime.trace import TraceRecorder
         self.workload = w
         self.stopped = False
+        st = self.startup
+        if w > 0:
+            st.restart()
         self.trace = TraceRecorder() if options.trace else None
         if self.engine is not None and hasattr(self.executor, "detach"):
             self.executor.detach(self.engine.kv)  # its device pool and graphs go before the next one's
         cfg = config_from_plan(self.plan, self.rank, options.kv_blocks)
         cfg.num_blocks = min(cfg.num_blocks, self.kv_fit)
+        st.lap("other")
         self.engine = Engine(cfg, self.executor,
                              self.transport, self.clock, make_policy(options.policy, **options.policy_params),
                              self.trace, batch_log=options.batch_log)
         self.engine.on_control = self._on_control
+        if self.front is not None:
+            self.engine.sampled = []  # each sample batch's requests: their new tokens stream to the front
+        st.lap("kv_alloc")
         if hasattr(self.executor, "prepare"):
             # Capture every CUDA graph of this workload's KV store before serving, so no capture
-            # runs while messages flow (and no timed batch pays for one). No-op on the CPU.
-            self.executor.prepare(self.engine.kv, owned=self.engine.owned_experts)
+            # runs while messages flow (and no timed batch pays for one). No-op on the CPU. The host-routed
+            # expert graphs only for a host-routed engine: a device-routed one replays the routed kind only.
+            self.executor.prepare(self.engine.kv, owned=self.engine.owned_experts,
+                                  host_experts=not self.engine.device_routed)
+            st.lap("capture")
+            # (the KV pool is allocated inside prepare, before the first capture: the executor times it)
+            kv_s = min((getattr(self.executor, "last_prepare", None) or {}).get("kv_alloc_s", 0.0),
+                       st.phases["capture"])
+            st.phases["capture"] -= kv_s
+            st.phases["kv_alloc"] += kv_s
         # The serving loop gets a physical core of its own near its GPU (runtime/cpu_bind.py); repeated per
         # workload, because threads started since inherit the loop's single CPU.
         bind_rank_threads(self.env.local_rank, local_world(self.env), self.transport.device.type)
@@ -416,6 +528,7 @@ class RankNode:
 
     def _startup(self, w: int) -> None:
         """Barrier: every rank has its weights and workload `w`'s engine; then one time base for all."""
+        self.startup.lap("other")  # (since _start_workload: the heap settled, runtime/gc_settle.py)
         self._send(COORDINATOR, {"t": CTRL_READY, "kv_blocks": self.kv_fit, "w": w})
         deadline = time.monotonic() + self.job.startup_timeout_s
         def started() -> bool:
@@ -431,6 +544,11 @@ class RankNode:
                     what = f"clock sync acks of rank(s) {sorted(set(range(self.world)) - self.synced_acks.get(w, set()))}"
                 raise TimeoutError(f"rank {self.rank}: waited {self.job.startup_timeout_s:g} s at startup for {what}")
             self._feed(self.transport.poll(timeout=0.01))
+        self.startup.lap("barrier")
+        self.startup_report = self.startup.report()
+        if self.verbose:  # (benchmarks/startup_bench.py reads this line; serving_at: the wall clock, one host)
+            print(f"rank {self.rank}: startup of workload {w} {json.dumps(self.startup_report)} "
+                  f"serving_at {time.time():.6f}", file=sys.stderr, flush=True)
 
     def _on_control(self, src: int, meta: dict, _tensor) -> None:
         t = meta["t"]
@@ -454,6 +572,9 @@ class RankNode:
             if not self.engine.admit(req):
                 raise RuntimeError(f"rank {self.rank} has {self.engine.free_blocks()} free KV blocks, too few for "
                                    f"request {req.name!r} the coordinator admitted here (its free-block mirror is off)")
+        elif t == CTRL_CANCEL:
+            self._check_workload(src, meta)
+            self.engine.cancel(meta["rid"])  # (finished meanwhile: nothing to do)
         elif t == CTRL_STOP:
             self._check_workload(src, meta)
             e = self.engine
@@ -465,7 +586,8 @@ class RankNode:
             from runtime.transport.rendezvous import listening
             self._send(COORDINATOR, {"t": CTRL_DONE, "w": self.workload, "metrics": dataclasses.asdict(e.metrics),
                                      "trace": trace, "data_messages": data_sent, "dispatch": e.dispatch_name,
-                                     "listening": listening(), "dropped": self.transport.stats["dropped"]})
+                                     "listening": listening(), "dropped": self.transport.stats["dropped"],
+                                     "startup": self.startup_report})
             if not self.is_coord:  # the coordinator stops when every rank's report is in
                 self.stopped = True
         elif self.is_coord and self.coord is not None:
@@ -533,6 +655,9 @@ class RankNode:
                 complete(batch)
                 tr.work += 1
                 tr.tokens = e.metrics.tokens
+                if e.sampled:  # serving: the new tokens go to the front now, one frame per batch
+                    self.front.stream(e.sampled)
+                    e.sampled.clear()
                 ran = True
                 if ph is not None:
                     ph.batches[batch.stage.kind] = ph.batches.get(batch.stage.kind, 0) + 1
@@ -569,6 +694,8 @@ class RankNode:
     def _send_finished(self) -> None:
         e = self.engine
         for req in e.take_finished():
+            if self.front is not None:
+                self.front.finished(req)
             self._send(COORDINATOR, {"t": CTRL_FIN, "w": self.workload, "rid": req.rid, "output": list(req.output),
                                      "reason": req.finish_reason, "t_admit": req.t_admit, "t_finish": req.t_finish,
                                      "token_times": list(req.token_times), "free": e.free_blocks(),
@@ -589,7 +716,12 @@ class RankNode:
 
 
 class Coordinator:
-    """Rank 0's view of one workload: arrivals, home placement, finished requests, the end."""
+    """Rank 0's view of one workload: arrivals, home placement, finished requests, the end.
+
+    A served workload (RankJob.front) is open: its requests arrive from the front while the ranks serve (fsub),
+    may be cancelled (fcan: taken out of the admission queue, or finished at the home's next token), are
+    forgotten once finished (memory stays flat however long the server runs), and the workload ends only after
+    the front said goodbye (fbye) and nothing is outstanding."""
 
     def __init__(self, node: RankNode, w: int, requests: list, options) -> None:
         from runtime.requests import Admission
@@ -618,21 +750,37 @@ class Coordinator:
         self.work = ProgressWatch(options.stall_timeout_s, time.monotonic())  # batches run on all ranks
         self.last_report = 0.0
         self._open_outputs()
+        self.open = node.front is not None
+        self.submitted = 0  # requests of an open workload so far
+        self.closing = False
+        self.last_stat = 0.0
+        if self.open:
+            from runtime.front_link import EV_READY
+            node.front.send({"t": EV_READY, "ranks": node.world})
+
+    @property
+    def total(self) -> int:
+        """Requests of this workload so far (all of them, for a closed one)."""
+        return self.submitted if self.open else len(self.requests)
 
     def tick(self) -> bool:
         """Admit what is due and fits; stop the ranks when all finished. True when it did something."""
         node = self.node
         now = node.clock.now()
-        did = False
+        did = self._serve_front() if self.open else False
         while self.pending and self.pending[-1].arrival <= now - self.t_begin:
             self.admission.submit(self.pending.pop())
             did = True
         for req, home in self.admission.admit(self.free):  # updates the mirror
             req.home = home
             # A fresh copy travels (sends to self are not copied): the coordinator's object gets the results.
-            node._send(home, {"t": CTRL_ADMIT, "w": self.w, "req": request_to_wire(req)})
+            # The home's copy arrives on the shared clock (every rank's SyncedClock), not relative to this workload's
+            # start: its token times are on that clock too (a served request's latencies are measured there).
+            wire = request_to_wire(req)
+            wire["arrival"] = req.arrival + self.t_begin
+            node._send(home, {"t": CTRL_ADMIT, "w": self.w, "req": wire})
             did = True
-        if self.finished == len(self.requests) and not self.stop_sent:
+        if self.finished == self.total and not self.stop_sent and (self.closing or not self.open):
             self.stop_sent = True
             for r in range(node.world):
                 node._send(r, {"t": CTRL_STOP, "w": self.w})
@@ -640,13 +788,61 @@ class Coordinator:
         self._progress()  # (at most every _PROGRESS_EVERY_S)
         return did
 
+    def _serve_front(self) -> bool:
+        """The front's commands (runtime/front_link.py); every second, the admission state for its /metrics."""
+        from runtime.front_link import CMD_BYE, CMD_CANCEL, CMD_SUBMIT, EV_FINISHED, EV_STATS
+        front = self.node.front
+        did = False
+        for cmd in front.commands():
+            did = True
+            t = cmd.get("t")
+            if t == CMD_SUBMIT:
+                rid = cmd["req"].get("rid") if type(cmd.get("req")) is dict else None
+                try:
+                    req = request_from_wire(cmd["req"])
+                    if req.rid in self.by_rid:
+                        raise ValueError(f"request id {req.rid} is in use")
+                    req.arrival = self.node.clock.now() - self.t_begin
+                    self.admission.submit(req)  # ValueError when no rank could ever hold it
+                except (ValueError, KeyError) as err:
+                    front.send({"t": EV_FINISHED, "rid": rid if type(rid) is int else -1, "reason": "error", "n": 0,
+                                "error": str(err)[:2000]})
+                    continue
+                self.by_rid[req.rid] = req
+                self.submitted += 1
+            elif t == CMD_CANCEL:
+                self._cancel(cmd["rid"])
+            elif t == CMD_BYE:
+                self.closing = True
+        now = time.monotonic()
+        if now - self.last_stat > 1.0:
+            self.last_stat = now
+            waiting = self.admission.waiting
+            front.send({"t": EV_STATS, "waiting": waiting, "running": self.total - self.finished - waiting,
+                        "free_kv": tuple(self.free), "tokens": sum(self.node.transport.peer_tokens())})
+        return did
+
+    def _cancel(self, rid: int) -> None:
+        """A client went away: a request still waiting for KV ends here; an admitted one at its home's next token."""
+        req = self.by_rid.get(rid)
+        if req is None or req.done:
+            return
+        if self.admission.remove(rid) is not None:
+            req.finish_reason = "abort"
+            self.finished += 1
+            self._keep(req)
+            del self.by_rid[rid]
+            self.node.front.finished(req)
+        elif req.home >= 0:
+            self.node._send(req.home, {"t": CTRL_CANCEL, "w": self.w, "rid": rid})
+
     def _check_stall(self) -> None:
         """Requests outstanding while no rank ran a batch for longer than the bound (health.ProgressWatch: the
         larger of stall_timeout_s and 10x the longest pause between batches so far): the protocol is stuck (a
         wedged rank is named by its peers first, from its heartbeat). Waiting for arrivals is not a stall."""
         now = time.monotonic()
         self.work.update(sum(self.node.transport.peer_work()), now)
-        if self.finished == len(self.requests) or not (self.admission.waiting or self._admitted_unfinished()):
+        if self.finished == self.total or not (self.admission.waiting or self._admitted_unfinished()):
             self.work.since = now  # nothing is owed: no clock runs
             return
         stuck = self.work.stalled_for(now)
@@ -656,7 +852,7 @@ class Coordinator:
                                f"s); {self.describe_wait(None)}")
 
     def _admitted_unfinished(self) -> bool:
-        return self.finished < len(self.requests) - len(self.pending) - self.admission.waiting
+        return self.finished < self.total - len(self.pending) - self.admission.waiting
 
     def wait_budget(self, cap: float) -> float:
         if not self.pending:
@@ -681,6 +877,8 @@ class Coordinator:
             self.rank_tokens[src] = meta["tokens"]
             self.finished += 1
             self._keep(req)
+            if self.open:  # served: forgotten once finished (its tokens and end went to the front from its home)
+                del self.by_rid[req.rid]
             self._progress()
         elif t == CTRL_DONE:
             self.dones[src] = meta
@@ -727,22 +925,22 @@ class Coordinator:
         _PROGRESS_EVERY_S (and at the end). Tokens move with every heartbeat (each rank's count), not only with
         finish notices."""
         now = time.monotonic()
-        if not final and self.finished < len(self.requests) and now - self.last_report <= _PROGRESS_EVERY_S:
+        if not final and self.finished < self.total and now - self.last_report <= _PROGRESS_EVERY_S:
             return
         self.last_report = now
         tokens = sum(max(a, b) for a, b in zip(self.rank_tokens, self.node.transport.peer_tokens()))
         if self.options.progress is not None:
-            self.options.progress(self.finished, len(self.requests), tokens)
+            self.options.progress(self.finished, self.total, tokens)
         path = self.node.job.progress_path
         if path:
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:
-                f.write(f"{self.w} {self.finished} {len(self.requests)} {tokens}")
+                f.write(f"{self.w} {self.finished} {self.total} {tokens}")
             os.replace(tmp, path)
 
     def describe_wait(self, peer: Optional[int]) -> str:
         live: dict[int, list[str]] = {}
-        for r in self.requests:
+        for r in (self.by_rid.values() if self.open else self.requests):
             if r.home >= 0 and not r.done:
                 live.setdefault(r.home, []).append(r.name)
         if peer is not None:
@@ -753,7 +951,7 @@ class Coordinator:
                 what = f"rank {peer}'s report after stop"
             return what
         homes = ", ".join(f"rank {h}: {len(n)} ({', '.join(n[:4])})" for h, n in sorted(live.items()))
-        return (f"coordinator: {self.finished}/{len(self.requests)} finished, {self.admission.waiting} waiting for KV, "
+        return (f"coordinator: {self.finished}/{self.total} finished, {self.admission.waiting} waiting for KV, "
                 f"{len(self.pending)} not yet arrived, unfinished by home [{homes or 'none'}], "
                 f"free blocks {self.free}; {self.node.engine.state()}")
 
@@ -774,6 +972,11 @@ class Coordinator:
         metrics["dispatch"] = self.dones[COORDINATOR].get("dispatch")
         metrics["listening"] = [a for r in range(self.node.world) for a in self.dones[r].get("listening") or ()]
         metrics["dropped_frames"] = sum(self.dones[r].get("dropped", 0) for r in range(self.node.world))
+        # Start-up phases of this workload (STARTUP_PHASES + other and total, seconds): the slowest rank's per phase
+        # (the barrier holds every rank until the slowest is ready), and each rank's own
+        by_rank = [dict(self.dones[r].get("startup") or {}) for r in range(self.node.world)]
+        metrics["startup_s"] = {k: max(d.get(k, 0.0) for d in by_rank) for k in by_rank[0]} if by_rank else {}
+        metrics["startup_s_by_rank"] = by_rank
         trace = None
         if self.options.trace:
             shift = self.t_begin
