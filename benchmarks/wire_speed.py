@@ -35,7 +35,7 @@ def main() -> None:
                                           "more": 3.5, "d": 1}, (40, 2880), "bfloat16"),
         "expert-out (400 scattered tags)": ({"t": "y", "layer": 3, "rows": np.arange(0, 800, 2, dtype=np.int64)},
                                             (400, 2880), "bfloat16"),
-        "heartbeat": ({"p": 123456, "w": 789, "k": 4567}, None, None),
+        "heartbeat": ({"p": 123456, "w": 789, "k": 4567, "q": 12}, None, None),
     }
     print(f"{'message':<34}{'pickle us':>10}{'wire us':>10}{'ratio':>8}{'bytes (pickle / wire)':>24}")
     for name, (meta, shape, dtype) in cases.items():

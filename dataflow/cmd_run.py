@@ -144,6 +144,27 @@ def _unfinished_summary(finished: list, requests: list, output: Optional[Path]) 
     return text
 
 
+class _BarProgress:
+    """The run's progress callback: (finished, total, tokens) moves the bar; `phase(text)` (rank 0's start-up
+    phase, runtime/multiproc.py StartupTimes.NEXT) labels it: starting the device, building weights, ..., serving."""
+
+    def __init__(self, bar, task) -> None:
+        self.bar, self.task = bar, task
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        self.bar.update(self.task, completed=done, tokens=tokens)
+
+    def phase(self, text: str) -> None:
+        self.bar.update(self.task, description=text)
+
+
+def _startup_line(startup: dict) -> str:
+    """"28.4 s: capture 15.6, imports 5.2, weights 2.4" (the slowest rank's phases, largest first)."""
+    parts = sorted(((k, v) for k, v in startup.items() if k not in ("total", "other") and v >= 0.05),
+                   key=lambda kv: -kv[1])
+    return f"{startup.get('total', 0.0):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in parts[:4])
+
+
 def _summary_table(metrics: dict, plan, policy: str):
     from rich.table import Table
 
@@ -171,6 +192,8 @@ def _summary_table(metrics: dict, plan, policy: str):
         t.add_row("prompt batches yielded to decode", str(metrics["prompt_yields"]))
     if metrics.get("messages") is not None:
         t.add_row("messages between ranks", str(metrics["messages"]))
+    if metrics.get("startup_s"):  # the multi-process runner: each rank's start-up, by phase (runtime/multiproc.py)
+        t.add_row("rank start-up (slowest rank)", _startup_line(metrics["startup_s"]))
     if metrics.get("listening"):  # the multi-process runner: what accepted connections during the run
         t.add_row("listening (loopback unless MASTER_ADDR is not)",
                   ", ".join(sorted({a.replace("tcp://", "") for a in metrics["listening"]})))
@@ -355,8 +378,9 @@ def register(app: typer.Typer) -> None:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn(), console=console,
                       disable=quiet or torchrun_rank not in (None, 0), transient=True) as bar:
-            task = bar.add_task("requests", total=len(requests), tokens=0)
-            options.progress = lambda done, total, tokens: bar.update(task, completed=done, tokens=tokens)
+            task = bar.add_task("starting the ranks" if runner is not None else "serving", total=len(requests),
+                                tokens=0)
+            options.progress = _BarProgress(bar, task)
             try:
                 if runner is not None:
                     result = runner(plan, requests, options)

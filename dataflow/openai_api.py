@@ -5,7 +5,7 @@
     GET  /v1/models             the one model this server serves
     GET  /health                200 once the ranks serve, 503 before and after
     GET  /metrics               Prometheus text: requests running / waiting, tokens, TTFT and ITL histograms,
-                                free KV pages per rank
+                                free KV pages and queued rows per rank
 
 Request bodies are pydantic models; a bad one is a 400 in OpenAI's error shape ({"error": {"message", "type",
 "param", "code"}}). Sampling defaults come from the checkpoint's generation_config.json (runtime values of the
@@ -89,6 +89,7 @@ class Server:
         self.m_waiting = Gauge("dataflow_requests_waiting", "requests waiting for KV pages", registry=r)
         self.m_outstanding = Gauge("dataflow_requests_outstanding", "requests this server has open", registry=r)
         self.m_kv_free = Gauge("dataflow_kv_free_pages", "free KV pages per rank", ["rank"], registry=r)
+        self.m_queued = Gauge("dataflow_queued_rows", "rows waiting in each rank's mu-queues", ["rank"], registry=r)
         self.m_requests = Counter("dataflow_requests", "finished requests", ["finish_reason"], registry=r)
         self.m_prompt = Counter("dataflow_prompt_tokens", "prompt tokens", registry=r)
         self.m_generated = Counter("dataflow_generation_tokens", "generated tokens", registry=r)
@@ -224,6 +225,8 @@ class Server:
             self.m_waiting.set(st["waiting"])
             for rank, free in enumerate(st["free_kv"]):
                 self.m_kv_free.labels(str(rank)).set(free)
+            for rank, rows in enumerate(st["queued"]):
+                self.m_queued.labels(str(rank)).set(rows)
         return generate_latest(self.registry).decode()
 
 

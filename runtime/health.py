@@ -84,6 +84,7 @@ class PeerHealth:
         self._loop = [ProgressWatch(stall_timeout_s, now) for _ in range(world_size)]  # serving-loop iterations
         self.work = [0] * world_size  # batches each peer ran, as of its last heartbeat
         self.tokens = [0] * world_size  # tokens each peer sampled, likewise
+        self.queued = [0] * world_size  # rows queued on each peer, likewise
         # Start every clock at construction: the transport is built after the rendezvous, so every
         # peer is known to be alive at this moment.
         self._last_seen = [now] * world_size
@@ -94,12 +95,13 @@ class PeerHealth:
     def saw(self, src: int) -> None:
         self._last_seen[src] = time.monotonic()  # one list store: atomic under the GIL
 
-    def saw_progress(self, src: int, loop: int, work: int, tokens: int) -> None:
+    def saw_progress(self, src: int, loop: int, work: int, tokens: int, queued: int = 0) -> None:
         """A heartbeat's progress: `loop` iterations of its serving loop (0: not serving), `work` batches run,
-        `tokens` sampled."""
+        `tokens` sampled, `queued` rows waiting in its mu-queues."""
         self._loop[src].update(loop, time.monotonic())
         self.work[src] = work
         self.tokens[src] = tokens
+        self.queued[src] = queued
 
     def closed(self, src: int) -> None:
         """`src` shut down cleanly: its silence from now on is not a failure."""

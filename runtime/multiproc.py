@@ -147,11 +147,19 @@ class StartupTimes:
         self.phases["spawn"] = max(wall0 - float(spawned), 0.0) if spawned else 0.0
         self.last = self.t0
 
+    # What a rank does after each phase (for the progress display: rank 0 writes it where the launcher reads it).
+    NEXT = {"imports": "starting the device", "device_init": "connecting the ranks", "rendezvous": "building weights",
+            "weights": "building the executor", "executor": "allocating the KV cache", "kv_alloc": "capturing graphs",
+            "capture": "waiting for every rank", "barrier": "serving"}
+    phase_path: Optional[str] = None  # set on rank 0 of a launch that shows progress
+
     def lap(self, phase: str) -> None:
         """The time since the last lap (or start) goes to `phase` ("other": to none; report() counts it there)."""
         now = time.perf_counter()
         if phase != "other":
             self.phases[phase] += now - self.last
+            if self.phase_path is not None and phase in self.NEXT:
+                _write_atomically(self.phase_path, self.NEXT[phase])
         self.last = now
 
     def restart(self) -> None:
@@ -187,9 +195,18 @@ def _import_rank_modules(plan, options) -> None:
             import runtime.executor  # noqa: F401
 
 
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def rank_main(env: RankEnv, job: RankJob):
     """One rank of a `dataflow run`. Returns the per-workload results on the coordinator, None elsewhere."""
     startup = StartupTimes()
+    if env.rank == COORDINATOR and job.progress_path:
+        startup.phase_path = job.progress_path + ".phase"
     from runtime.launch import set_rank_threads
     set_rank_threads(env, on_gpu=job.plan.cluster.device == "cuda")  # before any torch work
 
@@ -505,6 +522,7 @@ class RankNode:
                              self.transport, self.clock, make_policy(options.policy, **options.policy_params),
                              self.trace, batch_log=options.batch_log)
         self.engine.on_control = self._on_control
+        self.transport.queued_fn = self.engine.queued_items  # (heartbeats carry it: the serving front's /metrics)
         if self.front is not None:
             self.engine.sampled = []  # each sample batch's requests: their new tokens stream to the front
         st.lap("kv_alloc")
@@ -819,7 +837,8 @@ class Coordinator:
             self.last_stat = now
             waiting = self.admission.waiting
             front.send({"t": EV_STATS, "waiting": waiting, "running": self.total - self.finished - waiting,
-                        "free_kv": tuple(self.free), "tokens": sum(self.node.transport.peer_tokens())})
+                        "free_kv": tuple(self.free), "tokens": sum(self.node.transport.peer_tokens()),
+                        "queued": tuple(self.node.transport.peer_queued())})
         return did
 
     def _cancel(self, rid: int) -> None:
@@ -933,10 +952,7 @@ class Coordinator:
             self.options.progress(self.finished, self.total, tokens)
         path = self.node.job.progress_path
         if path:
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(f"{self.w} {self.finished} {self.total} {tokens}")
-            os.replace(tmp, path)
+            _write_atomically(path, f"{self.w} {self.finished} {self.total} {tokens}")
 
     def describe_wait(self, peer: Optional[int]) -> str:
         live: dict[int, list[str]] = {}
@@ -1119,20 +1135,26 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
 def _launch(plan, job: RankJob, tmpdir: str, progress, timeout: Optional[float], peer_timeout_s: float,
             env: Optional[dict]):
     job.progress_path = os.path.join(tmpdir, "progress")
-    last = [None]
+    last = [None, None]
 
     def on_tick() -> None:
         if progress is None:
             return
-        try:
-            with open(job.progress_path) as f:
-                text = f.read()
-        except OSError:
-            return
-        if text and text != last[0]:
-            last[0] = text
-            _w, done, total, tokens = (int(x) for x in text.split())
-            progress(done, total, tokens)
+        for path, i, parse in ((job.progress_path + ".phase", 1, str), (job.progress_path, 0, None)):
+            try:
+                with open(path) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if text and text != last[i]:
+                last[i] = text
+                if parse is str:  # rank 0's start-up phase (StartupTimes.NEXT): the display's label, when the
+                    phase = getattr(progress, "phase", None)  # progress callable has one (dataflow run's does)
+                    if phase is not None:
+                        phase(text)
+                else:
+                    _w, done, total, tokens = (int(x) for x in text.split())
+                    progress(done, total, tokens)
 
     child_env = dict(env or {})
     if plan.cluster.device == "cuda":

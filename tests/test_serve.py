@@ -156,6 +156,9 @@ def test_a_client_that_disconnects_frees_its_pages(server):
         assert time.monotonic() < deadline, (srv.front.outstanding, st, free_before)
         time.sleep(0.1)
     assert _metric(base, 'dataflow_requests_total{finish_reason="abort"}') == aborted_before + 1
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    for rank in (0, 1):  # per-rank gauges from rank 0's admission state and every rank's heartbeat
+        assert f'dataflow_kv_free_pages{{rank="{rank}"}}' in text and f'dataflow_queued_rows{{rank="{rank}"}}' in text
 
 
 def test_bad_requests_get_openai_errors(server):

@@ -41,7 +41,16 @@ def test_a_two_rank_run_reports_every_start_up_phase():
     spec = load_spec(f"{SPECS}/tiny.yaml")
     plan = compile_plan(spec, 2)
     workloads = [(make_requests(spec.vocab_size, 3, seed=s, max_new=3), RunOptions(kv_blocks=64)) for s in (1, 2)]
-    first, second = run_workloads_multiprocess(plan, workloads, timeout=240)
+    seen = []
+
+    class Progress:  # what dataflow run's bar gets: (finished, total, tokens), and rank 0's start-up phase
+        def __call__(self, done, total, tokens):
+            pass
+
+        def phase(self, text):
+            seen.append(text)
+    first, second = run_workloads_multiprocess(plan, workloads, timeout=240, progress=Progress())
+    assert seen and seen[-1] == "serving", seen  # (the launcher polls: quick phases may pass unseen)
     want = set(STARTUP_PHASES) | {"other", "total"}
     for res in (first, second):
         st, by_rank = res.metrics["startup_s"], res.metrics["startup_s_by_rank"]

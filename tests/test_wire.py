@@ -43,7 +43,7 @@ EXAMPLES = [
                                         "params": None}}, None, None),
     (DATA, {"t": "fin", "w": 0, "rid": 3, "output": (1, 2, 3), "reason": "length", "t_admit": 0.5, "t_finish": 0.9,
             "token_times": (0.6, 0.7, 0.8), "free": 12, "tokens": 3}, None, None),
-    (HEARTBEAT, {"p": 17, "w": 5, "k": 40}, None, None),
+    (HEARTBEAT, {"p": 17, "w": 5, "k": 40, "q": 3}, None, None),
     (ABORT, {"reason": "boom", "culprit": 1}, None, None),
     (BYE, None, None, None),
 ]

@@ -107,14 +107,14 @@ MESSAGES: dict[str, dict[str, tuple]] = {
              "ttft_s": (_NUM, False), "tpot_s": (_NUM, False), "itl_p50_s": (_NUM, False), "itl_p99_s": (_NUM, False),
              "error": (_STR, False)},
     "fstat": {"t": (_STR, True), "waiting": (_INT, True), "running": (_INT, True), "free_kv": (_SEQ, True),
-              "tokens": (_INT, True)},
+              "tokens": (_INT, True), "queued": (_SEQ, True)},
     "cancel": {"t": (_STR, True), "w": (_INT, True), "rid": (_INT, True)},
     "done": {"t": (_STR, True), "w": (_INT, True), "metrics": (_MAP, True), "trace": (_ANY, True),
              "data_messages": (_INT, True), "dispatch": (_ANY, True), "listening": (_ANY, False),
              "dropped": (_INT, False), "startup": (_MAP, False)},
 }
 _CONTROL_META = {
-    HEARTBEAT: {"p": (_INT, True), "w": (_INT, True), "k": (_INT, True)},
+    HEARTBEAT: {"p": (_INT, True), "w": (_INT, True), "k": (_INT, True), "q": (_INT, True)},
     ABORT: {"reason": (_STR, True), "culprit": (_ANY, True)},
 }
 MAX_REASON_CHARS = 4000

@@ -230,6 +230,7 @@ class ZmqDistTransport:
         self.progress = 0
         self.work = 0
         self.tokens = 0  # tokens this rank sampled (the coordinator's progress display adds them up)
+        self.queued_fn: Optional[Callable[[], int]] = None  # rows queued here (read by the heartbeat thread)
         peers = [p for p in range(world_size) if p != rank]
         self._peers = peers
 
@@ -482,6 +483,12 @@ class ZmqDistTransport:
         work = list(self._health.work)
         work[self.rank] = self.work
         return work
+
+    def peer_queued(self) -> list[int]:
+        """Rows queued on each rank as of its last heartbeat (this rank's own: now)."""
+        queued = list(self._health.queued)
+        queued[self.rank] = self._queued()
+        return queued
 
     def peer_tokens(self) -> list[int]:
         """Tokens each peer sampled as of its last heartbeat (this rank's own: `tokens`)."""
@@ -800,7 +807,7 @@ class ZmqDistTransport:
     def _on_header(self, kind: int, src: int, seq: int, meta, shape, dtype) -> None:
         self._health.saw(src)
         if kind == HEARTBEAT:
-            self._health.saw_progress(src, meta["p"], meta["w"], meta["k"])
+            self._health.saw_progress(src, meta["p"], meta["w"], meta["k"], meta["q"])
             return
         if kind == BYE:
             self._health.closed(src)
@@ -867,12 +874,22 @@ class ZmqDistTransport:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(self.endpoints[p])
                 self._hb_socks.append(sock)
-        beat = self._hb_codec.encode(HEARTBEAT, -1, {"p": self.progress, "w": self.work, "k": self.tokens})
+        beat = self._hb_codec.encode(HEARTBEAT, -1, {"p": self.progress, "w": self.work, "k": self.tokens,
+                                                     "q": self._queued()})
         for sock in self._hb_socks:
             try:
                 sock.send(beat, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # that peer is not draining; its silence is its own problem
+
+    def _queued(self) -> int:
+        """Rows queued on this rank (the engine's queues, read from the heartbeat thread: lengths only, under the
+        GIL; a count caught mid-update is a heartbeat's worth stale, no worse)."""
+        fn = self.queued_fn
+        try:
+            return int(fn()) if fn is not None else 0
+        except Exception:  # noqa: BLE001 (a queue list replaced under us: report nothing this beat)
+            return 0
 
     def _beat_exit(self) -> None:
         for sock in self._hb_socks:
