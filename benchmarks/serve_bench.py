@@ -17,10 +17,8 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,33 +31,6 @@ def _pct(xs: list[float], p: float) -> float:
         return 0.0
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
-
-
-def _start_server(plan_dir: str, kv_blocks, max_outstanding: int) -> tuple[str, object]:
-    import httpx
-    import uvicorn
-
-    from dataflow.cmd_serve import build_server
-    from dataflow.openai_api import create_app
-    srv, _ = build_server(Path(plan_dir), kv_blocks=kv_blocks, max_outstanding=max_outstanding)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=http.run, daemon=True).start()
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > 900:
-            raise SystemExit("the server did not become healthy in 900 s")
-        time.sleep(0.2)
-    print(f"server up in {time.monotonic() - t0:.1f} s at {base}", file=sys.stderr)
-    return base, http
 
 
 async def _one(client, base: str, model: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
@@ -91,13 +62,20 @@ async def _one(client, base: str, model: str, prompt: list[int], max_tokens: int
 
 
 async def run(args) -> dict:
+    if args.plan:
+        from dataflow.cmd_serve import serve_in_thread
+        t0 = time.monotonic()
+        with serve_in_thread(Path(args.plan), kv_blocks=args.kv_blocks, max_outstanding=args.max_outstanding) as (
+                base, _server):
+            print(f"server up in {time.monotonic() - t0:.1f} s at {base}", file=sys.stderr)
+            return await _measure(args, base)
+    return await _measure(args, args.base_url)
+
+
+async def _measure(args, base: str) -> dict:
     import httpx
 
     from runtime.experiments.lengths import length_distribution
-    base = args.base_url
-    server = None
-    if args.plan:
-        base, server = _start_server(args.plan, args.kv_blocks, args.max_outstanding)
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
         served = (await client.get(f"{base}/v1/models")).json()["data"][0]
         model, vocab = served["id"], args.vocab_size or served.get("vocab_size", 500)
@@ -112,8 +90,6 @@ async def run(args) -> dict:
         results = await asyncio.gather(*(_one(client, base, model, p, ln.output, d)
                                          for p, ln, d in zip(prompts, lengths, delays)))
         wall = time.perf_counter() - t0
-    if server is not None:
-        server.should_exit = True
     ok = [r for r in results if r["ok"]]
     itl = [x for r in ok for x in r["itl"]]
     report = {"model": model, "dataset": args.dataset, "num_prompts": args.num_prompts,

@@ -20,15 +20,8 @@ TINY = (SPECS / "tiny.yaml").read_text()
 
 
 def _main(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["dataflow", *args])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+    from test_cli_compile import run
+    return run(monkeypatch, capsys, *args)
 
 
 @pytest.fixture(scope="module")

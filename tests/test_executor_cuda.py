@@ -778,13 +778,9 @@ def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monke
     assert outs["host"] == outs["device"] and all(outs["host"])
 
 
-def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(monkeypatch):
-    """prepare() with the engines' owned experts captures the device-routed expert graphs under the keys the run
-    then replays (keyed by each engine's owned tensor), so a timed run captures no expert graph. Capture is faked
-    on the CPU (a 'graph' that runs its body); the keys and the bodies are the real ones."""
+def fake_capture(monkeypatch) -> None:
+    """CUDA-graph capture faked on the CPU twin: a 'graph' that runs its body (the keys and bodies are the real ones)."""
     from runtime.capture import StepGraph
-    from runtime.cluster import Cluster, RunOptions
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
 
     class Replay:
         def __init__(self, body):
@@ -796,6 +792,15 @@ def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(monkeypatc
     monkeypatch.setattr(StepGraph, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(monkeypatch):
+    """prepare() with the engines' owned experts captures the device-routed expert graphs under the keys the run
+    then replays (keyed by each engine's owned tensor), so a timed run captures no expert graph. Capture is faked
+    on the CPU (a 'graph' that runs its body); the keys and the bodies are the real ones."""
+    from runtime.cluster import Cluster, RunOptions
+    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    fake_capture(monkeypatch)
     spec, w = model("tiny-gpt-oss")
     plan = compile_plan(spec, 2)
     ex = CudaExecutor(spec, w, plan, torch.device("cpu"))

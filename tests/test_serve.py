@@ -5,9 +5,6 @@ checkpoint with a tokenizer are in tests/test_text_io.py. Nothing asserts on wal
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
 import time
 
 import httpx
@@ -19,42 +16,9 @@ from test_runtime import assert_matches_reference, make_requests, model
 NAME = "tiny-mixtral"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def running_server(plan_dir, **options):
-    """`dataflow serve` on a plan directory, in this process (uvicorn on a thread, the ranks as processes), healthy:
-    yields (base url, Server); shut down after (bounded)."""
-    import uvicorn
-
-    from dataflow.cmd_serve import build_server
-    from dataflow.openai_api import create_app
-    srv, _ = build_server(plan_dir, **options)
-    port = _free_port()
-    http = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=http.run, daemon=True)
-    th.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert th.is_alive(), "the server failed to start"
-        assert time.monotonic() < deadline, "the server did not become healthy in 120 s"
-        time.sleep(0.2)
-    try:
-        yield base, srv
-    finally:
-        http.should_exit = True
-        th.join(60)
-        assert not th.is_alive(), "the server did not shut down"
+    from dataflow.cmd_serve import serve_in_thread
+    return serve_in_thread(plan_dir, startup_timeout_s=120, **options)
 
 
 @pytest.fixture(scope="module")

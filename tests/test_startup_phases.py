@@ -124,20 +124,10 @@ def test_random_weights_built_on_the_gpu_equal_the_cpu_build(name):
 
 def test_a_device_routed_prepare_captures_no_host_routed_expert_graph(monkeypatch):
     """Capture is faked on the CPU twin (a 'graph' that runs its body), as in test_executor_cuda; the keys are real."""
-    from runtime.capture import StepGraph
     from runtime.cluster import Cluster
     from runtime.executor_cuda import CudaExecutor
-
-    class Replay:
-        def __init__(self, body):
-            self.replay = body
-
-    def capture(self):
-        self.body()
-        self.graph = Replay(self.body)
-    monkeypatch.setattr(StepGraph, "_capture", capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    from test_executor_cuda import fake_capture
+    fake_capture(monkeypatch)
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
     spec = load_spec(f"{SPECS}/tiny-gpt-oss.yaml")
     plan = compile_plan(spec, 2)
