@@ -225,16 +225,16 @@ def _flood(port: int, marker: str, stop: threading.Event, sent: dict) -> None:
         s.setsockopt(zmq.LINGER, 0)
         s.connect(ep)
         socks.append(s)
+    big = ctx.socket(zmq.PUSH)  # over the 64 MiB cap: ZeroMQ drops it (and this connection) unread
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(endpoints[0])
+    big.send(b"\x00" * ((64 << 20) + 1))
     while not stop.is_set():
         for s in socks:
             for f in frames:
                 s.send(f)
                 sent["frames"] += 1
         time.sleep(0.005)
-    big = ctx.socket(zmq.PUSH)  # over the 64 MiB cap: ZeroMQ drops it (and this connection) unread
-    big.setsockopt(zmq.LINGER, 0)
-    big.connect(endpoints[0])
-    big.send(b"\x00" * ((64 << 20) + 1))
     for s in socks + [big]:
         s.close()
     ctx.term()
