@@ -161,3 +161,38 @@ def test_the_serving_benchmark_measures_the_server(server, tmp_path):
     assert report["completed"] == 6 and report["failed"] == 0, report["errors"]
     assert report["p99_ttft_ms"] >= report["p50_ttft_ms"] > 0 and report["output_tokens_per_s"] > 0
     assert "| TTFT |" in (tmp_path / "serve_bench.md").read_text()
+
+
+def test_a_rank_that_dies_ends_open_streams_and_the_server_says_unavailable(tmp_path):
+    """A rank process killed while a stream is open: the stream ends (no hang), /health answers 503 naming the
+    failure, and new requests get a 503 in OpenAI's error shape."""
+    import os
+    import signal
+
+    from test_keep_work import _rank_pid
+    spec, _, _ = model(NAME)
+    plan_dir = tmp_path / "plan"
+    save_plan(compile_plan(spec, 2, attn_cap=16, block_size=4), plan_dir)
+    with running_server(plan_dir, kv_blocks=128, peer_timeout=3.0) as (base, srv):
+        prompt = _requests(1, seed=14, max_new=1)[0].prompt
+        body = {"model": spec.name, "prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        chunks = 0
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as res:
+            assert res.status_code == 200
+            try:
+                for line in res.iter_lines():
+                    if line.startswith("data: "):
+                        chunks += 1
+                        if chunks == 3:
+                            os.kill(_rank_pid(1), signal.SIGKILL)
+            except httpx.HTTPError:
+                pass  # the stream was cut: that is one way for it to end
+        assert 3 <= chunks < 400
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{base}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the server still says healthy after a rank died"
+            time.sleep(0.2)
+        assert "rank" in httpx.get(f"{base}/health", timeout=10).json()["error"]
+        res = httpx.post(f"{base}/v1/completions", json={"model": spec.name, "prompt": prompt}, timeout=30)
+        assert res.status_code == 503 and res.json()["error"]["code"] == "unavailable"
+        assert srv.front.outstanding == 0
