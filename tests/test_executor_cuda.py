@@ -700,7 +700,7 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
 @pytest.mark.parametrize("prompts", PROMPT_PATHS)
 def test_prompts_arriving_during_decode_mix_with_decode_rows_and_keep_the_reference_tokens(monkeypatch, prompts):
     """Prompts arriving while others decode share attention batches with the decode rows (the CUDA executor's twin,
-    one rank, wall clock); both of CudaExecutor's prompt paths (the paged kernels for the whole batch; all of it by
+    one rank, virtual clock); both of CudaExecutor's prompt paths (the paged kernels for the whole batch; all of it by
     models.attention) keep the reference's tokens."""
     kinds, made = [], []
     real, real_init = CudaExecutor.attention, CudaExecutor.__init__
@@ -719,8 +719,10 @@ def test_prompts_arriving_during_decode_mix_with_decode_rows_and_keep_the_refere
     rng = random.Random(21)
     reqs = [Request(i, f"r{i}", [rng.randrange(3, spec.vocab_size) for _ in range(1 if i < 4 else rng.randint(2, 9))],
                     8, ignore_eos=True, arrival=0.0 if i < 4 else 0.004 * i) for i in range(10)]
-    res = run_workload(compile_plan(spec, 1), reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=64),
-                       weights=w)
+    # The virtual clock (batches timed by the cost model): prompts arrive mid-decode however loaded the machine is
+    # (on the wall clock a slow host could finish the decodes first, and no batch would mix).
+    res = run_workload(compile_plan(spec, 1), reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=64,
+                                                               clock="virtual"), weights=w)
     assert _tokens_equal_reference(ref, res.requests) >= 40
     assert sum(len(k) > 1 for k in kinds) > 0, len(kinds)  # mixed batches happened
     (st,) = [e.stats for e in made]
