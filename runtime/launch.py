@@ -463,15 +463,6 @@ def _child_main(started: Optional[tuple[float, float]] = None) -> int:
         os._exit(code)
 
 
-def __getattr__(name: str):
-    # The multi-process `dataflow run` lives in runtime/multiproc.py (it imports this module, and torch
-    # lazily); exposed here under the name the CLI looks for.
-    if name in ("run_workload_multiprocess", "run_workloads_multiprocess", "RunFailed"):
-        from runtime import multiproc
-        return getattr(multiproc, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 if __name__ == "__main__":
     _started = (time.time(), time.perf_counter())
     # Run through the imported module, not this __main__ copy, so RankEnv is one class everywhere.
