@@ -163,13 +163,27 @@ def test_the_serving_benchmark_measures_the_server(server, tmp_path):
     assert "| TTFT |" in (tmp_path / "serve_bench.md").read_text()
 
 
+def _server_rank_pid(srv, rank: int) -> int:
+    """The pid of `srv`'s rank process (its children carry RANK and the run's secret in their environment; the
+    module's other server is a child of this process too)."""
+    import os
+    mark = f"DATAFLOW_RUN_SECRET={srv.front.secret.hex()}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if mark in env and f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} process of this server")
+
+
 def test_a_rank_that_dies_ends_open_streams_and_the_server_says_unavailable(tmp_path):
     """A rank process killed while a stream is open: the stream ends (no hang), /health answers 503 naming the
     failure, and new requests get a 503 in OpenAI's error shape."""
     import os
     import signal
-
-    from test_keep_work import _rank_pid
     spec, _, _ = model(NAME)
     plan_dir = tmp_path / "plan"
     save_plan(compile_plan(spec, 2, attn_cap=16, block_size=4), plan_dir)
@@ -184,7 +198,7 @@ def test_a_rank_that_dies_ends_open_streams_and_the_server_says_unavailable(tmp_
                     if line.startswith("data: "):
                         chunks += 1
                         if chunks == 3:
-                            os.kill(_rank_pid(1), signal.SIGKILL)
+                            os.kill(_server_rank_pid(srv, 1), signal.SIGKILL)
             except httpx.HTTPError:
                 pass  # the stream was cut: that is one way for it to end
         assert 3 <= chunks < 400

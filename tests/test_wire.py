@@ -203,8 +203,19 @@ def test_fuzz_signed_bodies_give_a_valid_frame_or_a_peer_error(kind, src, body):
 # ---------------------------------------------------------------------------------------------- real processes
 def _flood(port: int, marker: str, stop: threading.Event, sent: dict) -> None:
     """A hostile local process's view: the endpoints from the rendezvous store, then every kind of bad frame."""
+    import socket
+
     import torch.distributed as dist
     import zmq
+    deadline = time.monotonic() + 60
+    while True:  # the store is up (connecting to it before rank 0 listens costs TCPStore's retry backoff)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60), wait_for_workers=False)
     keys = [f"dataflow/zmq0/endpoint/{r}" for r in range(2)]
     store.wait(keys, timedelta(seconds=60))
@@ -225,19 +236,30 @@ def _flood(port: int, marker: str, stop: threading.Event, sent: dict) -> None:
         s.setsockopt(zmq.LINGER, 0)
         s.connect(ep)
         socks.append(s)
-    big = ctx.socket(zmq.PUSH)  # over the 64 MiB cap: ZeroMQ drops it (and this connection) unread
+    def flood_once() -> None:
+        for s in socks:
+            for f in frames:
+                try:  # (a PUSH with no peer left blocks a plain send: the ranks are gone once the run ended)
+                    s.send(f, zmq.NOBLOCK)
+                    sent["frames"] += 1
+                except zmq.Again:
+                    pass
+    flood_once()  # at once: the ranks are still starting, and count what they drop from now on
+    # Over the 64 MiB cap: ZeroMQ drops it (and its connection) unread. Its own context (I/O thread), so pushing it
+    # does not hold up the flood's frames.
+    big_ctx = zmq.Context()
+    big = big_ctx.socket(zmq.PUSH)
     big.setsockopt(zmq.LINGER, 0)
     big.connect(endpoints[0])
     big.send(b"\x00" * ((64 << 20) + 1))
     while not stop.is_set():
-        for s in socks:
-            for f in frames:
-                s.send(f)
-                sent["frames"] += 1
+        flood_once()
         time.sleep(0.005)
-    for s in socks + [big]:
+    for s in socks:
         s.close()
+    big.close()
     ctx.term()
+    big_ctx.term()
 
 
 def test_a_hostile_local_process_neither_runs_code_nor_stops_the_run(tmp_path, monkeypatch):
