@@ -98,9 +98,10 @@ def test_a_client_that_disconnects_frees_its_pages(server):
     base, plan, srv = server
     free_before = None
     deadline = time.monotonic() + 30
-    while free_before is None:  # the ranks' admission state reaches /metrics every second
-        if srv.front.stats:
-            free_before = tuple(srv.front.stats["free_kv"])
+    while free_before is None:  # the ranks' admission state reaches the front every second: an idle one
+        st = srv.front.stats
+        if st and st["running"] == 0 and st["waiting"] == 0 and srv.front.outstanding == 0:
+            free_before = tuple(st["free_kv"])
         assert time.monotonic() < deadline
         time.sleep(0.1)
     aborted_before = _metric(base, 'dataflow_requests_total{finish_reason="abort"}')

@@ -29,17 +29,17 @@ def test_the_bound_follows_the_longest_pause_and_ignores_startup():
 
 
 def test_a_slow_run_that_progresses_is_not_called_stalled():
-    """Every message delayed: no request finishes for several times the 1 s floor, but batches run all along. The
+    """Every message delayed: no request finishes for longer than the 2 s floor, but batches run all along. The
     old rule (no request finished for stall_timeout_s) aborted such runs; progress is what counts now."""
     spec, _, _ = model(NAME)
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
-    reqs = make_requests(spec.vocab_size, 2, seed=9, max_new=60, max_prompt=8, spread=0.0)
+    reqs = make_requests(spec.vocab_size, 2, seed=9, max_new=100, max_prompt=8, spread=0.0)
     chaos = ChaosDelays(seed=2, max_delay_s=0.03, probability=1.0)
-    res = run_workloads_multiprocess(plan, [(reqs, RunOptions(kv_blocks=128, stall_timeout_s=1.0))], chaos=chaos,
+    res = run_workloads_multiprocess(plan, [(reqs, RunOptions(kv_blocks=128, stall_timeout_s=2.0))], chaos=chaos,
                                      timeout=240)[0]
     assert res.metrics["finished"] == 2
     first_finish = min(r.t_finish for r in reqs)
-    assert first_finish > 1.0, f"the run was too quick to show anything (first finish at {first_finish:.2f} s)"
+    assert first_finish > 2.0, f"the run was too quick to show anything (first finish at {first_finish:.2f} s)"
     assert assert_matches_reference(NAME, reqs) > 15
 
 
