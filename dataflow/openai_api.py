@@ -23,12 +23,13 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional, Union
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from models.sampling import SamplingParams
+from models.tokenizer import first_stop
 from runtime.front import Front, Overloaded, Unavailable
 
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
@@ -181,7 +182,7 @@ class Server:
                 tokens.extend(new)
                 self.m_generated.inc(len(new))
                 text = self._text(tokens, drop_last=tokens[-1] in ends)
-                cut = _first_stop(text, stop) if stop else -1
+                cut = first_stop(text, stop) if stop else -1
                 if cut >= 0:  # a stop string: the text ends before it, the request is cancelled
                     delta = text[len(sent):cut] if cut > len(sent) else ""
                     finished = True
@@ -228,11 +229,6 @@ class Server:
             for rank, rows in enumerate(st["queued"]):
                 self.m_queued.labels(str(rank)).set(rows)
         return generate_latest(self.registry).decode()
-
-
-def _first_stop(text: str, stop: list[str]) -> int:
-    found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    return min(found) if found else -1
 
 
 def _sse(obj: dict) -> str:

@@ -258,7 +258,7 @@ def load_tokenizer(directory: str | Path) -> Optional[Tokenizer]:
     return tok
 
 
-def _first_stop(text: str, stop: Sequence[str]) -> int:
+def first_stop(text: str, stop: Sequence[str]) -> int:
     """Index in `text` of the earliest occurrence of any stop string, or -1."""
     found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(found) if found else -1
@@ -273,17 +273,17 @@ def text_output(tok: Tokenizer, ids: Sequence[int], finish_reason: Optional[str]
     ids = list(ids)
     body = ids[:-1] if finish_reason in ("eos", "stop") and ids else ids
     text = tok.decode(body)
-    if not stop or _first_stop(text, stop) < 0:
+    if not stop or first_stop(text, stop) < 0:
         return {"output_token_ids": ids, "text": text, "finish_reason": finish_reason}
     # the fewest tokens whose text holds a stop string (a prefix's text is a prefix of the longer one's, up to a
     # partial character at its end): binary search over the prefixes
     lo, hi = 1, len(body)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _first_stop(tok.decode(body[:mid]), stop) >= 0:
+        if first_stop(tok.decode(body[:mid]), stop) >= 0:
             hi = mid
         else:
             lo = mid + 1
     text = tok.decode(body[:lo])
-    cut = _first_stop(text, stop)
+    cut = first_stop(text, stop)
     return {"output_token_ids": body[:lo], "text": text[:cut] if cut >= 0 else text, "finish_reason": "stop"}

@@ -48,7 +48,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -56,7 +55,9 @@ from typing import Optional
 from runtime.cpu_bind import bind_rank_threads
 from runtime.gc_settle import settle_heap, thaw_heap
 from runtime.launch import RankEnv, from_torchrun_env, launch_local, local_world, run_rank
+from runtime.rank_profile import PhaseTimes as _PhaseTimes, profile_wanted, profiled, timed as _timed
 from runtime.requests import request_from_wire, request_to_wire
+from runtime.startup import StartupTimes, write_atomically as _write_atomically
 
 CTRL_READY, CTRL_SYNC, CTRL_SYNCED = "ready", "sync", "synced"
 CTRL_ADMIT, CTRL_FIN, CTRL_STOP, CTRL_DONE = "adm", "fin", "stop", "done"
@@ -66,6 +67,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0  # loading a real checkpoint can take minutes;
 _DEFERRED_POLL_S = 0.0002  # idle wait while a deferred batch's tokens or routing are being copied (engine.async_*)
 _IDLE_WAIT_S = 0.002  # longest blocking poll when idle (the coordinator's next arrival may be sooner)
 _PROGRESS_EVERY_S = 0.1
+_STALL_CHECK_EVERY_S = 0.05
 
 
 class RunFailed(RuntimeError):
@@ -123,58 +125,6 @@ def _device_and_backend(plan, local_rank: int):
     return torch.device("cpu"), "gloo"
 
 
-# Start-up phases of a rank process, in order (seconds each; StartupTimes): the launcher's spawn of the process up to
-# its first line of Python (the interpreter and runtime.launch), the imports (torch, the transport, the executor and
-# its kernels, and the job's unpickling), the device (CUDA context), the rendezvous (every rank arrived, the process
-# group, the ZeroMQ transport), the weights (built or loaded on the device), the executor (built over them), the KV
-# pool (sizing and allocation), the CUDA-graph capture and the start-up barrier (every rank ready, clocks synced);
-# "other" is the rest of "total" (spawn to serving).
-STARTUP_PHASES = ("spawn", "imports", "device_init", "rendezvous", "weights", "executor", "kv_alloc", "capture",
-                  "barrier")
-
-
-class StartupTimes:
-    """One rank's start-up phases (STARTUP_PHASES), timed with perf_counter from the process's first line (runtime.launch
-    records it; under torchrun, from rank_main's), the spawn from the launcher's clock reading in the environment
-    (time.time(): one host). A later workload of the same launch restarts the count: its KV pool, capture and barrier."""
-
-    def __init__(self) -> None:
-        from runtime.launch import child_started
-        started = child_started()
-        wall0, self.t0 = started or (time.time(), time.perf_counter())
-        spawned = os.environ.get("DATAFLOW_SPAWNED_AT") if started else None  # (launch_local's ranks only)
-        self.phases = dict.fromkeys(STARTUP_PHASES, 0.0)
-        self.phases["spawn"] = max(wall0 - float(spawned), 0.0) if spawned else 0.0
-        self.last = self.t0
-
-    # What a rank does after each phase (for the progress display: rank 0 writes it where the launcher reads it).
-    NEXT = {"imports": "starting the device", "device_init": "connecting the ranks", "rendezvous": "building weights",
-            "weights": "building the executor", "executor": "allocating the KV cache", "kv_alloc": "capturing graphs",
-            "capture": "waiting for every rank", "barrier": "serving"}
-    phase_path: Optional[str] = None  # set on rank 0 of a launch that shows progress
-
-    def lap(self, phase: str) -> None:
-        """The time since the last lap (or start) goes to `phase` ("other": to none; report() counts it there)."""
-        now = time.perf_counter()
-        if phase != "other":
-            self.phases[phase] += now - self.last
-            if self.phase_path is not None and phase in self.NEXT:
-                _write_atomically(self.phase_path, self.NEXT[phase])
-        self.last = now
-
-    def restart(self) -> None:
-        self.phases = dict.fromkeys(STARTUP_PHASES, 0.0)
-        self.t0 = self.last = time.perf_counter()
-
-    def report(self) -> dict:
-        """{phase: seconds} with "other" (not in a phase) and "total" (spawn to now)."""
-        out = {k: round(v, 6) for k, v in self.phases.items()}
-        total = self.phases["spawn"] + time.perf_counter() - self.t0
-        out["other"] = round(max(total - sum(self.phases.values()), 0.0), 6)
-        out["total"] = round(total, 6)
-        return out
-
-
 def _import_rank_modules(plan, options) -> None:
     """Import what the rank will use, so the imports phase holds them (and no later phase does), with the numba
     kernels' loads from their cache (each warm_up is once per process: the engine and the policy call it again)."""
@@ -193,13 +143,6 @@ def _import_rank_modules(plan, options) -> None:
             import runtime.executor_cuda  # noqa: F401
         else:
             import runtime.executor  # noqa: F401
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def rank_main(env: RankEnv, job: RankJob):
@@ -242,7 +185,7 @@ def serve_rank(node: "RankNode") -> list:
     which peer died comes out as that peer's PeerFailure (_peer_failure_behind)."""
     from runtime.transport.zmq_dist import PeerFailure
     try:
-        return _profiled(node) if _profile_wanted(node.rank) else node.serve()
+        return profiled(node) if profile_wanted(node.rank) else node.serve()
     except PeerFailure:
         raise
     except RuntimeError as err:
@@ -272,145 +215,6 @@ def _rank_executor(plan, options, rank: int, device, startup: Optional[StartupTi
     if startup is not None:
         startup.lap("executor")
     return executor
-
-
-def _profile_wanted(rank: int) -> bool:
-    want = os.environ.get("DATAFLOW_PROFILE_RANK")
-    return want is not None and want.strip() != "" and (want.strip() == "all" or rank in
-                                                       {int(x) for x in want.split(",") if x.strip()})
-
-
-def _profiled(node: "RankNode"):
-    """Opt-in (off by default): DATAFLOW_PROFILE_RANK=0 (a rank, a comma list, or "all") runs that
-    rank's serve() under cProfile and writes the stats to DATAFLOW_PROFILE_OUT (default
-    dataflow-rank{rank}.prof in the working directory; "{rank}" in the name is replaced), plus
-    the serving loop's wall time per phase (poll, idle wait, wave-hold wait, tick, next_batch, execute,
-    complete, finish notices) per iteration to the same name + ".phases.txt".
-    DATAFLOW_PROFILE_CPROFILE=0: the phase times only (no cProfile overhead in them).
-    DATAFLOW_PROFILE_TORCH=START:COUNT: also a torch.profiler trace (host ops, CUDA runtime calls, device
-    kernels) of batches START .. START+COUNT-1 of the process (warm-up workload included), written to
-    the same name + ".trace.json" (chrome://tracing / Perfetto)."""
-    import cProfile
-    import pstats
-    path = os.environ.get("DATAFLOW_PROFILE_OUT") or "dataflow-rank{rank}.prof"
-    path = path.replace("{rank}", str(node.rank))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    node.phases = _PhaseTimes()
-    window = os.environ.get("DATAFLOW_PROFILE_TORCH")
-    if window:
-        try:
-            start, count = (int(x) for x in window.split(":"))
-        except ValueError:
-            raise ValueError(f"DATAFLOW_PROFILE_TORCH={window!r}: expected START:COUNT (batch numbers, e.g. "
-                             f"2500:300)") from None
-        node.phases.trace = _TraceWindow(start, count, path + ".trace.json")
-    # Nested inside complete/feed/finish (not part of the loop's sum): every send, data or control. Here,
-    # once per process: wrapped per workload in _loop it counted each send once per workload so far
-    # (runs 9-12 reported up to 3x the sends).
-    node.transport.send = _timed(node.phases, "(send)", node.transport.send)
-    prof = cProfile.Profile() if os.environ.get("DATAFLOW_PROFILE_CPROFILE", "1") != "0" else None
-    try:
-        return prof.runcall(node.serve) if prof is not None else node.serve()
-    finally:
-        if node.phases.trace is not None:
-            node.phases.trace.close()  # a window the run ended inside of
-        with open(path + ".phases.txt", "w") as f:
-            f.write(node.phases.report(node.rank))
-            if prof is not None:
-                prof.dump_stats(path)
-                f.write("\n")
-                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
-
-
-def _timed(ph: "_PhaseTimes", name: str, fn, by_kind: bool = False):
-    """`fn` timed into `ph` under `name` (by_kind: name:attn / :expert / :sample of its batch argument)."""
-    if fn is None:
-        return None
-
-    def timed(*args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            ph.add(f"{name}:{args[0].stage.kind}" if by_kind else name, time.perf_counter() - t0)
-    return timed
-
-
-class _TraceWindow:
-    """A torch.profiler trace of batches [start, start + count) of this process (DATAFLOW_PROFILE_TORCH)."""
-
-    def __init__(self, start: int, count: int, path: str) -> None:
-        self.start, self.stop, self.path = start, start + count, path
-        self.batches = 0
-        self._prof = None
-
-    def on_batch(self) -> None:
-        import torch
-        self.batches += 1
-        if self.batches == self.start:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=acts)
-            self._prof.__enter__()
-        elif self.batches == self.stop and self._prof is not None:
-            self.close()
-
-    def close(self) -> None:
-        if self._prof is not None:
-            prof, self._prof = self._prof, None
-            prof.__exit__(None, None, None)
-            prof.export_chrome_trace(self.path)
-
-
-class _PhaseTimes:
-    """Wall seconds per phase of RankNode._loop (only when profiling: the normal loop times nothing)."""
-
-    def __init__(self) -> None:
-        self.trace: Optional[_TraceWindow] = None
-        self.t: dict[str, float] = {}
-        self.n: dict[str, int] = {}
-        self.iterations = 0
-        self.batches: dict[str, int] = {}
-        self.all: dict[str, list[float]] = {}  # every call's seconds (first calls, median, max)
-        # Python's cyclic garbage collector: time per generation (runs inside whatever allocated), counted only while
-        # the loop runs (`in_loop`): start-up's collections and settle_heap's own are not the loop's (until session
-        # 13 they were counted too, so a "gc gen2" line could be a start-up collection)
-        import gc
-        self._gc_t0 = 0.0
-        self.gc: dict[int, list[float]] = {}
-        self.in_loop = False
-
-        def on_gc(phase: str, info: dict) -> None:
-            if phase == "start":
-                self._gc_t0 = time.perf_counter()
-            elif self.in_loop:
-                self.gc.setdefault(info["generation"], []).append(time.perf_counter() - self._gc_t0)
-        self.on_gc = on_gc
-        gc.callbacks.append(on_gc)
-
-    def add(self, phase: str, dt: float) -> None:
-        self.t[phase] = self.t.get(phase, 0.0) + dt
-        self.n[phase] = self.n.get(phase, 0) + 1
-        self.all.setdefault(phase, []).append(dt)
-
-    def report(self, rank: int) -> str:
-        total = sum(v for k, v in self.t.items() if not k.startswith("("))
-        nb = sum(self.batches.values())
-        lines = [f"rank {rank}: {self.iterations} loop iterations, {nb} batches {self.batches}, "
-                 f"{total * 1e3:.1f} ms in the loop (cProfile overhead included when on)",
-                 f"{'phase':<14}{'calls':>8}{'total ms':>10}{'us/call':>9}{'us/iter':>9}{'us/batch':>9}"]
-        for k in sorted(self.t, key=self.t.get, reverse=True):
-            lines.append(f"{k:<14}{self.n[k]:>8}{self.t[k] * 1e3:>10.1f}{self.t[k] / self.n[k] * 1e6:>9.1f}"
-                         f"{self.t[k] / max(1, self.iterations) * 1e6:>9.1f}{self.t[k] / max(1, nb) * 1e6:>9.1f}")
-        for g, v in sorted(self.gc.items()):
-            lines.append(f"gc gen{g}: {len(v)} collections, {sum(v) * 1e3:.1f} ms, max {max(v) * 1e3:.2f} ms")
-        lines.append("per call, us: median / max / first three")
-        for k, v in sorted(self.all.items()):
-            srt = sorted(v)
-            lines.append(f"  {k:<12} {srt[len(srt) // 2] * 1e6:8.0f} {srt[-1] * 1e6:8.0f}   "
-                         + " ".join(f"{x * 1e6:.0f}" for x in v[:3]))
-        return "\n".join(lines) + "\n"
 
 
 def _peer_failure_behind(transport, err: RuntimeError, within_s: float):
@@ -472,7 +276,7 @@ class RankNode:
         self.startup.lap("kv_alloc")
         self.kv_fit_of: dict[int, int] = {}
         self.verbose = os.environ.get("DATAFLOW_VERBOSE") == "1"
-        self.phases: Optional[_PhaseTimes] = None  # set by _profiled (DATAFLOW_PROFILE_RANK) only
+        self.phases: Optional[_PhaseTimes] = None  # set by rank_profile.profiled (DATAFLOW_PROFILE_RANK) only
         transport.describe_wait = self._describe_wait
         self.front = None
         if job.front is not None:
@@ -766,6 +570,7 @@ class Coordinator:
         self.t_begin = node.clock.now()  # arrivals are relative to this
         from runtime.health import ProgressWatch
         self.work = ProgressWatch(options.stall_timeout_s, time.monotonic())  # batches run on all ranks
+        self.next_stall_check = 0.0
         self.last_report = 0.0
         self._open_outputs()
         self.open = node.front is not None
@@ -860,6 +665,9 @@ class Coordinator:
         larger of stall_timeout_s and 10x the longest pause between batches so far): the protocol is stuck (a
         wedged rank is named by its peers first, from its heartbeat). Waiting for arrivals is not a stall."""
         now = time.monotonic()
+        if now < self.next_stall_check:  # (every tick would build the ranks' counts for nothing: a bound is seconds)
+            return
+        self.next_stall_check = now + _STALL_CHECK_EVERY_S
         self.work.update(sum(self.node.transport.peer_work()), now)
         if self.finished == self.total or not (self.admission.waiting or self._admitted_unfinished()):
             self.work.since = now  # nothing is owed: no clock runs

@@ -227,7 +227,7 @@ def test_the_phase_profile_counts_only_the_loops_collections():
     the loop runs."""
     import gc
 
-    from runtime.multiproc import _PhaseTimes
+    from runtime.rank_profile import PhaseTimes as _PhaseTimes
     ph = _PhaseTimes()
     try:
         gc.collect()

@@ -21,7 +21,8 @@ from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.weights import _draw_numpy, _draw_torch, _stream_keys, random_weights
 from runtime.cluster import RunOptions
-from runtime.multiproc import STARTUP_PHASES, run_workloads_multiprocess
+from runtime.multiproc import run_workloads_multiprocess
+from runtime.startup import STARTUP_PHASES
 from test_runtime import make_requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
