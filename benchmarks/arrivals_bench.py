@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_bench import cut_spec, detach_all, device_weights, sync  # noqa: E402
 
 from lowering.plan import compile_plan  # noqa: E402
-from runtime.cluster import Cluster, RunOptions  # noqa: E402
-from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor  # noqa: E402
-from runtime.requests import Request  # noqa: E402
+from runtime.drivers.cluster import Cluster, RunOptions  # noqa: E402
+from runtime.executors.cuda_executor import PROMPT_PATHS, CudaExecutor  # noqa: E402
+from runtime.core.requests import Request  # noqa: E402
 
 # variant -> (CudaExecutor.prompts, row-block attention for chunks: CudaExecutor.block_rows kept, or 0, the engine's
 # decode-wait bound in ms: None for the default)
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     block_rows = inner.block_rows
     ex = inner
     if dev.type == "cuda":
-        from runtime.experiments.routing_override import ZipfRouting, routed
+        from lab.routing_override import ZipfRouting, routed
         ex = routed(inner, ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=0))
     template = _requests(spec, args.requests, args.initial, args.rate, P, M, seed=1)
     kv_blocks = math.ceil(args.requests * (P[1] + M[1] + 8) / plan.kv.block_size) + 8

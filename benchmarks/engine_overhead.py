@@ -14,7 +14,7 @@ wrapper and reported separately, so "engine" = host - executor.
     python benchmarks/engine_overhead.py [--rows 64 256 1024] [--hidden 64] [--steps 12] [--count-calls]
                                          [--dispatch host|device]
 
---dispatch device: the device-routed dispatch (runtime/routed_rows.py): each attention batch goes whole to both
+--dispatch device: the device-routed dispatch (runtime/core/routed_rows.py): each attention batch goes whole to both
 ranks (expert:N counts slots, T*k per home batch) and the home sums the two parts.
 """
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runtime.clock import WallClock
-from runtime.engine import Engine, EngineConfig, StageInfo
-from runtime.executor import row_blocks
-from runtime.requests import Request
-from runtime.routed_rows import ids_of, pack, payload_columns
-from runtime.scheduler import make_policy
+from runtime.core.clock import WallClock
+from runtime.core.engine import Engine, EngineConfig, StageInfo
+from runtime.executors.torch_executor import row_blocks
+from runtime.core.requests import Request
+from runtime.core.routed_rows import ids_of, pack, payload_columns
+from runtime.core.scheduler import make_policy
 from runtime.transport.inproc import InprocHub
 
 E, K, LAYERS, WORLD, VOCAB = 32, 4, 2, 2, 64

@@ -21,10 +21,10 @@ Sections (each prints progress and lands in DIR/gpu_bench.json + DIR/gpu_bench.m
                are checked against the TorchExecutor on the same device first.
   e2e          GPT-OSS-20B cut to --layers layers, decode-only (random prompt KV), Zipf routing,
                all requests at t=0, --concurrency levels: streaming (per policy) vs all-gather EP
-               vs all-to-all EP (runtime/experiments/barrier.py; skipped with the reason if it cannot run on
+               vs all-to-all EP (lab/barrier.py; skipped with the reason if it cannot run on
                the GPU), --ranks in-process ranks on one GPU. tokens/s, ITL p50/p99, CPU us per
                attention / expert batch and the share hidden behind GPU work.
-  mp           (--mp-ranks N) the streaming engine through runtime/multiproc.py, one process per GPU.
+  mp           (--mp-ranks N) the streaming engine through runtime/drivers/multiproc.py, one process per GPU.
 """
 from __future__ import annotations
 
@@ -51,14 +51,14 @@ from lowering.plan import compile_plan  # noqa: E402
 from models.reference import ReferenceDecoder  # noqa: E402
 from models.sampling import SamplingParams  # noqa: E402
 from models.weights import ModelWeights, random_weights  # noqa: E402
-from runtime.cluster import Cluster, RunOptions  # noqa: E402
-from runtime.executor import TorchExecutor  # noqa: E402
-from runtime.executor_cuda import CudaExecutor  # noqa: E402
-from runtime.experiments.barrier_dist import merge_probes, new_probe, probe_engine  # noqa: E402
-from runtime.experiments.floors import expert_batch_bytes, measure_copy_bps  # noqa: E402
-from runtime.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
-from runtime.requests import Request  # noqa: E402
-from runtime.scheduler import POLICIES  # noqa: E402
+from runtime.drivers.cluster import Cluster, RunOptions  # noqa: E402
+from runtime.executors.torch_executor import TorchExecutor  # noqa: E402
+from runtime.executors.cuda_executor import CudaExecutor  # noqa: E402
+from lab.barrier_dist import merge_probes, new_probe, probe_engine  # noqa: E402
+from lab.floors import expert_batch_bytes, measure_copy_bps  # noqa: E402
+from runtime.core.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
+from runtime.core.requests import Request  # noqa: E402
+from runtime.core.scheduler import POLICIES  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -459,7 +459,7 @@ def section_executor(args, dev: torch.device, results: dict, S: dict) -> None:
                         err = float((y.float() - want.float()).abs().max() / (want.float().abs().max() + 1e-9))
                         call_gpu, host, host_cpu = time_call_host(lambda: ex.experts(0, x, ids), dev, S["iters"],
                                                                   lambda: ex.staging.wait_s)
-                        from runtime.capture import bucket_for
+                        from runtime.executors.capture import bucket_for
                         key = ("expert", 0, bucket_for(N, S["expert_buckets"]))
                         gpu = replay_gpu_s(ex, key, dev, S["iters"]) or call_gpu
                         if args.profile_graphs:
@@ -526,7 +526,7 @@ def section_executor(args, dev: torch.device, results: dict, S: dict) -> None:
                             del kv2
                         call_gpu, host, host_cpu = time_call_host(
                             call, dev, S["iters"], lambda: ex.staging.wait_s)  # route_wait_s is part of it
-                        from runtime.capture import bucket_for
+                        from runtime.executors.capture import bucket_for
                         key = ("attn", layer, bucket_for(B, S["attn_buckets"]), kv._cuda_exec_serial)
                         gpu = replay_gpu_s(ex, key, dev, S["iters"]) or call_gpu
                         if args.profile_graphs:
@@ -574,7 +574,7 @@ def token_stats(reqs: list[Request], wall: float) -> dict:
 
 
 def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
-    from runtime.experiments.routing_override import ZipfRouting, routed
+    from lab.routing_override import ZipfRouting, routed
     out = results.setdefault("e2e", [])
     spec = cut_spec(S["model"], args.layers, S.get("dtype"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -620,7 +620,7 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                         rec["batches"] = merge_probes([probe.summary()], copy_bps)
                         detach_all(inner, cl)
                     else:
-                        from runtime.experiments.barrier import run_barrier
+                        from lab.barrier import run_barrier
                         mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[system]
                         # a barrier reads every batch's routing on the host: its copy starts as the graph ends
                         keep, inner.route_on_device = inner.route_on_device, False
@@ -659,9 +659,9 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
 def section_mp(args, dev: torch.device, results: dict, S: dict) -> None:
     out = results.setdefault("mp", [])
     try:
-        from runtime.multiproc import run_workload_multiprocess
+        from runtime.drivers.multiproc import run_workload_multiprocess
     except Exception as err:  # noqa: BLE001
-        out.append(dict(skipped=f"runtime.multiproc not importable: {err!r}"))
+        out.append(dict(skipped=f"runtime.drivers.multiproc not importable: {err!r}"))
         log(f"mp: skipped ({err!r})")
         return
     spec = cut_spec(S["model"], args.mp_layers, S.get("dtype"))

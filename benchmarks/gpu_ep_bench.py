@@ -24,15 +24,15 @@ before each dispatch/combine collective while the burst is on); delay-<N>ms (the
 to sweep the size in one launch; ep_bench.json's meta.burst.extra_us_by_scenario has each scenario's
 size in us); compute-hog (a process running bf16 8192^3 matmuls in a loop on GPU 1); nvlink-hog (a
 process copying 256 MB buffers GPU0 <-> GPU1 continuously). Hogs are started by rank 0 before the
-workload and stopped after it (runtime/experiments/hogs.py).
+workload and stopped after it (lab/hogs.py).
 
 One launch per system family (barrier: ag + a2a; streaming: every policy), each starting with an
 unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
 after each launch), ep_bench.md (the table). Progress lines carry seconds since start. Per system and
 scenario the table has tok/s and its ratios, ITL p50/p99, mean batch rows, host us per attention and
 expert batch with the share hidden behind the batch's own device work and behind any device work of the
-rank (the paper's definition; runtime/experiments/busy_timeline.py), and the expert batches' GB/s
-against the measured device copy ceiling (runtime/experiments/barrier_dist.HostProbe).
+rank (the paper's definition; lab/busy_timeline.py), and the expert batches' GB/s
+against the measured device copy ceiling (lab/barrier_dist.HostProbe).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ SCENARIO_FORMS = ("clean, delay (+--burst-us), delay-<N>ms (+N ms, N > 0, e.g. d
 
 def delay_us_of(scenario: str, burst_us: float):
     """Extra us per burst of a delay scenario (`delay`: burst_us; `delay-<N>ms`: N * 1000); None otherwise."""
-    from runtime.experiments.barrier_dist import delay_of_scenario
+    from lab.barrier_dist import delay_of_scenario
     s = delay_of_scenario(scenario, burst_us)
     return None if s is None else round(s * 1e6, 6)
 
@@ -78,10 +78,10 @@ def unknown_names(systems: list, scenarios: list) -> list:
 
 def make_requests(spec, n: int, seed: int, max_prompt: int, new_lo: int, new_hi: int, rid0: int = 0,
                   lengths: str = "sharegpt") -> list:
-    """n requests: prompt lengths of the `lengths` distribution (runtime/experiments/lengths.py: sharegpt, gsm8k)
+    """n requests: prompt lengths of the `lengths` distribution (lab/lengths.py: sharegpt, gsm8k)
     clipped to max_prompt, new tokens uniform in [new_lo, new_hi] (decode-only runs of bounded length)."""
-    from runtime.experiments.lengths import length_distribution
-    from runtime.requests import Request
+    from lab.lengths import length_distribution
+    from runtime.core.requests import Request
     sampler = length_distribution(lengths, max_prompt + 1)
     lens = sampler.sample(n, seed)
     g = random.Random(seed)
@@ -99,8 +99,8 @@ def kv_blocks_for(reqs: list, block: int, ranks: int) -> int:
 
 
 def summarize(w: dict) -> dict:
-    from runtime.experiments.barrier_dist import token_stats
-    from runtime.experiments.itl_tail import describe, itl_tail
+    from lab.barrier_dist import token_stats
+    from lab.itl_tail import describe, itl_tail
     s = token_stats(w["requests"], w["wall_s"] or 0.0)
     s["itl_tail"] = describe(itl_tail(w["requests"]))
     s.update(system=w["system"], scenario=w["scenario"], name=w["name"])
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
     from lowering.plan import DEFAULT_ATTN_CAP, compile_plan
-    from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+    from lab.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
     spec = cut_spec(model, layers, dtype)
     plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy,
                         attn_cap=args.attn_cap or DEFAULT_ATTN_CAP, expert_cap=args.expert_cap)
@@ -415,7 +415,7 @@ def median_rows(results: dict) -> list[dict]:
     """Per (system, scenario without the round, C): median tok/s over rounds, min, max, and the median
     of the per-round ratios to ag-ep (each round's streaming against the same round's barrier); the
     grouping and medians are `dataflow bench`'s (report.median_over_repeats)."""
-    from runtime.experiments.report import median_over_repeats
+    from lab.report import median_over_repeats
     cells = []
     for r in results["runs"]:
         system, label, C = r["name"].split("/")
@@ -482,7 +482,7 @@ def write_md(path: Path, results: dict) -> None:
          "(hidden own/any) = share of that host time overlapped by device work: own = the batch's own (per batch "
          "exposed = max(0, wall - device time of its attention/expert graphs); 1 - exposed / host), any = any "
          "graph of the rank (the paper's: exposed = the part of the batch's wall with the GPU idle; "
-         "runtime/experiments/busy_timeline.py); expert GB/s = "
+         "lab/busy_timeline.py); expert GB/s = "
          "bytes an expert batch cannot avoid (active experts' weights + rows in/out) / its device time, "
          "and its share of the measured device copy bandwidth; GPU busy = share of the ranks' batch span during which "
          "their GPUs ran any recorded graph (low: the host is the bottleneck).", ""]
@@ -493,7 +493,7 @@ def write_md(path: Path, results: dict) -> None:
     tails = [f"- {r['system']} / {r['name'].split('/')[1]}: {r['itl_tail']}" for r in results["runs"] if r.get("itl_tail")]
     if tails:
         L += ["", "ITL tails (inter-token gaps >= the p99, overlapping ones merged into stall windows: few long windows "
-              "= rank-wide stalls; runtime/experiments/itl_tail.py):", ""] + tails
+              "= rank-wide stalls; lab/itl_tail.py):", ""] + tails
     if results.get("hogs"):
         L += ["", "Hogs (rate while running):", ""] + [f"- {json.dumps(h)}" for h in results["hogs"]]
     if results.get("errors"):

@@ -33,7 +33,7 @@ def per_call_us(f, reps: int, inner: int = 1) -> float:
 
 
 def cpu_rows(reps: int) -> list[tuple[str, float]]:
-    from runtime.experiments.routing_override import ZipfRouting
+    from lab.routing_override import ZipfRouting
 
     rows = []
     xs = list(range(256))

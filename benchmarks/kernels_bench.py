@@ -51,7 +51,7 @@ from kernels.permute import (  # noqa: E402
     gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton,
 )
 from kernels.topk_merge import topk_merge_torch, topk_merge_triton  # noqa: E402
-from runtime.experiments.floors import measure_copy_bps  # noqa: E402
+from lab.floors import measure_copy_bps  # noqa: E402
 
 NOMINAL_COPY_BPS = 4.2e12  # H200 achieved device copy, bytes/s
 NOMINAL_BF16_FLOPS = 800e12  # H200 sustainable dense bf16, FLOP/s

@@ -30,8 +30,8 @@ from graph_ir.spec import load_spec  # noqa: E402
 from models import layers  # noqa: E402
 from models.attention import PerSegmentKV  # noqa: E402
 from models.weights import random_weights  # noqa: E402
-from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor  # noqa: E402
-from runtime.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
+from runtime.executors.cuda_executor import PROMPT_PATHS, CudaExecutor  # noqa: E402
+from runtime.core.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_bench import cut_spec  # noqa: E402
 
 from lowering.plan import compile_plan  # noqa: E402
-from runtime.cluster import Cluster, RunOptions  # noqa: E402
-from runtime.cost_model import CostModel  # noqa: E402
-from runtime.executor_sim import SimExecutor  # noqa: E402
-from runtime.requests import Request  # noqa: E402
+from runtime.drivers.cluster import Cluster, RunOptions  # noqa: E402
+from runtime.executors.cost_model import CostModel  # noqa: E402
+from runtime.executors.sim_executor import SimExecutor  # noqa: E402
+from runtime.core.requests import Request  # noqa: E402
 
 
 def _range(text: str) -> tuple[int, int]:

@@ -17,7 +17,7 @@ _FRAME = re.compile(r"^(.*) \((.*):(\d+)\)$")
 
 
 def func_of(frame: str) -> tuple[str, str]:
-    """'Engine.poll (runtime/engine.py:206)' -> ('Engine.poll (runtime/engine.py)', 'Engine.poll (runtime/engine.py:206)')."""
+    """'Engine.poll (runtime/core/engine.py:206)' -> ('Engine.poll (runtime/core/engine.py)', 'Engine.poll (runtime/core/engine.py:206)')."""
     m = _FRAME.match(frame)
     return (f"{m.group(1)} ({m.group(2)})", frame) if m else (frame, frame)
 

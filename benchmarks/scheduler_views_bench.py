@@ -23,10 +23,10 @@ def main() -> None:
     p.add_argument("--policy", default="defrag:hold_fill=1,hold_us=30000")
     a = p.parse_args()
     eo.LAYERS = a.layers
-    from runtime.clock import WallClock
-    from runtime.engine import Engine
-    from runtime.requests import Request
-    from runtime.scheduler import make_policy
+    from runtime.core.clock import WallClock
+    from runtime.core.engine import Engine
+    from runtime.core.requests import Request
+    from runtime.core.scheduler import make_policy
     from runtime.transport.inproc import InprocHub
     clock = WallClock()
     e = Engine(eo.config(0, 256, 8), eo.NullExecutor(64), InprocHub(2, clock).transports()[0], clock,

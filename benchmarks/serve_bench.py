@@ -4,7 +4,7 @@
     python benchmarks/serve_bench.py --plan dataflow-plan --num-prompts 200 --request-rate 8
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --dataset gsm8k --request-rate inf
 
-Prompt and output lengths come from the ShareGPT or GSM8K length tables (runtime/experiments/lengths.py, clipped to
+Prompt and output lengths come from the ShareGPT or GSM8K length tables (lab/lengths.py, clipped to
 --max-context); prompts are random token ids (the shipped specs have random weights and no tokenizer), outputs run
 to their sampled length (ignore_eos). Arrivals are a Poisson process at --request-rate requests/s (inf: all at once),
 seeded. Reported: request throughput, output tokens/s, and TTFT / TPOT / ITL mean, p50, p90, p99 (ITL: the time
@@ -75,7 +75,7 @@ async def run(args) -> dict:
 async def _measure(args, base: str) -> dict:
     import httpx
 
-    from runtime.experiments.lengths import length_distribution
+    from lab.lengths import length_distribution
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
         served = (await client.get(f"{base}/v1/models")).json()["data"][0]
         model, vocab = served["id"], args.vocab_size or served.get("vocab_size", 500)

@@ -1,7 +1,7 @@
 """Soak: serve requests arriving over time on CPU rank processes for a while; does rank memory stay flat, and is
 every output there exactly once, of the right length?
 
-What `dataflow run -o out.jsonl --ignore-eos` does (runtime/multiproc.py's run_workloads_multiprocess: one process
+What `dataflow run -o out.jsonl --ignore-eos` does (runtime/drivers/multiproc.py's run_workloads_multiprocess: one process
 per rank, gloo + ZeroMQ, rank 0 writing each request's line as it finishes and keeping no outputs), on a workload
 of seeded random prompts whose arrivals are a Poisson process at --rate requests/s for --minutes. Every
 --sample-s seconds this reads every rank process's VmRSS from /proc/PID/status (the launcher's children that carry
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def rank_pids(parent: int) -> dict[int, int]:
-    """rank -> pid of `parent`'s rank children (runtime.launch sets RANK and DATAFLOW_LAUNCH_DIR in their env)."""
+    """rank -> pid of `parent`'s rank children (runtime.drivers.launch sets RANK and DATAFLOW_LAUNCH_DIR in their env)."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -86,7 +86,7 @@ class Sampler(threading.Thread):
 
 
 def workload(spec, minutes: float, rate: float, max_new: int, max_prompt: int, seed: int):
-    from runtime.requests import Request
+    from runtime.core.requests import Request
     rng = random.Random(seed)
     vocab = [t for t in range(spec.vocab_size) if t not in set(spec.eos_token_ids)]
     reqs, t, end = [], 0.0, minutes * 60.0
@@ -145,8 +145,8 @@ def main() -> int:
 
     from dataflow.cmd_compile import resolve_model
     from lowering.plan import compile_plan
-    from runtime.cluster import RunOptions
-    from runtime.multiproc import RunFailed, run_workloads_multiprocess
+    from runtime.drivers.cluster import RunOptions
+    from runtime.drivers.multiproc import RunFailed, run_workloads_multiprocess
 
     spec, _ = resolve_model(a.model)
     plan = compile_plan(spec, a.ranks)
@@ -173,7 +173,7 @@ def main() -> int:
     sampler.stop.set()
     sampler.join()
     if not streams and result is not None:
-        from runtime.workload import write_outputs
+        from runtime.drivers.workload import write_outputs
         write_outputs(out_path, result.requests)
     outputs = check_outputs(out_path, reqs, a.max_new_tokens) if out_path.exists() else {"error": "no output file"}
 

@@ -6,7 +6,7 @@
 Each run compiles the plan (`dataflow compile SPEC --ranks R --device D`), then times a short `dataflow run` of it as
 a user starts it (a fresh process, `python -m dataflow run PLAN --prompts ... -o ...`): request 0 asks for one new
 token, the others for --max-new-tokens, all arriving at once, so the moment request 0's output line appears is the
-first token. The rank processes print their start-up phases (DATAFLOW_VERBOSE=1: runtime/multiproc.py
+first token. The rank processes print their start-up phases (DATAFLOW_VERBOSE=1: runtime/drivers/multiproc.py
 STARTUP_PHASES, the same dict as the run's metrics["startup_s"]) and the wall clock at which they began serving. Printed
 per run: the phases (the slowest rank's, and each rank's with --ranks > 1), the launcher's own time before it spawned
 the ranks (the CLI's imports, the plan, the workload), the wall time to serving and to the first token, the total.

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from graph_ir.spec import load_spec  # noqa: E402
 from lowering.plan import compile_plan  # noqa: E402
 from models.weights import random_weights  # noqa: E402
-from runtime.cluster import RunOptions, run_workload  # noqa: E402
-from runtime.capture import StepGraph  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.executor_cuda import CudaExecutor  # noqa: E402
-from runtime.requests import Request  # noqa: E402
+from runtime.drivers.cluster import RunOptions, run_workload  # noqa: E402
+from runtime.executors.capture import StepGraph  # noqa: E402
+from runtime.core.engine import Engine  # noqa: E402
+from runtime.executors.cuda_executor import CudaExecutor  # noqa: E402
+from runtime.core.requests import Request  # noqa: E402
 
 
 def _is_attribute_read(func) -> bool:

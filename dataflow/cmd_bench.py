@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from dataflow.cmd_compile import resolve_model
-        from runtime.experiments.bench import BenchConfig, load_config, run_bench
+        from lab.bench import BenchConfig, load_config, run_bench
 
         cfg = load_config(config) if config else BenchConfig()
         upd = {k: v for k, v in (("model", model), ("ranks", ranks), ("clock", clock), ("executor", executor),

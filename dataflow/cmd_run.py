@@ -2,10 +2,10 @@
 
 With no arguments it runs the plan `dataflow compile` wrote last (./dataflow-plan) on a small seeded
 workload, so `dataflow compile tiny && dataflow run` works as written. All run logic lives in
-`runtime.cluster.run_workload(plan, requests, options, transport_factory)`; this module only turns
+`runtime.drivers.cluster.run_workload(plan, requests, options, transport_factory)`; this module only turns
 flags into those arguments and results into files and tables.
 
-By default every rank is its own process (runtime/multiproc.py: `run_workload_multiprocess`, same
+By default every rank is its own process (runtime/drivers/multiproc.py: `run_workload_multiprocess`, same
 contract as `run_workload`; gloo on CPU, NCCL when the plan targets cuda). Started by `torchrun`
 (RANK/WORLD_SIZE set) this process is one rank: rank 0 reads the prompts, prints and writes the
 outputs, the other ranks print nothing. `--in-process` runs all ranks in this process instead;
@@ -15,7 +15,7 @@ line per failed rank, no traceback.
 `-o` gets each request's line as it finishes (in finish order, flushed), so a run that fails keeps every
 finished request there; the summary of a failed run says how many finished and which did not. `-o` and
 `--trace` are checked before the run (exit 2 when they cannot be written). The trace keeps the run's latest
-batches only (runtime/trace.py: a ring per rank), written at the end of a successful run.
+batches only (runtime/observability/trace.py: a ring per rank), written at the end of a successful run.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class RunFailed(UserError):
 
 
 def _multi_process_runner(procs_timeout: Optional[float], peer_timeout: float):
-    from runtime.multiproc import run_workload_multiprocess
+    from runtime.drivers.multiproc import run_workload_multiprocess
 
     def run(plan, requests, options):
         return run_workload_multiprocess(plan, requests, options, timeout=procs_timeout, peer_timeout_s=peer_timeout)
@@ -75,7 +75,7 @@ def _multi_process_runner(procs_timeout: Optional[float], peer_timeout: float):
 
 
 def _under_torchrun_rank() -> Optional[int]:
-    from runtime.launch import from_torchrun_env
+    from runtime.drivers.launch import from_torchrun_env
     env = from_torchrun_env()
     return None if env is None else env.rank
 
@@ -146,7 +146,7 @@ def _unfinished_summary(finished: list, requests: list, output: Optional[Path]) 
 
 class _BarProgress:
     """The run's progress callback: (finished, total, tokens) moves the bar; `phase(text)` (rank 0's start-up
-    phase, runtime/multiproc.py StartupTimes.NEXT) labels it: starting the device, building weights, ..., serving."""
+    phase, runtime/drivers/multiproc.py StartupTimes.NEXT) labels it: starting the device, building weights, ..., serving."""
 
     def __init__(self, bar, task) -> None:
         self.bar, self.task = bar, task
@@ -192,7 +192,7 @@ def _summary_table(metrics: dict, plan, policy: str):
         t.add_row("prompt batches yielded to decode", str(metrics["prompt_yields"]))
     if metrics.get("messages") is not None:
         t.add_row("messages between ranks", str(metrics["messages"]))
-    if metrics.get("startup_s"):  # the multi-process runner: each rank's start-up, by phase (runtime/multiproc.py)
+    if metrics.get("startup_s"):  # the multi-process runner: each rank's start-up, by phase (runtime/drivers/multiproc.py)
         t.add_row("rank start-up (slowest rank)", _startup_line(metrics["startup_s"]))
     if metrics.get("listening"):  # the multi-process runner: what accepted connections during the run
         t.add_row("listening (loopback unless MASTER_ADDR is not)",
@@ -257,9 +257,9 @@ def register(app: typer.Typer) -> None:
 
         from lowering.plan import load_plan
         from models.sampling import SamplingParams
-        from runtime.cluster import RunOptions, run_workload
-        from runtime.scheduler import POLICIES, make_policy, parse_policy
-        from runtime.workload import default_workload, load_prompts
+        from runtime.drivers.cluster import RunOptions, run_workload
+        from runtime.core.scheduler import POLICIES, make_policy, parse_policy
+        from runtime.drivers.workload import default_workload, load_prompts
 
         console = Console(stderr=True)
         plan = load_plan(plan_dir)
@@ -330,7 +330,7 @@ def register(app: typer.Typer) -> None:
         if bad:
             raise UserError(f"--stop-token-id {bad[0]}: outside the vocabulary 0..{spec.vocab_size - 1} of {spec.name}")
         if stop and tokenizer is None and torchrun_rank in (None, 0):
-            from runtime.workload import no_tokenizer_reason
+            from runtime.drivers.workload import no_tokenizer_reason
             raise UserError(f"--stop {stop[0]!r}: stop strings need the text of the output, and "
                             f"{no_tokenizer_reason(spec)}; valid: --stop-token-id")
         if any(not s for s in stop):
@@ -356,7 +356,7 @@ def register(app: typer.Typer) -> None:
                 if kv_blocks is None and requests:
                     # The twin preallocates its KV pool in host memory, zeroed at every workload start: a pool
                     # sized for the plan's GPUs would take the host's memory and most of the run's time
-                    # (runtime/kv_fit.py clamps it to the host's memory only as a last resort).
+                    # (runtime/executors/kv_fit.py clamps it to the host's memory only as a last resort).
                     kv_blocks = _pages_for(requests, plan)
                     note += f", with a KV pool of {kv_blocks} pages per rank for these requests (--kv-blocks sets it)"
         options = RunOptions(policy=policy, policy_params=params, clock=clock, trace=trace is not None,
@@ -389,7 +389,7 @@ def register(app: typer.Typer) -> None:
             except ValueError as err:  # e.g. a request larger than any rank's KV pool
                 raise UserError(str(err)) from None
             except Exception as err:
-                from runtime.multiproc import RunFailed as RanksFailed
+                from runtime.drivers.multiproc import RunFailed as RanksFailed
                 if hasattr(err, "finished"):
                     bar.stop()
                     console.print(_unfinished_summary(err.finished, requests, output), markup=False, highlight=False,

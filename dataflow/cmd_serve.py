@@ -1,6 +1,6 @@
 """`dataflow serve [PLAN_DIR]`: an OpenAI-compatible HTTP server (dataflow/openai_api.py) over the plan's ranks.
 
-The ranks are the same processes `dataflow run` starts (one per rank, runtime/front.py), serving an open workload:
+The ranks are the same processes `dataflow run` starts (one per rank, runtime/drivers/front.py), serving an open workload:
 requests arrive from HTTP clients while they run. Listens on 127.0.0.1 unless --host says otherwise. Ctrl-C (or
 SIGTERM) cancels what is outstanding, stops the ranks and exits.
 """
@@ -22,9 +22,9 @@ def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[
     defaults when the plan was compiled from one."""
     from dataflow.openai_api import Server
     from lowering.plan import load_plan
-    from runtime.cluster import RunOptions
-    from runtime.front import Front
-    from runtime.scheduler import POLICIES, make_policy, parse_policy
+    from runtime.drivers.cluster import RunOptions
+    from runtime.drivers.front import Front
+    from runtime.core.scheduler import POLICIES, make_policy, parse_policy
     plan = load_plan(plan_dir)
     spec = plan.spec
     name, params = parse_policy(policy)

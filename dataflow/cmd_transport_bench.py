@@ -1,6 +1,6 @@
 """`dataflow transport-bench`: what one message costs on the real transport, by size, for design notes.
 
-Starts `--ranks` processes on this machine (runtime.launch) and, for each size:
+Starts `--ranks` processes on this machine (runtime.drivers.launch) and, for each size:
   latency:    rank 0 sends one message to rank 1 and waits for a meta-only ack before the next; the
               one-way latency is rank 1's arrival time minus the send stamp in the metadata (both
               CLOCK_MONOTONIC on one host, so comparable);
@@ -46,13 +46,13 @@ def _label(size: int) -> str:
 
 
 def bench_rank(env, sizes: list[int], messages: int, latency_messages: int, device: str = "cpu") -> dict:
-    """Runs inside each rank process (see runtime/launch.py)."""
+    """Runs inside each rank process (see runtime/drivers/launch.py)."""
     import os
 
     import torch
 
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
-    from runtime.launch import set_rank_threads
+    from runtime.drivers.launch import set_rank_threads
     set_rank_threads(env, on_gpu=device == "cuda")
     if device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # p2p needs no NVLink multicast buffers
@@ -151,7 +151,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from runtime.launch import launch_local
+        from runtime.drivers.launch import launch_local
         if ranks < 2:
             raise UserError("--ranks must be at least 2")
         if messages < 1:

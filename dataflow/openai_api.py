@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API of `dataflow serve` (FastAPI), over runtime/front.py's Front.
+"""The OpenAI-compatible HTTP API of `dataflow serve` (FastAPI), over runtime/drivers/front.py's Front.
 
     POST /v1/completions        prompt: text (needs the checkpoint's tokenizer) or token ids; stream: SSE
     POST /v1/chat/completions   messages, rendered with the tokenizer's chat template; stream: SSE
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from models.sampling import SamplingParams
 from models.tokenizer import first_stop
-from runtime.front import Front, Overloaded, Unavailable
+from runtime.drivers.front import Front, Overloaded, Unavailable
 
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 

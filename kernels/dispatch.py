@@ -4,11 +4,12 @@ Every op in `kernels/` exists twice with the same signature: a torch reference (
 anywhere, the thing tests trust) and a Triton kernel (fast on the GPU). `backend_for` decides
 which one a call runs:
 
-- `DATAFLOW_KERNELS=torch`  always the reference.
-- `DATAFLOW_KERNELS=triton` always Triton, also on CPU tensors. That only works under
-  `TRITON_INTERPRET=1` (Triton's CPU interpreter), which is how the tests exercise the kernels
-  on a machine without a GPU.
-- unset / `auto`            Triton when every tensor is on CUDA and Triton imports, else torch.
+- `torch`  always the reference.
+- `triton` always Triton, also on CPU tensors. That only works under `TRITON_INTERPRET=1`
+  (Triton's CPU interpreter), which is how the tests exercise the kernels on a machine without a GPU.
+- `auto` (default) Triton when every tensor is on CUDA and Triton imports, else torch.
+
+The choice is the runtime's `kernels` option (runtime/settings.py), installed here by `use_backend`.
 
 Triton decides between compiling and interpreting when it is imported (its standard library is
 jitted at import) and when `triton.jit` runs, not when a kernel is launched. So nothing in
@@ -21,7 +22,6 @@ never fixes the mode; a test only has to set `TRITON_INTERPRET=1` before its fir
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable
 
 import torch
@@ -41,12 +41,16 @@ def triton_available() -> bool:
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 in the environment).
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1, read by Triton's own knobs).
 
     Kernels use this to upcast bf16/fp16 tiles to fp32 before `tl.dot`: the interpreter's
     low-precision dot gives wrong results, while fp32 is exact enough to compare to torch.
     """
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not triton_available():
+        return False
+    import triton.knobs
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def kernel_store_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,12 +67,20 @@ def kernel_store_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+_backend = "auto"
+
+
+def use_backend(choice: str) -> None:
+    """Set which version every kernel call runs (the runtime's `kernels` option)."""
+    global _backend
+    if choice not in _CHOICES:
+        raise ValueError(f"kernels={choice!r}: expected one of {', '.join(_CHOICES)}")
+    _backend = choice
+
+
 def requested() -> str:
-    """The value of DATAFLOW_KERNELS, validated ("auto" when unset)."""
-    value = os.environ.get("DATAFLOW_KERNELS", "auto").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise ValueError(f"DATAFLOW_KERNELS={value!r}: expected one of {', '.join(_CHOICES)}")
-    return value
+    """The backend set by `use_backend` ("auto" unless set)."""
+    return _backend
 
 
 def backend_for(*tensors: torch.Tensor | None) -> str:
@@ -79,10 +91,10 @@ def backend_for(*tensors: torch.Tensor | None) -> str:
         return "torch"
     if choice == "triton":
         if not triton_available():
-            raise RuntimeError("DATAFLOW_KERNELS=triton but triton cannot be imported")
+            raise RuntimeError("kernels=triton but triton cannot be imported")
         if not all(t.is_cuda for t in present) and not interpreting():
             raise RuntimeError(
-                "DATAFLOW_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1 "
+                "kernels=triton with CPU tensors needs TRITON_INTERPRET=1 "
                 "(set before the first kernel launch)"
             )
         return "triton"

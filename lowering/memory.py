@@ -20,7 +20,7 @@ GIB = 1024 ** 3
 
 def host_memory_bytes() -> tuple[int, int]:
     """(available, total) bytes of this host's memory (Linux /proc/meminfo); (a huge number, same) where it cannot
-    be read. The CPU plan's default device size and the CPU twin's run-time clamp (runtime/kv_fit.py) use it."""
+    be read. The CPU plan's default device size and the CPU twin's run-time clamp (runtime/executors/kv_fit.py) use it."""
     try:
         info = {}
         with open("/proc/meminfo") as f:

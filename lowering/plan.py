@@ -46,7 +46,7 @@ DEFAULT_BLOCK_SIZE = 16
 # (~0.5 GiB), NCCL's buffers (~0.5 GiB for a few peers, NVLS off), cuBLAS/Triton workspaces, the
 # caching allocator's rounding and eager batches' activations need the rest, so 132 GiB leaves
 # ~7.8 GiB (5.6%) of slack. (140 made every rank of a small model OOM while zeroing its KV pool.)
-# The runtime still checks the real free memory and clamps the KV pool (runtime/kv_fit.py).
+# The runtime still checks the real free memory and clamps the KV pool (runtime/executors/kv_fit.py).
 # cpu: the most a rank plans for; the default is what this host has available, shared by its ranks
 # (lowering/memory.py default_cpu_memory_gib).
 DEFAULT_DEVICE_MEMORY_GIB = {"cpu": 16.0, "cuda": 132.0}
@@ -66,7 +66,7 @@ StageKind = Literal["attn", "expert", "sample"]
 PlacementPolicy = Literal["contiguous", "round_robin", "profile"]
 HomePolicy = Literal["most_free_kv", "round_robin"]
 Device = Literal["cpu", "cuda"]
-# How a home sends an attention batch to the expert holders (runtime/routed_rows.py): host = the routing comes to
+# How a home sends an attention batch to the expert holders (runtime/core/routed_rows.py): host = the routing comes to
 # the host and each holder gets the rows routed to it; device = the whole batch with its expert ids and weights goes
 # to every holder, which runs its own slots on the device and returns per-token partial sums (no routing round trip
 # through the host).

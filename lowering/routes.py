@@ -10,7 +10,7 @@ expert(l) -> attn(l+1)/sample  combine: expert outputs go back to each row's hom
 dense attn(l) -> next, sample -> attn(0): stays on the home rank; nothing crosses the wire.
 Routing weights, request ids and positions travel in the metadata message, not in these bytes.
 
-With the device-routed dispatch (plan.cluster.dispatch == "device", runtime/routed_rows.py) the dispatch carries
+With the device-routed dispatch (plan.cluster.dispatch == "device", runtime/core/routed_rows.py) the dispatch carries
 the whole attention batch to every holder, one row per token with its top-k expert ids and routing weights packed
 behind the hidden state (8k bytes), and the combine carries one row per token back from each holder, the weighted
 sum of its own slots' outputs (the home adds the holders' rows); an expert batch is <= expert cap slots, so it

@@ -13,7 +13,7 @@ import torch
 from graph_ir.spec import load_spec
 from models import attention as attn
 from models.weights import random_weights
-from runtime.kv_cache import BlockAllocator, PagedKVStore
+from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 
 SPECS = Path(__file__).resolve().parents[1] / "models" / "specs"
 FAMILIES = ["tiny-gpt-oss", "tiny-deepseek-v2", "tiny-qwen3-moe", "tiny-mixtral"]
@@ -172,7 +172,7 @@ def test_batched_api_checks_capacity():
 def test_wrappers_that_delegate_by_getattr_keep_the_per_segment_path():
     """runtime/decode_only.RandomPrefixKV fills prefixes inside write(): a delegating wrapper must
     not be bypassed by the batched write."""
-    from runtime.decode_only import RandomPrefixKV
+    from runtime.core.decode_only import RandomPrefixKV
 
     kv = PagedKVStore(1, BlockAllocator(8, BLOCK))
     assert attn._batched_store(kv)

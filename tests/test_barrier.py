@@ -6,12 +6,12 @@ from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
 from models.weights import random_weights
-from runtime.experiments.barrier import run_barrier
-from runtime.cluster import RunOptions, run_workload
-from runtime.executor import TorchExecutor
-from runtime.experiments.interference import Bursts, LinkSchedule
-from runtime.requests import Request
-from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting
+from lab.barrier import run_barrier
+from runtime.drivers.cluster import RunOptions, run_workload
+from runtime.executors.torch_executor import TorchExecutor
+from lab.interference import Bursts, LinkSchedule
+from runtime.core.requests import Request
+from lab.routing_override import KeyedRoutingExecutor, ZipfRouting
 
 MAX_NEW = 6
 
@@ -75,7 +75,7 @@ def test_barrier_and_streaming_agree_under_synthetic_routing(model):
     ag = run_barrier(plan, ex, _requests(prompts), "ag", kv_blocks=32, router=router)
     streaming = run_workload(plan, _requests(prompts), RunOptions(clock="virtual", kv_blocks=32), weights=w)
     # The streaming run above used the model router; rerun it with the override for the comparison.
-    from runtime.cluster import Cluster
+    from runtime.drivers.cluster import Cluster
     stream_z = Cluster(plan, ex, RunOptions(clock="virtual", kv_blocks=32)).run(_requests(prompts))
     assert [r.output for r in a2a.requests] == [r.output for r in stream_z.requests]
     assert [r.output for r in ag.requests] == [r.output for r in stream_z.requests]
@@ -84,7 +84,7 @@ def test_barrier_and_streaming_agree_under_synthetic_routing(model):
 
 # ---- communication costs: ring collectives, fixed costs, host per message, decode-only -------------------
 
-from runtime.cost_model import CostModel  # noqa: E402
+from runtime.executors.cost_model import CostModel  # noqa: E402
 
 
 def test_ring_collectives_keep_tokens_and_pay_hops(model):
@@ -126,7 +126,7 @@ def test_decode_only_barrier_equals_streaming_and_skips_prefill(model):
     plan = compile_plan(spec, 2)
     ex = TorchExecutor(spec, w)
     bar = run_barrier(plan, ex, _requests(prompts), "a2a", kv_blocks=32, decode_only=True)
-    from runtime.cluster import Cluster
+    from runtime.drivers.cluster import Cluster
     cl = Cluster(plan, ex, RunOptions(clock="virtual", kv_blocks=32, decode_only=True))
     st = cl.run(_requests(prompts))
     # same random prompt K/V (seeded per sequence and layer), same math: the same tokens
@@ -142,7 +142,7 @@ def test_decode_only_barrier_equals_streaming_and_skips_prefill(model):
 def test_streaming_sender_pays_host_time_per_message(model):
     spec, w, prompts, _ = model
     plan = compile_plan(spec, 4)
-    from runtime.cluster import Cluster
+    from runtime.drivers.cluster import Cluster
     ex = TorchExecutor(spec, w)
 
     def run(cost):
@@ -165,12 +165,12 @@ def test_cost_model_units():
 
 
 def test_barrier_in_processes_equals_in_process(model):
-    """runtime/experiments/barrier_mp.py: the same rank coroutines over ZeroMQ + gloo in 2 processes give the
+    """lab/barrier_mp.py: the same rank coroutines over ZeroMQ + gloo in 2 processes give the
     in-process driver's tokens (ring collectives, a2a, a Zipf router shipped to the ranks: exact)."""
     from models.weights import load_weights
-    from runtime.experiments.barrier_mp import BarrierJob, barrier_rank_main
-    from runtime.experiments.routing_override import ZipfRouting
-    from runtime.launch import launch_local
+    from lab.barrier_mp import BarrierJob, barrier_rank_main
+    from lab.routing_override import ZipfRouting
+    from runtime.drivers.launch import launch_local
     spec, _, prompts, _ = model
     plan = compile_plan(spec, 2)
     zipf = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=3)

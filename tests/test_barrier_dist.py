@@ -1,4 +1,4 @@
-"""runtime/experiments/barrier_dist.py: barrier EP over real torch.distributed collectives (gloo here), 2 processes,
+"""lab/barrier_dist.py: barrier EP over real torch.distributed collectives (gloo here), 2 processes,
 tiny model in fp32, tokens vs the streaming engine (in-process, same executor recipe and routing).
 ag and a2a run in one launch (spawning ranks is the expensive part)."""
 from __future__ import annotations
@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from runtime.experiments.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+from lab.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
 
 pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
 
 
 def _requests(spec, n=6, prompt=5, new=4):
-    from runtime.requests import Request
+    from runtime.core.requests import Request
     g = random.Random(0)
     return [Request(i, f"r{i}", [g.randrange(3, spec.vocab_size - 8) for _ in range(prompt + i % 3)], new,
                     ignore_eos=True, arrival=0.0) for i in range(n)]
@@ -31,8 +31,8 @@ def test_barrier_dist_tokens_match_streaming(executor):
     """The barrier baselines' tokens equal the streaming engine's, with the torch executor and the CUDA executor's
     CPU twin (whose combines write the next attention batch's input in place, in both systems)."""
     from lowering.plan import compile_plan
-    from runtime.experiments.barrier_dist import build_executor
-    from runtime.cluster import Cluster, RunOptions
+    from lab.barrier_dist import build_executor
+    from runtime.drivers.cluster import Cluster, RunOptions
     import torch
     es = ExecSpec(model="tiny-gpt-oss", dtype="float32", executor=executor, zipf_s=1.2)
     spec = cut_spec(es.model, None, es.dtype)
@@ -62,7 +62,7 @@ def test_barrier_dist_tokens_match_streaming(executor):
 
 
 def test_burst_delays_schedule():
-    import runtime.experiments.barrier_dist as bd
+    import lab.barrier_dist as bd
     d = BurstDelays(period_ms=20, duty=0.3, extra_us=2000, links=[(0, 1)], epoch=0.0)
     bd._ACTIVE["delay"] = 0.0
     assert d.collective(0, 2) == 0.0
@@ -77,7 +77,7 @@ def test_burst_delays_schedule():
 
 
 def test_delay_of_scenario_parses_sizes():
-    from runtime.experiments.barrier_dist import delay_of_scenario
+    from lab.barrier_dist import delay_of_scenario
     assert delay_of_scenario("delay", 2000.0) == 2000.0 * 1e-6
     assert delay_of_scenario("delay-5ms", 2000.0) == 5e-3
     assert delay_of_scenario("delay-10ms", 2000.0) == 10e-3
@@ -92,7 +92,7 @@ def test_burst_delays_honor_the_scenario_size():
     (plain `delay`: the BurstDelays' own extra_us), the lanes and the barrier's collective stall too."""
     import time
 
-    import runtime.experiments.barrier_dist as bd
+    import lab.barrier_dist as bd
     period_ms = 1e9  # ~11.6 days: the phase set through `epoch` below holds for the whole test
     d = BurstDelays(period_ms=period_ms, duty=0.5, extra_us=2000, epoch=time.time())
     job = DistJob(plan=None, exec=None, workloads=[], delays=d)
@@ -115,7 +115,7 @@ def test_burst_delays_honor_the_scenario_size():
 
 
 def test_hog_start_stop_cpu():
-    from runtime.experiments.hogs import Hog
+    from lab.hogs import Hog
     import time
     for kind in ("compute", "nvlink"):
         h = Hog(kind, device="cpu", devices=("cpu", "cpu"), mb=1, n=32).start()
@@ -125,7 +125,7 @@ def test_hog_start_stop_cpu():
 
 
 def test_busy_timeline_merges_intervals_and_measures_spans():
-    from runtime.experiments.busy_timeline import BusyTimeline
+    from lab.busy_timeline import BusyTimeline
     tl = BusyTimeline([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (3.0, 4.0), (9.0, 9.0), (8.0, 10.0)])
     assert (tl.starts, tl.ends) == ([0.0, 5.0, 8.0], [4.0, 7.0, 10.0])  # overlapping and touching merged, empty dropped
     assert tl.busy(-1.0, 11.0) == 8.0 and tl.busy(4.0, 5.0) == 0.0 and tl.busy(3.5, 8.5) == 3.0
@@ -139,7 +139,7 @@ def test_host_probe_credits_host_time_behind_any_device_work():
 
     import torch
 
-    from runtime.experiments.barrier_dist import HostProbe, merge_probes
+    from lab.barrier_dist import HostProbe, merge_probes
 
     class Ev:  # CUDA event stand-in: a device timestamp in ms
         def __init__(self, ms):
@@ -152,7 +152,7 @@ def test_host_probe_credits_host_time_behind_any_device_work():
     probe = HostProbe(inner)
     probe._make_anchor = lambda: (Ev(0.0), 100.0)  # device time 0 ms == host time 100 s
     clock = iter([100.000, 100.010, 100.010, 100.020, 100.020, 100.025])
-    import runtime.experiments.barrier_dist as bd
+    import lab.barrier_dist as bd
     real = bd.time.perf_counter
     bd.time.perf_counter = lambda: next(clock)
     try:
@@ -182,8 +182,8 @@ def test_host_probe_subtracts_a_routing_wait_once():
     stats.route_wait_s: a batch's host time is its wall minus that wait once (it was subtracted twice)."""
     import types
 
-    import runtime.experiments.barrier_dist as bd
-    from runtime.experiments.barrier_dist import HostProbe
+    import lab.barrier_dist as bd
+    from lab.barrier_dist import HostProbe
     inner = types.SimpleNamespace(stats=types.SimpleNamespace(route_wait_s=0.0), staging=types.SimpleNamespace(wait_s=0.0))
     probe = HostProbe(inner)
     clock = iter([0.0, 0.010])
@@ -208,8 +208,8 @@ def test_host_probe_hidden_share_and_expert_bandwidth():
     import numpy as np
     import torch
 
-    from runtime.experiments.barrier_dist import HostProbe, merge_probes
-    from runtime.experiments.floors import expert_batch_bytes
+    from lab.barrier_dist import HostProbe, merge_probes
+    from lab.floors import expert_batch_bytes
 
     class Ev:  # a CUDA event pair stand-in: elapsed_time in ms
         def __init__(self, ms):
@@ -223,7 +223,7 @@ def test_host_probe_hidden_share_and_expert_bandwidth():
     probe._make_anchor = lambda: (Ev(0.0), 0.0)
     assert inner.profile == []
     clock = iter([0.0, 0.010, 1.0, 1.010])  # two batches of 10 ms wall each
-    import runtime.experiments.barrier_dist as bd
+    import lab.barrier_dist as bd
     real = bd.time.perf_counter
     bd.time.perf_counter = lambda: next(clock)
     try:
@@ -253,8 +253,8 @@ def test_probe_counts_a_device_routed_expert_batch_by_its_owned_slots():
     import numpy as np
     import torch
 
-    from runtime.experiments.barrier_dist import HostProbe
-    from runtime.experiments.floors import expert_batch_bytes
+    from lab.barrier_dist import HostProbe
+    from lab.floors import expert_batch_bytes
 
     class Ev:
         def __init__(self, ms):
@@ -279,7 +279,7 @@ def test_probe_counts_a_device_routed_expert_batch_by_its_owned_slots():
 
 
 def test_itl_tail_tells_a_rank_wide_stall_from_scattered_slow_steps():
-    from runtime.experiments.itl_tail import describe, itl_tail
+    from lab.itl_tail import describe, itl_tail
     # 10 requests homed on rank 0 stall together once (1.0 -> 1.3 s); rank 1's requests are steady
     reqs = []
     for i in range(10):

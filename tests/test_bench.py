@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from runtime.experiments.report import (BatchRecord, QueueSample, RequestRecord, RunRecord, compare, environment,
+from lab.report import (BatchRecord, QueueSample, RequestRecord, RunRecord, compare, environment,
                             median_over_repeats, peak_window_rate, queue_depth_grid, summarize, write_report)
 
 
@@ -101,7 +101,7 @@ def test_write_report_files(tmp_path):
 
 def test_run_bench_small_matrix_is_deterministic(tmp_path):
     from graph_ir.spec import load_spec
-    from runtime.experiments.bench import BenchConfig, run_bench
+    from lab.bench import BenchConfig, run_bench
     cfg = BenchConfig.model_validate({
         "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
         "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
@@ -126,7 +126,7 @@ def test_bench_repeats_run_round_by_round_and_one_repeat_is_unchanged(tmp_path):
     """repeats = 2 on the virtual clock (deterministic): the matrix runs twice, round 0 of every cell
     before round 1, and every median equals the single run's number; repeats = 1 adds nothing."""
     from graph_ir.spec import load_spec
-    from runtime.experiments.bench import BenchConfig, cells, run_bench
+    from lab.bench import BenchConfig, cells, run_bench
     base = {"ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
             "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
             "routing": {"kind": "zipf", "s": 1.0}, "systems": ["streaming", "ag-ep"], "policies": ["defrag", "mtfs"],
@@ -156,7 +156,7 @@ def test_bench_runs_the_wave_hold_it_is_given(tmp_path):
     """A policy string with the wave hold reaches the engines through the bench (its depth recorder once
     hid hold_fill, so the held variant ran exactly like plain defrag): the hold changes the batches."""
     from graph_ir.spec import load_spec
-    from runtime.experiments.bench import BenchConfig, run_bench
+    from lab.bench import BenchConfig, run_bench
     cfg = BenchConfig.model_validate({
         "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
         "workload": {"lengths": "fixed:8:6", "requests": 24, "rate": 2000},
@@ -175,7 +175,7 @@ def test_bench_runs_the_wave_hold_it_is_given(tmp_path):
 
 def test_bench_prompts_file_and_decode_only(tmp_path):
     from graph_ir.spec import load_spec
-    from runtime.experiments.bench import BenchConfig, run_bench
+    from lab.bench import BenchConfig, run_bench
     spec = load_spec("models/specs/tiny.yaml")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt_token_ids": [5 + i] * (3 + 2 * i),
@@ -199,7 +199,7 @@ def test_bench_prompts_file_and_decode_only(tmp_path):
 def test_defrag_history_weight_stage_in_front_of_a_steady_queue():
     """H6's case (benchmarks/results/cpu_bench.md): with H(e0) ~ Q(e0) the paper's score runs a 1-token
     attn(0) before a 10-token expert(0); history_weight=0 (H dropped) runs the big queue."""
-    from runtime.scheduler import StageView, make_policy
+    from runtime.core.scheduler import StageView, make_policy
     nxt = [1, 2, 3, 4, 5, 6, 0]
 
     def views(a0):
@@ -219,8 +219,8 @@ def test_defrag_history_weight_stage_in_front_of_a_steady_queue():
 def test_wall_link_delays_inject_only_the_bursts_and_pickle():
     import pickle
 
-    from runtime.experiments.bench import WallLinkDelays
-    from runtime.experiments.interference import from_config
+    from lab.bench import WallLinkDelays
+    from lab.interference import from_config
     inter = from_config({"latency_us": 40, "bandwidth_gbps": 1,
                          "bursts": [{"period_ms": 20, "duty": 0.5, "extra_delay_us": 2000, "links": [[0, 1]]}]})
     w = pickle.loads(pickle.dumps(WallLinkDelays(inter, epoch=0.0)))

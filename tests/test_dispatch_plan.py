@@ -1,4 +1,4 @@
-"""The compiled dispatch plan (runtime/dispatch_plan.py) against its numpy reference, the engine's code until
+"""The compiled dispatch plan (runtime/core/dispatch_plan.py) against its numpy reference, the engine's code until
 session 8: the same counts, order, inverse, expert ids and packed device inputs, for any routing."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.dispatch_plan import plan_dispatch, plan_reference, unpack_group_inputs
+from runtime.core.dispatch_plan import plan_dispatch, plan_reference, unpack_group_inputs
 
 
 def _owner(E: int, world: int, rng) -> np.ndarray:

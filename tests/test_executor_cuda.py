@@ -21,14 +21,14 @@ from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
 from models.sampling import SamplingParams, sample
 from models.weights import random_weights
-from runtime.capture import bucket_for
-from runtime.cluster import RunOptions, run_workload
-from runtime.executor import TorchExecutor
-from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor, HostStaging
-from runtime.experiments.routing_override import ZipfRouting
-from runtime.kv_cache import BlockAllocator, PagedKVStore
-from runtime.requests import Request
-from runtime.routed_rows import pack
+from runtime.executors.capture import bucket_for
+from runtime.drivers.cluster import RunOptions, run_workload
+from runtime.executors.torch_executor import TorchExecutor
+from runtime.executors.cuda_executor import PROMPT_PATHS, CudaExecutor, HostStaging
+from lab.routing_override import ZipfRouting
+from runtime.core.kv_cache import BlockAllocator, PagedKVStore
+from runtime.core.requests import Request
+from runtime.core.routed_rows import pack
 
 torch.set_num_threads(1)
 SPECS = "models/specs"
@@ -455,7 +455,7 @@ def test_graph_keys_name_kind_layer_and_bucket():
     """GraphCache takes a graph's pool from its key (kind, layer, bucket, ...) and drop() reads the same fields of
     every captured key: a key of another shape is refused at once, on the CPU too (run 83: a 2-field sample key
     broke drop() only where graphs are captured)."""
-    from runtime.capture import GraphCache
+    from runtime.executors.capture import GraphCache
     gc = GraphCache(torch.device("cpu"), True)
     with pytest.raises(ValueError, match="expected \\(kind, layer, bucket"):
         gc.get(("sample", 4), lambda: (lambda: None))
@@ -626,8 +626,8 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
     (as with an executor without asynchronous sampling), after the unread ones are read (tokens in step order)."""
     from collections import Counter
 
-    from runtime.engine import Engine
-    from runtime.executor_cuda import DeviceLogits
+    from runtime.core.engine import Engine
+    from runtime.executors.cuda_executor import DeviceLogits
     engines, queued, drained = [], [], []
     real_init, real_ahead, real_finish = Engine.__init__, Engine._step_ahead, Engine._finish
 
@@ -761,8 +761,8 @@ def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monke
     it on the host (the barrier baselines' route()) must still get the graph's routing (here the keyed Zipf router
     inside the attention graph), not a fresh eager learned routing: the same barrier tokens in both modes. The
     executors the barrier baselines build read it on the host whatever the setting (route_on_device=False)."""
-    from runtime.experiments.barrier import run_barrier
-    from runtime.experiments.barrier_dist import ExecSpec, build_executor, cut_spec
+    from lab.barrier import run_barrier
+    from lab.barrier_dist import ExecSpec, build_executor, cut_spec
     es = ExecSpec(model="tiny-gpt-oss", dtype="float32", executor="cuda", zipf_s=1.2)
     spec = cut_spec(es.model, None, es.dtype)
     plan = compile_plan(spec, 2)
@@ -782,7 +782,7 @@ def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monke
 
 def fake_capture(monkeypatch) -> None:
     """CUDA-graph capture faked on the CPU twin: a 'graph' that runs its body (the keys and bodies are the real ones)."""
-    from runtime.capture import StepGraph
+    from runtime.executors.capture import StepGraph
 
     class Replay:
         def __init__(self, body):
@@ -800,7 +800,7 @@ def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(monkeypatc
     """prepare() with the engines' owned experts captures the device-routed expert graphs under the keys the run
     then replays (keyed by each engine's owned tensor), so a timed run captures no expert graph. Capture is faked
     on the CPU (a 'graph' that runs its body); the keys and the bodies are the real ones."""
-    from runtime.cluster import Cluster, RunOptions
+    from runtime.drivers.cluster import Cluster, RunOptions
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
     fake_capture(monkeypatch)
     spec, w = model("tiny-gpt-oss")
@@ -825,7 +825,7 @@ def test_a_combine_for_attention_writes_that_batchs_input_and_other_batches_move
     from the waiting ones, or another wave) moves the waiting rows out, so every input keeps its values, and the
     bucket's next _CLAIM_BACKOFF combines do not write in place. Outputs equal an executor that never writes in
     place, call for call."""
-    from runtime.executor_cuda import _CLAIM_BACKOFF
+    from runtime.executors.cuda_executor import _CLAIM_BACKOFF
     lens = [5, 2, 7]
     spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=4)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
@@ -896,7 +896,7 @@ def test_attention_outputs_are_views_until_the_bucket_replays_and_held_ones_move
     while some are still held (another wave's merge group not combined yet), they move to tensors of their own first
     and keep their values, and the bucket clones its outputs for the next _CLAIM_BACKOFF batches; outputs dropped
     before the next replay move nowhere."""
-    from runtime.executor_cuda import _CLAIM_BACKOFF
+    from runtime.executors.cuda_executor import _CLAIM_BACKOFF
     lens = [5, 2, 7]
     spec, w, kv_a, _, h, seg = _decode_pair(lens, seed=7)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})

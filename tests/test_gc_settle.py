@@ -1,11 +1,11 @@
-"""runtime/gc_settle.py: the heap alive before serving is frozen out of the collector's walks, and given back."""
+"""runtime/drivers/gc_settle.py: the heap alive before serving is frozen out of the collector's walks, and given back."""
 from __future__ import annotations
 
 import gc
 
 import pytest
 
-from runtime.gc_settle import settle_heap, thaw_heap
+from runtime.drivers.gc_settle import settle_heap, thaw_heap
 
 
 def test_settle_freezes_the_survivors_and_thaw_gives_them_back(monkeypatch):

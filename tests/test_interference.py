@@ -4,7 +4,7 @@ import math
 import pytest
 
 from graph_ir.errors import UserError
-from runtime.experiments.interference import (BandwidthTrace, Bursts, Interference, LinkSchedule, LognormalJitter, SlowRank,
+from lab.interference import (BandwidthTrace, Bursts, Interference, LinkSchedule, LognormalJitter, SlowRank,
                                   from_config)
 
 

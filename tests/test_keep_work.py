@@ -18,9 +18,9 @@ import time
 import pytest
 
 from lowering.plan import compile_plan
-from runtime.cluster import Cluster, RunOptions, build_executor
-from runtime.metrics import BatchRecord, RankMetrics, RequestStats, summarize
-from runtime.trace import TraceRecorder
+from runtime.drivers.cluster import Cluster, RunOptions, build_executor
+from runtime.observability.metrics import BatchRecord, RankMetrics, RequestStats, summarize
+from runtime.observability.trace import TraceRecorder
 from test_runtime import make_requests, model
 
 NAME = "tiny-mixtral"
@@ -67,7 +67,7 @@ def test_engine_records_are_a_ring_with_the_same_summary():
 
 
 def test_request_stats_histogram_is_bounded_and_close():
-    from runtime.requests import Request
+    from runtime.core.requests import Request
     exact, approx = RequestStats(), RequestStats(exact=False)
     for i in range(2000):
         r = Request(i, f"r{i}", [1], 8)
@@ -85,7 +85,7 @@ def test_request_stats_histogram_is_bounded_and_close():
 
 
 def test_step_timer_keeps_totals_and_a_bounded_sample():
-    from runtime import step_timer
+    from runtime.observability import step_timer
     t = step_timer.StepTimer("t", True)
     for _ in range(step_timer.SAMPLES + 500):
         t.start()
@@ -96,7 +96,7 @@ def test_step_timer_keeps_totals_and_a_bounded_sample():
 
 # ------------------------------------------------------------------------------ launch files
 def test_run_dirs_of_dead_launchers_are_swept():
-    from runtime.launch import make_run_dir, remove_run_dir
+    from runtime.drivers.launch import make_run_dir, remove_run_dir
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     tmp = tempfile.gettempdir()
@@ -115,7 +115,7 @@ def test_run_dirs_of_dead_launchers_are_swept():
 
 # ------------------------------------------------------------------------------ in-process driver
 def test_in_process_failure_keeps_the_finished_lines(tmp_path, monkeypatch):
-    from runtime.engine import Engine
+    from runtime.core.engine import Engine
     spec, w, _ = model(NAME)
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
     reqs = make_requests(spec.vocab_size, 12, seed=5, max_new=6, spread=0.05)
@@ -141,7 +141,7 @@ def test_in_process_failure_keeps_the_finished_lines(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------ multi-process: kill a rank
 def _rank_pid(rank: int) -> int:
-    """The pid of this process's rank child (runtime.launch children carry RANK in their environment)."""
+    """The pid of this process's rank child (runtime.drivers.launch children carry RANK in their environment)."""
     me = str(os.getpid())
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -162,7 +162,7 @@ def _rank_pid(rank: int) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's pid in /proc")
 def test_killed_rank_keeps_every_finished_request(tmp_path):
-    from runtime.multiproc import RunFailed, run_workloads_multiprocess
+    from runtime.drivers.multiproc import RunFailed, run_workloads_multiprocess
     spec, _, _ = model(NAME)
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
     n = 60
@@ -250,8 +250,8 @@ def test_unwritable_output_paths_fail_before_the_run(tmp_path, flag):
 
 
 def test_a_failed_ranks_error_is_said_once():
-    from runtime.launch import LaunchResult
-    from runtime.multiproc import _failure_message
+    from runtime.drivers.launch import LaunchResult
+    from runtime.drivers.multiproc import _failure_message
     first = "ValueError: DATAFLOW_PROFILE_TORCH='x': expected START:COUNT"
     res = LaunchResult([1, 1, -15], f"rank 1: {first}", 1,
                        {1: first, 0: f"PeerFailure: rank 1 failed: rank 1 aborted: {first}; this rank was waiting for: "

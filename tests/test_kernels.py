@@ -542,9 +542,9 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
 
     from graph_ir.spec import load_spec
     from models.weights import random_weights
-    from runtime.executor import TorchExecutor
-    from runtime.executor_cuda import CudaExecutor
-    from runtime.kv_cache import BlockAllocator, PagedKVStore
+    from runtime.executors.torch_executor import TorchExecutor
+    from runtime.executors.cuda_executor import CudaExecutor
+    from runtime.core.kv_cache import BlockAllocator, PagedKVStore
     if triton_device != "cpu":  # (it ran on the H200 in run 103 and failed there: CPU tensors, no interpreter)
         pytest.skip("the interpreter's check of the attention body over a CPU KV store; on a GPU, "
                     "benchmarks/gpu_bench.py's correctness section checks the body against the torch executor")

@@ -1,4 +1,4 @@
-"""The synthetic Zipf router inside the attention graph (runtime/experiments/zipf_torch.py,
+"""The synthetic Zipf router inside the attention graph (lab/zipf_torch.py,
 CudaExecutor.use_keyed_router) against the host router it replaces: the same bits for every token,
 in the bucketed decode body and in the eager path, and the same tokens and routing in a served run."""
 from __future__ import annotations
@@ -13,17 +13,17 @@ from graph_ir.errors import UserError
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.weights import random_weights
-from runtime.cluster import RunOptions, run_workload
-from runtime.executor_cuda import CudaExecutor
-from runtime.experiments.routing_override import KeyedRoutingExecutor, ZipfRouting, routed
-from runtime.experiments.zipf_torch import splitmix64
-from runtime.requests import Request
+from runtime.drivers.cluster import RunOptions, run_workload
+from runtime.executors.cuda_executor import CudaExecutor
+from lab.routing_override import KeyedRoutingExecutor, ZipfRouting, routed
+from lab.zipf_torch import splitmix64
+from runtime.core.requests import Request
 
 torch.set_num_threads(1)
 
 
 def test_splitmix64_on_int64_bits_equals_the_uint64_one():
-    from runtime.experiments.routing_override import _splitmix64_inplace
+    from lab.routing_override import _splitmix64_inplace
     z = np.random.default_rng(0).integers(0, 2**63, 1000, dtype=np.int64).view(np.uint64) * np.uint64(3)
     want = _splitmix64_inplace(z.copy()).view(np.int64)
     got = splitmix64(torch.from_numpy(z.view(np.int64).copy())).numpy()
@@ -45,8 +45,8 @@ def test_route_torch_equals_the_host_router_bit_for_bit(E, k, drift_every):
 
 _TRITON_CHECK = """
 import numpy as np, torch
-from runtime.experiments.routing_override import ZipfRouting
-from runtime.experiments.zipf_torch import zipf_route
+from lab.routing_override import ZipfRouting
+from lab.zipf_torch import zipf_route
 for E, k, drift in [(32, 4, 0), (128, 4, 50), (8, 8, 0), (128, 8, 7), (5, 2, 3)]:
     z = ZipfRouting(E, k, s=1.2, drift_every=drift, drift_stride=3, seed=4)
     rng = np.random.default_rng(E + k + drift)
@@ -66,7 +66,7 @@ print("ok")
 
 
 def test_the_triton_router_kernel_draws_the_same_bits():
-    """runtime/experiments/zipf_triton.py in Triton's CPU interpreter (a subprocess: Triton fixes the
+    """lab/zipf_triton.py in Triton's CPU interpreter (a subprocess: Triton fixes the
     mode at import) against the host router and its torch twin, incl. negative (padded) positions."""
     pytest.importorskip("triton")
     import os

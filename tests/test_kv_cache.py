@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from models.attention import DenseKVStore
-from runtime.kv_cache import BlockAllocator, PagedKVStore
+from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 
 
 def test_allocator_lowest_first_and_reuse():

@@ -1,4 +1,4 @@
-"""runtime/kv_fit.py: the KV pool is clamped to the device's free memory (or refused) before any
+"""runtime/executors/kv_fit.py: the KV pool is clamped to the device's free memory (or refused) before any
 engine exists; the engines, their device pools and the multi-process coordinator's free-block
 mirror all use the clamped count. mem_get_info is faked, so this runs on the CPU twin."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 from graph_ir.errors import UserError
 from lowering.plan import compile_plan
 from models.weights import load_weights
-from runtime.cluster import Cluster, RunOptions
-from runtime.executor import TorchExecutor
-from runtime.executor_cuda import CudaExecutor
-from runtime.kv_fit import (FAKE_FREE_ENV, RUNTIME_HEADROOM_BYTES, blocks_that_fit, executor_kv_fit,
+from runtime.drivers.cluster import Cluster, RunOptions
+from runtime.executors.torch_executor import TorchExecutor
+from runtime.executors.cuda_executor import CudaExecutor
+from runtime.executors.kv_fit import (FAKE_FREE_ENV, RUNTIME_HEADROOM_BYTES, blocks_that_fit, executor_kv_fit,
                             kv_bytes_per_block)
 from test_runtime import assert_matches_reference, make_requests, model
 
@@ -70,7 +70,7 @@ def test_the_cpu_twin_is_clamped_to_the_hosts_available_memory(monkeypatch, caps
     """The CUDA executor's CPU twin preallocates its pool in host memory: a plan sized for big devices (here a
     16 GiB CPU plan of a tiny model, 2 ranks) is clamped to what the host has available, shared by the plan's
     ranks, with a note; plenty of host memory keeps the plan's pool."""
-    import runtime.kv_fit as kv_fit
+    import runtime.executors.kv_fit as kv_fit
     free, total = kv_fit.host_mem_get_info()  # the real host's
     assert 0 < free <= total
     spec, plan, ex, per_block = _setup()
@@ -102,8 +102,8 @@ def test_multi_process_ranks_and_coordinator_use_the_clamped_pool():
     over-admit (the home then refuses: 'its free-block mirror is off')."""
     import random
 
-    from runtime.multiproc import run_workloads_multiprocess
-    from runtime.requests import Request
+    from runtime.drivers.multiproc import run_workloads_multiprocess
+    from runtime.core.requests import Request
     spec, plan, _ex, per_block = _setup()
     rng = random.Random(5)
     reqs = [Request(i, f"req-{i}", [rng.randrange(3, spec.vocab_size) for _ in range(300 if i % 2 == 0 else 250)],

@@ -1,4 +1,4 @@
-"""runtime.launch with real processes and real signals. The rank functions here import no torch, so a
+"""runtime.drivers.launch with real processes and real signals. The rank functions here import no torch, so a
 launch costs ~0.1 s per rank instead of ~1 s."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from runtime.launch import from_torchrun_env, launch_local
+from runtime.drivers.launch import from_torchrun_env, launch_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -94,7 +94,7 @@ def _alive(pid: int) -> bool:
 def _start_launcher(pid_dir) -> subprocess.Popen:
     script = textwrap.dedent(f"""
         import sys
-        from runtime.launch import launch_local
+        from runtime.drivers.launch import launch_local
         try:
             launch_local(3, "test_launch:_sleep_forever", ({str(pid_dir)!r},), env={{"PYTHONPATH": {HERE!r}}},
                          grace_s=2.0)

@@ -1,4 +1,4 @@
-"""`dataflow run` with one process per rank (runtime/multiproc.py): real processes, real sockets.
+"""`dataflow run` with one process per rank (runtime/drivers/multiproc.py): real processes, real sockets.
 
 Spawning a rank costs ~1 s on 2 cores, so each launch serves several workloads (every policy) and
 checks them all. Exactness is checked as in tests/test_runtime.py: token for token against the
@@ -18,9 +18,9 @@ import pytest
 
 from lowering.plan import compile_plan
 from models.sampling import SamplingParams
-from runtime.cluster import RunOptions
-from runtime.multiproc import run_workloads_multiprocess
-from runtime.scheduler import POLICIES
+from runtime.drivers.cluster import RunOptions
+from runtime.drivers.multiproc import run_workloads_multiprocess
+from runtime.core.scheduler import POLICIES
 from runtime.transport.chaos import ChaosDelays
 from test_runtime import assert_matches_reference, make_requests, model
 
@@ -94,8 +94,8 @@ def test_chaos_delays_change_timings_not_tokens():
 def test_keyed_router_and_wave_hold_in_rank_processes_equal_the_in_process_run():
     """A Zipf router in RunOptions travels to the rank processes (the bench's skewed routing in process
     mode) and the wave hold only changes timing: 2 processes give the in-process run's tokens."""
-    from runtime.cluster import run_workload
-    from runtime.experiments.routing_override import ZipfRouting
+    from runtime.drivers.cluster import run_workload
+    from lab.routing_override import ZipfRouting
     spec, w, _ = model(NAME)
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
     zipf = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=5)
@@ -227,7 +227,7 @@ def test_the_phase_profile_counts_only_the_loops_collections():
     the loop runs."""
     import gc
 
-    from runtime.rank_profile import PhaseTimes as _PhaseTimes
+    from runtime.observability.rank_profile import PhaseTimes as _PhaseTimes
     ph = _PhaseTimes()
     try:
         gc.collect()

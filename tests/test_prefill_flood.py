@@ -35,7 +35,7 @@ def test_prompt_batches_yield_to_overdue_decode_rows(ranks):
 
 
 def test_the_bound_is_read_from_the_environment_with_a_clear_error(monkeypatch):
-    from runtime.engine import _decode_wait_bound_from_env
+    from runtime.core.engine import _decode_wait_bound_from_env
     monkeypatch.setenv("DATAFLOW_DECODE_WAIT_MS", "7.5")
     assert _decode_wait_bound_from_env() == pytest.approx(7.5e-3)
     for bad in ("-1", "soon", "nan"):

@@ -1,13 +1,13 @@
-"""Per-request latencies in every output line and the run's TTFT / TPOT / ITL percentiles (runtime/metrics.py)."""
+"""Per-request latencies in every output line and the run's TTFT / TPOT / ITL percentiles (runtime/observability/metrics.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from runtime.metrics import RequestStats, request_timings, summarize
-from runtime.requests import Request
-from runtime.workload import output_line
+from runtime.observability.metrics import RequestStats, request_timings, summarize
+from runtime.core.requests import Request
+from runtime.drivers.workload import output_line
 
 
 def _req(arrival: float, times: list[float]) -> Request:

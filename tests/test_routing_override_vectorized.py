@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.experiments.routing_override import RoutingRecorder, RoutingTrace, ZipfRouting
+from lab.routing_override import RoutingRecorder, RoutingTrace, ZipfRouting
 
 M64 = (1 << 64) - 1
 

@@ -18,9 +18,9 @@ from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
 from models.sampling import SamplingParams
 from models.weights import random_weights
-from runtime.cluster import Cluster, RunOptions, run_workload
-from runtime.requests import Request
-from runtime.scheduler import POLICIES
+from runtime.drivers.cluster import Cluster, RunOptions, run_workload
+from runtime.core.requests import Request
+from runtime.core.scheduler import POLICIES
 
 torch.set_num_threads(1)  # tiny matmuls: threads only contend (and other jobs share the 2 cores)
 
@@ -92,7 +92,7 @@ def run(name: str, ranks: int, reqs: list[Request], **opts):
     return run_workload(plan, reqs, options, weights=w)
 
 
-# Policies with the wave hold on (runtime/scheduler.py): holding changes when batches run, never tokens.
+# Policies with the wave hold on (runtime/core/scheduler.py): holding changes when batches run, never tokens.
 HELD = ["defrag:hold_fill=0.9,hold_us=1000", "mtfs:hold_fill=1,hold_us=500", "defrag:hold_fill=1,hold_us=1000,hold_ahead=1"]
 
 
@@ -150,7 +150,7 @@ def test_chunked_prompts_arriving_into_decode_that_kept_no_kv_order():
     reqs = [Request(i, f"req-{i}", [rng.randrange(3, spec.vocab_size) for _ in range(17 if i >= 6 else 2)], 12,
                     ignore_eos=True, arrival=0.0 if i < 6 else 4e-3) for i in range(10)]
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
-    cluster = Cluster(plan, __import__("runtime.executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
+    cluster = Cluster(plan, __import__("runtime.executors.torch_executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
                       RunOptions(kv_blocks=128, clock="virtual", policy="defrag", delay=jitter(300e-6), delay_seed=4))
     res = cluster.run(reqs)
     assert assert_matches_reference("tiny-mixtral", res.requests) > 40
@@ -163,10 +163,10 @@ def test_kv_order_is_checked_only_for_chunked_requests():
     """The eligibility rule itself: with no chunked request live every row may run; with one, only that request's
     rows wait for their K/V position, and a decoding request's stale kv_next holds nothing up (without this, its
     rows would sit out every other request's chunked prefill)."""
-    from runtime.queues import AttnBlock, AttnItem
+    from runtime.core.queues import AttnBlock, AttnItem
     spec, w, _ = model("tiny-mixtral")
     cluster = Cluster(compile_plan(spec, 1, attn_cap=16, block_size=4),
-                      __import__("runtime.executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
+                      __import__("runtime.executors.torch_executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
                       RunOptions(kv_blocks=32, clock="virtual"))
     e = cluster.engines[0]
     decoding = Request(1, "decoding", [5, 6], 8, kv_next=[2] * spec.num_layers)  # stale: it is at position 7 now
@@ -210,7 +210,7 @@ def test_full_kv_makes_requests_wait_not_fail():
     spec, w, _ = model("tiny-mixtral")
     reqs = make_requests(spec.vocab_size, 8, seed=11, max_new=5, max_prompt=30, spread=0.0)
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
-    cluster = Cluster(plan, __import__("runtime.executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
+    cluster = Cluster(plan, __import__("runtime.executors.torch_executor", fromlist=["TorchExecutor"]).TorchExecutor(spec, w),
                       RunOptions(kv_blocks=10, clock="virtual"))
     res = cluster.run(reqs)
     assert all(r.done for r in res.requests)
@@ -225,7 +225,7 @@ def test_policy_switch_mid_run_keeps_tokens_exact():
     spec, w, _ = model("tiny-mixtral")
     reqs = make_requests(spec.vocab_size, 6, seed=21)
     plan = compile_plan(spec, 3, attn_cap=16, block_size=4)
-    from runtime.executor import TorchExecutor
+    from runtime.executors.torch_executor import TorchExecutor
     cycle = ["flfs", "aging", "mtfs", "defrag"]
     options = RunOptions(kv_blocks=128, clock="virtual", policy="defrag", trace=True)
     cluster = Cluster(plan, TorchExecutor(spec, w), options)
@@ -242,7 +242,7 @@ def test_adaptive_wave_hold_learns_the_token_step_and_keeps_tokens_exact():
     spec, w, _ = model("tiny-mixtral")
     reqs = make_requests(spec.vocab_size, 6, seed=23)
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
-    from runtime.executor import TorchExecutor
+    from runtime.executors.torch_executor import TorchExecutor
     cluster = Cluster(plan, TorchExecutor(spec, w),
                       RunOptions(kv_blocks=128, clock="virtual", policy="defrag:hold_fill=1,hold_us=100,hold_step=0.5"))
     res = cluster.run(reqs)
@@ -317,7 +317,7 @@ class _AsyncSampleExecutor:
 
 def _served_wall(wrapper, policy):
     """(the wrapped CPU executor, the result, the requests) of a 2-rank wall-clock run of tiny-mixtral."""
-    from runtime.cluster import build_executor
+    from runtime.drivers.cluster import build_executor
     spec, w, _ = model("tiny-mixtral")
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
     options = RunOptions(kv_blocks=128, clock="wall", policy=policy)
@@ -370,7 +370,7 @@ def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch
     """Asynchronous dispatch (DATAFLOW_ASYNC_ROUTE=1, off by default): an attention batch whose routing is not on
     the host yet is dispatched later (by next_batch), the rank runs other batches meanwhile, every routing is
     read once, and the tokens equal the reference decoder's."""
-    from runtime.engine import Engine
+    from runtime.core.engine import Engine
     monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
     real_execute, experts_run = Engine.execute, []
 
@@ -395,7 +395,7 @@ def test_wait_deferred_blocks_on_the_oldest_deferred_batch_only_when_it_can():
     import types
     from collections import deque
 
-    from runtime.engine import Engine
+    from runtime.core.engine import Engine
     waited = []
     routing = types.SimpleNamespace(wait=lambda: waited.append("routing"))
     tokens = types.SimpleNamespace(ready=lambda: False)  # no wait(): e.g. a test double
@@ -409,7 +409,7 @@ def test_wait_deferred_blocks_on_the_oldest_deferred_batch_only_when_it_can():
 
 
 def test_async_sampling_setting_is_validated(monkeypatch):
-    from runtime.engine import _async_route_from_env, _async_sample_from_env
+    from runtime.core.engine import _async_route_from_env, _async_sample_from_env
     monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "on")
     with pytest.raises(ValueError, match="DATAFLOW_ASYNC_SAMPLE='on': valid values are 1 .* and 0"):
         _async_sample_from_env()
@@ -422,7 +422,7 @@ def test_async_sampling_setting_is_validated(monkeypatch):
 @pytest.mark.parametrize("policy", ["defrag", "flfs", HELD[0]])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_device_routed_dispatch_matches_reference(monkeypatch, ranks, policy):
-    """DATAFLOW_DISPATCH=device (runtime/routed_rows.py): every owner gets the whole batch with its expert ids,
+    """DATAFLOW_DISPATCH=device (runtime/core/routed_rows.py): every owner gets the whole batch with its expert ids,
     returns all slots (zero where it holds none) and the home sums them: the same tokens as the reference."""
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
     spec, _, _ = model("tiny-mixtral")
@@ -446,7 +446,7 @@ def test_device_routed_dispatch_other_families_and_wall_clock(monkeypatch, name,
 def test_dispatch_default_is_the_plans_and_the_environment_overrides_it(monkeypatch):
     """DATAFLOW_DISPATCH=auto (the default) takes the caller's default (the plan's dispatch), but the host-routed
     one with DATAFLOW_ASYNC_ROUTE=1 (an option of the host-routed dispatch); an explicit value wins either way."""
-    from runtime.routed_rows import device_routed_from_env
+    from runtime.core.routed_rows import device_routed_from_env
     monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
     monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE", raising=False)
     assert device_routed_from_env(auto=True) and not device_routed_from_env(auto=False)
@@ -464,7 +464,7 @@ def test_plan_records_its_dispatch_and_the_engines_follow_it(monkeypatch):
     ranks of a device-dispatch plan run the device-routed dispatch (here on the CPU twin) and still give the
     reference's tokens."""
     from lowering.plan import compile_plan
-    from runtime.cluster import Cluster, RunOptions, build_executor
+    from runtime.drivers.cluster import Cluster, RunOptions, build_executor
     monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
     spec, w, _ = model("tiny-gpt-oss")
     assert compile_plan(spec, 2, "cuda").cluster.dispatch == "device"

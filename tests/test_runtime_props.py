@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
-from runtime.cluster import Cluster, RunOptions
-from runtime.executor_sim import SimExecutor
-from runtime.requests import Request
-from runtime.scheduler import POLICIES
+from runtime.drivers.cluster import Cluster, RunOptions
+from runtime.executors.sim_executor import SimExecutor
+from runtime.core.requests import Request
+from runtime.core.scheduler import POLICIES
 
 torch.set_num_threads(1)
 
@@ -76,7 +76,7 @@ def test_any_schedule_loses_and_duplicates_nothing(work, ranks, policy, max_dela
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_torch_executor_under_random_delays_matches_reference(seed, ranks, policy):
     from test_runtime import assert_matches_reference, make_requests, model
-    from runtime.executor import TorchExecutor
+    from runtime.executors.torch_executor import TorchExecutor
     spec, w, _ = model("tiny-mixtral")
     rng = random.Random(seed)
     reqs = make_requests(spec.vocab_size, 4, seed=seed, max_new=4, max_prompt=20)

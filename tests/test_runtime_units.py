@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.clock import VirtualClock
-from runtime.dispatch_plan import pack_group_inputs, plan_from_order, unpack_group_inputs
-from runtime.merge import TAG_SHIFT, MergeTable
-from runtime.queues import AttnBlock, AttnItem, ExpertItem, MuQueue
-from runtime.requests import Admission, Request
+from runtime.core.clock import VirtualClock
+from runtime.core.dispatch_plan import pack_group_inputs, plan_from_order, unpack_group_inputs
+from runtime.core.merge import TAG_SHIFT, MergeTable
+from runtime.core.queues import AttnBlock, AttnItem, ExpertItem, MuQueue
+from runtime.core.requests import Admission, Request
 from runtime.transport.inproc import InprocHub
 
 
@@ -167,7 +167,7 @@ def test_merge_group_inputs_pack_into_one_upload(R, k, with_order):
 
 def test_merge_store_slices_runs_and_scatters_the_rest():
     """_store copies runs of consecutive positions as slices, whatever their number of messages rows."""
-    from runtime.merge import _store
+    from runtime.core.merge import _store
     buf = torch.zeros(8, 1)
     y = torch.arange(5.0)[:, None]
     _store(buf, np.array([5, 6, 0, 1, 2]), y, None)  # two runs
@@ -314,7 +314,7 @@ def test_inproc_fifo_per_link_under_random_delays():
 def test_expert_wire_forms_round_trip():
     """Tags travel as (first, count) when they are one run and as the array otherwise; expert ids as bytes of
     the narrowest unsigned type for the model's expert count; decoders take the plain arrays too."""
-    from runtime.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags, id_dtype
+    from runtime.core.expert_wire import decode_ids, decode_tags, encode_ids, encode_tags, id_dtype
     base = 7 << TAG_SHIFT
     run = np.arange(base + 3, base + 403, dtype=np.int64)
     assert encode_tags(run) == (base + 3, 400) and decode_tags(encode_tags(run)).tolist() == run.tolist()
@@ -334,7 +334,7 @@ def test_expert_wire_forms_round_trip():
 def test_staging_ring_skips_held_slots():
     """A device -> host result held for a later read (asynchronous sampling) keeps its pinned slot out of the
     ring's rotation until released; a ring whose every slot is held says so instead of overwriting one."""
-    from runtime.host_staging import HostStaging, PendingHost
+    from runtime.executors.host_staging import HostStaging, PendingHost
     ring = HostStaging(torch.device("cpu"), slots=4, nbytes=64)
     held = PendingHost(torch.zeros(1), None, ring, 1)
     held.hold()
@@ -362,7 +362,7 @@ def test_staging_ring_reuses_a_slot_without_a_query_once_a_later_mark_on_its_str
     """Work on one stream completes in order: once a mark is seen complete (a routing copy waited for, a slot's
     query), every earlier mark on that stream is free without asking the device; a mark on another stream, or
     a later one, is still queried, and a pending one is waited for."""
-    import runtime.host_staging as hs
+    import runtime.executors.host_staging as hs
     order = hs.StreamOrder()
     monkeypatch.setattr(hs, "STREAM_ORDER", order)
     ring = hs.HostStaging(torch.device("cpu"), slots=4, nbytes=64)
@@ -418,7 +418,7 @@ def test_merge_add_run_form_equals_array_form(whole):
 def test_device_waits_are_bounded_and_name_what_they_waited_for(monkeypatch):
     """host_staging.wait_event: returns once the event completes (polling), raises TimeoutError naming the
     wait after DATAFLOW_DEVICE_WAIT_S; an invalid setting is an error naming the valid values."""
-    from runtime.host_staging import _device_wait_s, wait_event
+    from runtime.executors.host_staging import _device_wait_s, wait_event
 
     class Ev:  # completes after `n` looks (None: never)
         def __init__(self, n):
@@ -449,7 +449,7 @@ def test_device_waits_are_bounded_and_name_what_they_waited_for(monkeypatch):
 def test_routed_rows_pack_and_unpack_every_row_dtype():
     """The device-routed wire form: rows, then the int32 ids and the fp32 weights viewed as the row dtype; an odd
     hidden size (the tail's bytes unaligned in a bf16 row) still unpacks, by a copy."""
-    from runtime.routed_rows import pack, unpack
+    from runtime.core.routed_rows import pack, unpack
     ids = torch.tensor([[3.0, 250.0], [0.0, 7.0]])  # float ids, as the CUDA executor's routing buffer holds them
     w = torch.tensor([[0.75, 0.25], [0.1, 0.9]])
     for dtype, H in ((torch.float32, 6), (torch.bfloat16, 6), (torch.bfloat16, 5), (torch.float16, 4)):
@@ -465,8 +465,8 @@ def test_routed_rows_pack_and_unpack_every_row_dtype():
 
 def test_routed_item_splits_between_tokens_and_a_one_token_item_goes_whole():
     """Cut between tokens; its output tags are per token (one row per token comes back)."""
-    from runtime.queues import RoutedItem
-    from runtime.routed_rows import ids_of, pack
+    from runtime.core.queues import RoutedItem
+    from runtime.core.routed_rows import ids_of, pack
     k, H = 3, 2
     it = RoutedItem(1, 0, pack(torch.arange(4.0 * H).view(4, H), torch.arange(4 * k).view(4, k), torch.ones(4, k)),
                     100, 0.0, 4 * k)
@@ -515,7 +515,7 @@ def test_a_closed_groups_y_buffer_is_reused_by_the_next_open_of_its_shape():
     wave's groups have one shape at every layer of a step), another shape a new one; at most _SPARE_SHAPES shapes
     are kept, the least recently used dropped first. A reused buffer is filled afresh: the second group's combine
     reads its own parts only."""
-    from runtime import merge as merge_mod
+    from runtime.core import merge as merge_mod
     k, H = 2, 3
     table = MergeTable(k, whole_groups=True)
 
@@ -548,10 +548,10 @@ def test_next_batch_asks_the_policy_again_only_after_a_push_or_a_completed_batch
     make an item runnable: new items, K/V positions, ended deferrals), so the engine answers None again without the
     views and the policy, and the defragmenting policy's history advances as if it had decided (the same snapshot
     again), so every later score is what it was without the shortcut."""
-    from runtime.clock import WallClock
-    from runtime.engine import Engine, EngineConfig, StageInfo
-    from runtime.requests import Request
-    from runtime.scheduler import Defrag
+    from runtime.core.clock import WallClock
+    from runtime.core.engine import Engine, EngineConfig, StageInfo
+    from runtime.core.requests import Request
+    from runtime.core.scheduler import Defrag
     from runtime.transport.inproc import InprocHub
 
     class Counting(Defrag):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.scheduler import HOLD, Aging, Defrag, FLFS, MTFS, StageView, make_policy, parse_policy
+from runtime.core.scheduler import HOLD, Aging, Defrag, FLFS, MTFS, StageView, make_policy, parse_policy
 
 # chain attn0 -> exp0 -> attn1 -> exp1 -> sample -> attn0
 NEXT = [1, 2, 3, 4, 0]
@@ -158,7 +158,7 @@ def test_defrag_scores_the_same_bits_in_python_and_in_the_kernel(monkeypatch):
     operations in the same order, so every score and every history step is bit-identical between the two."""
     import random
 
-    from runtime import scheduler
+    from runtime.core import scheduler
     rng = random.Random(3)
     n = 13
     chain = [(i + 1) % n for i in range(n)]

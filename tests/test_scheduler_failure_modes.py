@@ -17,8 +17,8 @@ import torch
 
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
-from runtime.cluster import RunOptions, run_workload
-from runtime.requests import Request
+from runtime.drivers.cluster import RunOptions, run_workload
+from runtime.core.requests import Request
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""`dataflow serve` (dataflow/openai_api.py over runtime/front.py): 2 CPU rank processes behind the HTTP API, driven
+"""`dataflow serve` (dataflow/openai_api.py over runtime/drivers/front.py): 2 CPU rank processes behind the HTTP API, driven
 by the official openai client. Token-id prompts here (a shipped spec has no tokenizer); text and chat prompts on a
 checkpoint with a tokenizer are in tests/test_text_io.py. Nothing asserts on wall-clock time; every wait is bounded.
 """

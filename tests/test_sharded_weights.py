@@ -17,10 +17,10 @@ import torch
 from graph_ir.spec import cut_layers, load_spec
 from lowering.plan import compile_plan
 from models.weights import EXPERT_TENSORS, expected_shapes, random_weights, torch_dtype, validate_weights
-from runtime.cluster import RunOptions
-from runtime.executor import TorchExecutor
-from runtime.executor_cuda import CudaExecutor
-from runtime.multiproc import run_workloads_multiprocess
+from runtime.drivers.cluster import RunOptions
+from runtime.executors.torch_executor import TorchExecutor
+from runtime.executors.cuda_executor import CudaExecutor
+from runtime.drivers.multiproc import run_workloads_multiprocess
 from test_runtime import assert_matches_reference, make_requests, model
 
 SPECS = "models/specs"

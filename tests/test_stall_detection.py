@@ -1,4 +1,4 @@
-"""Failure detection by progress (runtime/health.py): a slow run that progresses is never cut off, and a rank whose
+"""Failure detection by progress (runtime/transport/health.py): a slow run that progresses is never cut off, and a rank whose
 main thread is stuck while its heartbeat thread lives is named in bounded time.
 
 Both run real rank processes. The bound is max(--stall-timeout, 10x the longest pause seen), so the tests set a
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from lowering.plan import compile_plan
-from runtime.cluster import RunOptions
-from runtime.health import ProgressWatch
-from runtime.multiproc import RunFailed, run_workloads_multiprocess
+from runtime.drivers.cluster import RunOptions
+from runtime.transport.health import ProgressWatch
+from runtime.drivers.multiproc import RunFailed, run_workloads_multiprocess
 from runtime.transport.chaos import ChaosDelays
 from test_runtime import assert_matches_reference, make_requests, model
 

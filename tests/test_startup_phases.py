@@ -1,6 +1,6 @@
 """Start-up of a rank process (issue 31, cold start): the phases every rank reports, and what made them shorter.
 
-- A multi-process run reports each rank's start-up phases (runtime/multiproc.py STARTUP_PHASES, plus "other" and
+- A multi-process run reports each rank's start-up phases (runtime/drivers/multiproc.py STARTUP_PHASES, plus "other" and
   "total") with its CTRL_DONE report; the run's metrics carry the slowest rank's per phase (startup_s) and each
   rank's (startup_s_by_rank). Seconds are checked for shape and sign only (no wall-clock assertions).
 - Random weights are a counter-based draw (models/weights.py): its three implementations (numpy on the host, torch
@@ -20,9 +20,9 @@ import torch
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.weights import _draw_numpy, _draw_torch, _stream_keys, random_weights
-from runtime.cluster import RunOptions
-from runtime.multiproc import run_workloads_multiprocess
-from runtime.startup import STARTUP_PHASES
+from runtime.drivers.cluster import RunOptions
+from runtime.drivers.multiproc import run_workloads_multiprocess
+from runtime.drivers.startup import STARTUP_PHASES
 from test_runtime import make_requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,8 +125,8 @@ def test_random_weights_built_on_the_gpu_equal_the_cpu_build(name):
 
 def test_a_device_routed_prepare_captures_no_host_routed_expert_graph(monkeypatch):
     """Capture is faked on the CPU twin (a 'graph' that runs its body), as in test_executor_cuda; the keys are real."""
-    from runtime.cluster import Cluster
-    from runtime.executor_cuda import CudaExecutor
+    from runtime.drivers.cluster import Cluster
+    from runtime.executors.cuda_executor import CudaExecutor
     from test_executor_cuda import fake_capture
     fake_capture(monkeypatch)
     monkeypatch.setenv("DATAFLOW_DISPATCH", "device")

@@ -221,7 +221,7 @@ def test_per_request_stops_and_sampling_in_rank_processes(ckpt, tmp_path):
 def test_load_prompts_fields_and_mistakes(ckpt, tmp_path):
     from lowering.plan import load_plan
     from models.sampling import SamplingParams
-    from runtime.workload import load_prompts
+    from runtime.drivers.workload import load_prompts
     path, plan, _, _, _ = ckpt
     spec = load_plan(plan).spec
     tok = load_tokenizer(path)
@@ -310,7 +310,7 @@ def test_cli_sampling_defaults_come_from_generation_config(ckpt, tmp_path):
 def test_stop_ids_on_the_wire_and_text_output():
     import numpy as np
 
-    from runtime.requests import Request, request_from_wire, request_to_wire
+    from runtime.core.requests import Request, request_from_wire, request_to_wire
     from runtime.transport.wire import DATA, Codec, new_secret
     secret = new_secret()
     tx, rx = Codec(secret, 1, 2), Codec(secret, 0, 2)  # the signed msgpack frame the admission message travels in

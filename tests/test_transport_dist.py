@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from runtime.launch import launch_local
+from runtime.drivers.launch import launch_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD_ENV = {"PYTHONPATH": HERE}  # so the ranks can import this module's rank functions
@@ -204,8 +204,8 @@ def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
 def _rank_ping(env, delay_us: float, n: int) -> dict:
     """Rank 0 pings rank 1 n times (tensor messages) with the bench's link disturbance on link 0 <-> 1
     always on; returns rank 0's median round trip."""
-    from runtime.experiments.bench import WallLinkDelays
-    from runtime.experiments.interference import from_config
+    from lab.bench import WallLinkDelays
+    from lab.interference import from_config
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
     bursts = [{"period_ms": 20, "duty": 1.0, "extra_delay_us": delay_us, "links": [[0, 1], [1, 0]]}]

@@ -67,7 +67,7 @@ def test_every_message_kind_round_trips(kind, meta, shape, dtype):
 
 def test_a_request_crosses_as_plain_values():
     from models.sampling import SamplingParams
-    from runtime.requests import Request, request_from_wire, request_to_wire
+    from runtime.core.requests import Request, request_from_wire, request_to_wire
     req = Request(7, "q-7", [3, 1, 4, 1, 5], 9, params=SamplingParams(temperature=0.7, top_p=0.9, seed=11),
                   ignore_eos=True, arrival=0.25, home=1)
     tx, rx = pair()
@@ -264,9 +264,9 @@ def _flood(port: int, marker: str, stop: threading.Event, sent: dict) -> None:
 
 def test_a_hostile_local_process_neither_runs_code_nor_stops_the_run(tmp_path, monkeypatch):
     from lowering.plan import compile_plan
-    from runtime import launch
-    from runtime.cluster import RunOptions
-    from runtime.multiproc import run_workloads_multiprocess
+    from runtime.drivers import launch
+    from runtime.drivers.cluster import RunOptions
+    from runtime.drivers.multiproc import run_workloads_multiprocess
     from runtime.transport.chaos import ChaosDelays
     from test_runtime import assert_matches_reference, make_requests, model
 

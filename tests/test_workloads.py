@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from graph_ir.errors import UserError
-from runtime.experiments.arrivals import ClosedLoopArrivals, PoissonArrivals, sample_requests
-from runtime.experiments.lengths import FixedLengths, clip_to_context, length_distribution, percentile_table
-from runtime.experiments.routing_override import RoutingRecorder, RoutingTrace, ZipfRouting
+from lab.arrivals import ClosedLoopArrivals, PoissonArrivals, sample_requests
+from lab.lengths import FixedLengths, clip_to_context, length_distribution, percentile_table
+from lab.routing_override import RoutingRecorder, RoutingTrace, ZipfRouting
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

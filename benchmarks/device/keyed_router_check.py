@@ -2,7 +2,7 @@
 
 (1) Bits: the host router (numba, glibc logarithms) against the device draws for 200,000 random
     (request, position, layer) keys, with GPT-OSS-20B's (32 experts, top-4) and GPT-OSS-120B's (128,
-    top-4) shapes, both ways: torch ops (runtime/experiments/zipf_torch.py) and the one Triton kernel
+    top-4) shapes, both ways: torch ops (lab/zipf_torch.py) and the one Triton kernel
     (zipf_triton.py, the GPU default): rows whose expert ids differ, weights that differ, the largest
     weight difference, and the kernel's rows that differ from the torch draw. On the CPU all are
     bit-equal (tests/test_keyed_router_graph.py).
@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from runtime.experiments.routing_override import ZipfRouting  # noqa: E402
-from runtime.experiments.zipf_torch import zipf_route  # noqa: E402
-from runtime.experiments.zipf_triton import zipf_route_triton  # noqa: E402
+from lab.routing_override import ZipfRouting  # noqa: E402
+from lab.zipf_torch import zipf_route  # noqa: E402
+from lab.zipf_triton import zipf_route_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script (bit-equal there)
 
@@ -114,8 +114,8 @@ def served() -> str:
     from graph_ir.spec import load_spec
     from lowering.plan import compile_plan
     from models.weights import random_weights
-    from runtime.cluster import RunOptions, run_workload
-    from runtime.requests import Request
+    from runtime.drivers.cluster import RunOptions, run_workload
+    from runtime.core.requests import Request
     spec = load_spec("models/specs/tiny-gpt-oss.yaml")
     w = random_weights(spec)
     plan = compile_plan(spec, 2, DEV)

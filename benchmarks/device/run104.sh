@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device run 104 (nvidia-h200-x2, TWO GPUs, ~7 minutes): session 13. (1) Python's full garbage collections as the ITL
 # stalls: runs 20 and 22's phase profiles recorded generation-2 collections of 208-292 ms, and streaming's ITL p99 sits
-# at 116-234 ms in many launches (runs 97, 101-103) while p50 is 12-25 ms. runtime/gc_settle.py freezes the startup
+# at 116-234 ms in many launches (runs 97, 101-103) while p50 is 12-25 ms. runtime/drivers/gc_settle.py freezes the startup
 # heap before serving. A/B DATAFLOW_GC_FREEZE=1 vs 0, streaming/defrag + 30 ms hold, 20B-L8, bf16, C=512 (default cap),
 # clean, 4 rounds alternating: ITL p99 and the stall windows. (2) The default cap (1,024) at 120B: GPT-OSS-120B cut to
 # 18 layers, C=256, streaming against all-gather EP, clean and compute hog, one round (run 99 at cap 256: 1.08x,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device run 21 (nvidia-h200-x2, ~4 minutes): A/B of the engine's host->device index copies through
-# pinned memory (runtime/device_index.py) against the pageable copies that synchronized the host with
+# pinned memory (runtime/executors/device_index.py) against the pageable copies that synchronized the host with
 # the stream (DATAFLOW_PAGEABLE_H2D=1, a switch that existed for this run only). GPT-OSS-20B cut to 8
 # layers, bf16, C=256, 64-128 new tokens; streaming/defrag with and without a 30 ms wave hold; ag-ep.
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run 31 (nvidia-h200-x2, ~9 minutes), session 4: index uploads through a pinned ring (runtime/host_staging.py)
+# Device run 31 (nvidia-h200-x2, ~9 minutes), session 4: index uploads through a pinned ring (runtime/executors/host_staging.py)
 # instead of pin_memory() per call, and the synthetic Zipf router's [T, E] work compiled with numba.
 # (1) GPU tests (CUDA exchange, in place) and fp32 2-GPU tokens == CPU (defrag, defrag + hold);
 # (2) A/B: old tree (the commit before; .df/ab/old.tgz, carry [".whl", ".df/ab"]) vs this tree, streaming/defrag +

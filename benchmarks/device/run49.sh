@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device run 49 (nvidia-h200-x2, ~8 minutes; session 7): the Zipf router's in-graph draw as one Triton kernel
-# (runtime/experiments/zipf_triton.py; NOTES §22). (1) keyed_router_check.py: the kernel's and the torch draw's bits
+# (lab/zipf_triton.py; NOTES §22). (1) keyed_router_check.py: the kernel's and the torch draw's bits
 # on the GPU against the host router (20B and 120B shapes), one 192-row draw's device time each way, a served fp32
 # run routed in the graph vs on the host; (2) GPT-OSS-20B cut to 8 layers, bf16, C=256, clean and compute hog:
 # streaming/defrag + 30 ms hold vs all-gather EP, the router in the graph (the kernel) or on the host in both

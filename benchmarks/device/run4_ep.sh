@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device run 4 (nvidia-h200-x2, < 9 minutes): streaming (defrag, aging) vs all-gather EP vs all-to-all EP,
-# one process per GPU, real NCCL collectives for the baselines (runtime/experiments/barrier_dist.py), GPT-OSS-20B
+# one process per GPU, real NCCL collectives for the baselines (lab/barrier_dist.py), GPT-OSS-20B
 # cut to 8 layers, bf16, decode-only, Zipf routing, C = 64 and 256 requests per rank, scenarios clean,
 # delay bursts, compute hog on GPU 1, NVLink hog (benchmarks/gpu_ep_bench.py).
 # Output under $1 (4 files): env.txt, ep_bench.log, ep_bench.json, ep_bench.md.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device run 58 (nvidia-h200, ONE GPU, ~3 minutes): session 8's dispatch plan in one numba call
-# (runtime/dispatch_plan.py; NOTES §23) against the tree before it (a540828, session 7's final tree), in alternating
+# (runtime/core/dispatch_plan.py; NOTES §23) against the tree before it (a540828, session 7's final tree), in alternating
 # launches of gpu_bench's e2e section, the shape of run 57: GPT-OSS-20B cut to 8 layers, bf16, decode-only, Zipf
 # routing in the attention graph, 2 in-process ranks sharing GPU 0, streaming/defrag, C=256, 64 new tokens, 3 rounds.
 # Before the call: mkdir -p .df/ab && git archive a540828 | gzip > .df/ab/old.tgz; carry [".whl", ".df/ab"].

@@ -51,9 +51,9 @@ CPU twin with the graph body stubbed out (cpu: what a replay leaves of the host 
 import cProfile, io, pstats, statistics, sys, time
 import torch, yaml
 from graph_ir.spec import ModelSpec
-from runtime.executor_cuda import CudaExecutor
-from runtime.kv_cache import BlockAllocator, PagedKVStore
-import runtime.capture as cap
+from runtime.executors.cuda_executor import CudaExecutor
+from runtime.core.kv_cache import BlockAllocator, PagedKVStore
+import runtime.executors.capture as cap
 dev = torch.device(sys.argv[1]); cuda = dev.type == "cuda"
 torch.set_num_threads(1)
 d = yaml.safe_load(open("models/specs/gpt-oss-20b.yaml"))
@@ -63,7 +63,7 @@ if not cuda:  # host path only: small math, same bucketing/staging code
     d["experts"]["intermediate_size"] = 64; d["attention"].update(num_heads=8, num_kv_heads=2)
 spec = ModelSpec.model_validate(d)
 if cuda:
-    from runtime.experiments.barrier_dist import device_weights
+    from lab.barrier_dist import device_weights
     w = device_weights(spec, dev, torch.bfloat16)
 else:
     from models.weights import random_weights

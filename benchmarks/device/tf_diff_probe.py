@@ -20,9 +20,9 @@ from graph_ir.spec import load_spec  # noqa: E402
 from lowering.plan import compile_plan  # noqa: E402
 from models.sampling import SamplingParams  # noqa: E402
 from models.weights import random_weights  # noqa: E402
-from runtime.cluster import Cluster, RunOptions  # noqa: E402
-from runtime.executor_cuda import PROMPT_PATHS, CudaExecutor  # noqa: E402
-from runtime.requests import Request  # noqa: E402
+from runtime.drivers.cluster import Cluster, RunOptions  # noqa: E402
+from runtime.executors.cuda_executor import PROMPT_PATHS, CudaExecutor  # noqa: E402
+from runtime.core.requests import Request  # noqa: E402
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 spec = load_spec(ROOT / "models/specs/tiny-gpt-oss.yaml")

@@ -25,7 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
-# Group timeout for torch.distributed work: liveness is the heartbeat's job (runtime/health.py), and
+# Group timeout for torch.distributed work: liveness is the heartbeat's job (runtime/transport/health.py), and
 # an expired gloo wait poisons the group, so this only bounds truly lost operations.
 WORK_TIMEOUT = timedelta(minutes=30)
 

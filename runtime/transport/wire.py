@@ -41,7 +41,7 @@ KINDS = (DATA, HEARTBEAT, BYE, ABORT)
 TAG_BYTES = 16
 SECRET_BYTES = 32
 # A frame carries metadata only (tensors move in phase 2); the largest the runtime sends is a rank's end-of-workload
-# report with its trace ring (runtime/trace.py), a few MB. 64 MiB refuses a hostile 1.5 GB frame at the socket.
+# report with its trace ring (runtime/observability/trace.py), a few MB. 64 MiB refuses a hostile 1.5 GB frame at the socket.
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 MAX_DIMS = 8
 MAX_TENSOR_BYTES = 1 << 40
@@ -76,11 +76,11 @@ class Frame(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------- message schema
 # The metadata of every message kind the runtime sends (meta["t"] -> key -> (type(s), required)). The engine's
-# data messages (runtime/engine.py) and the rank processes' control protocol (runtime/multiproc.py). "seq" is
+# data messages (runtime/core/engine.py) and the rank processes' control protocol (runtime/drivers/multiproc.py). "seq" is
 # a msgpack array (a tuple here); "any" a plain value checked by its receiver. A message whose "t" is not listed
 # (the lab's barrier baselines, transport-bench) gets the codec's guarantees only.
 _INT, _NUM, _STR, _BYTES, _SEQ, _MAP, _ANY = (int,), (int, float), (str,), (bytes,), (tuple,), (dict,), None
-_ROWS = (tuple, np.ndarray)  # merge tags: (first, count) or an int64 array (runtime/expert_wire.py)
+_ROWS = (tuple, np.ndarray)  # merge tags: (first, count) or an int64 array (runtime/core/expert_wire.py)
 MESSAGES: dict[str, dict[str, tuple]] = {
     # engine data (the tensor travels in phase 2)
     "x": {"t": (_STR, True), "layer": (_INT, True), "home": (_INT, True), "rows": (_ROWS, True), "e": (_BYTES, True),
@@ -97,7 +97,7 @@ MESSAGES: dict[str, dict[str, tuple]] = {
             "t_admit": (_NUM, True), "t_finish": (_NUM, True), "token_times": (_SEQ, True), "free": (_INT, True),
             "tokens": (_INT, True)},
     "stop": {"t": (_STR, True), "w": (_INT, True)},
-    # the serving front's channel (runtime/front_link.py)
+    # the serving front's channel (runtime/drivers/front_link.py)
     "fsub": {"t": (_STR, True), "req": (_MAP, True)},
     "fcan": {"t": (_STR, True), "rid": (_INT, True)},
     "fbye": {"t": (_STR, True)},
@@ -179,7 +179,7 @@ def _default(obj):
         if arr.dtype.str not in _ARRAY_DTYPES or arr.ndim != 1:
             raise TypeError(f"cannot send a numpy array of dtype {arr.dtype} and {arr.ndim} dimensions")
         return msgpack.ExtType(EXT_NDARRAY, arr.dtype.str.encode() + arr.tobytes())
-    if isinstance(obj, deque):  # a bounded record ring (runtime/metrics.py): a plain array
+    if isinstance(obj, deque):  # a bounded record ring (runtime/observability/metrics.py): a plain array
         return list(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a record: its fields, as a map
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

@@ -34,7 +34,7 @@ Work objects (they cannot be polled). NCCL: ops run on a dedicated stream per di
 an event the engine thread queries; no waiter threads, and by default no receptor either: the engine
 thread reads headers and posts receives inside poll() (`receive_on`), because a second Python thread
 making CUDA calls costs the engine more in GIL waits than the earlier receive posting saves. A
-heartbeat thread with its own sockets beats every `heartbeat_s` (runtime/health.py); a peer silent for
+heartbeat thread with its own sockets beats every `heartbeat_s` (runtime/transport/health.py); a peer silent for
 `peer_timeout_s`, a failed transfer or an abort notice makes `poll()` raise PeerFailure naming the rank
 and what this rank was waiting for.
 
@@ -61,10 +61,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from runtime.cuda_stream import current_stream
-from runtime.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Heartbeat,
+from runtime.executors.cuda_stream import current_stream
+from runtime.transport.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Heartbeat,
                             PeerFailure, PeerHealth, register_abort_hook)
-from runtime.step_timer import StepTimer
+from runtime.observability.step_timer import StepTimer
 from runtime.transport.base import Arrival
 from runtime.transport.buffer_pool import BufferPool
 from runtime.transport.chaos import ChaosDelays
@@ -224,7 +224,7 @@ class ZmqDistTransport:
         self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0, "in_place": 0,
                       "dropped": 0}
         self._drop_logged: set[str] = set()
-        # Liveness of this rank's serving loop, carried by every heartbeat (runtime/health.py): `progress` counts
+        # Liveness of this rank's serving loop, carried by every heartbeat (runtime/transport/health.py): `progress` counts
         # loop iterations (0: not in a serving loop, e.g. loading weights or capturing graphs: not judged), `work`
         # batches run. The engine thread writes them; the heartbeat thread reads them (int stores are atomic).
         self.progress = 0
@@ -239,7 +239,7 @@ class ZmqDistTransport:
         store = store or current_store()
         namespace = f"zmq{next(_instances)}"
         secret = secret or run_secret(store, rank, timeout_s)
-        self.secret = secret  # (the serving front's channel signs with it too: runtime/front_link.py)
+        self.secret = secret  # (the serving front's channel signs with it too: runtime/drivers/front_link.py)
         self._codec = Codec(secret, rank, world_size, max_frame_bytes)
         self._hb_codec = Codec(secret, rank, world_size, max_frame_bytes)  # the heartbeat thread's own
         self._ctx = zmq.Context()

@@ -1,7 +1,7 @@
 """Which part of the communication model moves the streaming/ag-ep ratio: one config, parts added one by one."""
 import sys, copy, json
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]; sys.path.insert(0, str(ROOT))
-from runtime.experiments.bench import load_config, BenchConfig, run_bench
+from lab.bench import load_config, BenchConfig, run_bench
 from dataflow.cmd_compile import resolve_model
 base = load_config(f"{ROOT}/benchmarks/cpu_bench_h200costs.yaml").model_dump()
 kv = int(sys.argv[1]) if len(sys.argv) > 1 else 512

@@ -1,12 +1,12 @@
 """Streaming under link bursts: per-home token rate and per-rank busy/batch size, burst-on vs burst-off windows."""
 import sys, collections
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]; sys.path.insert(0, str(ROOT))
-from runtime.experiments.bench import load_config, BenchConfig, run_cell, Cell, _requests, _router
-from runtime.experiments.interference import from_config
+from lab.bench import load_config, BenchConfig, run_cell, Cell, _requests, _router
+from lab.interference import from_config
 from dataflow.cmd_compile import resolve_model
 from lowering.plan import compile_plan
-from runtime.executor_sim import SimExecutor
-from runtime.experiments.routing_override import KeyedRoutingExecutor
+from runtime.executors.sim_executor import SimExecutor
+from lab.routing_override import KeyedRoutingExecutor
 cfgp, kv, system, pol = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 d = load_config(cfgp).model_dump(); d["kv_blocks"] = kv; cfg = BenchConfig.model_validate(d)
 spec, _ = resolve_model(cfg.model); plan = compile_plan(spec, cfg.ranks)

@@ -1,13 +1,13 @@
 """Diagnosis helper for benchmarks/results/cpu_bench.md (run from the repo root with the venv)."""
 import sys, collections, statistics as st
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]; sys.path.insert(0, str(ROOT))
-from runtime.experiments.bench import load_config, _requests, _router, BenchConfig
-from runtime.experiments.interference import from_config
+from lab.bench import load_config, _requests, _router, BenchConfig
+from lab.interference import from_config
 from dataflow.cmd_compile import resolve_model
 from lowering.plan import compile_plan
-from runtime.executor_sim import SimExecutor
-from runtime.experiments.routing_override import KeyedRoutingExecutor
-from runtime.cluster import Cluster, RunOptions
+from runtime.executors.sim_executor import SimExecutor
+from lab.routing_override import KeyedRoutingExecutor
+from runtime.drivers.cluster import Cluster, RunOptions
 from runtime.transport.inproc import InprocHub
 cfg = load_config(f"{ROOT}/benchmarks/cpu_bench.yaml")
 pol, kv, nreq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

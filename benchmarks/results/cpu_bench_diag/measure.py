@@ -4,8 +4,8 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]; sys.path.inser
 torch.set_num_threads(1)
 from graph_ir.spec import load_spec
 from models.weights import random_weights
-from runtime.executor import TorchExecutor
-from runtime.kv_cache import BlockAllocator, PagedKVStore
+from runtime.executors.torch_executor import TorchExecutor
+from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 spec = load_spec(f"{ROOT}/models/specs/tiny.yaml"); w = random_weights(spec); ex = TorchExecutor(spec, w)
 def tm(f, n=30):
     f(); ts=[]

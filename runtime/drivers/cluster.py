@@ -1,0 +1,310 @@
+"""In-process N-rank driver: N engines in one process, connected by the in-process transport.
+
+Two loops over the same engines:
+- wall clock: every rank in turn receives, picks and runs one batch (execute + complete back to
+  back); real time, real tensors. This is what `dataflow run --in-process` uses.
+- virtual clock: an event heap in all but name. A batch starts when its rank is idle, its math runs
+  at once, and it completes at start + cost-model duration; messages arrive at send time + the
+  transport's (seeded) link delay. Deterministic to the bit, so scheduler studies and the failure
+  mode tests are reproducible, and exactness tests can stress message orders.
+
+`run_workload(plan, requests, options, transport_factory)` is the one entry point the CLI (and the
+multi-process launcher, for its own ranks) calls.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from runtime.core.clock import VirtualClock, WallClock
+from runtime.executors.cost_model import CostModel
+from runtime.core.engine import Batch, Engine, config_from_plan
+from runtime.observability.metrics import BATCH_LOG, summarize
+from runtime.core.requests import Admission, Request
+from runtime.core.scheduler import make_policy
+from runtime.observability.trace import TRACE_BATCHES, TraceRecorder
+from runtime.transport.inproc import DelayFn, InprocHub
+
+# transport_factory(world_size, clock) -> one transport per rank
+TransportFactory = Callable[[int, object], list]
+
+
+@dataclass
+class RunOptions:
+    policy: str = "defrag"
+    policy_params: dict = field(default_factory=dict)
+    clock: str = "wall"  # wall | virtual
+    executor: str = "torch"  # torch (CudaExecutor on a cuda plan) | cuda (its CPU twin on cpu) | sim (no model)
+    cost_model: CostModel = field(default_factory=CostModel)  # batch durations on the virtual clock
+    delay: Optional[DelayFn] = None  # in-process link delay hook (seconds), seeded by delay_seed
+    delay_seed: int = 0
+    trace: bool = False
+    kv_blocks: Optional[int] = None  # per-rank KV pool override (None: the plan's)
+    home_policy: Optional[str] = None  # None: the plan's
+    decode_only: bool = False  # paper's throughput mode: random prompt KV, no prefill (runtime/core/decode_only.py)
+    # A keyed router replacing the model's (lab/routing_override: Zipf skew, a replayed
+    # trace); picklable, so rank processes build the same one. None: the model's own router.
+    router: Optional[object] = None
+    until: Optional[float] = None  # stop at this clock time; unfinished requests are reported so
+    # Wall clock, the floor of the stall bound: a rank's serving loop (peers watch its heartbeat) or, with requests
+    # outstanding, every rank's batches standing still for max(this, 10x the longest pause seen) is a bug, not a wait
+    # (runtime/transport/health.py ProgressWatch; `dataflow run --stall-timeout`).
+    stall_timeout_s: float = 60.0
+    progress: Optional[Callable[[int, int, int], None]] = None  # (finished, total, tokens)
+    # One JSON line per finished request (runtime/drivers/workload.py output_line, the format of write_outputs), written and
+    # flushed as each finishes, in finish order, by whoever collects the finished requests (the in-process driver, or
+    # rank 0's coordinator): a run that fails later keeps them. run_workload / run_workloads_multiprocess create the
+    # file empty first.
+    output_path: Optional[str] = None
+    # Multi-process only. False: the coordinator keeps no tokens or times of a finished request once its line is out
+    # (RunResult.requests then carry none; the metrics come from running totals, p99 ITL within 1%): flat memory on
+    # rank 0 however many requests a long run serves. Needs output_path.
+    keep_outputs: bool = True
+    batch_log: Optional[int] = BATCH_LOG  # per-batch records an engine keeps (runtime/observability/metrics.py); None: every one
+
+
+@dataclass
+class RunResult:
+    requests: list[Request]  # in submission order
+    metrics: dict
+    trace: Optional[TraceRecorder]
+    world_size: int
+
+    def outputs(self) -> list[dict]:
+        return [r.result() for r in self.requests]
+
+
+def inproc_factory(delay: Optional[DelayFn] = None, seed: int = 0) -> TransportFactory:
+    def make(world_size: int, clock) -> list:
+        return InprocHub(world_size, clock, delay, seed).transports()
+    return make
+
+
+class Cluster:
+    def __init__(self, plan, executor, options: RunOptions, transport_factory: Optional[TransportFactory] = None):
+        self.plan = plan
+        self.options = options
+        self.world_size = plan.cluster.ranks
+        self.clock = VirtualClock() if options.clock == "virtual" else WallClock()
+        if options.clock not in ("wall", "virtual"):
+            raise ValueError(f"clock {options.clock!r}; valid: wall, virtual")
+        factory = transport_factory or inproc_factory(options.delay, options.delay_seed)
+        self.transports = factory(self.world_size, self.clock)
+        self.hub = getattr(self.transports[0], "hub", None)  # in-process: knows delivery times
+        if options.clock == "virtual" and self.hub is None:
+            raise ValueError("the virtual clock needs the in-process transport (it must know delivery times)")
+        self.trace = TraceRecorder(TRACE_BATCHES * self.world_size) if options.trace else None
+        cfgs = [config_from_plan(plan, r, options.kv_blocks) for r in range(self.world_size)]
+        # All ranks share the executor's device here: their pools together must fit its free memory.
+        from runtime.executors.kv_fit import executor_kv_fit
+        fit = executor_kv_fit(executor, plan, 0, max(c.num_blocks for c in cfgs), pools=self.world_size)
+        for c in cfgs:
+            c.num_blocks = min(c.num_blocks, fit)
+        self.engines = [Engine(cfgs[r], executor, self.transports[r],
+                               self.clock, make_policy(options.policy, **options.policy_params), self.trace,
+                               batch_log=options.batch_log)
+                        for r in range(self.world_size)]
+        self._out = None  # OutputWriter while run() streams finished requests to options.output_path
+        if options.decode_only:
+            for e in self.engines:
+                e.enable_decode_only()
+        if options.clock == "virtual":  # simulated batch ends: a batch's results are there when it completes
+            for e in self.engines:
+                e.async_sample = e.async_route = False
+        self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
+                                   options.home_policy or plan.placement.home_policy)
+
+    def set_policy(self, name: str, **params) -> None:
+        for e in self.engines:
+            e.set_policy(name, **params)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _release(self, pending: list[Request], now: float) -> None:
+        while pending and pending[-1].arrival <= now:
+            self.admission.submit(pending.pop())
+        free = [e.free_blocks() for e in self.engines]
+        for req, home in self.admission.admit(free):
+            if not self.engines[home].admit(req):
+                raise RuntimeError(f"rank {home} refused request {req.name!r} after admission placed it there")
+
+    def _collect(self, done: list[Request], total: int) -> bool:
+        got = False
+        for e in self.engines:
+            f = e.take_finished()
+            if f:
+                done.extend(f)
+                got = True
+                if self._out is not None:
+                    for req in f:
+                        self._out.write(req)
+        if got and self.options.progress:
+            self.options.progress(len(done), total, sum(e.metrics.tokens for e in self.engines))
+        return got
+
+    def _stalled(self, why: str) -> RuntimeError:
+        states = "\n  ".join(e.state() for e in self.engines)
+        return RuntimeError(f"run stalled ({why}) at t={self.clock.now():.6f}; admission waiting="
+                            f"{self.admission.waiting}\n  {states}")
+
+    # ------------------------------------------------------------------ run
+    def run(self, requests: list[Request]) -> RunResult:
+        rids = [r.rid for r in requests]
+        if len(set(rids)) != len(rids):
+            raise ValueError("request ids (rid) must be unique")
+        # Latest arrival first so the next due request is pop()-ed from the end.
+        pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)
+        done: list[Request] = []
+        t0 = self.clock.now()
+        from runtime.drivers.workload import OutputWriter
+        self._out = OutputWriter(self.options.output_path, truncate=True) if self.options.output_path else None
+        try:
+            if self.options.clock == "virtual":
+                self._run_virtual(pending, done, len(requests))
+            else:
+                self._run_wall(pending, done, len(requests))
+        except Exception as err:
+            # The work done so far goes with the error: `err.finished` (finish order; each already on its line of
+            # options.output_path), as RunFailed.finished does for the multi-process runner.
+            err.finished = list(done)
+            raise
+        finally:
+            if self._out is not None:
+                self._out.close()
+                self._out = None
+        elapsed = self.clock.now() - t0
+        if requests:
+            first = min(r.arrival for r in requests)
+            ends = [r.t_finish for r in requests if r.done]
+            elapsed = (max(ends) if ends and len(ends) == len(requests) else self.clock.now()) - first
+        for e in self.engines:
+            # Items still queued when a run stops (an `until` horizon) count with their wait so far:
+            # a starved item must show up in the max queueing delay, not vanish from it.
+            e.metrics.max_queue_delay = max(e.metrics.max_queue_delay, e.oldest_wait())
+        metrics = summarize(requests, [e.metrics for e in self.engines], elapsed)
+        metrics["messages"] = self.hub.messages if self.hub else None
+        metrics["policy"] = self.options.policy
+        metrics["ranks"] = self.world_size
+        metrics["dispatch"] = self.engines[0].dispatch_name if self.engines else None
+        return RunResult(list(requests), metrics, self.trace, self.world_size)
+
+    def _run_wall(self, pending: list[Request], done: list[Request], total: int) -> None:
+        clock, engines, until = self.clock, self.engines, self.options.until
+        last_progress = clock.now()
+        while len(done) < total:
+            now = clock.now()
+            if until is not None and now >= until:
+                return
+            self._release(pending, now)
+            ran = False
+            for e in engines:
+                ran |= e.poll() > 0
+                batch = e.next_batch()
+                if batch is not None:
+                    e.execute(batch)
+                    e.complete(batch)
+                    ran = True
+            if self._collect(done, total):
+                ran = True
+            if ran:
+                last_progress = clock.now()
+                continue
+            if clock.now() - last_progress > self.options.stall_timeout_s:
+                raise self._stalled(f"no progress for {self.options.stall_timeout_s} s")
+            # Nothing runnable: wait for the next arrival or delivery, in bounded slices, so a
+            # message from an out-of-process peer is never waited on past 1 ms.
+            wake = [pending[-1].arrival] if pending else []
+            if self.hub is not None and self.hub.next_delivery() is not None:
+                wake.append(self.hub.next_delivery())
+            wake += [now + e.hold_s for e in engines if e.hold_s > 0]  # wave holds expire
+            wake += [now + 0.0002 for e in engines if e.deferred]  # sample tokens or routing on their way to the host
+            if not wake and self.hub is not None and not self.admission.waiting:
+                raise self._stalled("nothing queued, nothing in flight, requests unfinished")
+            gap = min(wake) - clock.now() if wake else 0.001
+            time.sleep(min(max(gap, 0.0), 0.001))
+
+    def _run_virtual(self, pending: list[Request], done: list[Request], total: int) -> None:
+        clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
+        until = self.options.until
+        busy: list[Optional[tuple[float, Batch]]] = [None] * self.world_size
+        while True:
+            now = clock.now()
+            # 1. batches ending now complete (rank order: deterministic)
+            for r, b in enumerate(busy):
+                if b is not None and b[0] <= now:
+                    busy[r] = None
+                    if b[1] is None:
+                        continue  # the end of a batch's send tail (below)
+                    sent = hub.messages
+                    engines[r].complete(b[1])
+                    sent = hub.messages - sent
+                    # The sender's host cost of the messages this batch issued (cost.send_cpu each):
+                    # the rank stays busy for what its device time did not hide.
+                    if sent and getattr(cost, "send_cpu", 0.0):
+                        device = b[0] - b[1].t_start
+                        tail = cost.with_sends(device, sent) - device
+                        if tail > 0:
+                            busy[r] = (now + tail, None)
+            self._collect(done, total)
+            if len(done) == total:
+                return
+            # 2. arrivals due now are admitted (KV freed by step 1 is visible)
+            self._release(pending, now)
+            # 3. idle ranks receive and start their next batch
+            for r, e in enumerate(engines):
+                if busy[r] is None:
+                    e.poll()
+                    batch = e.next_batch()
+                    if batch is not None:
+                        e.execute(batch)
+                        busy[r] = (now + cost.duration(batch.stage.kind, batch.rows), batch)
+            # 4. jump to the next event: a batch end, a delivery to an idle rank, or an arrival
+            events = [b[0] for b in busy if b is not None]
+            events += [t for r, t in enumerate(hub.next_delivery_per_rank()) if t is not None and busy[r] is None]
+            events += [now + e.hold_s for r, e in enumerate(engines) if busy[r] is None and e.hold_s > 0]
+            if pending:
+                events.append(pending[-1].arrival)
+            if not events:
+                raise self._stalled("no batch running, nothing in flight, no arrival due")
+            t_next = min(events)
+            if until is not None and t_next > until:
+                return
+            clock.advance_to(max(t_next, now))
+
+
+def build_executor(plan, options: RunOptions, weights=None):
+    """The executor for a run (the torch one over the plan's weights, or the simulated one), routed by
+    `options.router` when one is given."""
+    ex = _build_executor(plan, options, weights)
+    if options.router is not None:
+        from lab.routing_override import routed
+        ex = routed(ex, options.router)
+    return ex
+
+
+def _build_executor(plan, options: RunOptions, weights=None):
+    if options.executor == "sim":
+        from runtime.executors.sim_executor import SimExecutor
+        return SimExecutor.for_spec(plan.spec)
+    if options.executor not in ("torch", "cuda"):
+        raise ValueError(f"executor {options.executor!r}; valid: torch, cuda, sim")
+    from models.weights import load_weights
+    w = weights if weights is not None else load_weights(plan.spec)
+    if plan.cluster.device == "cuda" or options.executor == "cuda":
+        # CUDA graphs per plan bucket + Triton kernels (runtime/executors/cuda_executor.py). executor="cuda"
+        # on a CPU plan runs its CPU twin (same bucketing/padding code, no graphs).
+        import torch
+        from runtime.executors.cuda_executor import CudaExecutor
+        # A cuda plan where no GPU is visible runs the CPU twin (the CLI says so), as the ranks do.
+        on_gpu = plan.cluster.device == "cuda" and torch.cuda.is_available()
+        return CudaExecutor(plan.spec, w, plan, device="cuda" if on_gpu else "cpu")
+    from runtime.executors.torch_executor import TorchExecutor
+    return TorchExecutor(plan.spec, w)
+
+
+def run_workload(plan, requests: list[Request], options: Optional[RunOptions] = None,
+                 transport_factory: Optional[TransportFactory] = None, weights=None) -> RunResult:
+    """Serve `requests` on `plan` with all ranks in this process and return outputs + metrics."""
+    options = options or RunOptions()
+    cluster = Cluster(plan, build_executor(plan, options, weights), options, transport_factory)
+    return cluster.run(requests)
