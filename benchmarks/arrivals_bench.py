@@ -4,7 +4,7 @@ executor, side by side in one run: tokens/s, ITL and time to first token of its 
               the largest bucket; the default since session 18), its attention by row blocks (Triton: each K/V tile
               read once per block of a chunk's rows);
   per-row   - the same with its attention on the decode kernel, row by row (session 18's first form);
-  no-yield  - paged, with prompt-only batches not yielding to overdue decode rows (DATAFLOW_DECODE_WAIT_MS=0: the
+  no-yield  - paged, with prompt-only batches not yielding to overdue decode rows (decode_wait_ms=0: the
               engine before session 19); yield-10: yielding after 10 ms instead of the default;
   eager     - all of it by models.attention, decode rows batched (session 16's; session 17's "split", its decode rows
               through the paged kernels and the chunks by models.attention, is gone: run 150).
@@ -23,15 +23,14 @@ prefill, so it sets the percentiles) and, in the last column, over those arrivin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
-import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -67,13 +66,26 @@ def _requests(spec, n: int, initial: int, rate: float, prompt: tuple, new: tuple
     return out
 
 
+@contextlib.contextmanager
+def decode_wait(ms):
+    """RuntimeOptions.decode_wait_ms = `ms` (None: the default) while the block runs; the options before, after."""
+    from runtime import settings
+    before = settings.current()
+    values = before.model_dump()
+    values.pop("decode_wait_ms")
+    if ms is not None:
+        values["decode_wait_ms"] = ms
+    settings.configure(settings.options_from(values, "arrivals_bench"))
+    try:
+        yield
+    finally:
+        settings.configure(before)
+
+
 def _run(variant: str, plan, ex, inner, template, kv_blocks: int, dev, block_rows: int) -> dict:
     inner.prompts, blocks, wait_ms = SETTINGS[variant]
     inner.block_rows = block_rows if blocks else 0
-    with mock.patch.dict(os.environ):  # the engines read the bound when they are made; restored after
-        os.environ.pop("DATAFLOW_DECODE_WAIT_MS", None)
-        if wait_ms is not None:
-            os.environ["DATAFLOW_DECODE_WAIT_MS"] = wait_ms
+    with decode_wait(None if wait_ms is None else float(wait_ms)):  # the engines read the bound when they are made
         cl = Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=kv_blocks, stall_timeout_s=300, batch_log=None))
     if hasattr(inner, "prepare"):
         for e in cl.engines:

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from runtime.core.clock import WallClock
 from runtime.core.engine import Engine, EngineConfig, StageInfo
+from runtime.executors.base import ExecutorBase
 from runtime.executors.torch_executor import row_blocks
 from runtime.core.requests import Request
 from runtime.core.routed_rows import ids_of, pack, payload_columns
@@ -59,8 +60,10 @@ class TorchCalls(TorchFunctionMode):
 CALLS: Optional[TorchCalls] = None  # set by run(count_calls=True)
 
 
-class NullExecutor:
+class NullExecutor(ExecutorBase):
     """The executor interface with near-zero math: vectorized, deterministic, shape-correct."""
+
+    supports_device_routing = True  # experts_routed() below
 
     def __init__(self, hidden: int, route_on_device: bool = False) -> None:
         self.H = hidden

@@ -54,7 +54,7 @@ from models.weights import ModelWeights, random_weights  # noqa: E402
 from runtime.drivers.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executors.torch_executor import TorchExecutor  # noqa: E402
 from runtime.executors.cuda_executor import CudaExecutor  # noqa: E402
-from lab.barrier_dist import merge_probes, new_probe, probe_engine  # noqa: E402
+from lab.host_probe import merge_probes, new_probe, probe_engine  # noqa: E402
 from lab.floors import expert_batch_bytes, measure_copy_bps  # noqa: E402
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402
 from runtime.core.requests import Request  # noqa: E402
@@ -144,9 +144,10 @@ class TeacherForcing:
         self.forced = forced
         self.recorded: dict[tuple[int, int], torch.Tensor] = {}
 
-    # The engine samples asynchronously through an executor's sample_batch_start when it has one (session 5):
-    # that path would bypass sample_batch below and record nothing. None makes the engine call sample_batch.
-    sample_batch_start = None
+    def sample_batch_start(self, logits, params, steps):
+        """None: the engine samples synchronously through sample_batch below (the asynchronous path would bypass
+        it and record nothing)."""
+        return None
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -275,8 +276,6 @@ def section_correctness(args, dev: torch.device, results: dict) -> None:
             wdev = w32.to(device=dev, dtype=dtype)
             tol = 1e-3 if dtype == torch.float32 else delta
             impls = args.ffn_impls.split(",") if dev.type == "cuda" else ["torch"]
-            if dtype == torch.float32:
-                impls = [i for i in impls if i != "grouped_mm"] or ["torch"]  # grouped_mm is bf16-only
             for impl in impls:
                 try:
                     ex = CudaExecutor(spec, wdev, plan, dev, ffn_impl=impl)
@@ -770,7 +769,7 @@ def main(argv=None) -> int:
     p.add_argument("--check-models", default="tiny-gpt-oss,tiny-qwen3-moe")
     p.add_argument("--check-requests", type=int, default=12)
     p.add_argument("--check-new", type=int, default=8)
-    p.add_argument("--ffn-impls", default="triton,grouped_mm")
+    p.add_argument("--ffn-impls", default="triton")
     p.add_argument("--layers", type=int, default=4, help="e2e: GPT-OSS-20B cut to this many layers")
     p.add_argument("--ranks", type=int, default=2, help="e2e: in-process ranks (one device)")
     p.add_argument("--systems", default="streaming,ag-ep,a2a-ep")

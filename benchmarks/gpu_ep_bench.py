@@ -6,7 +6,7 @@ under interference, in one command.
     python benchmarks/gpu_ep_bench.py --out DIR --model gpt-oss-120b            # cut to 18 layers
     ... --systems streaming-defrag,ag-ep --scenarios clean,delay --concurrency 64 --layers 4
     ... --scenarios clean,delay-1ms,delay-5ms,delay-10ms       # sweep the burst size in one launch
-    ... --rounds 3 --variants "lib:DATAFLOW_NCCL_P2P=lib;c10d:DATAFLOW_NCCL_P2P=c10d"   # an A/B, medians of 3
+    ... --rounds 3 --variants "lib:nccl_p2p=lib;c10d:nccl_p2p=c10d"   # an A/B of a RuntimeOptions field, medians of 3
 
 Every system gets the same weights (seeded, drawn on each rank's device), placement (the plan's),
 kernels (runtime/executor_cuda.CudaExecutor), KV cache, requests and routing (Zipf, keyed by
@@ -165,8 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--launch-timeout", type=float, default=None, help="seconds per launch (default: from --budget)")
     p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole bench")
     p.add_argument("--variants", default=None,
-                   help="A/B of the streaming launches' environment: 'NAME:VAR=VALUE,...;NAME:...' "
-                        "(e.g. 'lib:DATAFLOW_NCCL_P2P=lib;c10d:DATAFLOW_NCCL_P2P=c10d'); rows read streaming-<policy>@NAME")
+                   help="A/B of the streaming launches' settings: 'NAME:KEY=VALUE,...;NAME:...', KEY a RuntimeOptions "
+                        "field (runtime/settings.py) or an environment variable of the lab (DATAFLOW_KEYED_ROUTER) "
+                        "(e.g. 'lib:nccl_p2p=lib;c10d:nccl_p2p=c10d'); rows read streaming-<policy>@NAME")
     p.add_argument("--rounds", type=int, default=1,
                    help="launch every family this many times, variants alternating within a round, and add a "
                         "table of medians over rounds (the H200 box's run-to-run noise is 10-40%%)")
@@ -386,8 +387,10 @@ def parse_links(text, ranks: int):
 
 
 def parse_variants(text) -> list:
-    """'lib:DATAFLOW_NCCL_P2P=lib;c10d:DATAFLOW_NCCL_P2P=c10d' -> [(name, {var: value}), ...];
-    None -> one unnamed variant with no environment."""
+    """'lib:nccl_p2p=lib;c10d:nccl_p2p=c10d' -> [(name, {var: value}), ...], the environment of each variant's
+    launch: RuntimeOptions fields go into DATAFLOW_OPTIONS (over this process's options), other keys are environment
+    variables as given. None -> one unnamed variant with no environment."""
+    from runtime import settings
     if not text:
         return [(None, {})]
     out = []
@@ -401,6 +404,14 @@ def parse_variants(text) -> list:
             env[k.strip()] = v.strip()
         if not colon or not name.strip() or "/" in name or "@" in name:
             raise ValueError(f"--variants {text!r}: each variant is NAME:VAR=VALUE,... (NAME without / or @), got {part!r}")
+        fields = {k: env.pop(k) for k in list(env) if k in settings.RuntimeOptions.model_fields}
+        if fields:
+            values = settings.parse_set([f"{k}={v}" for k, v in fields.items()])
+            try:
+                options = settings.options_from(values, f"--variants {name.strip()!r}", settings.current())
+            except Exception as err:  # a UserError: the field's value is not valid
+                raise ValueError(str(err)) from None
+            env[settings.ENV_OPTIONS] = options.model_dump_json(exclude_defaults=True)
         out.append((name.strip(), env))
     return out
 
@@ -414,7 +425,7 @@ def _round_of(label: str) -> int:
 def median_rows(results: dict) -> list[dict]:
     """Per (system, scenario without the round, C): median tok/s over rounds, min, max, and the median
     of the per-round ratios to ag-ep (each round's streaming against the same round's barrier); the
-    grouping and medians are `dataflow bench`'s (report.median_over_repeats)."""
+    grouping and medians are `python -m lab bench`'s (report.median_over_repeats)."""
     from lab.report import median_over_repeats
     cells = []
     for r in results["runs"]:

@@ -1,4 +1,4 @@
-"""Time each kernel (torch reference vs Triton vs torch._grouped_mm) against its bytes/FLOPs floor.
+"""Time each kernel (torch reference vs Triton) against its bytes/FLOPs floor.
 
     python benchmarks/kernels_bench.py --out DIR            # GPU box: GPT-OSS shapes, bf16
     python benchmarks/kernels_bench.py --out DIR --smoke    # tiny shapes (default without CUDA)
@@ -43,9 +43,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.dispatch import triton_available  # noqa: E402
-from kernels.grouped_ffn import (  # noqa: E402
-    grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton, grouped_mm_supported,
-)
+from kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton  # noqa: E402
 from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
 from kernels.permute import (  # noqa: E402
     gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton,
@@ -238,8 +236,6 @@ def bench_grouped_ffn(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bool
             impls = {"torch": lambda: grouped_ffn_torch(*args)}
             if use_triton:
                 impls["triton"] = lambda: grouped_ffn_triton(*args)
-            if grouped_mm_supported(x, w_gate):
-                impls["grouped_mm"] = lambda: grouped_ffn_grouped_mm(*args)
             r.run("grouped_ffn", dict(N=x.shape[0], E=E, active=active, H=H, I=I), impls, nbytes, flops,
                   close(3e-2 if dtype != torch.float32 else 1e-4))
 

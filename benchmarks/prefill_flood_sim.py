@@ -1,6 +1,6 @@
 """Decode rows under a flood of long prompts, on the virtual clock (the engine, queues and scheduler as in real runs,
 the simulated executor, a cost model for batch times): ITL and TTFT per scheduling policy, with the engine's
-decode-wait bound (prompt-only batches yield to decode rows that waited that long at their stage; DATAFLOW_DECODE_WAIT_MS)
+decode-wait bound (prompt-only batches yield to decode rows that waited that long at their stage; decode_wait_ms)
 at each of --bounds, side by side in one run. CPU only, seconds.
 
     python benchmarks/prefill_flood_sim.py                       # run 154's load: 96 requests, 2-8k-token prompts
@@ -13,14 +13,13 @@ row, expert 200 us + 0.3 us a row (a 1,024-row prompt batch ~0.25 ms per layer a
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from arrivals_bench import decode_wait  # noqa: E402
 from gpu_bench import cut_spec  # noqa: E402
 
 from lowering.plan import compile_plan  # noqa: E402
@@ -49,7 +48,7 @@ def flood(policy: str, bound_ms: float, *, model: str = "gpt-oss-20b", layers: i
         reqs.append(Request(i, f"r{i}", [5] * g.randint(*prompt), g.randint(*new), ignore_eos=True, arrival=t))
     cost = CostModel(attn_fixed=150e-6, attn_per_row=attn_per_row, expert_fixed=200e-6, expert_per_row=0.3e-6)
     kv_blocks = requests * (prompt[1] + new[1] + 16) // plan.kv.block_size + 8  # (per rank: room for all)
-    with mock.patch.dict(os.environ, {"DATAFLOW_DECODE_WAIT_MS": str(bound_ms)}):  # read when the engine is made
+    with decode_wait(bound_ms):  # read when the engine is made
         cl = Cluster(plan, SimExecutor.for_spec(spec), RunOptions(policy=policy, clock="virtual", executor="sim",
                                                                   cost_model=cost, kv_blocks=kv_blocks))
         res = cl.run(reqs)

@@ -6,7 +6,7 @@
 Each run compiles the plan (`dataflow compile SPEC --ranks R --device D`), then times a short `dataflow run` of it as
 a user starts it (a fresh process, `python -m dataflow run PLAN --prompts ... -o ...`): request 0 asks for one new
 token, the others for --max-new-tokens, all arriving at once, so the moment request 0's output line appears is the
-first token. The rank processes print their start-up phases (DATAFLOW_VERBOSE=1: runtime/drivers/multiproc.py
+first token. The rank processes print their start-up phases (the verbose option: runtime/drivers/rank_node.py
 STARTUP_PHASES, the same dict as the run's metrics["startup_s"]) and the wall clock at which they began serving. Printed
 per run: the phases (the slowest rank's, and each rank's with --ranks > 1), the launcher's own time before it spawned
 the ranks (the CLI's imports, the plan, the workload), the wall time to serving and to the first token, the total.
@@ -234,7 +234,7 @@ def main() -> None:
         prompts = work / "prompts.jsonl"
         write_prompts(prompts, spec, a.requests, a.max_new_tokens)
         for i in range(a.runs):
-            env = _env(DATAFLOW_VERBOSE="1", TRITON_CACHE_DIR=str(triton_cache))
+            env = _env(DATAFLOW_OPTIONS='{"verbose": true}', TRITON_CACHE_DIR=str(triton_cache))
             res = timed_run(plan, prompts, work, a.timeout, env)
             results["runs"].append(res)
             report(i, res, cold=i == 0)

@@ -19,8 +19,9 @@ DEFAULT_PLAN_DIR = "dataflow-plan"  # `compile` writes here without -o; `run`/`i
 def _register() -> None:
     # Each cmd_* module defines `register(app)` and imports its heavy dependencies (torch, the
     # runtime) inside the command, so `dataflow --help` stays fast.
-    from dataflow import cmd_bench, cmd_compile, cmd_inspect, cmd_run, cmd_serve, cmd_transport_bench
-    for mod in (cmd_compile, cmd_inspect, cmd_run, cmd_serve, cmd_bench, cmd_transport_bench):
+    # (`bench`, which compares against the lab's baselines, is the lab's: `python -m lab bench`.)
+    from dataflow import cmd_compile, cmd_inspect, cmd_options, cmd_run, cmd_serve, cmd_transport_bench
+    for mod in (cmd_compile, cmd_inspect, cmd_run, cmd_serve, cmd_options, cmd_transport_bench):
         mod.register(app)
 
 
@@ -28,8 +29,13 @@ _register()
 
 
 def main() -> None:
+    run_app(app)
+
+
+def run_app(typer_app: typer.Typer) -> None:
+    """Run `typer_app` (the `dataflow` command, or the lab's) with user mistakes as one line and exit code 2."""
     try:
-        rc = app(standalone_mode=False)
+        rc = typer_app(standalone_mode=False)
         # Non-standalone mode returns (not raises) some exit codes, e.g. typer turns Ctrl-C into 130.
         if isinstance(rc, int) and rc:
             if rc == 130:

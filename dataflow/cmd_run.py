@@ -27,6 +27,10 @@ import typer
 from graph_ir.errors import UserError
 
 
+OPTIONS_HELP = "a YAML/JSON file of runtime options (`dataflow options` lists them)"
+SET_HELP = "FIELD=VALUE: one runtime option, over --options (repeatable; `dataflow options` lists them)"
+
+
 def _parse_params(items: list[str]) -> dict:
     out = {}
     for item in items:
@@ -146,7 +150,7 @@ def _unfinished_summary(finished: list, requests: list, output: Optional[Path]) 
 
 class _BarProgress:
     """The run's progress callback: (finished, total, tokens) moves the bar; `phase(text)` (rank 0's start-up
-    phase, runtime/drivers/multiproc.py StartupTimes.NEXT) labels it: starting the device, building weights, ..., serving."""
+    phase, runtime/drivers/startup.py StartupTimes.NEXT) labels it: starting the device, building weights, ..., serving."""
 
     def __init__(self, bar, task) -> None:
         self.bar, self.task = bar, task
@@ -174,7 +178,11 @@ def _summary_table(metrics: dict, plan, policy: str):
     t.add_row("requests finished", f"{metrics['finished']} / {metrics['requests']}")
     procs = metrics.get("processes")  # set by the multi-process runner only
     t.add_row("processes", f"{procs} (one per rank)" if procs else "1 (all ranks in-process)")
-    if metrics.get("dispatch"):  # DATAFLOW_DISPATCH: device-routed on a GPU by default, host-routed on the CPU
+    from runtime import settings
+    changed = settings.changed()
+    if changed:  # the options this run was given (runtime/settings.py), so a report says what it measured
+        t.add_row("options", ", ".join(f"{k}={v}" for k, v in changed.items()))
+    if metrics.get("dispatch"):  # the plan's or the dispatch option: device-routed on a GPU, host-routed on the CPU
         t.add_row("dispatch", metrics["dispatch"])
     t.add_row("tokens generated", str(metrics["tokens"]))
     t.add_row("elapsed", f"{metrics['elapsed_s']:.3f} s")
@@ -188,11 +196,11 @@ def _summary_table(metrics: dict, plan, policy: str):
     t.add_row("time to first token p50 / p99", f"{ms('p50_ttft_s')} / {ms('p99_ttft_s')} ms")
     t.add_row("time per output token p50 / p99", f"{ms('p50_tpot_s')} / {ms('p99_tpot_s')} ms")
     t.add_row("inter-token latency p50 / p99 / max", f"{ms('p50_itl_s')} / {ms('p99_itl_s')} / {ms('max_itl_s')} ms")
-    if metrics.get("prompt_yields"):  # Engine._decode_overdue (DATAFLOW_DECODE_WAIT_MS)
+    if metrics.get("prompt_yields"):  # the decode_wait_ms option
         t.add_row("prompt batches yielded to decode", str(metrics["prompt_yields"]))
     if metrics.get("messages") is not None:
         t.add_row("messages between ranks", str(metrics["messages"]))
-    if metrics.get("startup_s"):  # the multi-process runner: each rank's start-up, by phase (runtime/drivers/multiproc.py)
+    if metrics.get("startup_s"):  # the multi-process runner: each rank's start-up, by phase (runtime/drivers/startup.py)
         t.add_row("rank start-up (slowest rank)", _startup_line(metrics["startup_s"]))
     if metrics.get("listening"):  # the multi-process runner: what accepted connections during the run
         t.add_row("listening (loopback unless MASTER_ADDR is not)",
@@ -249,6 +257,8 @@ def register(app: typer.Typer) -> None:
                                   help="wall, or virtual (batches timed by the cost model: a simulation)"),
         kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="override KV pages per rank"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+        options_file: Optional[Path] = typer.Option(None, "--options", help=OPTIONS_HELP),
+        set_option: list[str] = typer.Option([], "--set", help=SET_HELP),
     ) -> None:
         """Run a workload on PLAN_DIR and print a summary (requests, tokens, tokens/s, batch sizes)."""
         from pydantic import ValidationError
@@ -262,6 +272,8 @@ def register(app: typer.Typer) -> None:
         from runtime.drivers.workload import default_workload, load_prompts
 
         console = Console(stderr=True)
+        from runtime import settings
+        settings.from_flags(options_file and str(options_file), set_option)
         plan = load_plan(plan_dir)
         spec = plan.spec
         if parse_policy(policy)[0] not in POLICIES:

@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from graph_ir.errors import UserError
+from dataflow.cmd_run import OPTIONS_HELP, SET_HELP
 
 
 def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[int] = None,
@@ -102,11 +103,15 @@ def register(app: typer.Typer) -> None:
                                             help="requests open at once; more are answered 503 (Retry-After)"),
         peer_timeout: float = typer.Option(10.0, "--peer-timeout", help="seconds of silence before a rank is dead"),
         stall_timeout: float = typer.Option(60.0, "--stall-timeout", help="see `dataflow run --help`"),
+        options_file: Optional[Path] = typer.Option(None, "--options", help=OPTIONS_HELP),
+        set_option: list[str] = typer.Option([], "--set", help=SET_HELP),
     ) -> None:
         """Serve PLAN_DIR over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
         import uvicorn
 
         from dataflow.openai_api import create_app
+        from runtime import settings
+        options = settings.from_flags(options_file and str(options_file), set_option)
         if not 0 < port < 65536:
             raise UserError(f"--port {port}; valid: 1..65535")
         if max_outstanding < 1:
@@ -120,6 +125,8 @@ def register(app: typer.Typer) -> None:
             print(f"note: listening on {host}: anyone who can reach it can use this server (no authentication)",
                   file=sys.stderr)
         text = "text and token ids" if server.tokenizer is not None else "token ids only (no tokenizer)"
-        print(f"serving {plan.spec.name} ({plan.cluster.ranks} rank process(es), {text}) on http://{host}:{port}/v1 "
-              f"once the ranks are up", file=sys.stderr, flush=True)
+        changed = settings.changed(options)
+        given = f", options {changed}" if changed else ""
+        print(f"serving {plan.spec.name} ({plan.cluster.ranks} rank process(es), {text}{given}) on "
+              f"http://{host}:{port}/v1 once the ranks are up", file=sys.stderr, flush=True)
         uvicorn.run(create_app(server), host=host, port=port, log_level="warning")

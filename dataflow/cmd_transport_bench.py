@@ -46,16 +46,14 @@ def _label(size: int) -> str:
 
 
 def bench_rank(env, sizes: list[int], messages: int, latency_messages: int, device: str = "cpu") -> dict:
-    """Runs inside each rank process (see runtime/drivers/launch.py)."""
-    import os
-
+    """Runs inside each rank process (see runtime/drivers/launch.py). On CUDA the launch sets NCCL_NVLS_ENABLE=0:
+    point-to-point needs no NVLink multicast buffers, and they fail on some machines."""
     import torch
 
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     from runtime.drivers.launch import set_rank_threads
     set_rank_threads(env, on_gpu=device == "cuda")
     if device == "cuda":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # p2p needs no NVLink multicast buffers
         torch.cuda.set_device(env.local_rank)
         dev = torch.device("cuda", env.local_rank)
     else:

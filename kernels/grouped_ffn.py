@@ -11,28 +11,26 @@
 `gptoss_glu` is transformers' GptOssExperts._apply_gate (after de-interleaving its fused
 gate_up projection into w_gate / w_up, which models/checkpoint.py does).
 
-Three implementations, same signature:
-- torch reference: a loop over the non-empty experts, op for op `models.moe.experts_rows` (so
-  equal to it bit for bit; the loop needs the offsets on the host, i.e. one synchronization).
+Two implementations, same signature:
+- torch reference: a loop over the non-empty experts, op for op `models.moe.experts_rows` with its
+  activation (`models.moe.glu`), so equal to it bit for bit; the loop needs the offsets on the host,
+  i.e. one synchronization.
 - Triton: two grouped GEMM launches (gate+up with the activation fused, then down). Each program
   owns one (row tile of one expert, column tile); programs find their expert from the offsets on
   the device, so the launch never reads data-dependent sizes on the host and can be captured in
   a CUDA graph. fp32 accumulation; bf16 in/out on the GPU. The activation is applied to the fp32
   accumulators (the reference rounds g and u to the input dtype first), so bf16 results differ
-  from the reference by rounding only.
-- `torch._grouped_mm` (CUDA sm90+, bf16; also CPU in recent torch), chosen with
-  DATAFLOW_GROUPED_FFN=grouped_mm, behind `grouped_mm_supported`.
+  from the reference by rounding only. (torch._grouped_mm reached 58% of the byte floor where
+  this kernel reached 90% on an H200; it was deleted.)
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
+from models.moe import glu  # the reference's activation is the model's own
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
@@ -49,15 +47,6 @@ def _check(x, expert_offsets, w_gate, w_up, w_down, activation) -> None:
         raise ValueError(f"w_up {tuple(w_up.shape)} / w_down {tuple(w_down.shape)} do not match w_gate {(E, I, H)}")
     if expert_offsets.shape != (E + 1,):
         raise ValueError(f"expert_offsets {tuple(expert_offsets.shape)}: expected [{E + 1}]")
-
-
-def _act_torch(g: torch.Tensor, u: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    # Same ops, same dtype as models.moe (gptoss_glu / silu * up), so the reference is bit-equal.
-    if activation == "gptoss_glu":
-        g = g.clamp(max=limit)
-        u = u.clamp(min=-limit, max=limit)
-        return (u + 1) * (g * torch.sigmoid(g * alpha))
-    return F.silu(g) * u
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +68,7 @@ def grouped_ffn_torch(
         xe = x_sorted[lo:hi]
         g = F.linear(xe, w_gate[e], b_gate[e] if b_gate is not None else None)
         u = F.linear(xe, w_up[e], b_up[e] if b_up is not None else None)
-        h = _act_torch(g, u, activation, alpha, limit)
+        h = glu(g, u, activation, alpha, limit)
         y[lo:hi] = F.linear(h, w_down[e], b_down[e] if b_down is not None else None)
     return y
 
@@ -241,64 +230,6 @@ def grouped_ffn_triton(
 
 
 # ---------------------------------------------------------------------------------------------
-# torch._grouped_mm
-
-
-@functools.cache
-def _grouped_mm_works_on(device_type: str, dtype: torch.dtype) -> bool:
-    # A tiny probe: the op's dtype/device support varies across torch builds.
-    try:
-        a = torch.zeros(4, 16, dtype=dtype, device=device_type)
-        b = torch.zeros(2, 16, 16, dtype=dtype, device=device_type)
-        torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device_type))
-    except Exception:
-        return False
-    return True
-
-
-def grouped_mm_supported(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
-    """Whether `grouped_ffn_grouped_mm` can run on these tensors.
-
-    On CUDA torch's grouped GEMM needs sm90+ and bf16; its TMA loads need 16-byte aligned rows
-    (H and I multiples of 8 for bf16). Elsewhere a probe call decides.
-    """
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    E, I, H = w_gate.shape
-    if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) < (9, 0) or x.dtype != torch.bfloat16:
-            return False
-        if H % 8 or I % 8:
-            return False
-    return _grouped_mm_works_on(x.device.type, x.dtype)
-
-
-def grouped_ffn_grouped_mm(
-    x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None,
-    activation: str = "silu_glu", alpha: float = 1.702, limit: float = 7.0,
-) -> torch.Tensor:
-    """`torch._grouped_mm` version (three grouped GEMMs; biases added per row)."""
-    _check(x_sorted, expert_offsets, w_gate, w_up, w_down, activation)
-    N = x_sorted.shape[0]
-    if N == 0:
-        return x_sorted.new_zeros(x_sorted.shape)
-    ends = expert_offsets[1:].to(torch.int32)  # _grouped_mm wants each group's end row, int32
-    g = torch._grouped_mm(x_sorted, w_gate.transpose(1, 2), offs=ends)
-    u = torch._grouped_mm(x_sorted, w_up.transpose(1, 2), offs=ends)
-    # Expert of each row without a host sync: the first group whose end is past the row.
-    expert_of_row = torch.searchsorted(expert_offsets[1:], torch.arange(N, device=x_sorted.device), right=True)
-    if b_gate is not None:
-        g = g + b_gate[expert_of_row]
-    if b_up is not None:
-        u = u + b_up[expert_of_row]
-    h = _act_torch(g, u, activation, alpha, limit)
-    y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=ends)
-    if b_down is not None:
-        y = y + b_down[expert_of_row]
-    return y
-
-
-# ---------------------------------------------------------------------------------------------
 # dispatch
 
 
@@ -309,12 +240,9 @@ def grouped_ffn(
     """y [N, H] for rows x_sorted [N, H] sorted by expert (see the module docstring).
 
     expert_offsets [E+1] int64; weights [E, I, H] / [E, H, I]; biases [E, I] / [E, H] or None.
-    `kernels.dispatch.backend_for` picks Triton or torch; on the Triton side,
-    DATAFLOW_GROUPED_FFN=grouped_mm switches to `torch._grouped_mm` where supported.
+    `kernels.dispatch.backend_for` picks Triton or torch.
     """
     args = (x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit)
     if backend_for(x_sorted, w_gate, w_up, w_down) == "triton":
-        if os.environ.get("DATAFLOW_GROUPED_FFN", "triton") == "grouped_mm" and grouped_mm_supported(x_sorted, w_gate):
-            return grouped_ffn_grouped_mm(*args)
         return grouped_ffn_triton(*args)
     return grouped_ffn_torch(*args)

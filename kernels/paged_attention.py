@@ -365,9 +365,9 @@ def paged_row_block_attention_triton(
     decode kernel reads it once per row. Every other row (a decode row, a padding row) goes through the decode kernel
     with its context from `solo_lens` (0 for the rows in a block, which that kernel leaves zero and the row-block kernel
     then writes): in a block of its own such a row would fill 1/rows_per_block of the tile and get no context splits
-    (run 152: 128 decode rows at 2048 beside a chunk, 0.73 ms per layer in blocks against 0.49 row by row).
+    (128 decode rows at 2048 beside a chunk, 0.73 ms per layer in blocks against 0.49 row by row).
     `row_blocks` makes the blocks, `clear_block_rows` the solo_lens, `block_rows_for` suggests the block size. Tile:
-    block_t 64 with 8 warps was the fastest of run 152's shapes (a 256-row chunk at 3840: 156 us against 172 at 32)."""
+    block_t 64 with 8 warps was the fastest of the shapes measured on an H200 (a 256-row chunk at 3840: 156 us against 172 at 32)."""
     _check(q, k_cache, v_cache, block_table, context_lens, sinks)
     out, qk = _out_and_query(q, k_cache, v_cache)
     if q.shape[0] == 0:

@@ -3,8 +3,8 @@
 `models.attention.rms_norm` is the reference: fp32 statistics over the last dimension, then either the weight
 multiplied in fp32 and one cast (GPT-OSS, `weight_in_fp32`) or a cast and the weight multiplied in the input dtype
 (Llama-style families). As torch ops that is ~8 elementwise kernels and a reduction per norm; inside a captured
-decode attention graph at B=256 each is a ~2 us node (run 88: 77 launches per attention layer, ~140 us of its
-243-272 us in such small kernels; benchmarks/NOTES.md §7 and §28). Here: one program per row.
+decode attention graph at B=256 each is a ~2 us node (77 launches per attention layer, ~140 us of its
+243-272 us in such small kernels). Here: one program per row.
 
 Not bit-identical to the reference: the sum of squares adds in another order (fp32), so results can differ in the
 last fp32 bit, and in bf16 rarely by one ulp after rounding.

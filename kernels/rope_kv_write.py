@@ -1,8 +1,8 @@
 """RoPE on q and k, and this step's K/V written into the paged cache, in one launch per attention layer.
 
 In the captured decode attention graph this is the span between the q/k/v projections and the attention kernel.
-As torch ops it is ~30 small kernels per layer (run 91: "(other)" ~30 launches, ~45 us of the 194-224 us replay at
-B=256; benchmarks/NOTES.md §28 item 11): cos/sin from the positions (cast, multiply, cos, sin, two scalings), the
+As torch ops it is ~30 small kernels per layer ("(other)" in a profile: ~30 launches, ~45 us of the 194-224 us replay at
+B=256 on an H200): cos/sin from the positions (cast, multiply, cos, sin, two scalings), the
 rotation of q and of k (two casts, four products, a difference, a sum, a concatenation each), the page/slot index
 math (a division, a gather, a cast, a product, a remainder, a sum) and two index copies, then the context lengths.
 Here one program per batch row does all of it; cos/sin are read from a per-position table made once with the same
@@ -32,16 +32,16 @@ import torch
 from torch import Tensor
 
 from kernels.dispatch import LazyJit, backend_for, kernel_store_dtype, next_power_of_2
-from models.rope import apply_rope
+from models.rope import apply_rope, rotation
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
 
 def rope_table(inv_freq: Tensor, scaling: float, positions: int) -> tuple[Tensor, Tensor]:
-    """cos, sin [positions, r/2] fp32 on inv_freq's device: models.rope.cos_sin's ops over 0..positions-1 (the same
-    elementwise ops on the same inputs, so a row equals what cos_sin gives for that position)."""
-    freqs = torch.arange(positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
-    return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
+    """cos, sin [positions, r/2] fp32 on inv_freq's device: models.rope.rotation over 0..positions-1 (the model's own
+    function on the same inputs, so a row equals what cos_sin gives for that position)."""
+    cos, sin = rotation(inv_freq, scaling, torch.arange(positions, dtype=torch.float32, device=inv_freq.device))
+    return cos.contiguous(), sin.contiguous()
 
 
 def kv_write_torch(k: Tensor, v: Tensor, posc: Tensor, rows: Tensor, table: Tensor, block_size: int,

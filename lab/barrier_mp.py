@@ -1,6 +1,6 @@
 """Barrier EP baselines with one process per rank: lab/barrier.py's rank coroutines (the same code
 the in-process driver runs) driven over the ZeroMQ + torch.distributed transport, with the same
-chaos hook as the multi-process streaming runs, so `dataflow bench` with `clock: process` compares
+chaos hook as the multi-process streaming runs, so `python -m lab bench` with `clock: process` compares
 barrier and barrier-free decoding side by side on real sockets.
 
 Collectives are the coroutines' own messages (ring or direct, runtime/executors/cost_model.py's

@@ -376,6 +376,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
     """The streaming engine in one process per rank (runtime/drivers/multiproc.py), one launch per scenario,
     every policy one workload of that launch; link bursts injected through the transport's chaos hook.
     With repeats, the scenarios' launches are run `repeats` times over, round by round."""
+    from lab.routing_override import RoutedBy
     from runtime.drivers.cluster import RunOptions
     from runtime.drivers.multiproc import run_workloads_multiprocess
     if cfg.workload.decode_only:
@@ -402,7 +403,8 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
         for pol in cfg.policies:
             reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
                     for q in requests]
-            work.append((reqs, RunOptions(policy=pol, clock="wall", kv_blocks=cfg.kv_blocks, router=router)))
+            work.append((reqs, RunOptions(policy=pol, clock="wall", kv_blocks=cfg.kv_blocks,
+                                          executor_wrapper=None if router is None else RoutedBy(router))))
         if progress:
             progress(i, todo, Cell(STREAMING, ",".join(cfg.policies), name, rnd), None)
         t0 = time.perf_counter()
@@ -479,7 +481,7 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
     env = environment(device="cpu", mode=cfg.clock)
     env["executor"] = cfg.executor
     doc = write_report(out_dir, runs, cfg.baseline, env, cfg.peak_window_s, cfg.model_dump(),
-                       title=f"dataflow bench: {cfg.name}", heatmap_runs=heat,
+                       title=f"lab bench: {cfg.name}", heatmap_runs=heat,
                        targets=lambda results: targets(results, cfg))
     return doc
 

@@ -361,7 +361,7 @@ def plot_heatmaps(runs: list[RunRecord], path: Path) -> Optional[Path]:
 
 
 def write_report(out_dir: str | Path, runs: list[RunRecord], baseline: str, env: dict,
-                 peak_window_s: float = 60.0, config: Optional[dict] = None, title: str = "dataflow bench",
+                 peak_window_s: float = 60.0, config: Optional[dict] = None, title: str = "lab bench",
                  heatmap_runs: Optional[list[RunRecord]] = None,
                  targets: Optional[Callable[[list[dict]], list[dict]]] = None) -> dict:
     """Write report.json, report.md and the PNGs into `out_dir`; returns the JSON document."""

@@ -328,6 +328,17 @@ def routed(executor: Any, router: Router) -> Any:
     return KeyedRoutingExecutor(executor, router)
 
 
+@dataclass(frozen=True)
+class RoutedBy:
+    """`RunOptions(executor_wrapper=RoutedBy(router))`: every rank's executor routed by `router` (`routed`).
+    Picklable, so the rank processes of a multi-process run wrap theirs the same way."""
+
+    router: Router
+
+    def __call__(self, executor: Any) -> Any:
+        return routed(executor, self.router)
+
+
 class KeyedRoutingExecutor:
     """An executor whose `route(layer, x)` asks a keyed router instead of the model's.
 
@@ -341,10 +352,6 @@ class KeyedRoutingExecutor:
         self._inner = inner
         self._router = router
         self._keys: Optional[tuple[list, list[int]]] = None
-
-    # the routing is this wrapper's (route()), not the inner executor's graph's (routed_payload too: the
-    # device-routed dispatch then packs route()'s ids with the rows)
-    route_start = route_arrays = routed_payload = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -364,3 +371,13 @@ class KeyedRoutingExecutor:
             raise RuntimeError("KeyedRoutingExecutor.route needs the rows of the preceding attention call")
         seq_ids, positions = self._keys
         return self._router(layer, x, seq_ids, positions)
+
+    # The routing the engine's dispatches send is this wrapper's (route()), never the inner executor's graph's:
+    # the host-routed dispatch takes route()'s ids and weights, the device-routed one packs them with the rows.
+    def route_arrays(self, layer: int, x):
+        return self.route(layer, x)
+
+    def routed_payload(self, layer: int, x):
+        from runtime.core.routed_rows import pack
+        ids, weights = self.route(layer, x)
+        return pack(x, ids.to(x.device), weights.to(x.device))

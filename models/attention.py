@@ -267,7 +267,7 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
     if batched:
         # A mixed batch (decode rows with a prompt's chunk: what a serving rank runs whenever a request arrives
         # during decode) takes its one-row segments through the batched path and loops over the rest only: one by
-        # one, 256 decode rows beside a 40-row chunk cost 18x a pure decode batch on the CPU (NOTES §33 item 3).
+        # one, 256 decode rows beside a 40-row chunk cost 18x a pure decode batch on the CPU.
         # Segments of different sequences touch different K/V, so their order does not matter.
         one, rest = split_one_row(segments)
         if len(one) > 1:
@@ -343,13 +343,43 @@ def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     return q, k, v
 
 
-def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Tensor,
-              segments: Sequence[Segment], kv: KVStore, host_positions: Optional[Sequence[int]] = None) -> Tensor:
+class PagedAttend(Protocol):
+    """The attend step in the form the CUDA executor needs for speed (runtime/executors/cuda_attention.py): K/V
+    written into a paged cache through device page tables, optionally fused with RoPE, capturable in a CUDA graph.
+    It replaces only `_attend_segments` (and, when `fuses_rope`, the rotation): `attention` still computes the
+    projections, biases, q/k norms, the softmax scale, the window and the sinks, so a model feature lives here once."""
+
+    fuses_rope: bool  # attend() rotates q and k itself (GQA, rotate-half): they come to it unrotated
+
+    def cos_sin(self) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, rotated/2] of the batch's positions, on the device (the model's RoPE applies them)."""
+        ...
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int],
+               sinks: Optional[Tensor]) -> Tensor:
+        """Write k [T, nkv, dk] / v [T, nkv, dv] at the batch's positions, attend q [T, nh, dk]: [T, nh, dv]."""
+        ...
+
+
+def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Optional[Tensor],
+              segments: Sequence[Segment], kv: KVStore, host_positions: Optional[Sequence[int]] = None,
+              paged: Optional[PagedAttend] = None) -> Tensor:
     """Self-attention of normed input x [T, H] -> [T, H] (after the output projection): grouped-query
     attention, or DeepSeek-V2's multi-head latent attention, whose K/V are decompressed from the
     latent right away (kv_b) and cached per head (more KV memory than caching the latent, but one
-    KV/attention path for every family). Writes this batch's K/V to `kv` (`host_positions`: see _attend_segments)."""
-    qkv = mla_qkv if spec.attention.kind == "mla" else gqa_qkv
-    q, k, v = qkv(spec, w, x, positions)
-    out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv, host_positions)
+    KV/attention path for every family). Writes this batch's K/V to `kv` (`host_positions`: see _attend_segments),
+    or through `paged` (which then knows the positions; `positions`, `segments` and `kv` are not read)."""
+    a = spec.attention
+    qkv = mla_qkv if a.kind == "mla" else gqa_qkv
+    if paged is None:
+        q, k, v = qkv(spec, w, x, positions)
+        out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv, host_positions)
+    else:
+        if paged.fuses_rope:
+            if a.kind != "gqa" or a.rope.interleaved:
+                raise ValueError("a fused RoPE + KV write rotates GQA's rotate-half pairs only")
+            q, k, v = gqa_project(spec, w, x)
+        else:
+            q, k, v = qkv(spec, w, x, positions, rope_cs=paged.cos_sin())
+        out = paged.attend(q, k, v, softmax_scale(a), a.window(layer), w.get("sinks"))
     return F.linear(out.reshape(x.shape[0], -1), w["o.w"], w.get("o.b"))

@@ -6,14 +6,14 @@ places where HF accumulates in fp32 (norm statistics, softmax, router, MoE combi
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from graph_ir.spec import ModelSpec
-from models.attention import KVStore, Segment, attention, norm_in_fp32, rms_norm
+from models.attention import KVStore, PagedAttend, Segment, attention, norm_in_fp32, rms_norm
 from models.moe import combine, dense_mlp_out, experts_rows, route_tokens, shared_expert_out
 from models.weights import ModelWeights
 
@@ -21,22 +21,30 @@ __all__ = ["embed", "attention_stage", "dense_mlp", "route", "experts_forward", 
            "moe_combine", "final_logits", "Segment"]
 
 
-def embed(w: ModelWeights, token_ids: Tensor) -> Tensor:
-    """h [T, H] = embedding rows of token_ids [T]."""
-    return w.embed[token_ids.to(device=w.embed.device, dtype=torch.long)]
+def embed(w: ModelWeights, token_ids: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """h [T, H] = embedding rows of token_ids [T]; written into `out` [T, H] when given (the CUDA executor's
+    static graph input)."""
+    ids = token_ids
+    if ids.dtype != torch.long or ids.device != w.embed.device:  # (a no-op .to() is still a torch call on a hot path)
+        ids = ids.to(device=w.embed.device, dtype=torch.long)
+    return torch.index_select(w.embed, 0, ids) if out is None else torch.index_select(w.embed, 0, ids, out=out)
 
 
-def attention_stage(spec: ModelSpec, w: ModelWeights, layer: int, h: Tensor, positions: Tensor,
-                    segments: Sequence[Segment], kv: KVStore,
-                    host_positions: Optional[Sequence[int]] = None) -> tuple[Tensor, Tensor]:
+def attention_stage(spec: ModelSpec, w: ModelWeights, layer: int, h: Tensor, positions: Optional[Tensor],
+                    segments: Sequence[Segment], kv: KVStore, host_positions: Optional[Sequence[int]] = None, *,
+                    paged: Optional[PagedAttend] = None, norm: Callable = rms_norm,
+                    out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(h_res, x): h_res = h + attn(norm(h)) (writes this batch's K/V to kv), x = post-attention norm of h_res.
-    `host_positions`: `positions` as the host knows them (models.attention._attend_segments)."""
+    `host_positions`: `positions` as the host knows them (models.attention._attend_segments).
+    The CUDA executor's forms, each an implementation of one step and nothing more: `paged` the attend step over
+    its paged cache (models.attention.PagedAttend), `norm` an RMSNorm kernel with `rms_norm`'s signature
+    (kernels/rms_norm.py), `out` where h_res is written (a graph's static output)."""
     lw = w.layers[layer]
     fp32w = norm_in_fp32(spec)
-    a = attention(spec, lw, layer, rms_norm(h, lw["attn_norm"], spec.rms_norm_eps, fp32w), positions, segments, kv,
-                  host_positions)
-    h_res = h + a
-    return h_res, rms_norm(h_res, lw["mlp_norm"], spec.rms_norm_eps, fp32w)
+    a = attention(spec, lw, layer, norm(h, lw["attn_norm"], spec.rms_norm_eps, fp32w), positions, segments, kv,
+                  host_positions, paged)
+    h_res = h + a if out is None else torch.add(h, a, out=out)
+    return h_res, norm(h_res, lw["mlp_norm"], spec.rms_norm_eps, fp32w)
 
 
 def dense_mlp(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Tensor:

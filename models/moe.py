@@ -89,6 +89,17 @@ def gptoss_glu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def glu(g: Tensor, u: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
+    """An expert's activation of its projected gate and up rows (ExpertSpec.activation): the one definition, which
+    the grouped FFN kernels' torch reference calls too (kernels/grouped_ffn.py; its Triton version refuses an
+    activation it does not implement)."""
+    if activation == "gptoss_glu":
+        return gptoss_glu(g, u, alpha, limit)
+    if activation == "silu_glu":
+        return F.silu(g) * u
+    raise ValueError(f"expert activation {activation!r} has no definition in models/moe.py")
+
+
 def experts_rows(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, expert_of_row: Tensor) -> Tensor:
     """Apply expert expert_of_row[i] to row x[i] (rows in any order). Returns [N, H] (unweighted).
     expert_of_row indexes the stacked `experts.*` tensors of `w`: the global expert id when they hold
@@ -103,10 +114,7 @@ def experts_rows(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, expert_of_row
         xe = x[rows]
         g = F.linear(xe, w["experts.gate"][e], w["experts.gate_b"][e] if ex.bias else None)
         u = F.linear(xe, w["experts.up"][e], w["experts.up_b"][e] if ex.bias else None)
-        if ex.activation == "gptoss_glu":
-            h = gptoss_glu(g, u, ex.glu_alpha, ex.glu_limit)
-        else:
-            h = F.silu(g) * u
+        h = glu(g, u, ex.activation, ex.glu_alpha, ex.glu_limit)
         y[rows] = F.linear(h, w["experts.down"][e], w["experts.down_b"][e] if ex.bias else None)
     return y
 

@@ -80,7 +80,13 @@ def rope_parameters(rope: RopeSpec, dim: int) -> tuple[Tensor, float]:
 def cos_sin(rope: RopeSpec, dim: int, positions: Tensor) -> tuple[Tensor, Tensor]:
     """cos, sin of shape [T, dim/2] in fp32 (already multiplied by the attention scaling)."""
     inv_freq, scaling = rope_parameters(rope, dim)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    return rotation(inv_freq.to(positions.device), scaling, positions)
+
+
+def rotation(inv_freq: Tensor, scaling: float, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, dim/2] fp32 of `positions` from `rope_parameters`' values. A caller that keeps inv_freq on the
+    device (the CUDA executor: no host copy may happen inside a CUDA graph) computes exactly what `cos_sin` does."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return freqs.cos() * scaling, freqs.sin() * scaling
 
 

@@ -115,6 +115,22 @@ def read_options_file(path: str) -> dict[str, Any]:
     return data
 
 
+def from_flags(options_file: Optional[str], sets: list[str]) -> RuntimeOptions:
+    """A command's options: the environment's (DATAFLOW_OPTIONS), then `--options FILE`, then `--set` flags;
+    installed with `configure`."""
+    opts = current()
+    if options_file:
+        opts = options_from(read_options_file(options_file), str(options_file), opts)
+    if sets:
+        opts = options_from(parse_set(sets), "--set", opts)
+    return configure(opts)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(field, default, meaning) for every option: what `dataflow options` prints."""
+    return [(name, json.dumps(f.default), f.description or "") for name, f in RuntimeOptions.model_fields.items()]
+
+
 _current: Optional[RuntimeOptions] = None
 _current_env: Optional[str] = None
 
@@ -210,6 +226,12 @@ def run_secret_hex() -> str:
     """DATAFLOW_RUN_SECRET as set (hex; "" when unset). A secret, not an option: it never appears in a
     summary, a file or DATAFLOW_OPTIONS. runtime/transport/rendezvous.run_secret validates it."""
     return os.environ.get("DATAFLOW_RUN_SECRET", "").strip()
+
+
+def configure_nccl() -> None:
+    """NCCL's own environment, before its first communicator: NVLink SHARP (multicast) buffers are not needed for
+    point-to-point and fail on some lent machines (an explicit NCCL_NVLS_ENABLE is kept)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 def environment_copy() -> dict[str, str]:

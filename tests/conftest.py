@@ -22,8 +22,17 @@ def use_options(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _default_options_after_each_test():
+    """A command run in-process (`dataflow run --set ...` through CliRunner) installs its options with
+    settings.configure, which exports DATAFLOW_OPTIONS: each test starts from the environment it found."""
+    import os
+
+    before = os.environ.get(settings.ENV_OPTIONS)
     yield
     from kernels import dispatch
 
+    if before is None:
+        os.environ.pop(settings.ENV_OPTIONS, None)
+    else:
+        os.environ[settings.ENV_OPTIONS] = before
     settings._current = None  # the next current() re-reads the (restored) environment
     dispatch.use_backend("auto")

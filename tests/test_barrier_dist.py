@@ -139,7 +139,7 @@ def test_host_probe_credits_host_time_behind_any_device_work():
 
     import torch
 
-    from lab.barrier_dist import HostProbe, merge_probes
+    from lab.host_probe import HostProbe, merge_probes
 
     class Ev:  # CUDA event stand-in: a device timestamp in ms
         def __init__(self, ms):
@@ -152,7 +152,7 @@ def test_host_probe_credits_host_time_behind_any_device_work():
     probe = HostProbe(inner)
     probe._make_anchor = lambda: (Ev(0.0), 100.0)  # device time 0 ms == host time 100 s
     clock = iter([100.000, 100.010, 100.010, 100.020, 100.020, 100.025])
-    import lab.barrier_dist as bd
+    import lab.host_probe as bd
     real = bd.time.perf_counter
     bd.time.perf_counter = lambda: next(clock)
     try:
@@ -182,8 +182,8 @@ def test_host_probe_subtracts_a_routing_wait_once():
     stats.route_wait_s: a batch's host time is its wall minus that wait once (it was subtracted twice)."""
     import types
 
-    import lab.barrier_dist as bd
-    from lab.barrier_dist import HostProbe
+    import lab.host_probe as bd
+    from lab.host_probe import HostProbe
     inner = types.SimpleNamespace(stats=types.SimpleNamespace(route_wait_s=0.0), staging=types.SimpleNamespace(wait_s=0.0))
     probe = HostProbe(inner)
     clock = iter([0.0, 0.010])
@@ -208,7 +208,7 @@ def test_host_probe_hidden_share_and_expert_bandwidth():
     import numpy as np
     import torch
 
-    from lab.barrier_dist import HostProbe, merge_probes
+    from lab.host_probe import HostProbe, merge_probes
     from lab.floors import expert_batch_bytes
 
     class Ev:  # a CUDA event pair stand-in: elapsed_time in ms
@@ -223,7 +223,7 @@ def test_host_probe_hidden_share_and_expert_bandwidth():
     probe._make_anchor = lambda: (Ev(0.0), 0.0)
     assert inner.profile == []
     clock = iter([0.0, 0.010, 1.0, 1.010])  # two batches of 10 ms wall each
-    import lab.barrier_dist as bd
+    import lab.host_probe as bd
     real = bd.time.perf_counter
     bd.time.perf_counter = lambda: next(clock)
     try:
@@ -253,7 +253,7 @@ def test_probe_counts_a_device_routed_expert_batch_by_its_owned_slots():
     import numpy as np
     import torch
 
-    from lab.barrier_dist import HostProbe
+    from lab.host_probe import HostProbe
     from lab.floors import expert_batch_bytes
 
     class Ev:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -124,3 +125,70 @@ def test_ab_summary_reads_both_benches_rows_and_pairs_rounds():
     bench = "old 1 | streaming | defrag | 256 | 200.0 | 210.0 | - |\nnew 1 | streaming | defrag | 256 | 250.0 | 260.0 | - |\n"
     assert "new ahead in 1 of 1 rounds; medians 1.250x" in summary(bench)
     assert summary("old 1 | s | c | 1 | 5.0 |\n").startswith("expected two trees")
+
+
+# ------------------------------------------------------------------------------ the device runner (benchmarks/device)
+DEVICE = Path(__file__).resolve().parent.parent / "benchmarks" / "device"
+KINDS = {"nvidia-h200", "nvidia-h200-x2", "nvidia-h200-x4", "nvidia-h200-x8"}
+
+
+def _device_runner():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("device_run", DEVICE / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_matrix_entry_names_a_machine_and_only_scripts_that_exist(tmp_path):
+    """Each entry's steps, placeholders filled, name files of this tree and leave no placeholder unfilled (a
+    brace that stays is a Python format the step passes on: profile_out's {rank})."""
+    import re
+    run = _device_runner()
+    entries = run.load_matrix()
+    assert {"checks-1gpu", "checks-2gpu", "ep", "ep-phases", "ab", "gpu-bench"} <= set(entries)
+    root = DEVICE.parents[1]
+    for name, entry in entries.items():
+        assert entry["machine"] in KINDS, name
+        for step in run.plan_entry(name, entry, tmp_path, tmp_path / "tmp", {}, {}):
+            text = step["run"] + " " + " ".join(step["env"].values())
+            assert set(re.findall(r"\{([a-z_]+)\}", text)) <= {"rank"}, (name, text)
+            for path in re.findall(r"benchmarks/[\w/.-]+\.(?:py|sh)", step["run"]):
+                assert (root / path).is_file(), (name, path)
+            if "DATAFLOW_OPTIONS" in step["env"]:  # valid RuntimeOptions, as the ranks will read them
+                from runtime import settings
+                import json
+                settings.options_from(json.loads(step["env"]["DATAFLOW_OPTIONS"]), name)
+
+
+def test_the_device_helpers_are_valid_bash():
+    import subprocess
+    for script in sorted(DEVICE.glob("*.sh")):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+
+
+def test_the_runner_runs_an_entry_with_its_vars_options_and_kept_files(tmp_path, capsys):
+    run = _device_runner()
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(
+        "entries:\n"
+        "  demo:\n"
+        "    machine: nvidia-h200\n"
+        "    vars: {word: hello}\n"
+        "    options: {decode_wait_ms: 5}\n"
+        "    steps:\n"
+        "      - run: mkdir -p {tmp}/x && echo {word} > {tmp}/x/f.txt && echo \"$DATAFLOW_OPTIONS\" && echo {word}\n"
+        "        log: a.log\n"
+        "        show: world\n"
+        "        keep: {\"{tmp}/x/f.txt\": kept.txt}\n"
+        "      - run: exit 3\n")
+    out = tmp_path / "out"
+    rc = run.main([str(out), "demo", "--matrix", str(matrix), "--var", "word=world", "--set", "verbose=true"])
+    assert rc == 1  # the second step failed; the first still ran and kept its file
+    assert (out / "demo" / "a.log").read_text().splitlines() == ['{"decode_wait_ms":5,"verbose":true}', "world"]
+    assert (out / "demo" / "kept.txt").read_text() == "world\n"
+    assert (out / "env.txt").read_text() == "demo a.log exit 0\ndemo step2.log exit 3\n"
+    assert "world" in capsys.readouterr().out
+    for bad in (["--list", "--matrix", str(tmp_path / "none.yaml")], [str(out), "nope", "--matrix", str(matrix)]):
+        with pytest.raises((SystemExit, FileNotFoundError)):
+            run.main(bad)

@@ -85,11 +85,9 @@ def test_host_staging_cpu_roundtrip():
 # experts: padding to the bucket, sentinel rows, no dependence on the split
 
 
-@pytest.mark.parametrize("ffn", ["torch", "grouped_mm"])
-def test_experts_padded_equals_unpadded_and_reference(ffn):
+def test_experts_padded_equals_unpadded_and_reference():
+    ffn = "torch"
     spec, w = model("tiny-gpt-oss")
-    if ffn == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
-        pytest.skip("no torch._grouped_mm")
     E = spec.experts.num_experts
     g = torch.Generator().manual_seed(0)
     ref = TorchExecutor(spec, w)
@@ -478,30 +476,14 @@ def test_engine_with_twin_matches_reference(policy):
     _twin_matches_reference(policy)
 
 
-def test_asynchronous_dispatch_with_twin_matches_reference(monkeypatch):
-    """DATAFLOW_ASYNC_ROUTE=1 through the real route_start / result path of the CUDA executor (its CPU twin:
-    the routing is always there at once, so nothing is deferred, but every batch's routing goes that way)."""
-    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
-    started = []
-    real = CudaExecutor.route_start
-
-    def spy(self, layer, x):
-        p = real(self, layer, x)
-        started.append(p is not None)
-        return p
-    monkeypatch.setattr(CudaExecutor, "route_start", spy)
-    _twin_matches_reference("defrag:hold_fill=1,hold_us=2000")
-    assert started and all(started)
-
-
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch, ranks):
-    """DATAFLOW_DISPATCH=device through the CUDA executor's twin: the routing stays in a device copy (no host
+def test_device_routed_dispatch_with_twin_matches_reference(use_options, monkeypatch, ranks):
+    """dispatch=device through the CUDA executor's twin: the routing stays in a device copy (no host
     copy), owners select their slots through the expert graph's static buffers (padding id for the rest, zeroed
-    after; grouped_mm has no sentinel and masks a held row instead) and return per-token partial sums, which
+    after) and return per-token partial sums, which
     the home adds. An expert batch of the home's own item alone writes into its merge group's buffer (`out`): every
     batch on one rank (on two ranks here each batch holds both homes' waves)."""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    use_options(dispatch="device")
     calls = []
     real = CudaExecutor.experts_routed
 
@@ -514,11 +496,11 @@ def test_device_routed_dispatch_with_twin_matches_reference(monkeypatch, ranks):
     assert calls and (ranks > 1 or all(into for _, into in calls))
 
 
-def test_attention_inputs_written_in_place_by_the_combine_with_twin_match_reference(monkeypatch):
+def test_attention_inputs_written_in_place_by_the_combine_with_twin_match_reference(use_options, monkeypatch):
     """One rank (one engine on its executor, as each process of a multi-GPU run has): the combine before an attention
     batch writes that batch's input in place (CudaExecutor._claim_attn_input), and tokens still equal the
     reference's. (In-process ranks sharing one executor take turns at a bucket and mostly back off.)"""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    use_options(dispatch="device")
     in_place = []  # per static attention batch: its input was already there (no copy)
     real_input = CudaExecutor._attn_input
 
@@ -532,10 +514,10 @@ def test_attention_inputs_written_in_place_by_the_combine_with_twin_match_refere
 
 
 @pytest.mark.parametrize("dispatch", ["host", "device"])
-def test_a_decode_wave_hands_every_layer_the_same_segments_list(monkeypatch, dispatch):
+def test_a_decode_wave_hands_every_layer_the_same_segments_list(use_options, monkeypatch, dispatch):
     """A decode wave's (rids, pos) lists move through its layers as they are, so each layer's batch gets the list
     the layer before got (the executor's table-row lookup keys on it), and the tokens still equal the reference."""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", dispatch)
+    use_options(dispatch=dispatch)
     calls = []
     real = CudaExecutor.attention
 
@@ -554,11 +536,11 @@ def test_a_decode_wave_hands_every_layer_the_same_segments_list(monkeypatch, dis
         assert len(positions) == sum(n for _, _, n in segments)
 
 
-def test_experts_routed_equals_the_torch_executors_host_side_selection(monkeypatch):
+def test_experts_routed_equals_the_torch_executors_host_side_selection(use_options, monkeypatch):
     """The CUDA executor's device-side selection (static buffers, the expert graph with not-owned slots as
     sentinels anywhere in the batch, zeroed after) equals TorchExecutor.experts_routed's host-side one, bit for bit,
     for several items, float or integer ids, and batches below and above the largest bucket."""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    use_options(dispatch="device")
     spec, w = model("tiny-gpt-oss")
     ce = CudaExecutor(spec, w, compile_plan(spec, 2), torch.device("cpu"))
     te = TorchExecutor(spec, w)
@@ -749,15 +731,12 @@ def test_expert_ids_tensor_or_list_same_result():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(11, spec.hidden_size, generator=g)
     ids = torch.randint(0, E, (11,), generator=g)
-    for ffn in ("torch", "grouped_mm"):
-        if ffn == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
-            continue
-        ex = CudaExecutor(spec, w, device="cpu", ffn_impl=ffn, buckets={"attn": [8], "expert": [16]})
-        torch.testing.assert_close(ex.experts(1, x, ids), ex.experts(1, x, ids.tolist()), rtol=0, atol=0)
+    ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
+    torch.testing.assert_close(ex.experts(1, x, ids), ex.experts(1, x, ids.tolist()), rtol=0, atol=0)
 
 
-def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monkeypatch):
-    """With DATAFLOW_DISPATCH=device the executor keeps each batch's routing on the device; a caller that asks for
+def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(use_options, monkeypatch):
+    """With dispatch=device the executor keeps each batch's routing on the device; a caller that asks for
     it on the host (the barrier baselines' route()) must still get the graph's routing (here the keyed Zipf router
     inside the attention graph), not a fresh eager learned routing: the same barrier tokens in both modes. The
     executors the barrier baselines build read it on the host whatever the setting (route_on_device=False)."""
@@ -768,7 +747,7 @@ def test_device_routed_mode_still_hands_the_graphs_routing_to_host_callers(monke
     plan = compile_plan(spec, 2)
     outs = {}
     for mode in ("host", "device"):
-        monkeypatch.setenv("DATAFLOW_DISPATCH", mode)
+        use_options(dispatch=mode)
         assert not build_executor(es, plan, torch.device("cpu"), route_on_device=False)[1].route_on_device
         ex, inner = build_executor(es, plan, torch.device("cpu"))
         assert inner.route_on_device == (mode == "device")
@@ -796,12 +775,12 @@ def fake_capture(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
 
 
-def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(monkeypatch):
+def test_prepare_captures_every_expert_graph_a_device_routed_run_uses(use_options, monkeypatch):
     """prepare() with the engines' owned experts captures the device-routed expert graphs under the keys the run
     then replays (keyed by each engine's owned tensor), so a timed run captures no expert graph. Capture is faked
     on the CPU (a 'graph' that runs its body); the keys and the bodies are the real ones."""
     from runtime.drivers.cluster import Cluster, RunOptions
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    use_options(dispatch="device")
     fake_capture(monkeypatch)
     spec, w = model("tiny-gpt-oss")
     plan = compile_plan(spec, 2)
@@ -923,13 +902,13 @@ def test_attention_outputs_are_views_until_the_bucket_replays_and_held_ones_move
 
 
 @pytest.mark.parametrize("dispatch,prompts", [("device", "paged"), ("host", "paged"), ("device", "eager")])
-def test_in_place_inputs_and_outputs_keep_tokens_with_chunked_prompts_and_ranks_sharing_the_executor(monkeypatch,
+def test_in_place_inputs_and_outputs_keep_tokens_with_chunked_prompts_and_ranks_sharing_the_executor(use_options, monkeypatch,
                                                                                                     dispatch, prompts):
     """The hard case for the in-place attention inputs and outputs: three in-process ranks sharing one executor (they
     take turns at every bucket), an attention cap of 8 with prompts up to 30 tokens (chunked prefill through the
     bucketed path, or with prompts="eager" as eager batches that spend claims; capped waves), every request against
     the reference; claims and held outputs are moved out on the way (the counts say the moves happened)."""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", dispatch)
+    use_options(dispatch=dispatch)
     made = []
     real = CudaExecutor.__init__
 

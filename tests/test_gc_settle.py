@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import gc
 
-import pytest
-
 from runtime.drivers.gc_settle import settle_heap, thaw_heap
 
 
-def test_settle_freezes_the_survivors_and_thaw_gives_them_back(monkeypatch):
-    monkeypatch.delenv("DATAFLOW_GC_FREEZE", raising=False)
+def test_settle_freezes_the_survivors_and_thaw_gives_them_back():
     assert gc.get_freeze_count() == 0
     try:
         assert settle_heap() > 0.0
@@ -21,19 +18,10 @@ def test_settle_freezes_the_survivors_and_thaw_gives_them_back(monkeypatch):
     assert gc.get_freeze_count() == 0
 
 
-def test_the_switch_leaves_the_collector_alone_and_names_its_values(monkeypatch):
-    monkeypatch.setenv("DATAFLOW_GC_FREEZE", "0")
-    assert settle_heap() == 0.0 and gc.get_freeze_count() == 0
-    monkeypatch.setenv("DATAFLOW_GC_FREEZE", "yes")
-    with pytest.raises(ValueError, match="DATAFLOW_GC_FREEZE='yes': expected 1"):
-        settle_heap()
-
-
-def test_a_second_settle_collects_cyclic_garbage_frozen_by_the_first(monkeypatch):
+def test_a_second_settle_collects_cyclic_garbage_frozen_by_the_first():
     """A workload's engine can die in a reference cycle after the heap was frozen with it alive; the next workload's
     settle must free it (on a GPU it can hold the KV pool)."""
     import weakref
-    monkeypatch.delenv("DATAFLOW_GC_FREEZE", raising=False)
 
     class Engine:
         pass

@@ -193,7 +193,7 @@ def test_cli_killed_rank_exits_1_and_keeps_the_lines(tmp_path):
     res = subprocess.run(DATAFLOW + ["compile", "tiny", "--ranks", "2"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    env = dict(os.environ, DATAFLOW_VERBOSE="1")
+    env = dict(os.environ, DATAFLOW_OPTIONS='{"verbose": true}')
     p = subprocess.Popen(DATAFLOW + ["run", "-q", "--num-requests", "3000", "--max-new-tokens", "48", "--ignore-eos",
                                      "--peer-timeout", "5", "-o", "out.jsonl"], cwd=tmp_path, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -238,7 +238,7 @@ def test_unwritable_output_paths_fail_before_the_run(tmp_path, flag):
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     (tmp_path / "afile").write_text("")
-    env = dict(os.environ, DATAFLOW_VERBOSE="1")
+    env = dict(os.environ, DATAFLOW_OPTIONS='{"verbose": true}')
     for bad, why in (("nodir/x.json", "nodir is not an existing directory"), ("afile/x.json", "afile is not an"),
                      (".", "is a directory")):
         res = subprocess.run(DATAFLOW + ["run", "-q", flag, bad], cwd=tmp_path, capture_output=True, text=True,
@@ -252,7 +252,7 @@ def test_unwritable_output_paths_fail_before_the_run(tmp_path, flag):
 def test_a_failed_ranks_error_is_said_once():
     from runtime.drivers.launch import LaunchResult
     from runtime.drivers.multiproc import _failure_message
-    first = "ValueError: DATAFLOW_PROFILE_TORCH='x': expected START:COUNT"
+    first = "ValueError: the plan is compiled for 2 ranks but 3 processes were started (WORLD_SIZE)"
     res = LaunchResult([1, 1, -15], f"rank 1: {first}", 1,
                        {1: first, 0: f"PeerFailure: rank 1 failed: rank 1 aborted: {first}; this rank was waiting for: "
                                      f"workload 0", 2: "terminated (SIGTERM)"})

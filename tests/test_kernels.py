@@ -26,9 +26,7 @@ import pytest
 import torch
 
 from kernels.dispatch import backend_for
-from kernels.grouped_ffn import (
-    grouped_ffn, grouped_ffn_grouped_mm, grouped_ffn_torch, grouped_ffn_triton, grouped_mm_supported,
-)
+from kernels.grouped_ffn import grouped_ffn, grouped_ffn_torch, grouped_ffn_triton
 from kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_torch,
                                      paged_decode_attention_triton, paged_row_block_attention_triton, row_blocks)
 from kernels.permute import gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton
@@ -253,9 +251,9 @@ def test_gptoss_glu_matches_transformers():
     g = _gen(6)
     gate_up = torch.randn(5, 2 * I, generator=g) * 6  # interleaved: gate = [..., ::2], up = [..., 1::2]
     expected = modeling.GptOssExperts._apply_gate(SimpleNamespace(alpha=1.702, limit=7.0), gate_up)
-    from kernels.grouped_ffn import _act_torch
+    from models.moe import glu  # (the grouped FFN's torch reference applies the model's own activation)
 
-    assert torch.equal(_act_torch(gate_up[:, ::2], gate_up[:, 1::2], "gptoss_glu", 1.702, 7.0), expected)
+    assert torch.equal(glu(gate_up[:, ::2], gate_up[:, 1::2], "gptoss_glu", 1.702, 7.0), expected)
 
 
 def _ffn_tol(ref: torch.Tensor, dtype) -> dict:
@@ -279,16 +277,6 @@ def test_grouped_ffn_triton(triton_device, dtype, activation, with_bias):
 def test_grouped_ffn_triton_empty_batch(triton_device):
     x, offsets, *rest = _ffn_inputs(torch.float32, triton_device, True)
     assert grouped_ffn_triton(x[:0], torch.zeros_like(offsets), *rest).shape == (0, H)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_ffn_grouped_mm(dtype):
-    args = _ffn_inputs(dtype, "cpu", with_bias=True, seed=8)
-    if not grouped_mm_supported(args[0], args[2]):
-        pytest.skip(f"torch._grouped_mm does not run on cpu/{dtype} in torch {torch.__version__}")
-    ref = grouped_ffn_torch(*args, activation="gptoss_glu").float()
-    got = grouped_ffn_grouped_mm(*args, activation="gptoss_glu").float()
-    torch.testing.assert_close(got, ref, **_ffn_tol(ref, dtype))
 
 
 # ------------------------------------------------------------------------------------------
@@ -407,17 +395,17 @@ def test_paged_row_block_attention_equals_the_decode_kernel_row_by_row(triton_de
 # dispatch
 
 
-def test_dispatch(monkeypatch):
+def test_dispatch(monkeypatch, use_options):
+    """The `kernels` option (runtime/settings.py) picks every kernel call's backend."""
     x = torch.zeros(2, 2)
-    monkeypatch.delenv("DATAFLOW_KERNELS", raising=False)
     assert backend_for(x, None) == "torch"  # CPU tensors, auto
-    monkeypatch.setenv("DATAFLOW_KERNELS", "torch")
+    use_options(kernels="torch")
     assert backend_for(x) == "torch"
-    monkeypatch.setenv("DATAFLOW_KERNELS", "bogus")
-    with pytest.raises(ValueError, match="DATAFLOW_KERNELS"):
-        backend_for(x)
+    from graph_ir.errors import UserError
+    with pytest.raises(UserError, match="kernels"):
+        use_options(kernels="bogus")
     if HAS_TRITON:
-        monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
+        use_options(kernels="triton")
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             backend_for(x)
@@ -425,8 +413,8 @@ def test_dispatch(monkeypatch):
         assert backend_for(x) == "triton"
 
 
-def test_dispatch_runs_triton_when_forced(triton_device, monkeypatch):
-    monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
+def test_dispatch_runs_triton_when_forced(triton_device, use_options):
+    use_options(kernels="triton")
     h_res, shared, rows, row_index, weights = _merge_inputs(3, 9, torch.float32, triton_device)
     assert torch.equal(topk_merge(h_res, shared, rows, row_index, weights),
                        topk_merge_torch(h_res, shared, rows, row_index, weights))
@@ -530,7 +518,7 @@ def test_rope_kv_write_reference_is_the_model_math():
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-glm4-moe", "tiny-olmoe", "tiny-qwen3-moe", "tiny-deepseek-v2"])
-def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, monkeypatch, name):
+def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, use_options, name):
     """The attention graph's body as the GPU runs it (attn_impl="triton": the paged decode kernel, the fused RMSNorm,
     one q/k/v GEMM, RoPE and the KV write in one kernel), here through the interpreter, against the torch executor:
     the same hidden rows up to fp32 rounding. Families: sinks and windows (GPT-OSS), a partial rotary width (GLM),
@@ -545,11 +533,10 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, mon
     from runtime.executors.torch_executor import TorchExecutor
     from runtime.executors.cuda_executor import CudaExecutor
     from runtime.core.kv_cache import BlockAllocator, PagedKVStore
-    if triton_device != "cpu":  # (it ran on the H200 in run 103 and failed there: CPU tensors, no interpreter)
+    if triton_device != "cpu":  # (on a GPU host the CPU tensors below would need the interpreter)
         pytest.skip("the interpreter's check of the attention body over a CPU KV store; on a GPU, "
                     "benchmarks/gpu_bench.py's correctness section checks the body against the torch executor")
-    monkeypatch.setenv("DATAFLOW_KERNELS", "triton")
-    monkeypatch.setenv("DATAFLOW_ROW_BLOCKS", "1")
+    use_options(kernels="triton")
     spec = load_spec(f"models/specs/{name}.yaml")
     w = random_weights(spec)
     ref = TorchExecutor(spec, w)

@@ -15,7 +15,7 @@ from lowering.plan import compile_plan
 from models.weights import random_weights
 from runtime.drivers.cluster import RunOptions, run_workload
 from runtime.executors.cuda_executor import CudaExecutor
-from lab.routing_override import KeyedRoutingExecutor, ZipfRouting, routed
+from lab.routing_override import KeyedRoutingExecutor, RoutedBy, ZipfRouting, routed
 from lab.zipf_torch import splitmix64
 from runtime.core.requests import Request
 
@@ -102,8 +102,8 @@ def _served(where: str, monkeypatch):
         return ids, wts
     monkeypatch.setattr(answers, method, spy)
     res = run_workload(plan, _requests(spec), RunOptions(policy="defrag", executor="cuda", kv_blocks=64,
-                                                         clock="virtual", router=ZipfRouting(spec.experts.num_experts,
-                                                                                             spec.experts.top_k, s=1.2)),
+                                                         clock="virtual", executor_wrapper=RoutedBy(ZipfRouting(
+                                                             spec.experts.num_experts, spec.experts.top_k, s=1.2))),
                        weights=w)
     return {r.rid: list(r.output) for r in res.requests}, seen
 

@@ -11,8 +11,8 @@ from models.weights import load_weights
 from runtime.drivers.cluster import Cluster, RunOptions
 from runtime.executors.torch_executor import TorchExecutor
 from runtime.executors.cuda_executor import CudaExecutor
-from runtime.executors.kv_fit import (FAKE_FREE_ENV, RUNTIME_HEADROOM_BYTES, blocks_that_fit, executor_kv_fit,
-                            kv_bytes_per_block)
+import runtime.executors.kv_fit as kv_fit
+from runtime.executors.kv_fit import RUNTIME_HEADROOM_BYTES, blocks_that_fit, executor_kv_fit, kv_bytes_per_block
 from test_runtime import assert_matches_reference, make_requests, model
 
 NAME = "tiny-mixtral"
@@ -84,8 +84,11 @@ def test_the_cpu_twin_is_clamped_to_the_hosts_available_memory(monkeypatch, caps
 
 
 def test_in_process_cluster_uses_the_clamped_pool(monkeypatch):
+    """The CPU twin's pool lives in host memory: with the host's available memory faked to 150 pages for each of
+    the plan's 2 ranks, both engines get 150."""
     spec, plan, ex, per_block = _setup()
-    monkeypatch.setenv(FAKE_FREE_ENV, str(_free_for(plan, per_block, 150, pools=2)))
+    avail = RUNTIME_HEADROOM_BYTES + 2 * (150 + 1) * per_block
+    monkeypatch.setattr(kv_fit, "host_mem_get_info", lambda d=None: (avail, avail))
     cl = Cluster(plan, ex, RunOptions(executor="cuda"))
     assert [e.cfg.num_blocks for e in cl.engines] == [150, 150]
     assert [e.kv.allocator.num_blocks for e in cl.engines] == [150, 150]
@@ -99,7 +102,9 @@ def test_in_process_cluster_uses_the_clamped_pool(monkeypatch):
 def test_multi_process_ranks_and_coordinator_use_the_clamped_pool():
     """300-token prompts (77 pages each) against 130 pages per rank: one at a time per rank, the
     others wait for KV. A coordinator mirror that still believed the plan's ~10^6 pages would
-    over-admit (the home then refuses: 'its free-block mirror is off')."""
+    over-admit (the home then refuses: 'its free-block mirror is off'). The rank processes cannot be handed a fake
+    device (the environment is read by runtime/settings.py only), so the pool is the run's `kv_blocks`; the clamp
+    itself is the in-process tests' above."""
     import random
 
     from runtime.drivers.multiproc import run_workloads_multiprocess
@@ -108,8 +113,7 @@ def test_multi_process_ranks_and_coordinator_use_the_clamped_pool():
     rng = random.Random(5)
     reqs = [Request(i, f"req-{i}", [rng.randrange(3, spec.vocab_size) for _ in range(300 if i % 2 == 0 else 250)],
                     6, ignore_eos=True, arrival=i * 1e-4) for i in range(6)]
-    opts = RunOptions(policy="defrag", executor="cuda")
-    env = {FAKE_FREE_ENV: str(_free_for(plan, per_block, 130))}
-    res = run_workloads_multiprocess(plan, [(reqs, opts)], timeout=80, env=env)[0]
+    opts = RunOptions(policy="defrag", executor="cuda", kv_blocks=130)
+    res = run_workloads_multiprocess(plan, [(reqs, opts)], timeout=80)[0]
     assert res.metrics["finished"] == len(reqs)
     assert assert_matches_reference(NAME, res.requests) > 15

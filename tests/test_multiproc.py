@@ -1,4 +1,4 @@
-"""`dataflow run` with one process per rank (runtime/drivers/multiproc.py): real processes, real sockets.
+"""`dataflow run` with one process per rank (runtime/drivers/multiproc.py, rank_node.py): real processes, real sockets.
 
 Spawning a rank costs ~1 s on 2 cores, so each launch serves several workloads (every policy) and
 checks them all. Exactness is checked as in tests/test_runtime.py: token for token against the
@@ -66,10 +66,10 @@ def test_every_policy_matches_the_reference(ranks):
         assert {r.home for r in wl[sorted(POLICIES).index("mtfs")][0]} == set(range(4))
 
 
-def test_device_routed_dispatch_in_rank_processes_matches_the_reference(monkeypatch):
-    """DATAFLOW_DISPATCH=device over the real transport (ZeroMQ metadata + gloo tensors, 3 rank processes): the
+def test_device_routed_dispatch_in_rank_processes_matches_the_reference(use_options):
+    """dispatch=device over the real transport (ZeroMQ metadata + gloo tensors, 3 rank processes): the
     packed rows-and-ids messages cross processes and every policy keeps the reference tokens."""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")  # the rank processes inherit it
+    use_options(dispatch="device")  # the rank processes inherit it (DATAFLOW_OPTIONS)
     spec, _, _ = model(NAME)
     plan = compile_plan(spec, 3, attn_cap=16, block_size=4)
     wl = _workloads(3, seed=500)
@@ -92,10 +92,10 @@ def test_chaos_delays_change_timings_not_tokens():
 
 
 def test_keyed_router_and_wave_hold_in_rank_processes_equal_the_in_process_run():
-    """A Zipf router in RunOptions travels to the rank processes (the bench's skewed routing in process
-    mode) and the wave hold only changes timing: 2 processes give the in-process run's tokens."""
+    """A Zipf router in RunOptions (executor_wrapper) travels to the rank processes (the bench's skewed routing in
+    process mode) and the wave hold only changes timing: 2 processes give the in-process run's tokens."""
     from runtime.drivers.cluster import run_workload
-    from lab.routing_override import ZipfRouting
+    from lab.routing_override import RoutedBy, ZipfRouting
     spec, w, _ = model(NAME)
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
     zipf = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=5)
@@ -103,7 +103,7 @@ def test_keyed_router_and_wave_hold_in_rank_processes_equal_the_in_process_run()
 
     def work():
         return [(make_requests(spec.vocab_size, 6, seed=77, max_new=6, max_prompt=40, spread=2e-3),
-                 RunOptions(policy=p, kv_blocks=128, router=zipf)) for p in policies]
+                 RunOptions(policy=p, kv_blocks=128, executor_wrapper=RoutedBy(zipf))) for p in policies]
     got = run_workloads_multiprocess(plan, work(), timeout=80)
     for res, (reqs, opts) in zip(got, work()):
         want = run_workload(plan, reqs, opts, weights=w)
@@ -149,7 +149,7 @@ class _LongRun:
     """`dataflow run` on a workload that takes a minute, with rank processes announcing their pids."""
 
     def __init__(self, cwd, extra=()):
-        env = dict(os.environ, DATAFLOW_VERBOSE="1")
+        env = dict(os.environ, DATAFLOW_OPTIONS='{"verbose": true}')
         self.p = subprocess.Popen(DATAFLOW + ["run", "-q", "--num-requests", "400", "--max-new-tokens", "64",
                                               "--ignore-eos", *extra], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)

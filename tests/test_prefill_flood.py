@@ -34,11 +34,24 @@ def test_prompt_batches_yield_to_overdue_decode_rows(ranks):
     assert on["ttft50"] <= off["ttft50"] * 1.02 and on["end"] <= off["end"] * 1.05
 
 
-def test_the_bound_is_read_from_the_environment_with_a_clear_error(monkeypatch):
-    from runtime.core.engine import _decode_wait_bound_from_env
-    monkeypatch.setenv("DATAFLOW_DECODE_WAIT_MS", "7.5")
-    assert _decode_wait_bound_from_env() == pytest.approx(7.5e-3)
-    for bad in ("-1", "soon", "nan"):
-        monkeypatch.setenv("DATAFLOW_DECODE_WAIT_MS", bad)
-        with pytest.raises(ValueError, match="DATAFLOW_DECODE_WAIT_MS"):
-            _decode_wait_bound_from_env()
+def test_the_bound_is_the_decode_wait_option(use_options):
+    """The engine's bound is the decode_wait_ms option, in seconds; a negative one is refused naming the field."""
+    from graph_ir.errors import UserError
+    from runtime.core.clock import VirtualClock
+    from runtime.core.engine import Engine, EngineConfig, StageInfo
+    from runtime.executors.sim_executor import SimExecutor
+    from runtime.transport.inproc import InprocHub
+
+    stages = [StageInfo(0, "attn", 0, 1, 64), StageInfo(1, "expert", 0, 2, 256), StageInfo(2, "sample", -1, 0, 64)]
+    cfg = EngineConfig(rank=0, world_size=1, num_layers=1, top_k=2, stages=stages, expert_rank=[[0] * 4],
+                       block_size=16, num_blocks=64)
+
+    def bound() -> float:
+        clock = VirtualClock()
+        return Engine(cfg, SimExecutor(4, 2, 32), InprocHub(1, clock).transports()[0], clock).decode_wait_bound
+
+    assert bound() == pytest.approx(2e-3)
+    use_options(decode_wait_ms=7.5)
+    assert bound() == pytest.approx(7.5e-3)
+    with pytest.raises(UserError, match="decode_wait_ms=-1"):
+        use_options(decode_wait_ms=-1)

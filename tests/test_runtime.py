@@ -278,10 +278,11 @@ def test_wall_clock_with_link_delays():
     assert assert_matches_reference("tiny-mixtral", res.requests) > 10
 
 
-class _Later:
-    """A device -> host result that reaches the host only after a few looks at ready() (a copy in flight)."""
+class _TokensLater:
+    """A sample batch's tokens (an argmax copy in flight): on the host only after a few looks at ready(); their ids
+    are "on the device" at once (step-ahead embeds them before the host reads them)."""
 
-    def __init__(self, owner, value, looks: int) -> None:
+    def __init__(self, owner, value: list[int], looks: int) -> None:
         self.owner, self._value, self.looks = owner, value, looks
 
     def ready(self) -> bool:
@@ -290,23 +291,24 @@ class _Later:
             self.owner.not_ready += 1
         return self.looks < 0
 
-    def _take(self, what: str):
-        assert self.looks < 0, f"{what} read before they were ready"
-        return self._value
-
-
-class _TokensLater(_Later):
-    """A sample batch's tokens (an argmax copy in flight)."""
+    def wait(self) -> None:
+        self.looks = -1
 
     def tokens(self) -> list[int]:
-        return self._take("tokens")
+        assert self.looks < 0, "tokens read before they were ready"
+        return self._value
+
+    def device_ids(self, rows=None) -> torch.Tensor:
+        self.owner.ahead += 1
+        ids = torch.tensor(self._value, dtype=torch.long)
+        return ids if rows is None else ids[rows]
 
 
 class _AsyncSampleExecutor:
     """The CPU executor plus `sample_batch_start`, whose tokens are 'not yet on the host' for 3 looks."""
 
     def __init__(self, inner) -> None:
-        self._inner, self.not_ready = inner, 0
+        self._inner, self.not_ready, self.ahead = inner, 0, 0
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -327,104 +329,40 @@ def _served_wall(wrapper, policy):
 
 
 @pytest.mark.parametrize("policy", ["defrag", HELD[0]])
-def test_async_sampling_defers_sample_batches_and_keeps_tokens_exact(monkeypatch, policy):
-    """Asynchronous sampling (the default; DATAFLOW_ASYNC_SAMPLE=1): a sample batch whose tokens are not on the
-    host yet is completed later (by next_batch), the rank keeps working meanwhile, no request or token is lost."""
-    monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "1")
+def test_async_sampling_defers_sample_batches_and_keeps_tokens_exact(policy):
+    """Asynchronous sampling: a sample batch whose tokens are not on the host yet is completed later (by
+    next_batch), the rank keeps working meanwhile (the next step's rows queued with their ids still on the
+    device: step-ahead), no request or token is lost."""
     ex, res, reqs = _served_wall(_AsyncSampleExecutor, policy)
-    assert ex.not_ready > 0  # batches really were deferred
+    assert ex.not_ready > 0 and ex.ahead > 0  # batches really were deferred, and steps queued ahead of their tokens
     assert assert_matches_reference("tiny-mixtral", res.requests) > 15
     assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
 
 
-class _RoutingLater(_Later):
-    """An attention batch's routing (its copy in flight), with the shared-expert output route_start hands over."""
-
-    def __init__(self, owner, ids, weights, shared, looks: int) -> None:
-        super().__init__(owner, (ids, weights), looks)
-        self.shared = shared
-
-    def result(self):
-        out = self._take("routing")
-        self.owner.read += 1
-        return out
-
-
-class _AsyncRouteExecutor:
-    """The CPU executor plus `route_start`, whose routing is 'not yet on the host' for 2 looks."""
-
-    def __init__(self, inner) -> None:
-        self._inner, self.not_ready, self.started, self.read = inner, 0, 0, 0
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def route_start(self, layer, x):
-        ids, w = self._inner.route(layer, x)
-        self.started += 1
-        return _RoutingLater(self, ids, w, self._inner.shared_expert(layer, x), 2)
-
-
-@pytest.mark.parametrize("policy", ["defrag", HELD[0]])
-def test_async_route_defers_attention_batches_and_keeps_tokens_exact(monkeypatch, policy):
-    """Asynchronous dispatch (DATAFLOW_ASYNC_ROUTE=1, off by default): an attention batch whose routing is not on
-    the host yet is dispatched later (by next_batch), the rank runs other batches meanwhile, every routing is
-    read once, and the tokens equal the reference decoder's."""
-    from runtime.core.engine import Engine
-    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
-    real_execute, experts_run = Engine.execute, []
-
-    def execute(self, batch):  # a rank's expert(l) waits while its own attn(l) batch waits for its routing
-        if batch.stage.kind == "expert":
-            assert self._deferred_attn_rows[batch.stage.layer] == 0
-            experts_run.append(batch.stage.layer)
-        real_execute(self, batch)
-    monkeypatch.setattr(Engine, "execute", execute)
-    ex, res, reqs = _served_wall(_AsyncRouteExecutor, policy)
-    assert ex.not_ready > 0 and ex.started == ex.read > 0 and experts_run  # deferred, none lost or read twice
-    assert assert_matches_reference("tiny-mixtral", res.requests) > 15
-    assert res.metrics["tokens"] == sum(len(r.output) for r in reqs)
-    monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE")  # off by default: route() as before, route_start never asked
-    ex, res, _ = _served_wall(_AsyncRouteExecutor, policy)
-    assert ex.started == 0 and assert_matches_reference("tiny-mixtral", res.requests) > 15
-
-
-def test_wait_deferred_blocks_on_the_oldest_deferred_batch_only_when_it_can():
-    """Engine.wait_deferred (a driver's idle path): waits on the oldest deferred batch's handle when it has
-    wait(), else reports it could not (the driver then polls)."""
+def test_wait_deferred_blocks_on_the_oldest_deferred_batch():
+    """Engine.wait_deferred (a driver's idle path): waits on the oldest deferred batch's tokens; False when
+    nothing is deferred."""
     import types
     from collections import deque
 
     from runtime.core.engine import Engine
     waited = []
-    routing = types.SimpleNamespace(wait=lambda: waited.append("routing"))
-    tokens = types.SimpleNamespace(ready=lambda: False)  # no wait(): e.g. a test double
-    e = types.SimpleNamespace(deferred=deque([types.SimpleNamespace(out={"routing": routing}),
-                                              types.SimpleNamespace(out={"pending": tokens})]))
-    assert Engine.wait_deferred(e) is True and waited == ["routing"]
-    e.deferred.popleft()
-    assert Engine.wait_deferred(e) is False and waited == ["routing"]
+    first = types.SimpleNamespace(wait=lambda: waited.append("first"))
+    second = types.SimpleNamespace(wait=lambda: waited.append("second"))
+    e = types.SimpleNamespace(deferred=deque([types.SimpleNamespace(out={"pending": first}),
+                                              types.SimpleNamespace(out={"pending": second})]))
+    assert Engine.wait_deferred(e) is True and waited == ["first"]
     e.deferred.clear()
-    assert Engine.wait_deferred(e) is False
-
-
-def test_async_sampling_setting_is_validated(monkeypatch):
-    from runtime.core.engine import _async_route_from_env, _async_sample_from_env
-    monkeypatch.setenv("DATAFLOW_ASYNC_SAMPLE", "on")
-    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_SAMPLE='on': valid values are 1 .* and 0"):
-        _async_sample_from_env()
-    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "yes")
-    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_ROUTE='yes': valid values are 1 .* and 0 .*default 0"):
-        _async_route_from_env()
+    assert Engine.wait_deferred(e) is False and waited == ["first"]
 
 
 # ------------------------------------------------------------------ device-routed dispatch
 @pytest.mark.parametrize("policy", ["defrag", "flfs", HELD[0]])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_device_routed_dispatch_matches_reference(monkeypatch, ranks, policy):
-    """DATAFLOW_DISPATCH=device (runtime/core/routed_rows.py): every owner gets the whole batch with its expert ids,
+def test_device_routed_dispatch_matches_reference(use_options, ranks, policy):
+    """dispatch=device (runtime/core/routed_rows.py): every owner gets the whole batch with its expert ids,
     returns all slots (zero where it holds none) and the home sums them: the same tokens as the reference."""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    use_options(dispatch="device")
     spec, _, _ = model("tiny-mixtral")
     reqs = make_requests(spec.vocab_size, 6, seed=ranks * 10 + len(policy))
     res = run("tiny-mixtral", ranks, reqs, policy=policy, clock="virtual", delay=jitter(400e-6), delay_seed=ranks)
@@ -433,39 +371,32 @@ def test_device_routed_dispatch_matches_reference(monkeypatch, ranks, policy):
 
 
 @pytest.mark.parametrize("name,ranks", [("tiny-qwen2-moe", 3), ("tiny-deepseek-v2", 2), ("tiny-gpt-oss", 3)])
-def test_device_routed_dispatch_other_families_and_wall_clock(monkeypatch, name, ranks):
+def test_device_routed_dispatch_other_families_and_wall_clock(use_options, name, ranks):
     """Shared experts (gated), MLA, sinks + windows; prompts longer than the attention cap (chunked prefill
     segments in the holder merge groups); the wall clock."""
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    use_options(dispatch="device")
     spec, _, _ = model(name)
     reqs = make_requests(spec.vocab_size, 4, seed=7, max_prompt=24)
     res = run(name, ranks, reqs, policy="defrag", clock="wall")
     assert assert_matches_reference(name, res.requests) > 10
 
 
-def test_dispatch_default_is_the_plans_and_the_environment_overrides_it(monkeypatch):
-    """DATAFLOW_DISPATCH=auto (the default) takes the caller's default (the plan's dispatch), but the host-routed
-    one with DATAFLOW_ASYNC_ROUTE=1 (an option of the host-routed dispatch); an explicit value wins either way."""
-    from runtime.core.routed_rows import device_routed_from_env
-    monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
-    monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE", raising=False)
-    assert device_routed_from_env(auto=True) and not device_routed_from_env(auto=False)
-    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
-    assert not device_routed_from_env(auto=True)
-    monkeypatch.delenv("DATAFLOW_ASYNC_ROUTE")
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "host")
-    assert not device_routed_from_env(auto=True)
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
-    assert device_routed_from_env(auto=False)
+def test_dispatch_default_is_the_plans_and_the_option_overrides_it(use_options):
+    """dispatch=auto (the default) takes the caller's default (the plan's dispatch); an explicit value wins."""
+    from runtime.core.routed_rows import use_device_routing
+    assert use_device_routing(True) and not use_device_routing(False)
+    use_options(dispatch="host")
+    assert not use_device_routing(True)
+    use_options(dispatch="device")
+    assert use_device_routing(False)
 
 
-def test_plan_records_its_dispatch_and_the_engines_follow_it(monkeypatch):
+def test_plan_records_its_dispatch_and_the_engines_follow_it():
     """compile's --dispatch auto is device on cuda and host on cpu; the routes describe what that dispatch sends;
     ranks of a device-dispatch plan run the device-routed dispatch (here on the CPU twin) and still give the
     reference's tokens."""
     from lowering.plan import compile_plan
     from runtime.drivers.cluster import Cluster, RunOptions, build_executor
-    monkeypatch.delenv("DATAFLOW_DISPATCH", raising=False)
     spec, w, _ = model("tiny-gpt-oss")
     assert compile_plan(spec, 2, "cuda").cluster.dispatch == "device"
     assert compile_plan(spec, 2).cluster.dispatch == "host"
@@ -490,12 +421,13 @@ def test_plan_records_its_dispatch_and_the_engines_follow_it(monkeypatch):
     assert assert_matches_reference("tiny-gpt-oss", res.requests) > 10
 
 
-def test_dispatch_setting_is_validated(monkeypatch):
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "gpu")
+def test_dispatch_option_is_validated_and_device_needs_an_executor_that_selects(use_options):
+    """A dispatch the options do not know is refused naming the valid ones; dispatch=device with an executor that
+    runs no device-routed expert batch (the simulated one) is refused when the engine is built."""
     spec, _, _ = model("tiny-mixtral")
-    with pytest.raises(ValueError, match=r"DATAFLOW_DISPATCH='gpu': valid values are auto .* host .* and device"):
-        run("tiny-mixtral", 2, make_requests(spec.vocab_size, 1, seed=1), policy="defrag", clock="virtual")
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
-    monkeypatch.setenv("DATAFLOW_ASYNC_ROUTE", "1")
-    with pytest.raises(ValueError, match="DATAFLOW_ASYNC_ROUTE=1 and DATAFLOW_DISPATCH=device together"):
-        run("tiny-mixtral", 2, make_requests(spec.vocab_size, 1, seed=1), policy="defrag", clock="virtual")
+    with pytest.raises(UserError, match="dispatch='gpu'.*'auto', 'host' or 'device'"):
+        use_options(dispatch="gpu")
+    use_options(dispatch="device")
+    with pytest.raises(ValueError, match="dispatch=device needs an executor that runs experts_routed"):
+        run("tiny-mixtral", 2, make_requests(spec.vocab_size, 1, seed=1), policy="defrag", clock="virtual",
+            executor="sim")

@@ -24,10 +24,10 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def _policies_alone(monkeypatch):
+def _policies_alone(use_options):
     # The policies as the paper describes them: without the engine's guard that makes prompt-only batches yield to
     # overdue decode rows (Engine.decode_wait_bound; tests/test_prefill_flood.py checks that guard)
-    monkeypatch.setenv("DATAFLOW_DECODE_WAIT_MS", "0")
+    use_options(decode_wait_ms=0)
 
 SPEC = load_spec("models/specs/tiny-mixtral.yaml")  # 4 MoE layers, 8 experts, top-2
 

@@ -140,7 +140,7 @@ def test_multiprocess_ranks_hold_only_their_experts_and_match_the_reference(caps
     plan = compile_plan(spec, 3, placement="round_robin", attn_cap=16, block_size=4)
     reqs = make_requests(spec.vocab_size, 6, seed=11, max_new=6, max_prompt=30)
     [res] = run_workloads_multiprocess(plan, [(reqs, RunOptions(policy="defrag", kv_blocks=128))], timeout=80,
-                                       env={"DATAFLOW_VERBOSE": "1"})
+                                       env={"DATAFLOW_OPTIONS": '{"verbose": true}'})
     assert assert_matches_reference(name, res.requests) > 15
     reported = {int(m[0]): (int(m[1]), json.loads(m[2])) for m in re.findall(
         r"rank (\d+): weights (\d+) bytes, experts held per MoE layer (\[[\d, ]*\])", capsys.readouterr().err)}

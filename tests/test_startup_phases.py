@@ -1,6 +1,6 @@
 """Start-up of a rank process (issue 31, cold start): the phases every rank reports, and what made them shorter.
 
-- A multi-process run reports each rank's start-up phases (runtime/drivers/multiproc.py STARTUP_PHASES, plus "other" and
+- A multi-process run reports each rank's start-up phases (runtime/drivers/startup.py STARTUP_PHASES, plus "other" and
   "total") with its CTRL_DONE report; the run's metrics carry the slowest rank's per phase (startup_s) and each
   rank's (startup_s_by_rank). Seconds are checked for shape and sign only (no wall-clock assertions).
 - Random weights are a counter-based draw (models/weights.py): its three implementations (numpy on the host, torch
@@ -123,13 +123,13 @@ def test_random_weights_built_on_the_gpu_equal_the_cpu_build(name):
     assert all(torch.equal(shard[k].cpu(), cpu[k]) for k in cpu)
 
 
-def test_a_device_routed_prepare_captures_no_host_routed_expert_graph(monkeypatch):
+def test_a_device_routed_prepare_captures_no_host_routed_expert_graph(monkeypatch, use_options):
     """Capture is faked on the CPU twin (a 'graph' that runs its body), as in test_executor_cuda; the keys are real."""
     from runtime.drivers.cluster import Cluster
     from runtime.executors.cuda_executor import CudaExecutor
     from test_executor_cuda import fake_capture
     fake_capture(monkeypatch)
-    monkeypatch.setenv("DATAFLOW_DISPATCH", "device")
+    use_options(dispatch="device")
     spec = load_spec(f"{SPECS}/tiny-gpt-oss.yaml")
     plan = compile_plan(spec, 2)
     kinds = {}

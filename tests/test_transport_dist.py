@@ -40,7 +40,8 @@ def _checksum(t) -> float | None:
     return None if t is None else float(t.double().sum())
 
 
-def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu") -> dict:
+def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", receive_on=None,
+              spin=None) -> dict:
     """Every rank sends n messages to every rank (itself included) in random bursts while polling."""
     from runtime.transport.zmq_dist import ChaosDelays, ZmqDistTransport
     rank, world = env.rank, env.world_size
@@ -49,7 +50,8 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
     got: dict[int, list[int]] = {s: [] for s in range(world)}
     errors: list[str] = []
     landed: dict[tuple[int, int], torch.Tensor] = {}  # (src, i) -> the buffer recv_into handed out
-    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos) as tr:
+    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos, receive_on=receive_on,
+                          spin=spin) as tr:
         def into(src, meta, shape, dtype):
             """Every third tensor message is received in place: into rows 1.. of a larger buffer."""
             if meta["i"] % 3:
@@ -163,14 +165,14 @@ def _rank_world3(env, seed: int, n: int) -> dict:
     return {"chaos": _exchange(env, seed, n, chaos_seed=seed + 1, inflight_limit=4), "slow": _slow_link(env)}
 
 
-def _rank_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
+def _rank_exchange(env, seed: int, n: int, inflight_limit: int, receive_on=None, spin=None) -> dict:
     from runtime.transport.zmq_dist import init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
-    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit)
+    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, receive_on=receive_on, spin=spin)
 
 
 def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
-    """_exchange on cuda:LOCAL_RANK over NCCL (DATAFLOW_NCCL_P2P from the launch env), then one tensor
+    """_exchange on cuda:LOCAL_RANK over NCCL (the nccl_p2p option from the launch env), then one tensor
     per dtype each way, including dtypes NCCL has no name for (they travel as bytes)."""
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     torch.cuda.set_device(env.local_rank)
@@ -253,15 +255,15 @@ def _check_exchange(result, world: int, n: int) -> None:
         assert r["counts"] == {s: n for s in range(world)}, f"rank {rank} lost or duplicated messages"
 
 
-@pytest.mark.parametrize("world,inflight,receive_on,spin", [(2, 16, "thread", ""), (4, 2, "engine", ""),
-                                                            (2, 4, "engine", "1")])
+@pytest.mark.parametrize("world,inflight,receive_on,spin", [(2, 16, None, None), (4, 2, "engine", None),
+                                                            (2, 4, "engine", True)])
 def test_exchange_fifo_no_loss(world, inflight, receive_on, spin):
-    """receive_on="engine" (the NCCL default: headers read and receives posted by the engine thread in
+    """receive_on="engine" (what CUDA ranks do: headers read and receives posted by the engine thread in
     poll(), no receptor thread) runs here over gloo: same ordering and delivery guarantees; so does the
-    busy-polling idle wait (DATAFLOW_SPIN=1; the NCCL default)."""
+    busy-polling idle wait (spin=True; what CUDA ranks do)."""
     n = 60
-    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight), timeout=80,
-                       env={**CHILD_ENV, "DATAFLOW_RECEIVE_ON": receive_on, "DATAFLOW_SPIN": spin})
+    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight, receive_on, spin),
+                       timeout=80, env=CHILD_ENV)
     _check_exchange(res, world, n)
     # a small in-flight cap forces the per-peer backlogs to be used
     assert all(r["stats"]["local"] == n for r in res.results)
@@ -331,25 +333,26 @@ def test_transport_bench_command_prints_a_table():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("p2p", ["lib", "c10d"])
-def test_cuda_exchange_direct_nccl(p2p):
+def test_cuda_exchange_direct_nccl(p2p, use_options):
     """GPU machines only. Two ranks on cuda:0/1 exchange tensors both ways with ncclSend/ncclRecv called
-    through ctypes (DATAFLOW_NCCL_P2P=lib, nccl_lib.py) or through torch.distributed (c10d): values,
+    through ctypes (nccl_p2p=lib, nccl_lib.py) or through torch.distributed (c10d): values,
     per-peer order and dtypes, with a small in-flight cap so backlogs are used; and every rank must
     close cleanly (communicators destroyed, no hang)."""
     n = 200
-    res = launch_local(2, "test_transport_dist:_rank_cuda_exchange", (17, n, 4), timeout=180,
-                       env={**CHILD_ENV, "DATAFLOW_NCCL_P2P": p2p})
+    use_options(nccl_p2p=p2p)
+    res = launch_local(2, "test_transport_dist:_rank_cuda_exchange", (17, n, 4), timeout=180, env=CHILD_ENV)
     _check_exchange(res, 2, n)
     for r in res.results:
         assert r["p2p"] == p2p and r["dtype_count"] == 8, r
         assert r["teardown"] == ("destroyed" if p2p == "lib" else None), r  # clean close, in time
 
 
-def test_nccl_poll_notices_event_completion_without_waiting_out_a_slice():
-    """poll(timeout) on the NCCL path (EventLanes, no waiter threads) must re-query lane events while
-    it waits, and a receptor's _WAKE must start that. Fake CUDA events on CPU; no processes."""
+@pytest.mark.parametrize("spin", [True, False])
+def test_engine_wait_notices_event_completion_without_waiting_out_a_slice(spin):
+    """poll(timeout) on a CUDA rank (EventLanes, no waiter threads, headers read by the engine thread) must
+    re-query lane events while it waits, busy-polling (the CUDA rule) or not. Fake CUDA events and a fake
+    header socket on CPU; no processes."""
     import queue
-    import threading
 
     from runtime.transport import zmq_dist
     from runtime.transport.completion import EventLane, Item
@@ -361,63 +364,36 @@ def test_nccl_poll_notices_event_completion_without_waiting_out_a_slice():
         def query(self):
             return time.monotonic() >= self.ready_at
 
+    class QuietSocket:  # no header ever comes: a ZeroMQ poll waits out its timeout
+        def poll(self, ms):
+            time.sleep(ms / 1000)
+
     tr = zmq_dist.ZmqDistTransport.__new__(zmq_dist.ZmqDistTransport)
-    tr._nccl, tr._done = True, queue.SimpleQueue()
+    tr._nccl, tr._spin, tr._done, tr._pull = True, spin, queue.SimpleQueue(), QuietSocket()
+    tr._receive_headers = lambda: 0
     tr._send_lanes = {1: EventLane("send->1", tr._done)}
     tr._recv_lanes = {1: EventLane("recv<-1", tr._done)}
     tr._inflight, tr._pending = [0, 0], 0
     tr.stats = {"received": 0, "received_bytes": 0}
 
-    def recv_item(seq, delay_s):
-        item = Item(False, 1, seq, {"i": seq})
-        item.event = FakeEvent(time.monotonic() + delay_s)
-        return item
+    def collect(timeout):
+        out: list = []
+        tr._wait_engine(timeout, out)
+        while True:  # what poll() does after the wait
+            try:
+                tr._complete(tr._done.get_nowait(), out)
+            except queue.Empty:
+                return out
 
-    # 1. a receive outstanding, its event completes after 3 ms: seen within ~1 ms of that, in order
-    tr._recv_lanes[1].submit(recv_item(0, 0.003))
+    # 1. a receive outstanding, its event completes after 3 ms: seen within a few ms of that, in order
+    item = Item(False, 1, 0, {"i": 0})
+    item.event = FakeEvent(time.monotonic() + 0.003)
+    tr._recv_lanes[1].submit(item)
     tr._recv_lanes[1].submit(Item(False, 1, 1, {"i": 1}))  # meta-only behind it
     t0 = time.monotonic()
-    out: list = []
-    tr._wait_nccl(0.5, out)
-    while True:  # what poll() does after _wait_nccl
-        try:
-            tr._complete(tr._done.get_nowait(), out)
-        except queue.Empty:
-            break
-    assert [a.meta["i"] for a in out] == [0, 1]
+    assert [a.meta["i"] for a in collect(0.5)] == [0, 1]
     assert time.monotonic() - t0 < 0.05
 
-    # 2. nothing outstanding: blocks on `done`; the receptor submits a receive and puts _WAKE at 5 ms,
-    #    the event completes at 10 ms (after the spin phase started by the wake)
-    def receptor():
-        time.sleep(0.005)
-        tr._recv_lanes[1].submit(recv_item(2, 0.005))
-        tr._done.put(zmq_dist._WAKE)
-    threading.Thread(target=receptor).start()
+    # 2. nothing ever arrives: returns after the timeout, not before
     t0 = time.monotonic()
-    out = []
-    tr._wait_nccl(0.5, out)
-    while not out and time.monotonic() - t0 < 0.5:  # a _WAKE alone may return early: poll again
-        tr._wait_nccl(0.5, out)
-    assert [a.meta["i"] for a in out] == [2]
-    assert time.monotonic() - t0 < 0.1
-
-    # 3. nothing ever arrives: returns after the timeout, not before
-    t0 = time.monotonic()
-    out = []
-    tr._wait_nccl(0.02, out)
-    assert out == [] and 0.015 <= time.monotonic() - t0 < 0.5
-
-
-def test_spin_setting_is_validated(monkeypatch):
-    """DATAFLOW_SPIN: unset busy-polls idle NCCL ranks only, 1 every rank, 0 none; other values name the valid ones."""
-    from runtime.transport.zmq_dist import spin_from_env
-    monkeypatch.delenv("DATAFLOW_SPIN", raising=False)
-    assert spin_from_env() is None  # the default: busy-poll on NCCL ranks only
-    monkeypatch.setenv("DATAFLOW_SPIN", "0")
-    assert spin_from_env() is False
-    monkeypatch.setenv("DATAFLOW_SPIN", "1")
-    assert spin_from_env() is True
-    monkeypatch.setenv("DATAFLOW_SPIN", "yes")
-    with pytest.raises(ValueError, match=r"DATAFLOW_SPIN='yes': valid values are 1 \(busy-poll\), 0 \(sleep\), or unset"):
-        spin_from_env()
+    assert collect(0.02) == [] and 0.015 <= time.monotonic() - t0 < 0.5

@@ -1,5 +1,5 @@
 """runtime/transport/nccl_lib.py on a machine without NCCL: the loader's search and its error, the
-dtype map, the transport's DATAFLOW_NCCL_P2P choice and communicator teardown, and the ctypes
+dtype map, the transport's nccl_p2p choice and communicator teardown, and the ctypes
 bindings themselves against a fake libnccl compiled here (same C signatures as nccl.h), so a wrong
 argtype or a struct passed the wrong way shows up without a GPU. The real library is exercised by
 test_transport_dist.py::test_cuda_exchange_direct_nccl (GPU machines only)."""
@@ -16,15 +16,15 @@ import time
 import pytest
 import torch
 
-from runtime.transport import nccl_lib, zmq_dist
+from graph_ir.errors import UserError
+from runtime.transport import nccl_lib, tensor_links
 
 
 @pytest.fixture
 def fresh_loader(monkeypatch):
-    """No cached library, no DATAFLOW_NCCL_LIBRARY, and a soname the dynamic loader cannot find (so
+    """No cached library, no nccl_library option, and a soname the dynamic loader cannot find (so
     the test means the same on a GPU machine, where the real libnccl.so.2 would load)."""
     monkeypatch.setattr(nccl_lib, "_loaded", None)
-    monkeypatch.delenv(nccl_lib.ENV_LIBRARY, raising=False)
     monkeypatch.setattr(nccl_lib, "SONAME", "libnccl-dataflow-test-missing.so.2")
     yield
 
@@ -40,13 +40,14 @@ def test_loader_error_names_every_path_tried(fresh_loader, monkeypatch, tmp_path
     msg = str(info.value)
     assert f"{not_a_lib} (" in msg and f"{missing} (no such file)" in msg, msg
     assert "libnccl-dataflow-test-missing.so.2 (" in msg, msg  # the plain soname, tried last
-    assert "DATAFLOW_NCCL_LIBRARY" in msg and "DATAFLOW_NCCL_P2P=c10d" in msg, msg
+    assert "option nccl_library" in msg and "nccl_p2p=c10d" in msg, msg
 
 
-def test_explicit_library_that_does_not_load_is_an_error_not_a_fallback(fresh_loader, monkeypatch, tmp_path):
-    monkeypatch.setenv(nccl_lib.ENV_LIBRARY, str(tmp_path / "nope.so"))
+def test_explicit_library_that_does_not_load_is_an_error_not_a_fallback(fresh_loader, monkeypatch, tmp_path,
+                                                                        use_options):
+    use_options(nccl_library=str(tmp_path / "nope.so"))
     monkeypatch.setattr(nccl_lib, "candidate_paths", lambda: pytest.fail("searched despite the explicit path"))
-    with pytest.raises(RuntimeError, match=r"DATAFLOW_NCCL_LIBRARY=.*nope\.so"):
+    with pytest.raises(RuntimeError, match=r"nccl_library=.*nope\.so"):
         nccl_lib.load()
 
 
@@ -77,24 +78,23 @@ def test_decode_version_both_encodings():
     assert nccl_lib.decode_version(22105) == (2, 21, 5)  # X*10000+Y*100+Z from 2.9
 
 
-def test_p2p_mode_choice(monkeypatch):
-    assert zmq_dist._p2p_mode(False) == ("gloo", None)  # CPU ignores DATAFLOW_NCCL_P2P
-    monkeypatch.setenv("DATAFLOW_NCCL_P2P", "c10d")
-    assert zmq_dist._p2p_mode(True) == ("c10d", None)
-    monkeypatch.setenv("DATAFLOW_NCCL_P2P", "ctypes")
-    with pytest.raises(ValueError, match="'lib' or 'c10d'"):
-        zmq_dist._p2p_mode(True)
+def test_p2p_mode_choice(monkeypatch, use_options):
+    use_options(nccl_p2p="c10d")
+    assert tensor_links.p2p_mode(False) == ("gloo", None)  # CPU ignores nccl_p2p
+    assert tensor_links.p2p_mode(True) == ("c10d", None)
+    with pytest.raises(UserError, match="nccl_p2p"):
+        use_options(nccl_p2p="ctypes")
 
     def no_library():
         raise RuntimeError("cannot load the NCCL library (libnccl.so.2); tried: x (no such file)")
     monkeypatch.setattr(nccl_lib, "load", no_library)
-    monkeypatch.setenv("DATAFLOW_NCCL_P2P", "lib")
+    use_options(nccl_p2p="lib")
     with pytest.raises(RuntimeError, match="cannot load"):  # asked for explicitly: no silent fallback
-        zmq_dist._p2p_mode(True)
-    monkeypatch.delenv("DATAFLOW_NCCL_P2P")
-    assert zmq_dist._p2p_mode(True) == ("c10d", None)  # the default falls back (with a note)
+        tensor_links.p2p_mode(True)
+    use_options(nccl_p2p="auto")
+    assert tensor_links.p2p_mode(True) == ("c10d", None)  # the default falls back (with a note)
     monkeypatch.setattr(nccl_lib, "load", lambda: "LIB")
-    assert zmq_dist._p2p_mode(True) == ("lib", "LIB")
+    assert tensor_links.p2p_mode(True) == ("lib", "LIB")
 
 
 def test_close_comms_destroys_in_order_aborts_after_failure_and_never_hangs(capsys):
@@ -112,22 +112,22 @@ def test_close_comms_destroys_in_order_aborts_after_failure_and_never_hangs(caps
         def abort(self):
             calls.append(("abort", self.name))
 
-    tr = zmq_dist.ZmqDistTransport.__new__(zmq_dist.ZmqDistTransport)
-    tr.rank = 0
-    tr._comms = [Comm("0->1"), Comm("1->0")]
-    tr._close_comms(True, 1.0)
-    assert calls == [("destroy", "0->1"), ("destroy", "1->0")] and tr._comms == []
-    assert tr.comm_teardown == "destroyed"
+    links = tensor_links.TensorLinks.__new__(tensor_links.TensorLinks)
+    links.rank = 0
+    links.comms = [Comm("0->1"), Comm("1->0")]
+    links.close(True, 1.0)
+    assert calls == [("destroy", "0->1"), ("destroy", "1->0")] and links.comms == []
+    assert links.teardown == "destroyed"
     calls.clear()
-    tr._comms = [Comm("0->1"), Comm("1->0")]
-    tr._close_comms(False, 10.0)
-    assert calls == [("abort", "0->1"), ("abort", "1->0")] and tr.comm_teardown == "aborted"
-    tr._comms = [Comm("0->1", hang=True)]
+    links.comms = [Comm("0->1"), Comm("1->0")]
+    links.close(False, 10.0)
+    assert calls == [("abort", "0->1"), ("abort", "1->0")] and links.teardown == "aborted"
+    links.comms = [Comm("0->1", hang=True)]
     t0 = time.monotonic()
-    tr._close_comms(True, 0.2)
+    links.close(True, 0.2)
     assert time.monotonic() - t0 < 2.0
     assert "still running after 0.2 s" in capsys.readouterr().err
-    assert tr.comm_teardown == "destroyed timed out"
+    assert links.teardown == "destroyed timed out"
 
 
 # ------------------------------------------------------------------ the bindings, against a fake libnccl
@@ -172,9 +172,9 @@ class _FakeStream:
     cuda_stream = 0x5EED
 
 
-def test_bindings_against_a_fake_libnccl(tmp_path, monkeypatch, fresh_loader):
+def test_bindings_against_a_fake_libnccl(tmp_path, monkeypatch, fresh_loader, use_options):
     path = _build_fake(tmp_path, 22105)
-    monkeypatch.setenv(nccl_lib.ENV_LIBRARY, path)
+    use_options(nccl_library=path)
     lib = nccl_lib.load()
     assert lib.version == (2, 21, 5) and nccl_lib.load() is lib
     c = ctypes.CDLL(path)  # the same handle: its globals are the fake's record of the last call

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Helper of the A/B runs (31's pattern; used by 36): `bash benchmarks/device/ab_trees.sh OUT OLD_TGZ ROUNDS BENCH_ARGS...`
-# (from the repository root, after prelude.sh). Alternates launches of the bench from the tree in OLD_TGZ (a
+# matrix.yaml ab: `bash benchmarks/device/ab_trees.sh OUT OLD_TGZ ROUNDS BENCH_ARGS...`
+# (from the repository root, after start.sh). Alternates launches of the bench from the tree in OLD_TGZ (a
 # `git archive | gzip` of the commit before, carried with the device tool's `carry`) and from this tree, ROUNDS
 # times, the order swapped every round (old new, new old, ...; until session 8 old always ran first: an A/A check,
 # run 60, found no slot bias either way, but swapping costs nothing). Appends to OUT/ab.txt (the table row of each
@@ -8,7 +8,7 @@
 # working tree when the call starts, uncommitted edits included; run 57's "new" was such a tree, NOTES §23).
 # AB_BENCH=gpu_ep_bench (default: 2 GPUs, one process per rank, both ranks' phase timers in phases.txt) or
 # AB_BENCH=gpu_bench (one GPU, in-process ranks; pass --sections e2e; the engine's and executor's step timers,
-# DATAFLOW_PROFILE_EXEC=1, in phases.txt). AB_TIMEOUT: seconds per launch (120). With DATAFLOW_TIMELINE=1, the
+# profile_steps, in phases.txt). AB_TIMEOUT: seconds per launch (120). With DATAFLOW_TIMELINE=1, the
 # launches whose tree writes timelines get their benchmarks/wave_timeline.py summary in OUT/timelines.txt.
 set -u
 OUT=$(cd "${1:?out dir}" && pwd); TGZ=${2:?old tree tarball}; ROUNDS=${3:?rounds}; shift 3
@@ -26,8 +26,12 @@ for r in $(seq 1 "$ROUNDS"); do
   for v in $ORDER; do
     T=$NEW; [ $v = old ] && T=$OLD
     mkdir -p "$P/$v$r"
-    (cd "$T" && PYTHONPATH=/tmp/site:$T DATAFLOW_PROFILE_EXEC=$([ $BENCH = gpu_bench ] && echo 1 || echo 0) \
+    STEPS=$([ $BENCH = gpu_bench ] && echo true || echo false)
+    # Both spellings of the profiler's settings: a tree from before RuntimeOptions reads the DATAFLOW_PROFILE_*
+    # variables, a newer one DATAFLOW_OPTIONS (runtime/settings.py); each ignores the other's.
+    (cd "$T" && PYTHONPATH=/tmp/site:$T DATAFLOW_PROFILE_EXEC=$([ $STEPS = true ] && echo 1 || echo 0) \
       DATAFLOW_PROFILE_RANK=all DATAFLOW_PROFILE_CPROFILE=0 DATAFLOW_PROFILE_OUT="$P/$v$r/rank{rank}.prof" \
+      DATAFLOW_OPTIONS="{\"profile_steps\":$STEPS,\"profile_ranks\":\"all\",\"profile_cprofile\":false,\"profile_out\":\"$P/$v$r/rank{rank}.prof\"}" \
       timeout "${AB_TIMEOUT:-120}" python3 benchmarks/$BENCH.py --out "$P/$v$r" "$@" > "$P/$v$r.log" 2>&1)
     echo "$v round $r exit $?" >> "$OUT/env.txt"
     echo "$v $r $(grep '^| streaming' "$P/$v$r/$MD" | cut -c1-200)" | tee -a "$OUT/ab.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Helper of the correctness runs (15, 25): `bash benchmarks/device/fp32_tokens_vs_cpu.sh OUT POLICY...`
-# (from the repository root, after prelude.sh). For each policy a 2-GPU fp32 `dataflow run` (CUDA executor,
+# Called by gpu_checks.sh: `bash benchmarks/device/fp32_tokens_vs_cpu.sh OUT POLICY...`
+# (from the repository root, after start.sh). For each policy a 2-GPU fp32 `dataflow run` (CUDA executor,
 # NCCL, one process per rank) must give the tokens of the in-process CPU run of the same plan and requests with the
 # same dispatch (a cuda plan's default, device-routed: the CPU plan is compiled with --dispatch device); the
 # host-routed CPU run is compared too, for the record (since session 10 the device-routed combine adds the holders'

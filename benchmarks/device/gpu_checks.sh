@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Helper of the device runs that change the hot path (31, 36): `bash benchmarks/device/gpu_checks.sh OUT POLICY...`
-# (from the repository root, after prelude.sh). The 2-rank CUDA transport tests (one "pytest exit" line appended
+# matrix.yaml checks-2gpu: `bash benchmarks/device/gpu_checks.sh OUT POLICY...`
+# (from the repository root, after start.sh). The 2-rank CUDA transport tests (one "pytest exit" line appended
 # to OUT/env.txt) and, per policy, the fp32 2-GPU tokens against the CPU run (fp32_tokens_vs_cpu.sh; OUT/tokens.txt).
 set -u
 OUT=$(cd "${1:?out dir}" && pwd); shift

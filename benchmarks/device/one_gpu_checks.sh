@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Helper of the one-GPU device runs (141-): `bash benchmarks/device/one_gpu_checks.sh OUT` (from the repository root,
-# after prelude.sh). The tests that run on one GPU (kernels, the CUDA executor, runtime units, scheduler, math, the
+# matrix.yaml checks-1gpu: `bash benchmarks/device/one_gpu_checks.sh OUT` (from the repository root,
+# after start.sh). The tests that run on one GPU (kernels, the CUDA executor, runtime units, scheduler, math, the
 # benches' smoke tests, batched attention: OUT/checks.txt) and gpu_bench's correctness section (CUDA-executor tokens
 # against the reference, fp32 and bf16 teacher-forced: OUT/gpu_bench.md; its exit status appended to OUT/env.txt).
 set -u

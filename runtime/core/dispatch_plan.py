@@ -13,7 +13,7 @@ needs, derived from them and the layer's expert -> rank table (`owner`):
 The numpy version (`plan_reference`, kept as the reference the tests compare against) makes ~20 numpy calls
 per batch (a bincount, a stable argsort, a scatter for the inverse, a division, the packing); `plan_dispatch`
 does one counting sort in numba: one call, the identical result (tests/test_dispatch_plan.py). On the H200 host
-that saved ~30 us per attention batch (device run 61; benchmarks/NOTES.md §23 item 5), not the 100-150 us
+that saved ~30 us per attention batch, not the 100-150 us
 predicted: the step's remaining cost is its ~12 torch calls, not numpy.
 """
 from __future__ import annotations
@@ -122,7 +122,8 @@ def plan_from_order(order: Optional[np.ndarray], weights) -> DispatchPlan:
 
 
 def plan_reference(ids: np.ndarray, weights, owner: np.ndarray, world: int) -> DispatchPlan:
-    """`plan_dispatch` in numpy calls (the engine's code until session 8): the reference the tests compare with."""
+    """`plan_dispatch` in numpy calls (what the engine ran before the compiled version): the reference the tests
+    compare with."""
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)
     counts = np.bincount(owner[flat], minlength=world)
     order = np.argsort(owner[flat], kind="stable") if np.count_nonzero(counts) > 1 else None

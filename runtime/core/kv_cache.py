@@ -253,7 +253,7 @@ class PagedKVStore:
 def _upload(blocks: torch.Tensor, offs: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A store's (page, offset) index pair, CPU int64 tensors of one length, on `device` in one copy through the pinned
     ring (runtime/device_index.to_device). `.to(device)` of a pageable CPU tensor waits for the stream: on CUDA every
-    eager batch's K/V write and read (each prompt chunk, each layer) drained the device that way (NOTES §34 item 5)."""
+    eager batch's K/V write and read (each prompt chunk, each layer) drained the device that way."""
     both = to_device(torch.stack([blocks, offs]), device)
     return both[0], both[1]
 

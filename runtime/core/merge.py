@@ -92,7 +92,7 @@ class MergeTable:
     """`whole_groups`: hand a group's segments back only once every segment of it is complete (one
     combine per attention batch) instead of each segment as soon as its own parts are in. The engine
     turns it on under the wave hold, where a segment completed early would only wait at the next
-    attention stage for the rest of its wave anyway (benchmarks/NOTES.md §19 item 7)."""
+    attention stage for the rest of its wave anyway."""
 
     def __init__(self, top_k: int, whole_groups: bool = False) -> None:
         self.top_k = top_k
@@ -105,7 +105,7 @@ class MergeTable:
         # y buffers (with the events that marked them ready) of groups that left the table, by (shape, dtype, device),
         # most recently used key last: a decode wave's groups have one shape at every layer of a step, so each open
         # reuses the buffer and event of the group before it instead of allocating (the caching allocator's Python
-        # and C++ path) and creating an event (~100 us per open on the H200 host with both; benchmarks/NOTES.md §32)
+        # and C++ path) and creating an event (~100 us per open on the H200 host with both)
         self._spare: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
         self._decode: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # S -> (ones, 0 .. S-1) (_decode_arrays)
 
@@ -170,7 +170,7 @@ class MergeTable:
         # One upload for what the device needs of this group: the dispatch gather (order // k), the combine's
         # row_index (inv) and the routing weights, packed as int64 (the fp32 weights two per element). Its
         # event is recorded after y's allocation, so it is also y's `ready` (three copies and two events
-        # per attention batch became one of each; benchmarks/NOTES.md §20). A holder group's are fixed (above).
+        # per attention batch became one of each). A holder group's are fixed (above).
         gather = ready = None
         on_host = not holders and (type(weights) is np.ndarray or weights.device.type == "cpu")  # numpy: route_arrays
         if h_res.is_cuda and on_host:  # the routing came to the host
@@ -245,7 +245,7 @@ class MergeTable:
             order = row_of_pos * holders + p // R
             inv = np.arange(R * holders, dtype=np.int64).reshape(holders, R).T.copy()
             # (through the pinned ring: `from_numpy(inv).to(device)` copied from pageable memory and synchronized the
-            # stream, draining the GPU's queue once per decode step, whenever a wave's size was new; run 123's trace)
+            # stream, draining the GPU's queue once per decode step, whenever a wave's size was new)
             got = (order, inv, row_of_pos, to_device(inv, device),
                    torch.ones((R, holders), dtype=torch.float32, device=device))
             if len(self._holder_layouts) < 4096:

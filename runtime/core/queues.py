@@ -44,10 +44,11 @@ class AttnItem:
 @dataclass(slots=True)
 class AttnBlock:
     """n one-row segments entering attention of a layer together: request rids[i] at position pos[i],
-    its token tokens[i] (layer 0: a list, or int64 ids on the device that the host has not read yet, Engine.step_ahead)
-    or hidden row h[hrow + i] (deeper layers). What a merge completes or a
+    its token tokens[i] (layer 0: a list, or int64 ids on the device that the host has not read yet: step-ahead,
+    runtime/core/sample_stage.py) or hidden row h[hrow + i] (deeper layers). What a merge completes or a
     sample batch produces in decode, as one queue item: per token per layer the engine then does no
-    object creation, push, take or eligibility call of its own (benchmarks/NOTES.md §19 item 9).
+    object creation, push, take or eligibility call of its own (per-token Python calls were most of a step's
+    host time).
     `ready`: every row was seen eligible (a row stays eligible until it runs: only it moves its
     request's K/V position at this layer), so the check runs once per block, not at every decision."""
 
@@ -106,7 +107,7 @@ class ExpertItem:
 
 @dataclass(slots=True)
 class RoutedItem:
-    """A home's whole attention batch for one expert stage, routed on the device (DATAFLOW_DISPATCH=device,
+    """A home's whole attention batch for one expert stage, routed on the device (dispatch=device,
     runtime/core/routed_rows.py): its payload, T token rows with their top-k expert ids and weights packed at the end of
     each row, which the owner maps to its own experts on the device. It counts n = T*k slots in the queue (every
     slot, this rank's or not); the owner returns one row per token, the weighted sum of its own slots' outputs,

@@ -49,7 +49,7 @@ class Request:
     # the last one went through every layer) cannot overtake itself.
     kv_next: list[int] = field(default_factory=list)
     chunked: bool = False  # its prompt entered attention as several chunks, and its first token is not sampled yet
-    # Step-ahead (runtime/core/engine.py, Engine.step_ahead): sample batches of it launched whose tokens the host has not
+    # Step-ahead (runtime/core/sample_stage.py): sample batches of it launched whose tokens the host has not
     # read yet; and finished (EOS) while its next step's row was already queued: it leaves once that row is sampled.
     unread: int = 0
     draining: bool = False

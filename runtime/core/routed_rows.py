@@ -1,8 +1,8 @@
-"""The wire form of a device-routed attention batch (DATAFLOW_DISPATCH=device; benchmarks/NOTES.md §24 item 7, §27).
+"""The wire form of a device-routed attention batch (the `dispatch` option's device form).
 
 With a router inside the attention graph, the host learns a batch's routing only after a device -> host copy, and
 the two-phase exchange's first phase needs the per-destination sizes: one GPU -> host -> GPU round trip per
-attention batch, during which the rank's stream runs dry (NOTES §22 item 2). The device-routed dispatch sends the
+attention batch, during which the rank's stream runs dry. The device-routed dispatch sends the
 whole batch instead, whose size the host knows before the graph runs: T token rows with their top-k expert ids and
 routing weights, to every rank holding experts of the layer, as ONE tensor [T, H + c] (the batch's "payload"): the
 rows, then the ids as int32 and the weights as fp32, both viewed as the rows' dtype (c = 4k columns for bf16/fp16,
@@ -14,7 +14,7 @@ not T*k. The home's merge sees the holders as the "slots" of a token (runtime/co
 adds their partial sums, in holder order, to the residual: h_res + (p_0 + p_1 + ... + shared). That is the same
 sum as the host-routed dispatch's in another order of additions (not bit-identical to it; equal on one holder), and
 with bf16 rows each partial sum is rounded once more before it travels. In exchange the combine's bytes on the link
-are 1/k of every slot's (NOTES §26 item 11).
+are 1/k of every slot's.
 
 The payload is the unit from end to end: the CUDA executor's attention graph writes it into a static buffer (one
 clone on the host, CudaExecutor.routed_payload), the home sends it and queues it for its own experts as is, an
@@ -24,29 +24,20 @@ batches).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from runtime import settings
 
-def device_routed_from_env(auto: bool) -> bool:
-    """Whether to use the device-routed dispatch. DATAFLOW_DISPATCH: auto (default: `auto`, the caller's default:
-    the plan's choice, which `dataflow compile --dispatch auto` makes device on cuda and host on cpu), host (the
-    routing comes to the host, each owner gets its routed rows) or device (the whole batch and its expert ids go to
-    every owner, which runs its own slots on the device and returns per-token partial sums: no routing round trip). Device on a GPU because there
-    the routing is made inside the attention graph and the host would wait for it (2 x H200, run 67: 1.12x against
-    1.02x of all-gather EP clean, 3.56x against 1.99x under the compute hog; benchmarks/NOTES.md §26); host on the
-    CPU, where the routing is on the host already and the whole batch would only add bytes. auto also picks host
-    with DATAFLOW_ASYNC_ROUTE=1, an option of the host-routed dispatch."""
-    v = os.environ.get("DATAFLOW_DISPATCH", "auto")
-    if v not in ("auto", "host", "device"):
-        raise ValueError(f"DATAFLOW_DISPATCH={v!r}: valid values are auto (default: the plan's, device on cuda, host on cpu), "
-                         f"host (route on the host) and device (send whole batches with their expert ids; owners "
-                         f"select on the device)")
-    if v == "auto":
-        return auto and os.environ.get("DATAFLOW_ASYNC_ROUTE", "0") != "1"
-    return v == "device"
+
+def use_device_routing(plan_default: bool) -> bool:
+    """Whether to use the device-routed dispatch: the `dispatch` option (runtime/settings.py) when it names one,
+    else `plan_default` (the plan's choice, which `dataflow compile --dispatch auto` makes device on cuda and host
+    on cpu). Device on a GPU because there the routing is made inside the attention graph and the host would wait
+    for it (on 2 x H200 1.12x against 1.02x of all-gather EP clean, 3.56x against 1.99x under a compute hog); host
+    on the CPU, where the routing is on the host already and the whole batch would only add bytes."""
+    choice = settings.current().dispatch
+    return plan_default if choice == "auto" else choice == "device"
 
 
 def payload_columns(k: int, dtype: torch.dtype) -> int:

@@ -33,7 +33,7 @@ item's extra wait <= hold_us, and a policy string can carry the parameters: "def
 tells every owner the rows the same tokens will bring to expert(l+1), so an owner holds the wave of one
 home at expert(l+1) for another home's wave that is on its way. Two homes' waves that reach a layer at
 different times then merge into one expert batch instead of running one each (on 2 x H200 at C=256 an
-expert stage ran ~1.8 batches per layer-step: one per home; benchmarks/NOTES.md §19).
+expert stage ran ~1.8 batches per layer-step: one per home).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class StageView:
 HOLD = -1  # Decision.stage when every candidate is held: run nothing for up to `hold_s`
 # Up to this many runnable stages (the usual case: one or two) the defragmenting score is computed in Python, only for
 # them; more go to the compiled kernel, which scores the whole chain. Same float operations in the same order either
-# way, so the same bits. The kernel's call with its arrays costs ~5 us here and 22-28 us on the H200 hosts (run 121),
+# way, so the same bits. The kernel's call with its arrays costs ~5 us here and 22-28 us on the H200 hosts,
 # a stage's score in Python ~1 us here.
 _PY_CANDIDATES = 4
 _HOLD_RESOLUTION_S = 1e-6
@@ -76,9 +76,11 @@ def _best(scores: dict[int, float]) -> int:
 
 class Policy:
     """What every policy shares: the wave hold (module docstring). Subclasses score the runnable
-    stages and call `_decide`."""
+    stages and call `_decide`. The engine reads hold_fill, hold_step and hold_ahead and calls observe_step and
+    repeat_idle on every policy: a policy object that is not a subclass must have them too."""
 
     name = "?"
+    hold_fill, hold_us, hold_step, hold_ahead = 0.0, 2000.0, 0.0, 0  # (the wave hold off, as __init__'s defaults)
 
     def __init__(self, hold_fill: float = 0.0, hold_us: float = 2000.0, hold_step: float = 0.0,
                  hold_ahead: int = 0) -> None:
@@ -102,7 +104,7 @@ class Policy:
         With hold_step > 0 the hold's bound is hold_step x its moving average (hold_us until the first
         report): a wave takes a fraction of a token step to come together, and that step is ~60 ms on
         4 CPU processes, ~40-80 ms on the H200s at C=256 and a few ms in the simulator with H200 costs,
-        where the best fixed bounds were 40 ms, 30 ms and ~1 ms (benchmarks/NOTES.md sections 15-17)."""
+        where the best fixed bounds were 40 ms, 30 ms and ~1 ms."""
         self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
 
     def repeat_idle(self) -> None:

@@ -2,7 +2,7 @@
 
 The score is a tight numeric loop run before every batch on every rank: for each runnable stage s,
 Q(s) + sum_{j=1..W} delta^j (Q(s_j) + w_H H(s_j)) along the wrapping stage chain. In Python it costs
-~40 us per decision for GPT-OSS-120B's 73-stage chain (measured: benchmarks/NOTES.md), a fifth of
+~40 us per decision for GPT-OSS-120B's 73-stage chain (measured), a fifth of
 the paper's whole host budget for an expert batch; compiled it is a few microseconds. The loop does
 the same floating-point operations in the same order as the formula, so scores are bit-identical to
 the plain Python version the tests write out by hand.
@@ -46,7 +46,7 @@ _warm = False
 def warm_up() -> None:
     """Load (or compile) the kernel now. numba does it at the first call, ~230 ms per process on the
     CPU machine; a policy calls this when it is built, so that cost lands before a run's clock
-    starts instead of inside its first timed batch (benchmarks/NOTES.md section 11)."""
+    starts instead of inside its first timed batch."""
     global _warm
     if not _warm:
         z = np.zeros(1)

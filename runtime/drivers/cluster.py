@@ -43,9 +43,9 @@ class RunOptions:
     kv_blocks: Optional[int] = None  # per-rank KV pool override (None: the plan's)
     home_policy: Optional[str] = None  # None: the plan's
     decode_only: bool = False  # paper's throughput mode: random prompt KV, no prefill (runtime/core/decode_only.py)
-    # A keyed router replacing the model's (lab/routing_override: Zipf skew, a replayed
-    # trace); picklable, so rank processes build the same one. None: the model's own router.
-    router: Optional[object] = None
+    # Applied to the executor each rank builds, which it returns replaced or changed (an experiment's routing
+    # override, say); picklable, so rank processes apply the same one. None: the executor as built.
+    executor_wrapper: Optional[Callable[[object], object]] = None
     until: Optional[float] = None  # stop at this clock time; unfinished requests are reported so
     # Wall clock, the floor of the stall bound: a rank's serving loop (peers watch its heartbeat) or, with requests
     # outstanding, every rank's batches standing still for max(this, 10x the longest pause seen) is a bug, not a wait
@@ -111,7 +111,7 @@ class Cluster:
                 e.enable_decode_only()
         if options.clock == "virtual":  # simulated batch ends: a batch's results are there when it completes
             for e in self.engines:
-                e.async_sample = e.async_route = False
+                e.async_sample = False
         self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
                                    options.home_policy or plan.placement.home_policy)
 
@@ -273,13 +273,10 @@ class Cluster:
 
 
 def build_executor(plan, options: RunOptions, weights=None):
-    """The executor for a run (the torch one over the plan's weights, or the simulated one), routed by
-    `options.router` when one is given."""
+    """The executor for a run (the torch one over the plan's weights, or the simulated one), passed through
+    `options.executor_wrapper` when one is given."""
     ex = _build_executor(plan, options, weights)
-    if options.router is not None:
-        from lab.routing_override import routed
-        ex = routed(ex, options.router)
-    return ex
+    return ex if options.executor_wrapper is None else options.executor_wrapper(ex)
 
 
 def _build_executor(plan, options: RunOptions, weights=None):

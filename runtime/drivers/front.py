@@ -1,8 +1,8 @@
 """The serving front: the plan's rank processes serving an open workload, driven from asyncio.
 
 `Front(plan, options)` binds two ZeroMQ sockets on loopback, starts one process per rank (runtime/drivers/launch.py, as
-`dataflow run` does) with an open workload (RankJob.front: runtime/drivers/multiproc.py's Coordinator takes requests from
-here while the ranks serve), and waits for their ready notice. Then
+`dataflow run` does) with an open workload (RankJob.front: runtime/drivers/coordinator.py takes requests from here
+while the ranks serve), and waits for their ready notice. Then
 
     stream = await front.submit(prompt_ids, max_new_tokens=..., params=..., stop_token_ids=...)
     async for tokens in stream: ...      # each frame's new token ids, in order

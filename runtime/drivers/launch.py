@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, Callable, Optional, Union
 
+from runtime import settings
+
 KILL_AFTER_TERM_S = 2.0
 _POLL_S = 0.02
 
@@ -58,26 +60,26 @@ def set_rank_threads(env: RankEnv, on_gpu: bool) -> int:
     oversubscribes them, and tiny matmuls then cost 100x more (3 us -> 300+ us per linear, 2 cores).
     GPU ranks get 1: their host work is Python and small tensor ops, and a pool of workers spinning
     after every small CPU op takes cores (and hyperthread siblings) from the engine thread (2 x H200,
-    32 vCPUs, 16 threads per rank: every host step of a send ran 5-20x slower than alone; NOTES §13).
-    DATAFLOW_RANK_THREADS overrides both."""
+    32 vCPUs, 16 threads per rank: every host step of a send ran 5-20x slower than alone).
+    The rank_threads option overrides both."""
     import torch
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    n = int(os.environ.get("DATAFLOW_RANK_THREADS") or (1 if on_gpu else max(1, (os.cpu_count() or 1) // local_world)))
+    local_world = settings.launch_environment().local_world_size or env.world_size
+    n = settings.current().rank_threads or (1 if on_gpu else max(1, (os.cpu_count() or 1) // local_world))
     torch.set_num_threads(n)
     return n
 
 
 def from_torchrun_env(environ: Optional[dict] = None) -> Optional[RankEnv]:
-    """The rank's identity from torchrun-style variables, or None when not launched that way."""
-    environ = os.environ if environ is None else environ
-    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+    """The rank's identity from torchrun-style variables (this process's environment, or `environ`), or None when
+    not launched that way."""
+    launch = settings.LaunchEnvironment.read(environ)
+    rank, world = launch.rank, launch.world_size
+    if rank is None or world is None:
         return None
-    rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    return RankEnv(rank=rank, world_size=world, local_rank=int(environ.get("LOCAL_RANK", rank)),
-                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=int(environ.get("MASTER_PORT", "29500")))
+    return RankEnv(rank=rank, world_size=world, local_rank=rank if launch.local_rank is None else launch.local_rank,
+                   master_addr=launch.master_addr, master_port=launch.master_port)
 
 
 @dataclass
@@ -229,12 +231,15 @@ def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], a
     stderr = stderr or sys.stderr
     with open(os.path.join(run_dir, "args.pkl"), "wb") as f:
         pickle.dump((name, tuple(args)), f)
-    base = dict(os.environ)
+    # This process's environment carries the run's options (DATAFLOW_OPTIONS, exported by settings.configure): the
+    # ranks serve with the same ones.
+    inherited = settings.environment_copy()
+    base = dict(inherited)
     base.update(env or {})
     # The repository first, then a PYTHONPATH the caller adds, then the inherited one (where installed
     # dependencies may live, e.g. wheels unpacked on a machine without pip access): adding a path for
     # the ranks must not hide the packages the parent imports.
-    paths = [_repo_root()] + [p for p in ((env or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
+    paths = [_repo_root()] + [p for p in ((env or {}).get("PYTHONPATH"), inherited.get("PYTHONPATH")) if p]
     base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     # DATAFLOW_RUN_SECRET: the key every rank signs its frames with (runtime/transport/wire.py), new per launch
     # unless the caller passes one in `env` (a serving front shares it: runtime/drivers/front.py), handed over in the
@@ -420,9 +425,12 @@ def child_started() -> Optional[tuple[float, float]]:
 def _child_main(started: Optional[tuple[float, float]] = None) -> int:
     global _CHILD_STARTED
     _CHILD_STARTED = started
-    _die_with_parent(int(os.environ["DATAFLOW_LAUNCH_PARENT"]))
+    launch = settings.launch_environment()
+    assert launch.launch_dir is not None and launch.launch_parent is not None, \
+        "DATAFLOW_LAUNCH_DIR/_PARENT missing: runtime.drivers.launch is started by launch_local"
+    _die_with_parent(launch.launch_parent)
     signal.signal(signal.SIGTERM, _sigterm_to_exit)
-    run_dir = os.environ["DATAFLOW_LAUNCH_DIR"]
+    run_dir = launch.launch_dir
     env = from_torchrun_env()
     assert env is not None, "RANK/WORLD_SIZE missing: runtime.drivers.launch is started by launch_local"
     code, message = 0, None

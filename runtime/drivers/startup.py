@@ -6,6 +6,8 @@ import os
 import time
 from typing import Optional
 
+from runtime import settings
+
 
 def write_atomically(path: str, text: str) -> None:
     """`text` as `path`'s whole content, swapped in at once (a reader sees the old text or the new, never half)."""
@@ -34,9 +36,9 @@ class StartupTimes:
         from runtime.drivers.launch import child_started
         started = child_started()
         wall0, self.t0 = started or (time.time(), time.perf_counter())
-        spawned = os.environ.get("DATAFLOW_SPAWNED_AT") if started else None  # (launch_local's ranks only)
+        spawned = settings.launch_environment().spawned_at if started else None  # (launch_local's ranks only)
         self.phases = dict.fromkeys(STARTUP_PHASES, 0.0)
-        self.phases["spawn"] = max(wall0 - float(spawned), 0.0) if spawned else 0.0
+        self.phases["spawn"] = max(wall0 - spawned, 0.0) if spawned else 0.0
         self.last = self.t0
 
     # What a rank does after each phase (for the progress display: rank 0 writes it where the launcher reads it).

@@ -1,7 +1,7 @@
 """The current CUDA stream, for the hot path's event records and stream waits.
 
 `torch.cuda.current_stream(device)` builds a new Stream object per call (~7 us on the H200 host,
-benchmarks/host_speed.py, run 37) and `Event.record()` without a stream calls it too; a streaming rank makes
+benchmarks/host_speed.py) and `Event.record()` without a stream calls it too; a streaming rank makes
 ~15 such calls per attention batch (staging slots, sends, arrivals). The engine thread's current stream
 changes only inside `with torch.cuda.stream(...)` blocks, so the Stream object is cached per device and
 checked against the raw handle of the current stream (one C call) before every use: a changed stream is

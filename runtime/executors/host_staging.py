@@ -5,14 +5,13 @@ A non-blocking copy from pinned memory returns before the DMA ran, so a buffer m
 the copy that read it finished: each slot carries the event recorded after its copy, and `acquire`
 waits on it (normally long complete: ~2 us query). On CPU there is no DMA and no event: plain tensors.
 
-Every wait for the device is bounded (`wait_event`): a copy that has not completed after
-DATAFLOW_DEVICE_WAIT_S seconds (default 300) raises TimeoutError naming what it was, instead of hanging
+Every wait for the device is bounded (`wait_event`): a copy that has not completed after the device_wait_s
+option's seconds (runtime/settings.py, default 300) raises TimeoutError naming what it was, instead of hanging
 the rank on a wedged GPU.
 """
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from runtime import settings
 from runtime.executors.cuda_stream import current_stream
 
 # numpy dtype -> torch dtype, for the arrays `upload` ships (index arrays, fp32 weights, masks); keyed by dtype
@@ -29,36 +29,19 @@ from runtime.executors.cuda_stream import current_stream
 _TORCH_DTYPES = {np.dtype(t): getattr(torch, t) for t in ("int64", "int32", "float32", "float64", "bool", "uint8")}
 
 
-def _device_wait_s() -> float:
-    v = os.environ.get("DATAFLOW_DEVICE_WAIT_S", "300")
-    try:
-        s = float(v)
-    except ValueError:
-        s = -1.0
-    if not s > 0:
-        raise ValueError(f"DATAFLOW_DEVICE_WAIT_S={v!r}: expected a number of seconds > 0 (default 300), or inf "
-                         f"(block in cudaEventSynchronize, unbounded: the wait before session 7, for A/B runs)")
-    return s
-
-
 def wait_event(ev, what: str, timeout_s: Optional[float] = None) -> float:
     """Block until CUDA event `ev` has completed; returns the seconds waited. Polls it, yielding the GIL
     between looks (as cudaEventSynchronize's default spin does, but with a bound): after `timeout_s`
-    (DATAFLOW_DEVICE_WAIT_S) raises TimeoutError naming `what` it waited for. A bound of inf waits in
-    `ev.synchronize()` instead (unbounded)."""
+    (default: the device_wait_s option) raises TimeoutError naming `what` it waited for."""
     if ev.query():
         return 0.0
     t0 = time.perf_counter()
-    bound = timeout_s if timeout_s is not None else _device_wait_s()
-    if bound == math.inf:  # no bound asked for: the driver's blocking wait (NOTES §22 item 11 asks for this A/B)
-        ev.synchronize()
-        return time.perf_counter() - t0
-    deadline = t0 + bound
+    deadline = t0 + (timeout_s if timeout_s is not None else settings.current().device_wait_s)
     while not ev.query():
         now = time.perf_counter()
         if now > deadline:
             raise TimeoutError(f"waited {now - t0:.0f} s for {what} to complete on the device: the GPU is wedged or "
-                               f"far behind (DATAFLOW_DEVICE_WAIT_S bounds this wait)")
+                               f"far behind (the device_wait_s option bounds this wait)")
         time.sleep(0)  # lets the transport's threads run
     return time.perf_counter() - t0
 
@@ -69,7 +52,7 @@ class StreamOrder:
     process-wide sequence number and are keyed by (device, raw stream handle); `seen` raises the stream's
     watermark. A staging slot whose last mark is at or below its stream's watermark is known free without asking
     the device: the routing copy each attention batch waits for anyway is recorded after the batch's uploads, so
-    reusing a slot usually costs no event query (~1.5-2 us in-process on the H200 host: benchmarks/NOTES.md §24)."""
+    reusing a slot usually costs no event query (~1.5-2 us in-process on a fast GPU's host)."""
 
     def __init__(self) -> None:
         self.seq = 0

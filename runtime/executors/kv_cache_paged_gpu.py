@@ -13,7 +13,7 @@ For CUDA graphs two things must not move or be rebuilt per batch:
 Row writes are batched: `on_reserve` only notes the row, and `flush()` (the executor calls it before every
 attention batch, in `CudaExecutor._view`) uploads every row noted since, with their keys, as one array and writes
 them with one `index_copy_` each. Per admitted sequence two uploads of ~8 torch calls each had cost ~150-200 us of
-a busy rank's host on the H200s (run 108: ~5 admissions per decode step at C=512, 6-8% of the loop).
+a busy rank's host on the H200s (~5 admissions per decode step at 512 requests: 6-8% of the loop).
 
 Row `rows` (the last) is the trash row: every entry is the trash page. Padded batch rows point
 at it with position -1, i.e. context length 0: the kernel reads nothing and yields zeros.

@@ -13,7 +13,6 @@ change, instead of an out-of-memory error deep inside the first attention batch.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Callable, Optional
 
@@ -31,9 +30,6 @@ RUNTIME_HEADROOM_BYTES = 2 * GIB
 # if less) cannot serve a real request; better to refuse than to run a cluster that admits nothing
 # (lowering/plan.py's default --min-kv-tokens).
 MIN_FIT_TOKENS = 2048
-# Tests only: pretend the device has this many bytes free (a CPU run of the CUDA executor's twin
-# then takes the clamp path, across processes too).
-FAKE_FREE_ENV = "DATAFLOW_FAKE_DEVICE_FREE_BYTES"
 
 MemGetInfo = Callable[[torch.device], tuple[int, int]]  # device -> (free bytes, total bytes)
 
@@ -87,14 +83,12 @@ def executor_kv_fit(executor, plan, rank: int, wanted: int, *, pools: int = 1,
     executors) keep `wanted`. The CUDA executor's CPU twin preallocates its pool in host memory: it is
     clamped to the host's available memory, shared by every rank of the plan (a `dataflow run` starts
     them on this host; a cuda plan sized for 132 GiB GPUs would otherwise be killed by the kernel's
-    OOM killer with no word of why). `mem_get_info` fakes a device (tests)."""
+    OOM killer with no word of why). `mem_get_info` fakes a device (tests; a CPU twin then takes the
+    device's path)."""
     device = getattr(executor, "device", None)
     row = getattr(executor, "kv_rows", None)
     if row is None or device is None:
         return wanted
-    if mem_get_info is None and os.environ.get(FAKE_FREE_ENV):
-        fake = int(os.environ[FAKE_FREE_ENV])
-        mem_get_info = lambda _dev: (fake, fake)  # noqa: E731
     on_host = device.type != "cuda" and mem_get_info is None
     if on_host:
         mem_get_info, pools = host_mem_get_info, max(pools, plan.cluster.ranks)

@@ -1,4 +1,4 @@
-"""Simulated executor: the executor interface with no model behind it, for scheduler studies.
+"""Simulated executor: the executor contract (runtime/executors/base.py) with no model behind it, for scheduler studies.
 
 Hidden states are single float64 values that fold in the token, the position and the layer, so
 routing (a seeded hash of that value) is deterministic and varies token by token, while every tensor
@@ -14,12 +14,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from runtime.executors.base import ExecutorBase
 from runtime.executors.torch_executor import row_blocks
 
 _MOD = float(2 ** 40)  # keep values exact in float64
 
 
-class SimExecutor:
+class SimExecutor(ExecutorBase):
+    """Host-routed dispatch only (no experts_routed), sampling on the host (no sample_batch_start)."""
+
     def __init__(self, num_experts: int, top_k: int, vocab_size: int, eos_token_ids=(), seed: int = 0) -> None:
         if top_k > num_experts:
             raise ValueError(f"top_k {top_k} > num_experts {num_experts}")

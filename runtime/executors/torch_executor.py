@@ -1,10 +1,10 @@
 """Torch executor: the engine's tensor adapter, calling the stage functions of models/layers.py.
 
 The engine never touches model math directly; it hands batches (already assembled as contiguous
-tensors) to an executor. This one runs the shared stage functions eagerly on whatever device the
-weights live on, so the runtime and the reference decoder execute literally the same code. The
-simulated executor (runtime/executors/sim_executor.py) has the same methods and no real model; a CUDA-graph
-twin can replace this one without the engine noticing.
+tensors) to an executor (the contract: runtime/executors/base.py). This one runs the shared stage functions
+eagerly on whatever device the weights live on, so the runtime and the reference decoder execute literally the
+same code. The simulated executor (runtime/executors/sim_executor.py) has the same methods and no real model; the
+CUDA-graph one replaces this one without the engine noticing.
 
 The executor holds no per-rank state (the KV store is passed in), so in-process ranks share one
 executor and one copy of the weights.
@@ -21,6 +21,7 @@ from models import layers
 from models.sampling import SamplingParams, sample, sample_tokens
 from models.weights import ModelWeights
 from runtime.core.routed_rows import unpack as unpack_routed
+from runtime.executors.base import ExecutorBase
 
 _GREEDY = SamplingParams()
 
@@ -33,7 +34,9 @@ def row_blocks(x) -> Tensor:
     return x[0] if len(x) == 1 else torch.cat(x)
 
 
-class TorchExecutor:
+class TorchExecutor(ExecutorBase):
+    supports_device_routing = True  # experts_routed() selects the held slots on the host
+
     def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
         self.spec = spec
         self.w = weights

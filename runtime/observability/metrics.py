@@ -45,7 +45,7 @@ class RankMetrics:
     # that then runs through every layer on its own (a rank serving a few more decodes than the cap).
     attn_small_remainders: int = 0
     # Decode attention batches (one-row segments only) the cap cut with rows still queued: the rank ran its decodes
-    # as several waves per layer (each wave costs a batch's host work per layer; benchmarks/NOTES.md §29 item 6).
+    # as several waves per layer (each wave costs a batch's host work per layer, so many of them slow every decode).
     attn_capped_decode: int = 0
     # Decisions where a batch of prompt chunks alone gave way to overdue decode rows (Engine._decode_overdue).
     prompt_yields: int = 0

@@ -1,4 +1,4 @@
-"""Opt-in profiling of a rank's serving loop (DATAFLOW_PROFILE_RANK): cProfile, per-phase wall times of the loop and
+"""Opt-in profiling of a rank's serving loop (the profile_ranks option): cProfile, per-phase wall times of the loop and
 an optional torch.profiler window. Off by default; the serving loop times nothing unless asked."""
 from __future__ import annotations
 
@@ -6,42 +6,37 @@ import os
 import time
 from typing import Optional
 
+from runtime import settings
+
 
 def profile_wanted(rank: int) -> bool:
-    want = os.environ.get("DATAFLOW_PROFILE_RANK")
-    return want is not None and want.strip() != "" and (want.strip() == "all" or rank in
-                                                       {int(x) for x in want.split(",") if x.strip()})
+    want = settings.current().profile_ranks  # (validated: "all" or a comma list of ranks)
+    return want is not None and (want == "all" or rank in {int(x) for x in want.split(",")})
 
 
-def profiled(node):  # runtime.drivers.multiproc.RankNode
-    """Opt-in (off by default): DATAFLOW_PROFILE_RANK=0 (a rank, a comma list, or "all") runs that
-    rank's serve() under cProfile and writes the stats to DATAFLOW_PROFILE_OUT (default
+def profiled(node):  # runtime.drivers.rank_node.RankNode
+    """Opt-in (off by default): the profile_ranks option (a rank, a comma list, or "all") runs that
+    rank's serve() under cProfile and writes the stats to the profile_out option's path (default
     dataflow-rank{rank}.prof in the working directory; "{rank}" in the name is replaced), plus
     the serving loop's wall time per phase (poll, idle wait, wave-hold wait, tick, next_batch, execute,
     complete, finish notices) per iteration to the same name + ".phases.txt".
-    DATAFLOW_PROFILE_CPROFILE=0: the phase times only (no cProfile overhead in them).
-    DATAFLOW_PROFILE_TORCH=START:COUNT: also a torch.profiler trace (host ops, CUDA runtime calls, device
+    profile_cprofile=false: the phase times only (no cProfile overhead in them).
+    profile_torch=START:COUNT: also a torch.profiler trace (host ops, CUDA runtime calls, device
     kernels) of batches START .. START+COUNT-1 of the process (warm-up workload included), written to
     the same name + ".trace.json" (chrome://tracing / Perfetto)."""
     import cProfile
     import pstats
-    path = os.environ.get("DATAFLOW_PROFILE_OUT") or "dataflow-rank{rank}.prof"
-    path = path.replace("{rank}", str(node.rank))
+    options = settings.current()
+    path = options.profile_out.replace("{rank}", str(node.rank))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     node.phases = PhaseTimes()
-    window = os.environ.get("DATAFLOW_PROFILE_TORCH")
-    if window:
-        try:
-            start, count = (int(x) for x in window.split(":"))
-        except ValueError:
-            raise ValueError(f"DATAFLOW_PROFILE_TORCH={window!r}: expected START:COUNT (batch numbers, e.g. "
-                             f"2500:300)") from None
+    if options.profile_torch:  # (validated: START:COUNT)
+        start, count = (int(x) for x in options.profile_torch.split(":"))
         node.phases.trace = TraceWindow(start, count, path + ".trace.json")
-    # Nested inside complete/feed/finish (not part of the loop's sum): every send, data or control. Here,
-    # once per process: wrapped per workload in _loop it counted each send once per workload so far
-    # (runs 9-12 reported up to 3x the sends).
+    # Nested inside complete/feed/finish (not part of the loop's sum): every send, data or control. Wrapped here,
+    # once per process: a wrapper added per workload would count each send once per workload so far.
     node.transport.send = timed(node.phases, "(send)", node.transport.send)
-    prof = cProfile.Profile() if os.environ.get("DATAFLOW_PROFILE_CPROFILE", "1") != "0" else None
+    prof = cProfile.Profile() if options.profile_cprofile else None
     try:
         return prof.runcall(node.serve) if prof is not None else node.serve()
     finally:
@@ -70,7 +65,7 @@ def timed(ph: "PhaseTimes", name: str, fn, by_kind: bool = False):
 
 
 class TraceWindow:
-    """A torch.profiler trace of batches [start, start + count) of this process (DATAFLOW_PROFILE_TORCH)."""
+    """A torch.profiler trace of batches [start, start + count) of this process (the profile_torch option)."""
 
     def __init__(self, start: int, count: int, path: str) -> None:
         self.start, self.stop, self.path = start, start + count, path
@@ -107,8 +102,8 @@ class PhaseTimes:
         self.batches: dict[str, int] = {}
         self.all: dict[str, list[float]] = {}  # every call's seconds (first calls, median, max)
         # Python's cyclic garbage collector: time per generation (runs inside whatever allocated), counted only while
-        # the loop runs (`in_loop`): start-up's collections and settle_heap's own are not the loop's (until session
-        # 13 they were counted too, so a "gc gen2" line could be a start-up collection)
+        # the loop runs (`in_loop`): start-up's collections and settle_heap's own are not the loop's, and counting them
+        # made a "gc gen2" line look like a serving stall
         import gc
         self._gc_t0 = 0.0
         self.gc: dict[int, list[float]] = {}

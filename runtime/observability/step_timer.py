@@ -1,5 +1,5 @@
 """Wall time per step of a repeated code path, for finding where a hot path's host time goes on a machine
-where a sampling profiler's line numbers cannot be trusted (py-spy on Python 3.12, run 37). Disabled (the
+where a sampling profiler's line numbers cannot be trusted (py-spy on Python 3.12 misattributes lines). Disabled (the
 default), start/lap do nothing, so the hot path calls them unconditionally. Enabled, memory stays flat: counts and
 sums are totals, the median is over the latest SAMPLES laps of each step."""
 from __future__ import annotations

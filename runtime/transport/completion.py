@@ -46,6 +46,23 @@ class Item:
         self.t_post = 0.0
 
 
+def summary(meta: Any, limit: int = 160) -> str:
+    """A message's meta for an error message, cut at `limit` characters."""
+    text = repr(meta)
+    return text if len(text) <= limit else text[:limit] + "...}"
+
+
+def describe(item: Item) -> str:
+    """What a failure message says about an outstanding item: which transfer, its tensor and its meta."""
+    if item.is_send:
+        what = f"completion of send #{item.seq} to rank {item.peer}"
+    else:
+        what = f"the tensor of message #{item.seq} from rank {item.peer}"
+    t = item.tensor
+    shape = f"{tuple(t.shape)} {str(t.dtype)[6:]}" if t is not None else "no tensor"
+    return f"{what} ({shape}, meta {summary(item.meta)})"
+
+
 _STOP = object()
 
 

@@ -1,11 +1,11 @@
 """The NCCL C library through ctypes: point-to-point send/recv without torch.distributed per message.
 
 Why: inside a busy rank `dist.isend` costs ~120-130 us of host time per call and `dist.irecv`
-~100-120 us (c10d's Work object, record_param_comms, its stream bookkeeping; NOTES section 13 item
-4), while the NCCL call underneath is ~10-20 us. ZmqDistTransport (zmq_dist.py) already owns the
-streams, events and ordering, so it can call ncclSend/ncclRecv itself (DATAFLOW_NCCL_P2P=lib).
+~100-120 us (c10d's Work object, record_param_comms, its stream bookkeeping), while the NCCL call
+underneath is ~10-20 us. The transport's tensor links (tensor_links.py) already own the streams, events
+and ordering, so they can call ncclSend/ncclRecv themselves (option nccl_p2p: lib, or auto).
 
-Loading (`load()`): the library named by DATAFLOW_NCCL_LIBRARY if set (and only it: an explicit
+Loading (`load()`): the library named by the option nccl_library if set (and only it: an explicit
 choice that fails is an error, not a silent fallback); otherwise the copy torch's wheel uses
 (nvidia/nccl/lib/libnccl.so.2 in an installed package), torch/lib, then "libnccl.so.2" through the
 dynamic loader. The same file torch already loaded gives the same handle, so normally one NCCL lives
@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-ENV_LIBRARY = "DATAFLOW_NCCL_LIBRARY"
+from runtime import settings
+
 SONAME = "libnccl.so.2"
 MIN_VERSION = (2, 7, 0)  # ncclSend / ncclRecv
 
@@ -69,7 +70,7 @@ def decode_version(code: int) -> tuple[int, int, int]:
 
 
 def candidate_paths() -> list[str]:
-    """Where to look for the library, in order (DATAFLOW_NCCL_LIBRARY is handled by load())."""
+    """Where to look for the library, in order (the option nccl_library is handled by load())."""
     paths = []
     try:  # the nvidia-nccl-cu* wheel torch depends on; "nvidia" is a namespace package
         spec = importlib.util.find_spec("nvidia.nccl")
@@ -183,12 +184,12 @@ def load() -> NcclLib:
     global _loaded
     if _loaded is not None:
         return _loaded
-    explicit = os.environ.get(ENV_LIBRARY)
+    explicit = settings.current().nccl_library
     if explicit:
         try:
             _loaded = NcclLib(explicit)
         except (OSError, AttributeError, RuntimeError) as err:
-            raise RuntimeError(f"cannot load NCCL from {ENV_LIBRARY}={explicit}: {err}") from err
+            raise RuntimeError(f"cannot load NCCL from nccl_library={explicit}: {err}") from err
         return _loaded
     tried = []
     for path in candidate_paths() + [SONAME]:
@@ -201,7 +202,7 @@ def load() -> NcclLib:
         except (OSError, AttributeError, RuntimeError) as err:
             tried.append(f"{path} ({err})")
     raise RuntimeError(f"cannot load the NCCL library ({SONAME}); tried: " + "; ".join(tried) +
-                       f". Set {ENV_LIBRARY} to its path, or DATAFLOW_NCCL_P2P=c10d to use torch.distributed.")
+                       ". Set the option nccl_library to its path, or nccl_p2p=c10d to use torch.distributed.")
 
 
 class NcclPairComm:

@@ -16,13 +16,14 @@ Every wait has a deadline and names the ranks it is still missing.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import time
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
+
+from runtime import settings
 
 DEFAULT_TIMEOUT_S = 60.0
 # Group timeout for torch.distributed work: liveness is the heartbeat's job (runtime/transport/health.py), and
@@ -78,9 +79,10 @@ def listening() -> list[str]:
 
 def make_store(rank: int, world_size: int, master_addr: Optional[str] = None, master_port: Optional[int] = None,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """Rank 0 hosts the store, the others connect (MASTER_ADDR/MASTER_PORT from the env by default)."""
-    addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(master_port or os.environ.get("MASTER_PORT", "29500"))
+    """Rank 0 hosts the store, the others connect (MASTER_ADDR/MASTER_PORT of the launch environment by default)."""
+    launch = settings.launch_environment()
+    addr = master_addr or launch.master_addr
+    port = int(master_port or launch.master_port)
     sock = _listen_socket(addr, port) if rank == 0 else None
     try:
         kwargs = {"master_listen_fd": sock.fileno()} if sock is not None else {}
@@ -142,7 +144,7 @@ def run_secret(store: dist.Store, rank: int, timeout_s: float = DEFAULT_TIMEOUT_
     (under torchrun: whoever can reach the store can read it, so set DATAFLOW_RUN_SECRET on every node of a
     multi-host run, e.g. `export DATAFLOW_RUN_SECRET=$(openssl rand -hex 32)`)."""
     from runtime.transport.wire import new_secret
-    env = os.environ.get("DATAFLOW_RUN_SECRET", "").strip()
+    env = settings.run_secret_hex()
     if env:
         try:
             secret = bytes.fromhex(env)

@@ -1,0 +1,156 @@
+"""Which batch a rank runs next: the policy's view of every stage, its decision, and the engine's one guard on it.
+
+Part of the Engine (runtime/core/engine.py), which holds the state read here: the queues, the stages, the live
+requests, the policy, the merge table and the wave announcements. The policy (runtime/core/scheduler.py) scores
+stages; this part shows it the stages (`views`: depth, runnable, the oldest item's wait, and for the wave hold the
+tokens on their way), takes the batch it chose, and overrides one kind of choice: a batch of prompt rows alone when
+decode rows somewhere have waited `decode_wait_bound` (`_decode_overdue`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from runtime.core.queues import AttnItem, MuQueue
+from runtime.core.scheduler import HOLD, Decision, StageView
+
+if TYPE_CHECKING:
+    from runtime.core.engine import StageInfo
+
+_EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
+
+
+@dataclass
+class Batch:
+    """A stage's batch from its choice to its completion: the items taken from the queue, and what the executor
+    returned for them (`out`)."""
+
+    stage: "StageInfo"
+    items: list
+    rows: int
+    t_start: float
+    decision: Optional[Decision] = None
+    out: dict = field(default_factory=dict)  # executor results, filled by execute()
+
+
+class BatchChoice:
+    """The Engine's scheduling decisions (module docstring)."""
+
+    def views(self) -> list[StageView]:
+        """One StageView per stage for the policy. Most stages are empty at any moment: they share one
+        read-only view; `incoming` (the wave hold's) is computed only where the policy reads it, on
+        runnable stages."""
+        now = self.clock.now()
+        hold = self.policy.hold_fill > 0
+        out = []
+        for sid, q in enumerate(self.queues):
+            if not q.rows:  # (an attribute: len(q) is a method call, 17-73 per decision)
+                out.append(_EMPTY_VIEW)
+                continue
+            v = StageView(q.depth, q.has_eligible(self._eligibility(sid)), now - q.oldest_enqueue())
+            if hold and v.runnable:
+                v.incoming = self._incoming(sid)
+            out.append(v)
+        return out
+
+    def _incoming(self, sid: int) -> float:
+        """Tokens on their way to stage `sid` soon, as far as this rank knows: a home's tokens in open
+        merges of the layer before (and, for attn(0), those about to be sampled); an owner's rows the
+        homes announced with their last dispatch of this layer (in tokens: rows / k)."""
+        st = self.stages[sid]
+        last = self.cfg.num_layers - 1
+        if st.kind == "expert":
+            return sum(self._announced[st.layer].values()) / self.cfg.top_k
+        if st.kind == "sample":
+            return float(self.merge.open_rows(last))
+        if st.layer == 0:
+            return self.queues[self.sample_stage].depth + self.merge.open_rows(last)
+        return float(self.merge.open_rows(st.layer - 1))
+
+    def _decode_overdue(self, chosen: MuQueue, views: list[StageView]) -> Optional[int]:
+        """The stage to run instead of `chosen`'s batch when that would hold prompt rows alone: the runnable stage
+        whose decode rows have waited longest, if that is at least `decode_wait_bound` (else None). Decode-only
+        serving returns at the first line (the chosen queue's decode lane).
+
+        Why: a policy that scores queue depth (defrag) sweeps the prompts queued at a layer before the decode wave
+        behind them moves on (ITL p99 0.5-1.1 s on the H200 with 2-8k-token prompts arriving;
+        benchmarks/prefill_flood_sim.py). With the guard a token waits at most about the bound per stage (2 x
+        layers + 1 stages) behind prompts. Decode-only serving never picks a prompt-only batch, so it decides as
+        the policy does."""
+        if chosen.has_eligible_decode(self._eligibility(chosen.stage_id)):
+            return None
+        now, best, best_wait = self.clock.now(), None, self.decode_wait_bound
+        for sid, v in enumerate(views):
+            if not v.runnable:
+                continue
+            q = self.queues[sid]
+            t = q.decode_enqueue()
+            if t is not None and now - t >= best_wait and q.has_eligible_decode(self._eligibility(sid)):
+                best, best_wait = sid, now - t
+        return best
+
+    def next_batch(self) -> Optional[Batch]:
+        """Ask the policy for a stage and assemble its batch (popped from the queue), or None. A HOLD
+        decision also returns None and sets `hold_s`: the driver should look again within that long
+        even if no message arrives."""
+        tm = self._decide_timer
+        tm.start()
+        if self.deferred:
+            self.complete_deferred()
+            tm.lap("deferred")
+        self.hold_s = 0.0
+        if self._idle_at == self._changes[0]:  # nothing was runnable at the last decision and nothing changed since
+            self.policy.repeat_idle()
+            return None
+        views = self.views()
+        tm.lap("views")
+        decision = self.policy.choose(views, self.next_of)
+        tm.lap("choose")
+        if decision is None:  # (every policy: no runnable stage, whatever the time or the history)
+            self._idle_at = self._changes[0]
+            return None
+        if decision.stage == HOLD:
+            self.hold_s = decision.hold_s
+            return None
+        stage = self.stages[decision.stage]
+        q = self.queues[stage.id]
+        if stage.kind != "sample" and self.decode_wait_bound:
+            overdue = self._decode_overdue(q, views)
+            if overdue is not None:
+                decision = Decision(overdue, decision.scores)
+                stage, q = self.stages[overdue], self.queues[overdue]
+                self.metrics.prompt_yields += 1
+        items = q.take(self._eligibility(stage.id))
+        tm.lap("take")
+        if not items:
+            raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
+                               f"nothing runnable")
+        rows = sum(it.n for it in items)
+        if stage.kind == "attn" and rows >= stage.cap and q.rows:  # the cap cut a wave
+            if q.rows < stage.cap // 4:
+                self.metrics.attn_small_remainders += 1
+            if sum(it.segments for it in items) == rows:  # decode rows only (prefill chunks fill the cap by design)
+                self.metrics.attn_capped_decode += 1
+        now = self.clock.now()
+        if self.trace is not None:
+            self.trace.decision(self.rank, now, self.policy.name, stage.id, stage.name, decision.scores, rows)
+        batch = Batch(stage, items, rows, now, decision)
+        tm.lap("batch")
+        return batch
+
+    def _attn_eligible(self, layer: int):
+        reqs = self.requests
+
+        def eligible(item) -> bool:
+            if type(item) is AttnItem:
+                req = reqs[item.rid]
+                return not req.chunked or req.kv_next[layer] == item.pos0
+            if not item.ready:
+                item.ready = all(not reqs[r].chunked or reqs[r].kv_next[layer] == p for r, p in zip(item.rids, item.pos))
+            return item.ready
+        return eligible
+
+    def _eligibility(self, sid: int):
+        """Stage sid's per-item eligibility check, or None when every queued item is eligible: a stage other than
+        attention, or no chunked prompt in flight (then no request can overtake itself: Request.kv_next)."""
+        return self._eligible.get(sid) if self._chunked else None
