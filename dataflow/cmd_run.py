@@ -86,10 +86,8 @@ def _under_torchrun_rank() -> Optional[int]:
 
 def cap_hint(metrics: dict, plan) -> str:
     """A line when the attention cap split a rank's decodes into several waves per layer, each costing a whole
-    batch's host work per layer on host-bound ranks: a small rest left queued (benchmarks/NOTES.md §19 item 4: 20%
-    of throughput on 2 x H200), or decode batches cut by the cap in general (§28 item 9: two waves of 128 ran
-    0.58-0.63x the tokens/s of one of 256; §29 item 6: one of 512 ran 1.8x one of 256). Empty when it did not
-    happen."""
+    batch's host work per layer on host-bound ranks: a small rest left queued cost 20% of throughput on 2 x H200, and
+    two waves of 128 ran 0.58-0.63x the tokens/s of one of 256. Empty when it did not happen."""
     total = metrics.get("attn_batches", 0)
     small, capped = metrics.get("attn_small_remainders", 0), metrics.get("attn_capped_decode", 0)
     cap = next((q.batch_cap for rp in plan.ranks for q in rp.queues if q.kind == "attn"), None)

@@ -31,9 +31,9 @@ SUMMARY_FILE = "plan.txt"
 
 # Tokens per attention batch. Not the paper's 256: a home's decode wave runs as one batch per layer only while it fits
 # the cap, and a rank's host cost is per batch, so a wave split in two costs ~30-40% of the tokens/s (2 x H200, 20B-L8:
-# C=512 at cap 256 ran 31.7k tok/s against ~44k at cap 512 or 1024, run 102; §29 item 6), while a cap above the load
+# C=512 at cap 256 ran 31.7k tok/s against ~44k at cap 512 or 1024), while a cap above the load
 # costs nothing (a batch takes the capture bucket of its own size: C=256 ran 31.0k at cap 256 and 31.5k at cap 1024,
-# C=512 42.7k and 44.6k, medians of 3 alternating rounds, run 102; benchmarks/NOTES.md §30). So the default is large
+# C=512 42.7k and 44.6k, medians of 3 alternating rounds). So the default is large
 # and the wave follows the load up to it. What it costs: the buckets above 256 (graphs, static buffers, the
 # device-routed expert cap ranks x cap x top-k), on 2 x H200 2.5% of the KV pool at GPT-OSS-20B, 14% at 120B.
 DEFAULT_ATTN_CAP = 1024
@@ -310,8 +310,8 @@ def default_expert_cap(spec: ModelSpec, ranks: int, attn_cap: int, dispatch: str
     """Routed rows per expert batch when the user names none. Host-routed: DEFAULT_EXPERT_CAP (1,024 rows). Device-routed,
     where an expert batch counts slots and a home sends its whole attention batch (attn_cap x top_k slots) to every
     holder: room for every home's batch at once, so that an owner which finds two homes' waves queued runs them as one
-    batch and reads its experts' weights once (2 x H200, run 82: the owner's own wave filled the 1,024-slot cap and ran
-    alone while the other home's payload waited in the queue in ~40% of layers; benchmarks/NOTES.md §28)."""
+    batch and reads its experts' weights once (on 2 x H200 a 1,024-slot cap was filled by the owner's own wave, which
+    ran alone while the other home's payload waited in the queue in ~40% of layers)."""
     if dispatch != "device" or not spec.moe_layers:
         return DEFAULT_EXPERT_CAP
     return max(DEFAULT_EXPERT_CAP, ranks * attn_cap * spec.experts.top_k)

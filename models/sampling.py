@@ -102,8 +102,8 @@ def sample_tokens(logits: Tensor, params: list[Optional[SamplingParams]], steps:
     cumulative sum in token-id order, at one uniform per row from (params[i].seed, steps[i]) (`step_seed`, `_unit`):
     the first token whose running sum exceeds u times the total. A token the filters dropped is never drawn (its
     running sum equals the one before it). Filters, probabilities and running sum are fp64: with fp32 ones a GPU's
-    blocked softmax and a CPU's rounded differently enough to move a boundary across u for 1 row in ~256 at V = 201k
-    (run 133); in fp64 a CPU and a GPU part only where u lands within ~1e-12 of a boundary. Batched and on the device: no row goes to the host (a 201k-token
+    blocked softmax and a CPU's rounded differently enough to move a boundary across u for 1 row in ~256 at V = 201k;
+    in fp64 a CPU and a GPU part only where u lands within ~1e-12 of a boundary. Batched and on the device: no row goes to the host (a 201k-token
     row cost 4-22 ms on the CPU, per row and step, before). A row's token depends only on (its logits, its params,
     its step), never on the rows beside it."""
     x = logits.detach().float()
