@@ -96,11 +96,14 @@ def register(app: typer.Typer) -> None:
         if spec.weights.source == "checkpoint":
             # Header-only (no tensor is read): every tensor the model needs is there with its shape, and every file
             # holds the bytes its header promises, so a bad checkpoint fails here, not in every rank of `run`.
-            from models.checkpoint import check_checkpoint
+            from models.checkpoint import SpecCheckpointMismatch, check_checkpoint
+            from_yaml = not source.startswith("checkpoint ")
             try:
-                note = check_checkpoint(spec.weights.path, require_weights=False, spec=spec)
+                # A YAML naming a checkpoint is also compared with its config.json, field by field.
+                note = check_checkpoint(spec.weights.path, require_weights=False, spec=spec,
+                                        source=source if from_yaml else None)
             except UserError as err:
-                if source.startswith("checkpoint "):
+                if not from_yaml or isinstance(err, SpecCheckpointMismatch):
                     raise
                 raise UserError(f"{source}: field 'weights.path': {err}") from None  # a YAML naming a checkpoint
         if layers is not None:
@@ -115,6 +118,12 @@ def register(app: typer.Typer) -> None:
                             max_kv_tokens=max_kv_tokens, dispatch=dispatch, source=source)
         path = save_plan(plan, out)
         _print_summary(plan, path)
+        if spec.weights.source == "checkpoint":
+            from models.hf_config import ignored_keys, read_config
+            data, cfg_path = read_config(spec.weights.path)
+            keys = ignored_keys(data, str(cfg_path))
+            if keys:
+                typer.echo(f"config.json keys ignored (no effect on the forward pass): {', '.join(keys)}", err=True)
         if note:
             typer.echo(f"note: {note}", err=True)
 

@@ -181,7 +181,7 @@ def _print_memory(console, plan, rank: Optional[int]) -> None:
     kv = plan.kv
     console.print(f"[bold]memory[/]: {plan.cluster.ranks} x {plan.cluster.device} "
                   f"{plan.cluster.device_memory_gib:g} GiB; KV {kv.bytes_per_token} bytes/token "
-                  f"({kv.dtype}), pages of {kv.block_size} tokens")
+                  f"({kv.bytes_per_token_per_layer[0]} per layer, {kv.dtype}), pages of {kv.block_size} tokens")
     table = Table(show_edge=False)
     for col in ("rank", "replicated", "experts", "graphs", "workspace", "KV", "KV tokens", "KV blocks", "free"):
         table.add_column(col, justify="right", no_wrap=True)

@@ -196,7 +196,8 @@ class ModelSpec(_Strict):
     name: str
     # Which reference implementation the math follows; `custom` for user-declared models.
     family: Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe",
-                    "deepseek_v2", "custom"] = "custom"
+                    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "dots1", "minimax_m2", "granitemoe",
+                    "custom"] = "custom"
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
     hidden_size: int = Field(gt=0, le=MAX_HIDDEN)
     vocab_size: int = Field(gt=0, le=MAX_VOCAB)
@@ -212,6 +213,12 @@ class ModelSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     weights: WeightsSpec = Field(default_factory=WeightsSpec)
     eos_token_ids: list[int] = Field(default_factory=list)
+    # Granite-style multipliers (1.0: none): the embedding output is scaled by embedding_multiplier, every block's
+    # output (attention, MLP / MoE) by residual_multiplier before its residual add, the logits divided by
+    # logits_scaling.
+    embedding_multiplier: float = Field(1.0, gt=0)
+    residual_multiplier: float = Field(1.0, gt=0)
+    logits_scaling: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -241,6 +248,7 @@ class ModelSpec(_Strict):
         bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
         if bad_eos:
             raise ValueError(f"eos_token_ids {bad_eos} outside the vocabulary 0..{self.vocab_size - 1}")
+        __import__("graph_ir.spec_checks").spec_checks.refuse_ignored_fields(self)  # fields the math ignores
         return self
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -262,6 +270,11 @@ def cut_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     if data["attention"].get("layer_types"):
         data["attention"]["layer_types"] = data["attention"]["layer_types"][:layers]
     data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
+    if not data["dense_layers"]:  # (a field no layer reads is refused: graph_ir/spec_checks.py)
+        data["dense_intermediate_size"] = None
+    if data["attention"].get("layer_types") and "sliding" not in data["attention"]["layer_types"]:
+        data["attention"]["layer_types"] = None
+        data["attention"]["sliding_window"] = None
     data["name"] = f"{spec.name}-L{layers}"
     return ModelSpec.model_validate(data)
 

@@ -84,13 +84,14 @@ def replicated_params(spec: ModelSpec) -> int:
 def kv_bytes_per_token_layer(spec: ModelSpec) -> int:
     """KV cache bytes one token takes in one layer.
 
-    GQA caches K and V of every kv head. MLA caches K [nh, nope+rope] and V [nh, v_head_dim]
-    decompressed (what the reference math reads), not the latent: simpler, and the same for every rank.
+    GQA caches K and V of every kv head. MLA caches the latent form the runtime keeps (models.attention): the normed
+    kv latent and the roped key, (kv_lora_rank + qk_rope_head_dim) values shared by all heads, not the per-head
+    K [nh, nope+rope] and V [nh, v_head_dim] they decompress to (71x as much at DeepSeek-V3).
     """
     a, b = spec.attention, dtype_bytes(spec)
     if a.kind == "gqa":
         return 2 * a.num_kv_heads * a.head_dim * b
-    return a.num_heads * (a.qk_head_dim + a.v_head_dim) * b
+    return (a.kv_lora_rank + a.qk_rope_head_dim) * b
 
 
 def attn_row_elems(spec: ModelSpec, layer: int) -> int:
@@ -100,8 +101,9 @@ def attn_row_elems(spec: ModelSpec, layer: int) -> int:
     n = 3 * h
     n += a.num_heads * a.qk_head_dim + a.num_kv_heads * (a.qk_head_dim + a.value_head_dim)
     n += a.num_heads * a.value_head_dim
-    if a.kind == "mla":
+    if a.kind == "mla":  # q's and the kv latent's projections; the absorbed query and the latent attention output
         n += (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
+        n += a.num_heads * (2 * a.kv_lora_rank + a.qk_rope_head_dim)
     if spec.is_moe_layer(layer):
         n += spec.experts.num_experts + 2 * spec.experts.shared_intermediate_size  # router logits
     else:

@@ -1,9 +1,14 @@
 """Self-attention of every family as plain functions over canonical weights, plus the KV store protocol.
 
 GQA covers Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / GPT-OSS / GLM-4.5 (biases, qk-norm per head or
-over all heads, sinks, per-layer sliding window, partial rotary). MLA is DeepSeek-V2's latent
-attention; it caches the *decompressed* per-head K [nope+rope] and V, so the KV store and the
-attention kernel are the same for both kinds.
+over all heads, sinks, per-layer sliding window, partial rotary). MLA is DeepSeek-V2/V3's latent
+attention. A store whose `mla_latent` is true (the runtime's paged cache) keeps per token only the
+normed kv latent and the roped key, [1, kv_lora_rank + rope] (576 values at DeepSeek-V3 against 40,960
+decompressed): a prompt's chunk decompresses its context through kv_b, a decode row attends in the
+absorbed form (`mla_absorb_q` / `mla_unabsorb`: q_nope through kv_b's key half into the latent space,
+the probabilities' latent sum back through its value half), one kv head whose value is the first
+kv_lora_rank channels of the key. Other stores (the reference decoder's, the oracle) keep the
+decompressed per-head K [nope+rope] and V.
 
 The score math follows HF's eager attention: scores = (q @ k^T) * scale in the activation dtype,
 masked, softmax in fp32 (sinks: softmax in the activation dtype after subtracting the row max,
@@ -69,6 +74,7 @@ class PerSegmentKV:
 
     def __init__(self, inner) -> None:
         self.inner = inner
+        self.mla_latent = latent_cache(inner)
 
     def write(self, *a):
         self.inner.write(*a)
@@ -77,11 +83,18 @@ class PerSegmentKV:
         return self.inner.read(*a)
 
 
-class DenseKVStore:
-    """Contiguous in-memory KV store: one growable buffer per (layer, seq). For the reference decoder."""
+def latent_cache(kv) -> bool:
+    """Whether MLA layers keep the latent (not the decompressed K/V) in this store (module docstring)."""
+    return bool(getattr(kv, "mla_latent", False))
 
-    def __init__(self, initial_capacity: int = 64) -> None:
+
+class DenseKVStore:
+    """Contiguous in-memory KV store: one growable buffer per (layer, seq). For the reference decoder, which keeps
+    MLA's K/V decompressed (the oracle) unless `mla_latent`."""
+
+    def __init__(self, initial_capacity: int = 64, mla_latent: bool = False) -> None:
         self._initial = max(1, initial_capacity)
+        self.mla_latent = mla_latent
         self._k: dict[tuple[int, int], Tensor] = {}
         self._v: dict[tuple[int, int], Tensor] = {}
         self._len: dict[tuple[int, int], int] = {}
@@ -318,12 +331,13 @@ def gqa_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     return q, k, v
 
 
-def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
-            rope_cs: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """q/k [T, nh, nope+rope], v [T, nh, v_hd] of normed x (see `gqa_qkv` for `rope_cs`)."""
+def mla_project(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Optional[Tensor],
+                rope_cs: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """MLA's per-token parts of normed x: q_nope [T, nh, nope], roped q_pe [T, nh, rope], the normed kv latent
+    [T, kv_lora_rank] and the roped shared key k_pe [T, 1, rope] (see `gqa_qkv` for `rope_cs`)."""
     a = spec.attention
     T, nh = x.shape[0], a.num_heads
-    nope, rope_d, vd, kvr = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+    nope, rope_d, kvr = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
     if a.q_lora_rank is None:
         q = _linear(x, w, "q")
     else:
@@ -336,11 +350,94 @@ def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     cos, sin = rope_cs if rope_cs is not None else cos_sin(a.rope, rope_d, positions)
     q_pe = apply_rope(q_pe, cos, sin, a.rope.interleaved)
     k_pe = apply_rope(k_pe, cos, sin, a.rope.interleaved)
-    kvb = F.linear(latent, w["kv_b.w"]).view(T, nh, nope + vd)
-    k = torch.cat([kvb[..., :nope], k_pe.expand(T, nh, rope_d)], dim=-1)
-    v = kvb[..., nope:].contiguous()
-    q = torch.cat([q_nope, q_pe], dim=-1)
-    return q, k, v
+    return q_nope, q_pe, latent, k_pe
+
+
+def mla_decompress(spec: ModelSpec, w: dict[str, Tensor], latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
+    """k [L, nh, nope+rope], v [L, nh, v_hd] of latents [L, kv_lora_rank] and roped keys k_pe [L, 1, rope] (kv_b)."""
+    a = spec.attention
+    L, nh, nope, vd = latent.shape[0], a.num_heads, a.qk_nope_head_dim, a.v_head_dim
+    kvb = F.linear(latent, w["kv_b.w"]).view(L, nh, nope + vd)
+    k = torch.cat([kvb[..., :nope], k_pe.expand(L, nh, a.qk_rope_head_dim)], dim=-1)
+    return k, kvb[..., nope:].contiguous()
+
+
+def mla_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
+            rope_cs: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q/k [T, nh, nope+rope], v [T, nh, v_hd] of normed x, decompressed (see `gqa_qkv` for `rope_cs`)."""
+    q_nope, q_pe, latent, k_pe = mla_project(spec, w, x, positions, rope_cs)
+    k, v = mla_decompress(spec, w, latent, k_pe)
+    return torch.cat([q_nope, q_pe], dim=-1), k, v
+
+
+def _kv_b_halves(spec: ModelSpec, w: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """kv_b's key half [nh, nope, kv_lora_rank] and value half [nh, v_hd, kv_lora_rank] (views, no copy)."""
+    a = spec.attention
+    kvb = w["kv_b.w"].view(a.num_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+    return kvb[:, :a.qk_nope_head_dim], kvb[:, a.qk_nope_head_dim:]
+
+
+def mla_absorb_q(spec: ModelSpec, w: dict[str, Tensor], q_nope: Tensor, q_pe: Tensor) -> Tensor:
+    """The absorbed query [T, nh, kv_lora_rank + rope]: q_nope [T, nh, nope] through kv_b's key half into the latent
+    space, then q_pe. Its dot product with a cached row [latent, k_pe] is q . k of the decompressed key."""
+    w_uk, _ = _kv_b_halves(spec, w)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [nh, T, nope] @ [nh, nope, kvr]
+    return torch.cat([q_lat, q_pe], dim=-1)
+
+
+def mla_unabsorb(spec: ModelSpec, w: dict[str, Tensor], out_lat: Tensor) -> Tensor:
+    """[T, nh, v_hd] of the attention's latent output [T, nh, kv_lora_rank] (the probabilities' sum of latents)
+    through kv_b's value half: the decompressed values' weighted sum."""
+    _, w_uv = _kv_b_halves(spec, w)
+    return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def latent_rows(latent: Tensor, k_pe: Tensor) -> Tensor:
+    """The cached rows [T, 1, kv_lora_rank + rope] of an MLA latent store: latent, then the roped key."""
+    return torch.cat([latent, k_pe.reshape(latent.shape[0], -1)], dim=-1).unsqueeze(1)
+
+
+def _attend_latent_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q_nope: Tensor, q_pe: Tensor,
+                            latent: Tensor, k_pe: Tensor, positions: Tensor, segments: Sequence[Segment], kv: KVStore,
+                            host_positions: Optional[Sequence[int]] = None) -> Tensor:
+    """`_attend_segments` over a latent store: [T, nh, v_hd]. The store holds one kv head per token, the latent row
+    (`latent_rows`) as K and nothing as V (width 0). One-row segments (decode) attend absorbed, batched where the
+    store has the batched API, with the first kv_lora_rank channels of each key as its value; a longer segment (a
+    prompt's chunk) decompresses its whole context and attends as the reference does."""
+    a = spec.attention
+    kvr = a.kv_lora_rank
+    scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    pos_cpu = torch.as_tensor(host_positions, dtype=torch.int64) if host_positions is not None else positions.cpu()
+    c = latent_rows(latent, k_pe)
+    none = c.new_empty((c.shape[0], 1, 0))  # the store's V: the latent is K's first channels
+    T = c.shape[0]
+    out = q_nope.new_empty((T, a.num_heads, a.v_head_dim))
+    one, rest = split_one_row(segments)
+    batched = _batched_store(kv)
+    if batched and one and (len(one) > 1 or not rest):  # (as `_attend_segments`: a lone decode row too)
+        idx = torch.tensor([r for _, r in one], dtype=torch.long)
+        rows = idx.to(c.device)
+        seq_ids, pc = [s for s, _ in one], pos_cpu[idx]
+        kv.write_rows(layer, seq_ids, pc, c[rows], none[rows])
+        C, _ = kv.gather(layer, seq_ids, (pc + 1).tolist())
+        q_abs = mla_absorb_q(spec, w, q_nope[rows], q_pe[rows])
+        lens = positions.index_select(0, rows.to(positions.device)).to(torch.int64) + 1
+        out[rows] = mla_unabsorb(spec, w, attend_decode_batch(q_abs, C, C[..., :kvr], lens, scale, window, sinks))
+        segments = rest
+    for seq_id, start, n in segments:
+        rows = slice(start, start + n)
+        pc = pos_cpu[rows]
+        kv.write(layer, seq_id, pc, c[rows], none[rows])
+        C, _ = kv.read(layer, seq_id, int(pc[-1]) + 1)
+        if n == 1:
+            q_abs = mla_absorb_q(spec, w, q_nope[rows], q_pe[rows])
+            o = attend(q_abs, C, C[..., :kvr], positions[rows], scale, window, sinks)
+            out[rows] = mla_unabsorb(spec, w, o)
+        else:
+            K, V = mla_decompress(spec, w, C[:, 0, :kvr], C[:, :, kvr:])
+            q = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)
+            out[rows] = attend(q, K, V, positions[rows], scale, window, sinks)
+    return out
 
 
 class PagedAttend(Protocol):
@@ -360,26 +457,42 @@ class PagedAttend(Protocol):
         """Write k [T, nkv, dk] / v [T, nkv, dv] at the batch's positions, attend q [T, nh, dk]: [T, nh, dv]."""
         ...
 
+    def attend_latent(self, q: Tensor, c: Tensor, kv_lora_rank: int, scale: float, window: Optional[int],
+                      sinks: Optional[Tensor]) -> Tensor:
+        """MLA over a latent cache: write the rows c [T, 1, kv_lora_rank + rope] (`latent_rows`) at the batch's
+        positions, attend the absorbed q [T, nh, kv_lora_rank + rope] with each key's first kv_lora_rank channels as
+        its value: [T, nh, kv_lora_rank]."""
+        ...
+
 
 def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, positions: Optional[Tensor],
               segments: Sequence[Segment], kv: KVStore, host_positions: Optional[Sequence[int]] = None,
               paged: Optional[PagedAttend] = None) -> Tensor:
     """Self-attention of normed input x [T, H] -> [T, H] (after the output projection): grouped-query
-    attention, or DeepSeek-V2's multi-head latent attention, whose K/V are decompressed from the
-    latent right away (kv_b) and cached per head (more KV memory than caching the latent, but one
-    KV/attention path for every family). Writes this batch's K/V to `kv` (`host_positions`: see _attend_segments),
-    or through `paged` (which then knows the positions; `positions`, `segments` and `kv` are not read)."""
+    attention, or DeepSeek's multi-head latent attention (over the latent when `paged` is given or the store's
+    `mla_latent`, else decompressed: module docstring). Writes this batch's K/V to `kv` (`host_positions`: see
+    _attend_segments), or through `paged` (which then knows the positions; `positions`, `segments` and `kv` are not
+    read)."""
     a = spec.attention
-    qkv = mla_qkv if a.kind == "mla" else gqa_qkv
-    if paged is None:
-        q, k, v = qkv(spec, w, x, positions)
+    if a.kind == "mla" and (paged is not None or latent_cache(kv)):
+        q_nope, q_pe, latent, k_pe = mla_project(spec, w, x, positions,
+                                                 rope_cs=paged.cos_sin() if paged is not None else None)
+        if paged is None:
+            out = _attend_latent_segments(spec, w, layer, q_nope, q_pe, latent, k_pe, positions, segments, kv,
+                                          host_positions)
+        else:
+            o = paged.attend_latent(mla_absorb_q(spec, w, q_nope, q_pe), latent_rows(latent, k_pe), a.kv_lora_rank,
+                                    softmax_scale(a), a.window(layer), w.get("sinks"))
+            out = mla_unabsorb(spec, w, o)
+    elif paged is None:
+        q, k, v = (mla_qkv if a.kind == "mla" else gqa_qkv)(spec, w, x, positions)
         out = _attend_segments(spec, w, layer, q, k, v, positions, segments, kv, host_positions)
     else:
-        if paged.fuses_rope:
-            if a.kind != "gqa" or a.rope.interleaved:
-                raise ValueError("a fused RoPE + KV write rotates GQA's rotate-half pairs only")
-            q, k, v = gqa_project(spec, w, x)
+        if not paged.fuses_rope:
+            q, k, v = gqa_qkv(spec, w, x, positions, rope_cs=paged.cos_sin())
+        elif a.rope.interleaved:
+            raise ValueError("a fused RoPE + KV write rotates GQA's rotate-half pairs only")
         else:
-            q, k, v = qkv(spec, w, x, positions, rope_cs=paged.cos_sin())
+            q, k, v = gqa_project(spec, w, x)
         out = paged.attend(q, k, v, softmax_scale(a), a.window(layer), w.get("sinks"))
     return F.linear(out.reshape(x.shape[0], -1), w["o.w"], w.get("o.b"))

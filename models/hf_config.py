@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec, spec_from_dict
+from models import hf_families, hf_keys
 
 # `architectures[0]` -> our family name. model_type is the fallback when `architectures` is absent.
 ARCHITECTURES = {
@@ -33,11 +35,12 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    **hf_families.ARCHITECTURES,
 }
 MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
 
 # `default_theta` of each config class (RotaryEmbeddingConfigMixin default is 10000).
-_DEFAULT_THETA = {"mixtral": 1.0e6, "gpt_oss": 150000.0}
+_DEFAULT_THETA = {"mixtral": 1.0e6, "gpt_oss": 150000.0, **hf_families.THETA_DEFAULTS}
 
 # What transformers' rope validation accepts as keys of a rope dict; anything else inside the rope
 # dict would be a setting we do not know how to honour.
@@ -59,15 +62,19 @@ class _Cfg:
     def __init__(self, data: dict, source: str):
         self.data = data
         self.source = source
+        self.read: set[str] = set()  # every key a mapping looked at (models/hf_keys.py: the others)
 
     def has(self, key: str) -> bool:
+        self.read.add(key)
         return self.data.get(key) is not None
 
     def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
         value = self.data.get(key)
         return default if value is None else value
 
     def require(self, key: str) -> Any:
+        self.read.add(key)
         if self.data.get(key) is None:
             raise UserError(f"{self.source}: missing required key '{key}'")
         return self.data[key]
@@ -212,6 +219,8 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     if theta is None:
         theta = cfg.float("rope_theta", _DEFAULT_THETA.get(family, 10000.0))
     partial = rp.get("partial_rotary_factor")
+    if partial is None and family == "minimax_m2":
+        partial = hf_families.minimax_partial_rotary(cfg, head_dim)
     if partial is None:
         partial = cfg.float("partial_rotary_factor", 0.5 if family == "glm4_moe" else 1.0)
     if not 0 < float(partial) <= 1:
@@ -228,6 +237,10 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     if family == "deepseek_v2":
         # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves.
         out["interleaved"] = True
+    elif family in ("deepseek_v3", "glm4_moe_lite"):
+        # DeepseekV3Attention: adjacent pairs unless rope_interleave is false (its output order differs from
+        # V2's, but q and k alike, so q.k is the same)
+        out["interleaved"] = cfg.bool("rope_interleave", True)
     if rope_type == "default":
         return out
     factor = rp.get("factor")
@@ -300,18 +313,26 @@ def _layer_types(cfg: _Cfg, n_layers: int) -> Optional[list[str]]:
 
 
 def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
-                          dtype_fallback: Optional[Callable[[], Optional[str]]] = None) -> dict:
-    """config.json dict -> ModelSpec field dict (not yet validated). `source` names the file in errors."""
+                          dtype_fallback: Optional[Callable[[], Optional[str]]] = None,
+                          ignored: Optional[list[str]] = None) -> dict:
+    """config.json dict -> ModelSpec field dict (not yet validated). `source` names the file in errors. A key no
+    mapping reads that changes the forward pass is a UserError (models/hf_keys.py); the other unread keys are
+    appended to `ignored` when given (for the compile summary)."""
     cfg = _Cfg(data, source)
     family = detect_family(cfg)
 
     qc = cfg.get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        # GPT-OSS ships its routed experts as MXFP4, which hf_weights dequantizes; nothing else is.
-        if not (family == "gpt_oss" and method == "mxfp4"):
+        # GPT-OSS ships its routed experts as MXFP4, DeepSeek-V3 style checkpoints block-scaled FP8 (e4m3); both
+        # are dequantized at load (models/hf_weights.py); nothing else is.
+        if method == "fp8":
+            from models.hf_weights import fp8_block_size
+            fp8_block_size(cfg.data, source)
+        elif not (family == "gpt_oss" and method == "mxfp4"):
             raise cfg.unsupported("quantization_config.quant_method", method,
-                                  "only GPT-OSS MXFP4 experts are dequantized; use an unquantized checkpoint")
+                                  "dequantized: GPT-OSS MXFP4 experts, block-scaled fp8 (e4m3); "
+                                  "else use an unquantized checkpoint")
 
     n_layers = cfg.int("num_hidden_layers", required=True)
     hidden = cfg.int("hidden_size", required=True)
@@ -331,10 +352,14 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
     spec: dict[str, Any] = {"name": name, "family": family, "num_layers": n_layers, "hidden_size": hidden,
                             "vocab_size": cfg.int("vocab_size", required=True), "max_position": max_pos,
                             "tie_embeddings": cfg.bool("tie_word_embeddings", False)}
-    eps_default = {"mixtral": 1e-5, "olmoe": 1e-5, "gpt_oss": 1e-5, "glm4_moe": 1e-5}.get(family, 1e-6)
+    eps_default = {"mixtral": 1e-5, "olmoe": 1e-5, "gpt_oss": 1e-5, "glm4_moe": 1e-5,
+                   **hf_families.EPS_DEFAULTS}.get(family, 1e-6)
     spec["rms_norm_eps"] = cfg.float("rms_norm_eps", eps_default)
 
-    if family == "mixtral":
+    if family in hf_families.BUILDERS:
+        hf_families.BUILDERS[family](cfg, data, n_layers, n_heads, attn, router, experts, spec)
+
+    elif family == "mixtral":
         _silu(cfg)
         # MixtralTopKRouter always renormalizes the top-k softmax weights (no norm_topk_prob).
         router.update(scoring="softmax", renormalize=True)
@@ -421,57 +446,39 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
             spec["dense_layers"] = list(range(min(k_dense, n_layers)))
             spec["dense_intermediate_size"] = cfg.int("intermediate_size", 10944)
 
-    elif family == "deepseek_v2":
-        _silu(cfg)
-        # attention_bias puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj (never q_b/kv_b/q_proj).
-        bias = cfg.bool("attention_bias", False)
-        attn_bias = {"qkv_bias": bias, "o_bias": bias}
-        _reject_set(cfg, "mlp_bias", False, "MLP biases are not implemented")
-        _reject_set(cfg, "moe_layer_freq", 1, "transformers' DeepseekV2 ignores it; only 1 is supported")
-        # transformers' DeepseekV2TopkRouter never renormalizes, while the original DeepSeek code
-        # renormalizes *instead of* applying routed_scaling_factor. Rather than pick one silently:
-        _reject_set(cfg, "norm_topk_prob", False,
-                    "transformers ignores it and the original DeepSeek code differs; refusing to guess")
-        nope, rope_hd = cfg.int("qk_nope_head_dim", 128), cfg.int("qk_rope_head_dim", 64)
-        attn.update(kind="mla", num_kv_heads=n_heads, head_dim=nope + rope_hd,
-                    q_lora_rank=cfg.int("q_lora_rank", 1536) if "q_lora_rank" not in data else cfg.int("q_lora_rank"),
-                    kv_lora_rank=cfg.int("kv_lora_rank", 512), qk_nope_head_dim=nope, qk_rope_head_dim=rope_hd,
-                    v_head_dim=cfg.int("v_head_dim", 128), **attn_bias)
-        method = cfg.get("topk_method", "greedy")
-        router.update(scoring="softmax", renormalize=False,
-                      routed_scaling=cfg.float("routed_scaling_factor", 1.0))
-        if method == "group_limited_greedy":
-            if not (cfg.has("n_group") and cfg.has("topk_group")):
-                raise cfg.fail("topk_method group_limited_greedy needs 'n_group' and 'topk_group'")
-            router.update(n_group=cfg.int("n_group"), topk_group=cfg.int("topk_group"))
-        elif method != "greedy":
-            raise cfg.unsupported("topk_method", method, "supported: greedy, group_limited_greedy")
-        top_k = cfg.int("num_experts_per_tok")
-        if top_k is None:
-            raise cfg.fail("missing required key 'num_experts_per_tok'")
-        moe_i = cfg.int("moe_intermediate_size", 1407)
-        experts.update(num_experts=cfg.alias(("n_routed_experts", "num_experts"), 64), top_k=top_k, intermediate_size=moe_i,
-                       shared_intermediate_size=moe_i * (cfg.int("n_shared_experts") or 0))
-        k_dense = cfg.int("first_k_dense_replace", 0)
-        if k_dense:
-            spec["dense_layers"] = list(range(min(k_dense, n_layers)))
-            spec["dense_intermediate_size"] = cfg.int("intermediate_size", 11008)
-
     # Rope: for MLA only the qk_rope_head_dim part rotates (DeepseekV2Config sets head_dim to it).
-    rope_head_dim = attn["qk_rope_head_dim"] if attn["kind"] == "mla" else head_dim
+    rope_head_dim = attn["qk_rope_head_dim"] if attn["kind"] == "mla" else attn["head_dim"]
     attn["rope"] = _rope(cfg, family, rope_head_dim, max_pos)
     mad = attn["rope"].pop("_mscale_all_dim")
-    if family == "deepseek_v2" and attn["rope"].get("scaling", "none") != "none":
+    if attn["kind"] == "mla" and attn["rope"].get("scaling", "none") != "none":
         # DeepseekV2Attention: softmax scale = qk_head_dim**-0.5 * yarn_mscale(factor, mscale_all_dim)**2
         # whenever the rope type is not default (this is on top of the cos/sin attention factor).
         # Written out explicitly so the spec says the scale rather than leaving it to be re-derived.
         if mad:
             m = _yarn_mscale(attn["rope"]["factor"], float(mad))
-            attn["softmax_scale"] = (nope + rope_hd) ** -0.5 * m * m
+            attn["softmax_scale"] = attn["head_dim"] ** -0.5 * m * m
 
-    spec.update(attention=attn, router=router, experts=experts, eos_token_ids=_eos(cfg),
+    eos = _eos(cfg)
+    outside = [t for t in eos if not 0 <= t < spec["vocab_size"]]
+    if outside:
+        # transformers warns and keeps loading; the ids can never be generated, so dropping them changes nothing
+        warnings.warn(f"{source}: eos_token_id {outside} outside the vocabulary 0..{spec['vocab_size'] - 1}: "
+                      f"dropped", stacklevel=2)
+        eos = [t for t in eos if t not in outside]
+    spec.update(attention=attn, router=router, experts=experts, eos_token_ids=eos,
                 dtype=_dtype(cfg, dtype_fallback))
+    unread = hf_keys.check_unread(data, cfg.read, family, source)
+    if ignored is not None:
+        ignored.extend(unread)
     return spec
+
+
+def ignored_keys(data: dict, source: str) -> list[str]:
+    """The config.json keys the mapping does not read and that do not change the forward pass (sorted), for the
+    compile summary to list; raises what importing the config raises."""
+    out: list[str] = []
+    spec_dict_from_config(data, source, ignored=out)
+    return out
 
 
 def spec_from_config(data: dict, source: str, *, name: str = "model", path: Optional[str] = None,

@@ -27,13 +27,14 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec
+from models.hf_families import MTP_FAMILIES
 from models.weights import (ExpertSubset, ModelWeights, expected_shapes, held_per_layer, torch_dtype,
                             validate_weights)
 
@@ -163,8 +164,8 @@ class SafetensorsDir:
     def float_dtype(self) -> Optional[str]:
         """The dtype most floating tensors are stored in (for configs that do not say)."""
         counts: dict[str, int] = {}
-        for dt in self.dtype_of.values():
-            if dt in _ST_DTYPES:
+        for name, dt in self.dtype_of.items():
+            if dt in _ST_DTYPES and not name.endswith("_scale_inv"):  # fp8 scales are fp32 whatever the model
                 counts[_ST_DTYPES[dt]] = counts.get(_ST_DTYPES[dt], 0) + 1
         return max(counts, key=counts.get) if counts else None
 
@@ -205,6 +206,7 @@ class _Loader:
         self.held = held_per_layer(spec, experts)
         self.used: set[str] = set()
         self.out: dict[str, Tensor] = {}
+        self.fp8_block = _fp8_block(st.root)
 
     def where(self, name: str) -> str:
         return str(self.st.file_of.get(name, self.st.root))
@@ -225,21 +227,78 @@ class _Loader:
     def _meta(self, hf: str) -> Tensor:
         return torch.empty(self.st.shape_of[hf], device="meta")
 
+    def _scale_of(self, hf: str, shape: tuple[int, ...], canon: str) -> Optional[str]:
+        """The `weight_scale_inv` of an fp8 tensor (checked: present, one entry per block), None if not fp8."""
+        if self.st.dtype_of.get(hf) != "F8_E4M3":
+            return None
+        scale = hf.removesuffix(".weight") + ".weight_scale_inv" if hf.endswith(".weight") else hf + "_scale_inv"
+        if self.fp8_block is None:
+            raise UserError(f"{self.where(hf)}: tensor '{hf}' is fp8 but config.json has no quantization_config "
+                            f"with quant_method fp8 and weight_block_size")
+        bo, bi = self.fp8_block
+        blocks = tuple(shape[:-2]) + (-(-shape[-2] // bo), -(-shape[-1] // bi))
+        self.check(scale, blocks, canon + " (fp8 scale)")
+        return scale
+
     def take(self, hf: str, shape: tuple[int, ...], canon: str) -> Tensor:
         self.check(hf, shape, canon)
-        return self._meta(hf) if self.dry else self.st.get(hf)
+        scale = self._scale_of(hf, shape, canon)
+        if self.dry:
+            return self._meta(hf)
+        t = self.st.get(hf)
+        return t if scale is None else _dequant_fp8(t, self.st.get(scale), self.fp8_block)
 
     def take_experts(self, hf: str, shape: tuple[int, ...], canon: str, layer: int) -> Tensor:
         """A fused [E, ...] tensor of `layer`: every row, or only the held experts' rows."""
         self.check(hf, shape, canon)
+        scale = self._scale_of(hf, shape, canon)
         if self.dry:
             return self._meta(hf)
         held = self.held[layer]
-        return self.st.get(hf) if held is None else self.st.get_rows(hf, held)
+        get = self.st.get if held is None else (lambda name: self.st.get_rows(name, held))
+        return get(hf) if scale is None else _dequant_fp8(get(hf), get(scale), self.fp8_block)
 
     def direct(self, hf: str, canon: str) -> None:
         """Copy one HF tensor to `canon` unchanged (same [out, in] layout)."""
         self.out[canon] = self.take(hf, self.want[canon], canon)
+
+
+def fp8_block_size(data: dict, source: str) -> Optional[tuple[int, int]]:
+    """(rows, cols) of a block-scaled fp8 checkpoint's scale blocks (quantization_config.weight_block_size, DeepSeek-V3:
+    128 x 128), None when the config does not quantize to fp8. Only e4m3 weights with per-block `weight_scale_inv`
+    are read."""
+    qc = data.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return None
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UserError(f"{source}: 'quantization_config.fmt' = {fmt!r} is not supported by dataflow (supported: e4m3)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise UserError(f"{source}: 'quantization_config.weight_block_size' = {block!r}: dataflow reads block-scaled "
+                        f"fp8 only, valid: two positive integers (DeepSeek-V3: [128, 128])")
+    return block[0], block[1]
+
+
+def _fp8_block(root: Path) -> Optional[tuple[int, int]]:
+    """The checkpoint's fp8 block shape from its config.json (models.hf_config.fp8_block_size), None if not fp8."""
+    from models.hf_config import read_config
+
+    try:
+        data, path = read_config(root)
+    except UserError:
+        return None  # a bare safetensors directory: an fp8 tensor in it is refused by _Loader._scale_of
+    return fp8_block_size(data, str(path))
+
+
+def _dequant_fp8(w: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
+    """DeepSeek-V3 block-scaled fp8: [..., O, I] float8_e4m3fn times its block's entry of scale_inv
+    [..., ceil(O/bo), ceil(I/bi)] -> fp32 (exact: an e4m3 value times an fp32 scale rounds once, in fp32); the
+    loader then casts to the spec's dtype, so the model runs dequantized weights (bf16 for a published checkpoint)."""
+    bo, bi = block
+    o, i = w.shape[-2:]
+    s = scale_inv.float().repeat_interleave(bo, dim=-2)[..., :o, :].repeat_interleave(bi, dim=-1)[..., :i]
+    return w.float() * s
 
 
 def _dequant_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
@@ -341,6 +400,29 @@ def _mlp(ld: _Loader, layer: int, p: str) -> None:
         ld.direct(f"{p}.mlp.router.bias", c + "router.b")
         _gpt_oss_experts(ld, layer, f"{p}.mlp")
         return
+    if fam == "granitemoe":
+        # Published and saved GraniteMoE: block_sparse_moe.{router.layer, input_linear [E, 2I, H] (gate rows, then
+        # up), output_linear [E, H, I]}; transformers 5 holds them as router.weight / experts.gate_up_proj/down_proj.
+        moe = f"{p}.block_sparse_moe"
+        if ld.has(f"{moe}.input_linear.weight"):
+            E, I, H = ld.want[c + "experts.gate"]
+            ld.direct(f"{moe}.router.layer.weight", c + "router.w")
+            gu = ld.take_experts(f"{moe}.input_linear.weight", (E, 2 * I, H), c + "experts.gate/up", layer)
+            ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, :I], gu[:, I:]
+            ld.out[c + "experts.down"] = ld.take_experts(f"{moe}.output_linear.weight", (E, H, I), c + "experts.down",
+                                                         layer)
+        else:
+            ld.direct(f"{moe}.router.weight", c + "router.w")
+            _experts(ld, layer, moe, ("gate_proj", "up_proj", "down_proj"))
+        return
+    if fam == "minimax_m2":
+        # Published and saved: block_sparse_moe.{gate, e_score_correction_bias, experts.e.w1/w3/w2} (Mixtral's names);
+        # transformers 5 renames the block to mlp in memory.
+        moe = f"{p}.block_sparse_moe" if ld.has(f"{p}.block_sparse_moe.gate.weight") else f"{p}.mlp"
+        ld.direct(f"{moe}.gate.weight", c + "router.w")
+        ld.direct(f"{moe}.e_score_correction_bias", c + "router.correction_bias")
+        _experts(ld, layer, moe, ("w1", "w3", "w2"))
+        return
     if fam == "mixtral":
         # Published Mixtral: block_sparse_moe.{gate, experts.e.w1/w3/w2}; transformers 5 renames it to
         # mlp.{gate, experts.gate_up_proj/down_proj} in memory. w1 = gate, w3 = up, w2 = down.
@@ -367,9 +449,9 @@ def _ignorable(spec: ModelSpec, name: str, tied: bool) -> bool:
     if tied and name == "lm_head.weight":
         return True  # transformers ties and ignores a saved copy
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    if m and int(m.group(1)) >= spec.num_layers and spec.family == "glm4_moe":
-        # GLM-4.5's multi-token-prediction layers (num_nextn_predict_layers) follow the decoder
-        # layers; transformers ignores them for causal LM and so do we.
+    if m and int(m.group(1)) >= spec.num_layers and spec.family in MTP_FAMILIES:
+        # GLM-4.5's / DeepSeek-V3's / GLM-4.7-Flash's multi-token-prediction layers (num_nextn_predict_layers)
+        # follow the decoder layers; transformers ignores them for causal LM and so do we.
         return True
     return False
 

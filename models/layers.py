@@ -41,20 +41,29 @@ def attention_stage(spec: ModelSpec, w: ModelWeights, layer: int, h: Tensor, pos
     (kernels/rms_norm.py), `out` where h_res is written (a graph's static output)."""
     lw = w.layers[layer]
     fp32w = norm_in_fp32(spec)
+    if layer == 0 and spec.embedding_multiplier != 1.0:
+        # The embedding's multiplier (Granite) is applied where the first layer reads it, so `embed` stays a plain
+        # row lookup every executor can write into its static input, and the residual stream carries the scaled h.
+        h = h * spec.embedding_multiplier
     a = attention(spec, lw, layer, norm(h, lw["attn_norm"], spec.rms_norm_eps, fp32w), positions, segments, kv,
                   host_positions, paged)
+    if spec.residual_multiplier != 1.0:
+        a = a * spec.residual_multiplier
     h_res = h + a if out is None else torch.add(h, a, out=out)
     return h_res, norm(h_res, lw["mlp_norm"], spec.rms_norm_eps, fp32w)
 
 
 def dense_mlp(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Tensor:
-    """MLP of a dense layer; the caller adds the residual: h_next = h_res + y."""
-    return dense_mlp_out(spec, w.layers[layer], x)
+    """MLP of a dense layer (times residual_multiplier); the caller adds the residual: h_next = h_res + y."""
+    y = dense_mlp_out(spec, w.layers[layer], x)
+    return y if spec.residual_multiplier == 1.0 else y * spec.residual_multiplier
 
 
 def route(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
-    """(expert_ids [T, k] int64, weights [T, k] fp32), routed scaling included."""
-    return route_tokens(spec, w.layers[layer], x)
+    """(expert_ids [T, k] int64, weights [T, k] fp32), routed scaling included, and the residual multiplier: the
+    MoE output is the weighted sum of the experts', so scaling the weights scales it (moe_combine stays spec-free)."""
+    ids, weights = route_tokens(spec, w.layers[layer], x)
+    return (ids, weights) if spec.residual_multiplier == 1.0 else (ids, weights * spec.residual_multiplier)
 
 
 def experts_forward(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor, expert_of_row: Tensor) -> Tensor:
@@ -64,8 +73,9 @@ def experts_forward(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor, exp
 
 
 def shared_expert(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Optional[Tensor]:
-    """Shared-expert output [T, H] (gated for Qwen2-MoE), or None if the model has none."""
-    return shared_expert_out(spec, w.layers[layer], x)
+    """Shared-expert output [T, H] (gated for Qwen2-MoE, times residual_multiplier), or None if the model has none."""
+    y = shared_expert_out(spec, w.layers[layer], x)
+    return y if y is None or spec.residual_multiplier == 1.0 else y * spec.residual_multiplier
 
 
 def moe_combine(h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
@@ -74,6 +84,7 @@ def moe_combine(h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Ten
 
 
 def final_logits(spec: ModelSpec, w: ModelWeights, h: Tensor) -> Tensor:
-    """logits [T, V] = LM head(final norm(h)); the head is the embedding when tied."""
+    """logits [T, V] = LM head(final norm(h)) / logits_scaling; the head is the embedding when tied."""
     x = rms_norm(h, w.final_norm, spec.rms_norm_eps, norm_in_fp32(spec))
-    return F.linear(x, w.head)
+    logits = F.linear(x, w.head)
+    return logits if spec.logits_scaling == 1.0 else logits / spec.logits_scaling

@@ -23,7 +23,10 @@ from graph_ir.spec import ModelSpec
 
 
 def _router_logits_fp32(spec: ModelSpec) -> bool:
-    """GLM-4.5 and DeepSeek compute the router matmul in fp32; the others in the model dtype."""
+    """GLM-4.5 and DeepSeek compute the router matmul in fp32; the others (MiniMax-M2's sigmoid router too: it
+    multiplies in the weight dtype and takes the sigmoid in fp32) in the model dtype."""
+    if spec.family == "minimax_m2":
+        return False
     return spec.router.scoring == "sigmoid" or spec.family in ("deepseek_v2", "glm4_moe")
 
 

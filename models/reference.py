@@ -31,9 +31,12 @@ class GenerationResult:
 
 
 class ReferenceDecoder:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, mla_latent: bool = False) -> None:
+        """`mla_latent`: MLA layers keep the latent KV cache the runtime keeps (models.attention); by default the
+        decompressed per-head K/V, the form transformers computes: the oracle."""
         self.spec = spec
         self.w = weights
+        self.mla_latent = mla_latent
         self.device = weights.embed.device
         # A list to record each MoE layer's router logits [T, E] (fp32) of every forward in (for checks that ask how
         # close the expert choice was: benchmarks/gpu_bench.py); None: not recorded
@@ -64,7 +67,7 @@ class ReferenceDecoder:
     def forward_logits(self, prompt_ids: Sequence[int] | Tensor) -> Tensor:
         """Logits [T, V] for every prompt position from a fresh cache (one prefill segment)."""
         ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.device)
-        return self.forward(ids, 0, DenseKVStore())
+        return self.forward(ids, 0, DenseKVStore(mla_latent=self.mla_latent))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  sampling: Optional[SamplingParams] = None, eos_ids: Optional[Sequence[int]] = None,
@@ -78,7 +81,7 @@ class ReferenceDecoder:
             raise ValueError("generate needs a non-empty prompt")
         sampling = sampling or SamplingParams()
         eos = set(self.spec.eos_token_ids if eos_ids is None else eos_ids)
-        kv = DenseKVStore(initial_capacity=len(prompt_ids) + max_new_tokens)
+        kv = DenseKVStore(initial_capacity=len(prompt_ids) + max_new_tokens, mla_latent=self.mla_latent)
         result = GenerationResult(tokens=[])
         ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.device)
         pos = 0

@@ -48,6 +48,23 @@ def _configs():
                                           qk_rope_head_dim=6, v_head_dim=10, first_k_dense_replace=1,
                                           topk_method="group_limited_greedy", n_group=3, topk_group=2,
                                           routed_scaling_factor=1.5),
+        "deepseek_v3": T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=36,
+                                          n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
+                                          n_shared_experts=2, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                                          qk_rope_head_dim=6, v_head_dim=10, first_k_dense_replace=1, n_group=3,
+                                          topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=False),
+        "glm4_moe_lite": T.Glm4MoeLiteConfig(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=36,
+                                             n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
+                                             n_shared_experts=1, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                                             qk_rope_head_dim=6, v_head_dim=10),
+        "dots1": T.Dots1Config(**COMMON, head_dim=12, intermediate_size=36, n_routed_experts=6, num_experts_per_tok=3,
+                               moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1,
+                               attention_bias=True, sliding_window=16, max_window_layers=2),
+        "minimax_m2": T.MiniMaxM2Config(**COMMON, head_dim=12, intermediate_size=24, num_local_experts=5,
+                                        num_experts_per_tok=3, rotary_dim=6),
+        "granitemoe": T.GraniteMoeConfig(**COMMON, intermediate_size=24, num_local_experts=5, num_experts_per_tok=3,
+                                         embedding_multiplier=12.0, attention_multiplier=0.015625,
+                                         residual_multiplier=0.22, logits_scaling=6.0),
     }
 
 
@@ -79,7 +96,7 @@ def _hf_expected(family: str, model, spec) -> dict[str, torch.Tensor]:
         out[c + "attn_norm"] = sd[p + "input_layernorm.weight"]
         out[c + "mlp_norm"] = sd[p + "post_attention_layernorm.weight"]
         a = p + "self_attn."
-        if family == "deepseek_v2":
+        if family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
             for canon, hf in {"q_a.w": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight",
                               "q_b.w": "q_b_proj.weight", "kv_a.w": "kv_a_proj_with_mqa.weight",
                               "kv_a_norm": "kv_a_layernorm.weight", "kv_b.w": "kv_b_proj.weight",
@@ -95,7 +112,7 @@ def _hf_expected(family: str, model, spec) -> dict[str, torch.Tensor]:
                     out[c + n] = sd[a + n + ".weight"]
             if a + "sinks" in sd:
                 out[c + "sinks"] = sd[a + "sinks"]
-        m = p + "mlp."
+        m = p + ("block_sparse_moe." if family == "granitemoe" else "mlp.")
         if not spec.is_moe_layer(l):
             for x in ("gate", "up", "down"):
                 out[c + f"mlp.{x}"] = sd[m + f"{x}_proj.weight"]
@@ -109,15 +126,17 @@ def _hf_expected(family: str, model, spec) -> dict[str, torch.Tensor]:
             out[c + "experts.down"] = sd[m + "experts.down_proj"].transpose(1, 2)
             out[c + "experts.down_b"] = sd[m + "experts.down_proj_bias"]
             continue
-        out[c + "router.w"] = sd[m + "gate.weight"]
-        if m + "gate.e_score_correction_bias" in sd:
-            out[c + "router.correction_bias"] = sd[m + "gate.e_score_correction_bias"]
+        out[c + "router.w"] = sd[m + ("router.weight" if family == "granitemoe" else "gate.weight")]
+        for bias in ("gate.e_score_correction_bias", "e_score_correction_bias"):  # MiniMax-M2: on the block
+            if m + bias in sd:
+                out[c + "router.correction_bias"] = sd[m + bias]
         gu = sd[m + "experts.gate_up_proj"]  # [E, 2I, H]
         half = gu.shape[1] // 2
         out[c + "experts.gate"], out[c + "experts.up"] = gu[:, :half], gu[:, half:]
         out[c + "experts.down"] = sd[m + "experts.down_proj"]
-        shared = {"qwen2_moe": "shared_expert.", "glm4_moe": "shared_experts.",
-                  "deepseek_v2": "shared_experts."}.get(family)
+        shared = {"qwen2_moe": "shared_expert.", "glm4_moe": "shared_experts.", "deepseek_v2": "shared_experts.",
+                  "deepseek_v3": "shared_experts.", "glm4_moe_lite": "shared_experts.",
+                  "dots1": "shared_experts."}.get(family)
         if shared:
             for x in ("gate", "up", "down"):
                 out[c + f"shared.{x}"] = sd[m + shared + f"{x}_proj.weight"]
@@ -142,7 +161,8 @@ def _assert_same_tensors(got: dict, want: dict) -> None:
         assert torch.equal(got[name], t.to(got[name].dtype)), name
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v2"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3",
+            "glm4_moe_lite", "dots1", "minimax_m2", "granitemoe"]
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +233,31 @@ def test_spec_fields_follow_config(saved):
     assert (ds.router.n_group, ds.router.topk_group, ds.router.routed_scaling) == (3, 2, 1.5)
     assert ds.router.scoring == "softmax" and not ds.router.renormalize
     assert ds.experts.shared_intermediate_size == 40 and ds.dense_layers == [0]
+
+    v3 = s["deepseek_v3"]
+    a = v3.attention
+    assert a.kind == "mla" and a.rope.interleaved and (a.q_lora_rank, a.kv_lora_rank, a.v_head_dim) == (16, 12, 10)
+    assert v3.router.scoring == "sigmoid" and v3.router.correction_bias and not v3.router.renormalize
+    assert (v3.router.n_group, v3.router.topk_group, v3.router.routed_scaling) == (3, 2, 1.5)
+    assert v3.experts.shared_intermediate_size == 40 and v3.dense_layers == [0] and v3.rms_norm_eps == 1e-6
+
+    lite = s["glm4_moe_lite"]
+    assert lite.attention.kind == "mla" and lite.dense_layers == [0] and lite.router.renormalize
+    assert (lite.router.n_group, lite.router.routed_scaling, lite.rms_norm_eps) == (1, 1.8, 1e-5)
+
+    d1 = s["dots1"]
+    a = d1.attention
+    assert a.qk_norm == "head" and a.qkv_bias and a.o_bias and a.layer_types == ["full", "full", "sliding"]
+    assert a.sliding_window == 16 and d1.router.scoring == "sigmoid" and not d1.router.renormalize
+    assert d1.experts.shared_intermediate_size == 40 and d1.dense_layers == [0]
+
+    mm = s["minimax_m2"]
+    assert mm.attention.qk_norm == "full" and mm.attention.rope.partial_rotary_factor == 0.5
+    assert mm.attention.rope.theta == 5e6 and mm.router.correction_bias and mm.router.renormalize
+
+    gr = s["granitemoe"]
+    assert (gr.embedding_multiplier, gr.residual_multiplier, gr.logits_scaling) == (12.0, 0.22, 6.0)
+    assert gr.attention.softmax_scale == 0.015625 and gr.router.scoring == "topk_softmax"
 
 
 def test_sharded_checkpoint_loads(saved, tmp_path):
@@ -435,5 +480,35 @@ def test_glm_mtp_layers_are_ignored(saved, tmp_path):
     def edit(t):
         t["model.layers.3.eh_proj.weight"] = torch.zeros(40, 80)  # a next-token-prediction layer
 
-    spec, w = load_checkpoint(_copy_with(saved["glm4_moe"][1], tmp_path / "mtp", edit))
-    assert len(w.layers) == spec.num_layers == 3
+    for fam in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):
+        spec, w = load_checkpoint(_copy_with(saved[fam][1], tmp_path / f"mtp_{fam}", edit))
+        assert len(w.layers) == spec.num_layers == 3
+
+
+def test_unknown_forward_keys_are_refused_others_listed(saved, tmp_path):
+    """A Granite config relabelled as Mixtral would compile into another model: its multipliers are refused, naming
+    the key and the family; keys that do not change the forward pass come back as ignored."""
+    from models.hf_config import ignored_keys
+
+    gr = json.loads((saved["granitemoe"][1] / "config.json").read_text())
+    relabelled = {**gr, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    with pytest.raises(UserError) as e:
+        import_spec(_write(tmp_path / "relabelled", relabelled))
+    assert "attention_multiplier" in _msg(e) and "mixtral" in _msg(e) and "config.json" in _msg(e)
+    assert import_spec(saved["granitemoe"][1]).embedding_multiplier == 12.0  # its own family reads them
+    mx = json.loads((saved["mixtral"][1] / "config.json").read_text())
+    assert "some_future_key" in ignored_keys({**mx, "some_future_key": 3}, "config.json")
+    assert "transformers_version" not in ignored_keys(mx, "config.json")
+    neutral = {**mx, "residual_multiplier": 1.0}  # a neutral value changes nothing: ignored, not refused
+    assert "residual_multiplier" in ignored_keys(neutral, "config.json")
+
+
+def test_eos_outside_the_vocabulary_is_dropped_with_a_warning(saved, tmp_path):
+    mx = json.loads((saved["mixtral"][1] / "config.json").read_text())
+    with pytest.warns(UserWarning, match="outside the vocabulary"):
+        spec = import_spec(_write(tmp_path / "eos", {**mx, "eos_token_id": [5, 200020]}))
+    assert spec.eos_token_ids == [5]
+    gen_dir = _write(tmp_path / "gen_eos", mx)  # generation_config.json's eos ids, which generate stops at, alike
+    (gen_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 300000]}))
+    with pytest.warns(UserWarning, match=r"generation_config.json: eos_token_id \[300000\] outside the vocabulary"):
+        assert import_spec(gen_dir).eos_token_ids == [7]

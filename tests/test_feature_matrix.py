@@ -76,12 +76,19 @@ FEATURES = {
     "tie_embeddings": {"tie_embeddings": True},
     "family_gpt_oss_norm_weight_fp32": {"family": "gpt_oss"},
     "family_glm4_moe_router_fp32": {"family": "glm4_moe"},
+    "family_minimax_m2_router_model_dtype": {"family": "minimax_m2", "router": {"scoring": "sigmoid",
+                                                                                "correction_bias": True}},
+    "embedding_multiplier": {"embedding_multiplier": 6.0},
+    "residual_multiplier": {"residual_multiplier": 0.4, "experts": {"shared_intermediate_size": 24},
+                            "dense_layers": [0], "dense_intermediate_size": 40},
+    "logits_scaling": {"logits_scaling": 4.0},
 }
 
 # Rows whose math equals the base's in float32 (they differ in rounding or in bf16 only): here so that their code
 # runs through every executor, not to tell their tokens apart.
 SAME_IN_FP32 = {"router_topk_softmax",  # softmax over the top-k logits = top-k of the softmax, renormalized
-                "family_gpt_oss_norm_weight_fp32", "family_glm4_moe_router_fp32"}
+                "family_gpt_oss_norm_weight_fp32", "family_glm4_moe_router_fp32",
+                "logits_scaling"}  # dividing the logits keeps their argmax (it matters to sampling only)
 
 # (executor, dispatch option)
 EXECUTORS = [("torch", "host"), ("torch", "device"), ("cuda", "host"), ("cuda", "device")]

@@ -93,6 +93,58 @@ def _deepseek_v2_no_q_lora() -> Any:
     return cfg
 
 
+def _deepseek_v3() -> Any:
+    # sigmoid router with a correction bias, 3 of 4 groups' experts eligible (group limit live), MTP layer declared
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=44, intermediate_size=50, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=20, kv_lora_rank=18, qk_nope_head_dim=8,
+        qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=12, num_experts_per_tok=3, n_shared_experts=2,
+        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        max_position_embeddings=384, num_nextn_predict_layers=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 4000.0, "factor": 6.0,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
+                         "beta_fast": 32.0, "beta_slow": 1.0})
+
+
+def _deepseek_v3_plain() -> Any:
+    cfg = _deepseek_v3()
+    cfg.q_lora_rank, cfg.rope_interleave, cfg.norm_topk_prob, cfg.n_group, cfg.topk_group = None, False, False, 1, 1
+    return cfg
+
+
+def _glm4_moe_lite() -> Any:
+    return transformers.Glm4MoeLiteConfig(
+        vocab_size=VOCAB, hidden_size=44, intermediate_size=50, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=20, kv_lora_rank=18, qk_nope_head_dim=8,
+        qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=10, num_experts_per_tok=3, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=1.8, max_position_embeddings=256,
+        mlp_layer_types=["dense", "sparse", "sparse"], rope_parameters={"rope_type": "default", "rope_theta": 7000.0})
+
+
+def _dots1() -> Any:
+    return transformers.Dots1Config(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=52, moe_intermediate_size=18, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, n_routed_experts=9, num_experts_per_tok=3,
+        n_shared_experts=1, n_group=3, topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=True,
+        first_k_dense_replace=1, attention_bias=True, sliding_window=4, max_window_layers=1,
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 6000.0})
+
+
+def _minimax_m2() -> Any:
+    return transformers.MiniMaxM2Config(
+        vocab_size=VOCAB, hidden_size=36, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=10, num_local_experts=9, num_experts_per_tok=3, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 9000.0, "partial_rotary_factor": 0.6})
+
+
+def _granitemoe() -> Any:
+    return transformers.GraniteMoeConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, num_local_experts=9, num_experts_per_tok=3, max_position_embeddings=256,
+        embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 8000.0})
+
+
 FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "mixtral": ("MixtralForCausalLM", _mixtral),
     "qwen2_moe": ("Qwen2MoeForCausalLM", _qwen2_moe),
@@ -102,6 +154,12 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "glm4_moe": ("Glm4MoeForCausalLM", _glm4_moe),
     "deepseek_v2": ("DeepseekV2ForCausalLM", _deepseek_v2),
     "deepseek_v2_no_q_lora": ("DeepseekV2ForCausalLM", _deepseek_v2_no_q_lora),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", _deepseek_v3),
+    "deepseek_v3_plain": ("DeepseekV3ForCausalLM", _deepseek_v3_plain),
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", _glm4_moe_lite),
+    "dots1": ("Dots1ForCausalLM", _dots1),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", _minimax_m2),
+    "granitemoe": ("GraniteMoeForCausalLM", _granitemoe),
 }
 
 

@@ -95,8 +95,8 @@ def test_kv_bytes_per_token_gqa_and_mla():
     mix = load_spec(SPECS / "mixtral-8x7b.yaml")
     assert sizes.kv_bytes_per_token_layer(mix) == 2 * 8 * 128 * 2
     ds = load_spec(SPECS / "deepseek-v2-lite.yaml")
-    # MLA caches decompressed K [16, 128+64] and V [16, 128] in bf16.
-    assert sizes.kv_bytes_per_token_layer(ds) == 16 * (192 + 128) * 2
+    # MLA caches the latent [512] and the roped key [64] in bf16 (no per-head K/V: 10,240 bytes before).
+    assert sizes.kv_bytes_per_token_layer(ds) == (512 + 64) * 2
 
 
 def test_contiguous_placement_handles_uneven_and_more_ranks_than_experts():

@@ -14,7 +14,9 @@ pool is short, new requests wait in the admission queue instead of anything cras
 
 Storage is allocated lazily per layer on the first write (shape and dtype come from that write,
 so GQA and MLA caches need no special casing here) and grows by doubling up to `num_blocks`, so a
-plan sized for a 140 GB GPU does not allocate its whole pool on a laptop.
+plan sized for a 140 GB GPU does not allocate its whole pool on a laptop. MLA layers write into this
+store their latent form (`mla_latent`, models.attention): K is the row [1, kv_lora_rank + rope] and V
+has width 0, so the V storage takes no memory and every method below works unchanged.
 """
 from __future__ import annotations
 
@@ -76,8 +78,11 @@ class BlockAllocator:
 class PagedKVStore:
     """KV pages of all layers of one rank; `seq_id` is the request id."""
 
-    def __init__(self, num_layers: int, allocator: BlockAllocator) -> None:
+    def __init__(self, num_layers: int, allocator: BlockAllocator, mla_latent: bool = True) -> None:
+        """`mla_latent`: MLA layers cache the latent (the runtime's form); False keeps them decompressed per head, as
+        the reference decoder does (a comparison in tests and benchmarks)."""
         self.allocator = allocator
+        self.mla_latent = mla_latent
         self.block_size = allocator.block_size
         self._tables: dict[int, list[int]] = {}
         # The same tables as int64 tensors (made at a sequence's first host-side read or write: the CUDA decode path

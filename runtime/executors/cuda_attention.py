@@ -4,7 +4,9 @@ Every batch whose sequences have device page-table rows (runtime/executors/kv_ca
 plan's bucket through the paged kernels: the stage function itself (models.layers.attention_stage) with the attend
 step in its paged form (`PagedStep`: K/V written into the paged cache through the device page tables, GQA's RoPE fused
 with that write, `kernels.paged_attention` over the cache) and the RMSNorm kernel, followed by the router and the
-shared expert (models.layers.route / shared_expert): on CUDA one CUDA graph. Padded rows have position -1 (context
+shared expert (models.layers.route / shared_expert): on CUDA one CUDA graph. MLA layers attend over the latent cache
+(`PagedStep.attend_latent`, kernels/mla_attention.py: the Triton decode kernel where its tiles fit, else capturable torch
+ops; every row, prompt chunks' too, in the absorbed form). Padded rows have position -1 (context
 length 0, so the kernel reads nothing), write their K/V into a trash page, and their outputs are never read.
 The host per batch: one pinned int32 [5, bucket] upload (positions, table rows, row blocks), the input copy (often
 none: the combine wrote it in place, cuda_buffers.py), one replay, the routing's D2H copy into a pinned slot.
@@ -22,10 +24,11 @@ from torch import Tensor
 
 from kernels.paged_attention import (clear_block_rows, paged_decode_attention_torch, paged_decode_attention_triton,
                                      paged_row_block_attention_triton, row_blocks)
+from kernels.mla_attention import latent_write_torch, paged_mla_attention
 from kernels.rms_norm import rms_norm_fused
 from kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
 from models import layers
-from models.attention import rms_norm
+from models.attention import latent_cache, rms_norm
 from models.rope import rotation
 from runtime.core.routed_rows import pack as pack_routed, pack_tail, payload_columns
 from runtime.executors.capture import StaticBuffers, bucket_for
@@ -45,9 +48,12 @@ class PagedStep:
     padding) and device table row. Made once per graph body; its methods run inside the body (capturable)."""
 
     def __init__(self, meta: Tensor, table: Tensor, block_size: int, kc: Tensor, vc: Tensor, attend_kernel,
-                 rope_kv, cos_tab: Optional[Tensor], sin_tab: Optional[Tensor], rope) -> None:
+                 rope_kv, cos_tab: Optional[Tensor], sin_tab: Optional[Tensor], rope, latent_impl: str = "torch") -> None:
+        """`latent_impl`: kernels.mla_attention.paged_mla_attention's impl for MLA layers (kc is then the latent
+        cache)."""
         self.meta, self.table, self.bs, self.kc, self.vc = meta, table, block_size, kc, vc
         self.kernel, self.rope_kv, self.cos_tab, self.sin_tab, self.rope = attend_kernel, rope_kv, cos_tab, sin_tab, rope
+        self.latent_impl = latent_impl
         self.fuses_rope = cos_tab is not None
         self._posc: Optional[Tensor] = None
 
@@ -66,6 +72,14 @@ class PagedStep:
             kv_write_torch(k, v, self._posc, meta[1], table, bs, kc, vc)
             ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
         return self.kernel(q, kc, vc, bt, ctx, scale, sinks, window)
+
+    def attend_latent(self, q: Tensor, c: Tensor, kv_lora_rank: int, scale: float, window: Optional[int],
+                      sinks: Optional[Tensor]) -> Tensor:
+        meta, table, bs = self.meta, self.table, self.bs
+        bt = table.index_select(0, meta[1])
+        latent_write_torch(c, self._posc, meta[1], table, bs, self.kc)
+        ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
+        return paged_mla_attention(q, self.kc, kv_lora_rank, bt, ctx, scale, sinks, window, impl=self.latent_impl)
 
 
 class AttentionMixin:
@@ -87,6 +101,9 @@ class AttentionMixin:
         tm.lap("drop_pending")
         h = self._to_dev(h)
         T = h.shape[0]
+        if self._mla and not latent_cache(kv):
+            raise ValueError("the CUDA executor keeps MLA layers' KV cache latent: a store with mla_latent=False "
+                             "(decompressed per head) is for the torch executor and the reference only")
         dv = self._view(kv)
         tm.lap("view")
         rows, fits = dv.batch_rows(segments, positions, T)  # every row's table row, and whether all have one
@@ -140,8 +157,9 @@ class AttentionMixin:
 
     def _row_blocked(self, layer: int) -> bool:
         """Whether `layer` runs a batch with prompt chunks by row blocks (see ROW_BLOCK_MIN_WINDOW)."""
+        # (MLA's latent rows are one kv head for all query heads: a block's tile, rows x heads, would not fit)
         window = self.spec.attention.window(layer)
-        return self.block_rows > 0 and (window is None or window >= ROW_BLOCK_MIN_WINDOW)
+        return self.block_rows > 0 and not self._mla and (window is None or window >= ROW_BLOCK_MIN_WINDOW)
 
     def _rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """models.rope.cos_sin of `pos`, with inv_freq already on the device (no H2D copy in a graph)."""
@@ -196,7 +214,7 @@ class AttentionMixin:
         norm = rms_norm_fused if triton else rms_norm
         cos_t, sin_t = self._rope_table(table.shape[1] * bs) if self._rope_kv_fused else (None, None)
         step = PagedStep(meta, table, bs, kc, vc, kernel, rope_kv_write if triton else rope_kv_write_torch,
-                         cos_t, sin_t, self._rope)
+                         cos_t, sin_t, self._rope, self.attn_impl)
         router, keys = self.keyed_router, dv.keys
 
         def body() -> None:

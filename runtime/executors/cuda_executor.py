@@ -140,7 +140,8 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         self._rope_kv_fused = not self._mla and not a.rope.interleaved
         self._rope_tables: dict[int, tuple[Tensor, Tensor]] = {}  # positions -> (cos, sin) tables (_rope_table)
         if self._mla:
-            self._k_row, self._v_row = (a.num_heads, a.qk_head_dim), (a.num_heads, a.v_head_dim)
+            # the latent cache (models.attention): K = [latent, roped key] of one kv head shared by all heads, no V
+            self._k_row, self._v_row = (1, a.kv_lora_rank + a.qk_rope_head_dim), (1, 0)
         else:
             self._k_row, self._v_row = (a.num_kv_heads, a.head_dim), (a.num_kv_heads, a.head_dim)
         self.max_context = max_context or min(spec.max_position, 8192)

@@ -1,0 +1,225 @@
+"""config.json -> spec fields of the MLA families and those added later (models/hf_config.py dispatches here):
+DeepSeek-V2, DeepSeek-V3 (V3/R1, Kimi-K2, Moonlight), GLM-4.7-Flash (glm4_moe_lite), dots1, MiniMax-M2 and GraniteMoE.
+
+As in hf_config.py, every default is the installed transformers' (5.x) `configuration_*.py` default, because
+published checkpoints omit keys whose value is the default, and a setting we cannot honour is a UserError naming
+config.json and the key. Each function fills the `attn`, `router`, `experts` and `spec` dicts of
+`spec_dict_from_config` in place.
+
+Multi-token-prediction layers (DeepSeek-V3 `num_nextn_predict_layers`, GLM-4.7-Flash's layer 47): transformers'
+causal LM never runs them, and neither do we; their weights (decoder layers numbered past num_hidden_layers) are
+skipped at load (models/hf_weights.py `_ignorable`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# Families whose MTP layers follow the decoder layers in the checkpoint (see the module docstring).
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+
+# RMSNorm eps and rope theta defaults that differ from hf_config's (1e-6, 10000).
+EPS_DEFAULTS = {"glm4_moe_lite": 1e-5, "granitemoe": 1e-6, "dots1": 1e-6, "minimax_m2": 1e-6, "deepseek_v3": 1e-6}
+THETA_DEFAULTS = {"minimax_m2": 5.0e6}
+
+ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "Dots1ForCausalLM": "dots1",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GraniteMoeForCausalLM": "granitemoe",
+}
+
+
+def _mla(cfg, data: dict, attn: dict, n_heads: int, *, q_lora: int, nope: int, rope_hd: int, v_hd: int) -> None:
+    """DeepseekV3Attention (GLM-4.7-Flash's too): MLA as DeepSeek-V2, biases on q_a / kv_a / o with
+    attention_bias; rope_interleave (default true) rotates adjacent pairs."""
+    bias = cfg.bool("attention_bias", False)
+    nope, rope_hd = cfg.int("qk_nope_head_dim", nope), cfg.int("qk_rope_head_dim", rope_hd)
+    attn.update(kind="mla", num_kv_heads=n_heads, head_dim=nope + rope_hd, qkv_bias=bias, o_bias=bias,
+                # an explicit null q_lora_rank means no q compression (q_proj), an absent one the default rank
+                q_lora_rank=cfg.int("q_lora_rank") if "q_lora_rank" in data else q_lora,
+                kv_lora_rank=cfg.int("kv_lora_rank", 512), qk_nope_head_dim=nope, qk_rope_head_dim=rope_hd,
+                v_head_dim=cfg.int("v_head_dim", v_hd))
+
+
+def _noaux_router(cfg, router: dict, *, renorm: bool, n_group: int, topk_group: int, scaling: float) -> None:
+    """DeepseekV3TopkRouter (also GLM's and dots1's): fp32 sigmoid scores; selection on score + correction bias,
+    restricted to the topk_group best of n_group groups (a group scores the sum of its two best); the weights are
+    the unbiased scores, renormalized with norm_topk_prob, times routed_scaling_factor."""
+    from models.hf_config import _reject_set
+
+    # Published DeepSeek-V3 configs say how the original code routes; transformers hard-wires the one below.
+    _reject_set(cfg, "scoring_func", "sigmoid", "the DeepSeek-V3 router scores with sigmoid")
+    _reject_set(cfg, "topk_method", "noaux_tc", "the DeepSeek-V3 router selects with noaux_tc")
+    router.update(scoring="sigmoid", correction_bias=True, renormalize=cfg.bool("norm_topk_prob", renorm),
+                  n_group=cfg.int("n_group", n_group), topk_group=cfg.int("topk_group", topk_group),
+                  routed_scaling=cfg.float("routed_scaling_factor", scaling))
+
+
+def _shared(cfg, moe_i: int, default: Any) -> int:
+    n = cfg.int("n_shared_experts", default)
+    if n is None:
+        # transformers' DeepseekV3MoE multiplies moe_intermediate_size by it: an absent value cannot build
+        raise cfg.fail("missing required key 'n_shared_experts'")
+    return moe_i * n
+
+
+def deepseek_v2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+                spec: dict) -> None:
+    from models.hf_config import _reject_set, _silu
+
+    _silu(cfg)
+    # attention_bias puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj (never q_b/kv_b/q_proj).
+    bias = cfg.bool("attention_bias", False)
+    attn_bias = {"qkv_bias": bias, "o_bias": bias}
+    _reject_set(cfg, "mlp_bias", False, "MLP biases are not implemented")
+    _reject_set(cfg, "moe_layer_freq", 1, "transformers' DeepseekV2 ignores it; only 1 is supported")
+    # transformers' DeepseekV2TopkRouter never renormalizes, while the original DeepSeek code
+    # renormalizes *instead of* applying routed_scaling_factor. Rather than pick one silently:
+    _reject_set(cfg, "norm_topk_prob", False,
+                "transformers ignores it and the original DeepSeek code differs; refusing to guess")
+    nope, rope_hd = cfg.int("qk_nope_head_dim", 128), cfg.int("qk_rope_head_dim", 64)
+    attn.update(kind="mla", num_kv_heads=n_heads, head_dim=nope + rope_hd,
+                q_lora_rank=cfg.int("q_lora_rank", 1536) if "q_lora_rank" not in data else cfg.int("q_lora_rank"),
+                kv_lora_rank=cfg.int("kv_lora_rank", 512), qk_nope_head_dim=nope, qk_rope_head_dim=rope_hd,
+                v_head_dim=cfg.int("v_head_dim", 128), **attn_bias)
+    method = cfg.get("topk_method", "greedy")
+    router.update(scoring="softmax", renormalize=False,
+                  routed_scaling=cfg.float("routed_scaling_factor", 1.0))
+    if method == "group_limited_greedy":
+        if not (cfg.has("n_group") and cfg.has("topk_group")):
+            raise cfg.fail("topk_method group_limited_greedy needs 'n_group' and 'topk_group'")
+        router.update(n_group=cfg.int("n_group"), topk_group=cfg.int("topk_group"))
+    elif method != "greedy":
+        raise cfg.unsupported("topk_method", method, "supported: greedy, group_limited_greedy")
+    top_k = cfg.int("num_experts_per_tok")
+    if top_k is None:
+        raise cfg.fail("missing required key 'num_experts_per_tok'")
+    moe_i = cfg.int("moe_intermediate_size", 1407)
+    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_experts"), 64), top_k=top_k, intermediate_size=moe_i,
+                   shared_intermediate_size=moe_i * (cfg.int("n_shared_experts") or 0))
+    k_dense = cfg.int("first_k_dense_replace", 0)
+    if k_dense:
+        spec["dense_layers"] = list(range(min(k_dense, n_layers)))
+        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 11008)
+
+
+def deepseek_v3(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+                spec: dict) -> None:
+    from models.hf_config import _reject_set, _silu
+
+    _silu(cfg)
+    _reject_set(cfg, "moe_layer_freq", 1, "transformers' DeepseekV3 ignores it; only 1 is supported")
+    _mla(cfg, data, attn, n_heads, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
+    _noaux_router(cfg, router, renorm=True, n_group=8, topk_group=4, scaling=2.5)
+    moe_i = cfg.int("moe_intermediate_size", 2048)
+    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 256),
+                   top_k=cfg.int("num_experts_per_tok", 8), intermediate_size=moe_i,
+                   shared_intermediate_size=_shared(cfg, moe_i, 1))
+    k_dense = cfg.int("first_k_dense_replace", 3)
+    if k_dense:
+        spec["dense_layers"] = list(range(min(k_dense, n_layers)))
+        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 18432)
+
+
+def glm4_moe_lite(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+                  spec: dict) -> None:
+    from models.hf_config import _reject_set, _silu
+
+    _silu(cfg)
+    _mla(cfg, data, attn, n_heads, q_lora=768, nope=192, rope_hd=64, v_hd=256)
+    _noaux_router(cfg, router, renorm=True, n_group=1, topk_group=1, scaling=1.8)
+    moe_i = cfg.int("moe_intermediate_size", 1536)
+    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 64),
+                   top_k=cfg.int("num_experts_per_tok", 4), intermediate_size=moe_i,
+                   shared_intermediate_size=_shared(cfg, moe_i, 1))
+    # Glm4MoeLiteConfig: mlp_layer_types, default one dense layer then sparse ones
+    if not cfg.has("mlp_layer_types"):
+        # not a Glm4MoeLiteConfig field: transformers makes layer 0 dense whatever it says
+        _reject_set(cfg, "first_k_dense_replace", 1, "transformers' Glm4MoeLite ignores it; give mlp_layer_types")
+    types = cfg.get("mlp_layer_types", ["dense"] + ["sparse"] * (n_layers - 1))
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
+        raise cfg.unsupported("mlp_layer_types", types, f"a list of {n_layers} entries 'dense' or 'sparse'")
+    dense = [i for i, t in enumerate(types) if t == "dense"]
+    if dense:
+        spec["dense_layers"] = dense
+        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 10240)
+
+
+def dots1(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+          spec: dict) -> None:
+    """Qwen3 attention (per-head q/k norm, attention_bias on q/k/v/o, sliding layers from max_window_layers) with
+    DeepSeek-V3's MoE."""
+    from models.hf_config import _layer_types, _silu
+
+    _silu(cfg)
+    bias = cfg.bool("attention_bias", False)
+    attn.update(qk_norm="head", qkv_bias=bias, o_bias=bias)
+    window = cfg.int("sliding_window", 4096) if "sliding_window" not in data else cfg.int("sliding_window")
+    lt = _layer_types(cfg, n_layers) or [
+        "sliding" if window is not None and i >= cfg.int("max_window_layers", 62) else "full"
+        for i in range(n_layers)]
+    if "sliding" in lt:
+        if not window:
+            raise cfg.fail("layer_types has sliding_attention layers but sliding_window is not set")
+        attn.update(layer_types=lt, sliding_window=window)
+    _noaux_router(cfg, router, renorm=False, n_group=1, topk_group=1, scaling=1.0)
+    moe_i = cfg.int("moe_intermediate_size", 1408)
+    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), None),
+                   top_k=cfg.int("num_experts_per_tok", required=True), intermediate_size=moe_i,
+                   shared_intermediate_size=_shared(cfg, moe_i, None))
+    if experts["num_experts"] is None:
+        raise cfg.fail("missing required key 'n_routed_experts'")
+    k_dense = cfg.int("first_k_dense_replace", 0)
+    if k_dense:
+        spec["dense_layers"] = list(range(min(k_dense, n_layers)))
+        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 10944)
+
+
+def minimax_m2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+               spec: dict) -> None:
+    """FlexOlmo attention (q/k RMSNorm over all heads, no biases), partial RoPE, a sigmoid router with a
+    selection bias and no groups, always renormalized (MiniMaxM2TopKRouter)."""
+    from models.hf_config import _silu
+
+    from models.hf_config import _reject_set
+
+    _silu(cfg)
+    # Released configs describe the router and the norms with keys transformers does not read: it always does this.
+    _reject_set(cfg, "scoring_func", "sigmoid", "MiniMax-M2's router scores with sigmoid")
+    _reject_set(cfg, "use_routing_bias", True, "MiniMax-M2's router always adds its selection bias")
+    _reject_set(cfg, "use_qk_norm", True, "MiniMax-M2's attention always normalizes q and k")
+    attn.update(qk_norm="full", head_dim=cfg.int("head_dim", 128))
+    router.update(scoring="sigmoid", correction_bias=True, renormalize=True)
+    experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 256),
+                   top_k=cfg.int("num_experts_per_tok", 8), intermediate_size=cfg.int("intermediate_size", 1536))
+
+
+def minimax_partial_rotary(cfg, head_dim: int) -> Any:
+    """Released MiniMax-M2 configs give partial RoPE as `rotary_dim` (transformers: factor rotary_dim / head_dim)."""
+    rd = cfg.int("rotary_dim")
+    return None if rd is None else rd / head_dim
+
+
+def granitemoe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+               spec: dict) -> None:
+    """Mixtral-like, with multipliers: embedding_multiplier on the embeddings, attention_multiplier as the softmax
+    scale, residual_multiplier on every block's output, logits divided by logits_scaling; the router takes the
+    top-k logits and a softmax over those k."""
+    from models.hf_config import _silu
+
+    _silu(cfg)
+    bias = cfg.bool("attention_bias", False)
+    # GraniteMoeAttention: head_dim is hidden // heads (the config class has no head_dim field)
+    attn.update(qkv_bias=bias, o_bias=bias, head_dim=spec["hidden_size"] // n_heads,
+                softmax_scale=cfg.float("attention_multiplier", 1.0))
+    router.update(scoring="topk_softmax", renormalize=False)
+    experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 8),
+                   top_k=cfg.int("num_experts_per_tok", 2), intermediate_size=cfg.int("intermediate_size", 11008))
+    spec.update(embedding_multiplier=cfg.float("embedding_multiplier", 1.0),
+                residual_multiplier=cfg.float("residual_multiplier", 1.0),
+                logits_scaling=cfg.float("logits_scaling", 1.0))
+
+
+BUILDERS = {"deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "dots1": dots1, "minimax_m2": minimax_m2,
+            "granitemoe": granitemoe}
