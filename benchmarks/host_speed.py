@@ -87,7 +87,7 @@ def cuda_rows(reps: int) -> list[tuple[str, float]]:
             y.mul_(1.0001)
     rows.append(("cuda: graph replay (40 small kernels)", per_call_us(g.replay, max(1, reps // 4))))
     try:
-        from kernels.topk_merge import topk_merge
+        from dataflow_kernels.topk_merge import topk_merge
         h = torch.randn(192, 2880, dtype=torch.bfloat16, device=dev)
         ys = torch.randn(192 * 4, 2880, dtype=torch.bfloat16, device=dev)
         ri = torch.arange(192 * 4, device=dev).view(192, 4)

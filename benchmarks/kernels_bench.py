@@ -42,13 +42,13 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.dispatch import triton_available  # noqa: E402
-from kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton  # noqa: E402
-from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
-from kernels.permute import (  # noqa: E402
+from dataflow_kernels.dispatch import triton_available  # noqa: E402
+from dataflow_kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton  # noqa: E402
+from dataflow_kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
+from dataflow_kernels.permute import (  # noqa: E402
     gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton,
 )
-from kernels.topk_merge import topk_merge_torch, topk_merge_triton  # noqa: E402
+from dataflow_kernels.topk_merge import topk_merge_torch, topk_merge_triton  # noqa: E402
 from lab.floors import measure_copy_bps  # noqa: E402
 
 NOMINAL_COPY_BPS = 4.2e12  # H200 achieved device copy, bytes/s

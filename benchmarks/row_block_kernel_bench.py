@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_triton,  # noqa: E402
+from dataflow_kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_triton,  # noqa: E402
                                      paged_row_block_attention_triton, row_blocks)
 
 

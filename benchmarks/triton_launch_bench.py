@@ -4,7 +4,7 @@ The 'y' message of a device-routed layer ends in one topk_merge launch outside a
 holders' partial sums; runtime/engine.Engine._merged), two per layer-wave and rank. Variants, each the mean host time
 of one call (no synchronization inside; median of 5 rounds):
 
-- wrapper: kernels.topk_merge.topk_merge (checks, output allocation, backend choice, the JIT launch);
+- wrapper: dataflow_kernels.topk_merge.topk_merge (checks, output allocation, backend choice, the JIT launch);
 - jit: the jitted kernel's `kernel[grid](...)` alone (Triton's binder, cache key, launch);
 - compiled: the CompiledKernel the JIT returned, run directly with the bound arguments (no binder, no key);
 - the wrapper with a no-op launch, and its steps one by one;
@@ -39,8 +39,8 @@ def main() -> None:
     args = ap.parse_args()
     import triton
 
-    from kernels.dispatch import cdiv, next_power_of_2
-    from kernels.topk_merge import _TOPK_MERGE, topk_merge
+    from dataflow_kernels.dispatch import cdiv, next_power_of_2
+    from dataflow_kernels.topk_merge import _TOPK_MERGE, topk_merge
 
     dev = torch.device("cuda")
     T, H, k = args.rows, 2880, 2  # a device-routed holder group on 2 ranks: one partial sum per holder
@@ -81,8 +81,8 @@ def main() -> None:
         rows.append((f"compiled: unavailable ({type(err).__name__}: {err})", float("nan")))
     # The wrapper's own steps, each on these CUDA tensors (run 102: the wrapper cost 58 us where the JIT launch
     # inside it cost 18: where do the other 40 go?)
-    import kernels.topk_merge as tm
-    from kernels import dispatch
+    import dataflow_kernels.topk_merge as tm
+    from dataflow_kernels import dispatch
     jitted, _TOPK_MERGE._jitted = _TOPK_MERGE._jitted, _NoLaunch()
     try:
         rows.append(("wrapper with a no-op launch", per_call_us(lambda: topk_merge(h, sh, ys, ri, w), args.reps)))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
 from models.moe import glu  # the reference's activation is the model's own
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
@@ -240,7 +240,7 @@ def grouped_ffn(
     """y [N, H] for rows x_sorted [N, H] sorted by expert (see the module docstring).
 
     expert_offsets [E+1] int64; weights [E, I, H] / [E, H, I]; biases [E, I] / [E, H] or None.
-    `kernels.dispatch.backend_for` picks Triton or torch.
+    `dataflow_kernels.dispatch.backend_for` picks Triton or torch.
     """
     args = (x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit)
     if backend_for(x_sorted, w_gate, w_up, w_down) == "triton":

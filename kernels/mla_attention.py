@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.dispatch import next_power_of_2
-from kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from dataflow_kernels.dispatch import next_power_of_2
+from dataflow_kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
 
 # The Triton decode kernel keeps a [head group, value width] fp32 accumulator and a [head group, key width] query per
 # program, both padded to powers of two. Measured on an H200 (Triton 3.6): 16 heads x 512 latent channels
@@ -43,7 +43,7 @@ def _check(q: Tensor, cache: Tensor, rank: int) -> None:
 
 def latent_write_torch(c: Tensor, posc: Tensor, rows: Tensor, table: Tensor, block_size: int, cache: Tensor) -> None:
     """Row i of c [b, 1, R + P] into the cache at position posc[i] (int64, >= 0) of table row rows[i]: slot =
-    table[rows, posc // bs] * bs + posc % bs of the flattened [pages * bs, 1, R + P] cache (kernels.rope_kv_write's
+    table[rows, posc // bs] * bs + posc % bs of the flattened [pages * bs, 1, R + P] cache (dataflow_kernels.rope_kv_write's
     slot arithmetic, K only: the latent cache has no V)."""
     page = table[rows.to(torch.int64), torch.div(posc, block_size, rounding_mode="floor")].to(torch.int64)
     slot = page * block_size + posc % block_size

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
@@ -283,7 +283,7 @@ def paged_decode_attention_triton(
 
 
 def _out_and_query(q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The buffer the kernels store into (in kernels.dispatch.kernel_store_dtype of q's dtype) and the query in the
+    """The buffer the kernels store into (in dataflow_kernels.dispatch.kernel_store_dtype of q's dtype) and the query in the
     cache's dtype (tl.dot wants both operands in one dtype), contiguous in the head dimension."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache / v_cache must be contiguous in the head dimension")  # never copy a cache
@@ -398,7 +398,7 @@ def paged_decode_attention(
     """out [B, nh, dv]: decode attention of q [B, nh, dk] over a paged cache (module docstring).
 
     block_table [B, max_blocks] int32, context_lens [B] int32, sinks [nh] or None, window W or
-    None. `kernels.dispatch.backend_for` picks Triton or torch.
+    None. `dataflow_kernels.dispatch.backend_for` picks Triton or torch.
     """
     if backend_for(q, k_cache, v_cache, block_table, context_lens, sinks) == "triton":
         return paged_decode_attention_triton(q, k_cache, v_cache, block_table, context_lens, scale, sinks, window)

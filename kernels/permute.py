@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import LazyJit, backend_for, cdiv, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, kernel_store_dtype, next_power_of_2
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import LazyJit, backend_for, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, backend_for, kernel_store_dtype, next_power_of_2
 from models.attention import rms_norm as rms_norm_torch  # the reference (the model code's own norm)
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
@@ -53,7 +53,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in
 
 
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
-    """RMSNorm of x [T, H] with `weight` [H]; Triton or torch via `kernels.dispatch.backend_for`."""
+    """RMSNorm of x [T, H] with `weight` [H]; Triton or torch via `dataflow_kernels.dispatch.backend_for`."""
     if backend_for(x, weight) == "triton":
         return rms_norm_triton(x, weight, eps, weight_in_fp32)
     return rms_norm_torch(x, weight, eps, weight_in_fp32)

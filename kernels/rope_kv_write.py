@@ -19,7 +19,7 @@ Semantics (`rope_kv_write_torch` is the reference, the CPU twin runs it):
 Rounding follows torch's elementwise ops step by step: cos/sin are cast to the activation dtype first, and each
 product, difference and sum is rounded to it (computed in fp32, as torch's opmath does; no FP contraction). So on
 the GPU the result is bit-identical to the reference in fp32 and bf16. The interpreter truncates where the GPU rounds
-(see kernels.dispatch.kernel_store_dtype), at each of those roundings: within a few bf16 ulps there.
+(see dataflow_kernels.dispatch.kernel_store_dtype), at each of those roundings: within a few bf16 ulps there.
 
 Only the rotate-half form of GQA families (not DeepSeek's interleaved pairs, which MLA uses: that stays torch).
 """
@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.dispatch import LazyJit, backend_for, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, backend_for, kernel_store_dtype, next_power_of_2
 from models.rope import apply_rope, rotation
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
@@ -151,7 +151,7 @@ def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, rows: Tensor, ta
                   cos_tab: Tensor, sin_tab: Tensor, kc: Tensor, vc: Tensor,
                   backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
     """RoPE on q and k, K/V into the paged cache, the context lengths (module docstring); Triton or torch via
-    `kernels.dispatch.backend_for` unless `backend` names one."""
+    `dataflow_kernels.dispatch.backend_for` unless `backend` names one."""
     if (backend or backend_for(q, k, v, kc)) == "triton":
         return rope_kv_write_triton(q, k, v, pos, rows, table, block_size, cos_tab, sin_tab, kc, vc)
     return rope_kv_write_torch(q, k, v, pos, rows, table, block_size, cos_tab, sin_tab, kc, vc)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import LazyJit, backend_for, cdiv, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, kernel_store_dtype, next_power_of_2
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
@@ -123,7 +123,7 @@ def topk_merge(
 
     h_res [T,H]; shared [T,H] or None; rows [N,H] (any order); row_index [T,k] int64 (row of slot
     j of token t); weights [T,k] fp32. Output dtype = h_res dtype; `out` [T,H] of that dtype: written there
-    (and returned) instead of into a new tensor. Picks Triton or torch via `kernels.dispatch.backend_for`.
+    (and returned) instead of into a new tensor. Picks Triton or torch via `dataflow_kernels.dispatch.backend_for`.
     """
     if backend_for(h_res, shared, rows, row_index, weights) == "triton":
         return topk_merge_triton(h_res, shared, rows, row_index, weights, out)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from graph_ir.errors import UserError
-from kernels.dispatch import backend_for
+from dataflow_kernels.dispatch import backend_for
 from lab.zipf_kernel import warm_up as warm_up_kernel
 from lab.zipf_kernel import zipf_topk
 from lab.zipf_torch import zipf_route

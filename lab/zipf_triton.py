@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from kernels.dispatch import LazyJit, cdiv, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, cdiv, next_power_of_2
 
 tl = None  # triton.language, bound by LazyJit at the first launch (kernels/dispatch.py)
 

@@ -348,13 +348,13 @@ def _draw_kernel(out_ptr, start, n, k1, k2, BLOCK: tl.constexpr):  # noqa: F821 
     tl.store(out_ptr + offs, t, mask=offs < n)  # noqa: F821
 
 
-_DRAW_KERNEL = None  # kernels.dispatch.LazyJit of _draw_kernel, made at the first device draw
+_DRAW_KERNEL = None  # dataflow_kernels.dispatch.LazyJit of _draw_kernel, made at the first device draw
 
 
 def _draw_triton(start: int, n: int, k1: int, k2: int, device: torch.device) -> Tensor:
     """_draw_numpy's values in one Triton kernel (uint32 arithmetic wraps modulo 2^32, as numpy's does)."""
     global _DRAW_KERNEL
-    from kernels.dispatch import LazyJit, cdiv
+    from dataflow_kernels.dispatch import LazyJit, cdiv
     if _DRAW_KERNEL is None:
         _DRAW_KERNEL = LazyJit(_draw_kernel, helpers=(_mix_tl,), do_not_specialize=["start", "n", "k1", "k2"])
     out = torch.empty(n, dtype=torch.int32, device=device)
@@ -370,7 +370,7 @@ def _drawer(device: torch.device, backend: Optional[str] = None):
         if device.type == "cpu":
             backend = "numpy"
         else:
-            from kernels.dispatch import triton_available
+            from dataflow_kernels.dispatch import triton_available
             backend = "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "numpy":
         if device.type != "cpu":

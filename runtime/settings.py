@@ -178,7 +178,7 @@ def changed(options: Optional[RuntimeOptions] = None) -> dict[str, Any]:
 
 
 def _apply(options: RuntimeOptions) -> None:
-    from kernels import dispatch
+    from dataflow_kernels import dispatch
 
     dispatch.use_backend(options.kernels)
 

@@ -28,7 +28,7 @@ def _default_options_after_each_test():
 
     before = os.environ.get(settings.ENV_OPTIONS)
     yield
-    from kernels import dispatch
+    from dataflow_kernels import dispatch
 
     if before is None:
         os.environ.pop(settings.ENV_OPTIONS, None)

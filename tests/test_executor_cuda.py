@@ -127,7 +127,7 @@ def test_experts_above_largest_bucket_runs_eagerly():
 
 
 def test_permute_torch_capturable_matches_reference():
-    from kernels.permute import permute_to_experts_torch
+    from dataflow_kernels.permute import permute_to_experts_torch
     spec, w = model("tiny-gpt-oss")
     ex = CudaExecutor(spec, w, device="cpu")
     E = spec.experts.num_experts

@@ -25,12 +25,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.dispatch import backend_for
-from kernels.grouped_ffn import grouped_ffn, grouped_ffn_torch, grouped_ffn_triton
-from kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_torch,
+from dataflow_kernels.dispatch import backend_for
+from dataflow_kernels.grouped_ffn import grouped_ffn, grouped_ffn_torch, grouped_ffn_triton
+from dataflow_kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_torch,
                                      paged_decode_attention_triton, paged_row_block_attention_triton, row_blocks)
-from kernels.permute import gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton
-from kernels.topk_merge import topk_merge, topk_merge_torch, topk_merge_triton
+from dataflow_kernels.permute import gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton
+from dataflow_kernels.topk_merge import topk_merge, topk_merge_torch, topk_merge_triton
 
 H, I, E, K = 72, 40, 9, 3
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -440,8 +440,8 @@ def test_triton_kernels_in_subprocess():
 def test_rms_norm_triton_matches_the_reference(triton_device, dtype, weight_in_fp32):
     """One program per row (kernels/rms_norm.py) against models.attention.rms_norm: equal up to the order of the fp32
     sum of squares (fp32), within one bf16 ulp (bf16; the interpreter also truncates where the GPU rounds, see
-    kernels.dispatch.kernel_store_dtype); a hidden size that is not a power of two; rows of a larger buffer."""
-    from kernels.rms_norm import rms_norm_torch, rms_norm_triton
+    dataflow_kernels.dispatch.kernel_store_dtype); a hidden size that is not a power of two; rows of a larger buffer."""
+    from dataflow_kernels.rms_norm import rms_norm_torch, rms_norm_triton
     g = _gen(11)
     for T, Hn in ((5, 72), (1, 64), (0, 72)):
         x = (torch.randn(T, Hn + 8, generator=g) * 3).to(dtype)[:, :Hn]  # rows of a wider buffer: a row stride
@@ -456,7 +456,7 @@ def test_rms_norm_triton_matches_the_reference(triton_device, dtype, weight_in_f
 def _rope_kv_inputs(dtype, nh: int, nkv: int, D: int, rdim: int, seed: int):
     """A decode batch over a paged cache: q/k/v as strided views of one projection output (the layout a fused
     projection gives), ragged positions incl. a padded row (-1 -> the trash row and page), a partial rotary width."""
-    from kernels.rope_kv_write import rope_table
+    from dataflow_kernels.rope_kv_write import rope_table
     g = _gen(seed)
     bs, pages, width = 4, 24, 5
     pos = torch.tensor([0, 5, 17, 3, -1], dtype=torch.int32)
@@ -483,7 +483,7 @@ def test_rope_kv_write_triton_matches_the_reference(triton_device, dtype, nh, nk
     interpreter truncates each of the kernel's bf16 roundings where the GPU rounds to nearest (cos/sin, two products,
     the sum: a few ulps of the largest input). Shapes: odd head counts, a partial rotary width, a head dim that is not a
     power of two, strided q/k/v."""
-    from kernels.rope_kv_write import rope_kv_write_torch, rope_kv_write_triton
+    from dataflow_kernels.rope_kv_write import rope_kv_write_torch, rope_kv_write_triton
     args = _rope_kv_inputs(dtype, nh, nkv, D, rdim, seed=21)
     ref_kc, ref_vc = args[9].clone(), args[10].clone()
     got_kc, got_vc = args[9].clone().to(triton_device), args[10].clone().to(triton_device)
@@ -502,7 +502,7 @@ def test_rope_kv_write_triton_matches_the_reference(triton_device, dtype, nh, nk
 def test_rope_kv_write_reference_is_the_model_math():
     """The reference against the model's own pieces: models.rope.cos_sin / apply_rope for q and k, and each row's K/V
     at the page its table names (the padded row's at the trash page)."""
-    from kernels.rope_kv_write import rope_kv_write_torch
+    from dataflow_kernels.rope_kv_write import rope_kv_write_torch
     from models.rope import apply_rope
     q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc = _rope_kv_inputs(torch.float32, 6, 2, 16, 8, seed=22)
     q_out, _ = rope_kv_write_torch(q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc)
@@ -524,7 +524,7 @@ def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, use
     the same hidden rows up to fp32 rounding. Families: sinks and windows (GPT-OSS), a partial rotary width (GLM),
     q/k norms over all heads (OLMoE) and per head (Qwen3), and MLA (DeepSeek: interleaved RoPE, the torch ops).
     Then a batch with a new prompt's 3-row chunk between the decode rows, padded to bucket 8: the row-block attention
-    (kernels.paged_attention.paged_row_block_attention_triton: the chunk by row blocks, the decode and padding rows
+    (dataflow_kernels.paged_attention.paged_row_block_attention_triton: the chunk by row blocks, the decode and padding rows
     through the decode kernel)."""
     import copy
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graph_ir.spec import ModelSpec, load_spec
-from kernels.mla_attention import paged_mla_attention_gather, paged_mla_attention_torch
+from dataflow_kernels.mla_attention import paged_mla_attention_gather, paged_mla_attention_torch
 from lowering import sizes
 from lowering.plan import compile_plan
 from models import attention as attn
@@ -206,10 +206,10 @@ def test_memory_plan_counts_the_latent():
 
 
 def test_gpu_path_choice():
-    """Which form the CUDA executor's Triton setting takes (kernels.mla_attention.paged_mla_attention): the Triton
+    """Which form the CUDA executor's Triton setting takes (dataflow_kernels.mla_attention.paged_mla_attention): the Triton
     kernel where its tiles fit on an H200 (bf16, up to 16 heads x 512 latent channels), else the gather form; on
     this CPU an fp32 cache takes the gather form and equals the reference."""
-    from kernels.mla_attention import paged_mla_attention, triton_fits
+    from dataflow_kernels.mla_attention import paged_mla_attention, triton_fits
     assert triton_fits(16, 512, torch.bfloat16) and not triton_fits(16, 512, torch.float32)
     assert not triton_fits(128, 512, torch.bfloat16)
     gen = torch.Generator().manual_seed(2)

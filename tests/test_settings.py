@@ -50,7 +50,7 @@ def test_environment_file_and_flags_stack_and_configure_exports_them(tmp_path, m
 
 
 def test_the_kernels_option_reaches_the_kernel_dispatch(use_options):
-    from kernels import dispatch
+    from dataflow_kernels import dispatch
     import torch
 
     use_options(kernels="torch")

@@ -3,7 +3,7 @@
 Every batch whose sequences have device page-table rows (runtime/executors/kv_cache_paged_gpu.py) runs padded to the
 plan's bucket through the paged kernels: the stage function itself (models.layers.attention_stage) with the attend
 step in its paged form (`PagedStep`: K/V written into the paged cache through the device page tables, GQA's RoPE fused
-with that write, `kernels.paged_attention` over the cache) and the RMSNorm kernel, followed by the router and the
+with that write, `dataflow_kernels.paged_attention` over the cache) and the RMSNorm kernel, followed by the router and the
 shared expert (models.layers.route / shared_expert): on CUDA one CUDA graph. MLA layers attend over the latent cache
 (`PagedStep.attend_latent`, kernels/mla_attention.py: the Triton decode kernel where its tiles fit, else capturable torch
 ops; every row, prompt chunks' too, in the absorbed form). Padded rows have position -1 (context
@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.paged_attention import (clear_block_rows, paged_decode_attention_torch, paged_decode_attention_triton,
+from dataflow_kernels.paged_attention import (clear_block_rows, paged_decode_attention_torch, paged_decode_attention_triton,
                                      paged_row_block_attention_triton, row_blocks)
-from kernels.mla_attention import latent_write_torch, paged_mla_attention
-from kernels.rms_norm import rms_norm_fused
-from kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
+from dataflow_kernels.mla_attention import latent_write_torch, paged_mla_attention
+from dataflow_kernels.rms_norm import rms_norm_fused
+from dataflow_kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
 from models import layers
 from models.attention import latent_cache, rms_norm
 from models.rope import rotation
@@ -49,7 +49,7 @@ class PagedStep:
 
     def __init__(self, meta: Tensor, table: Tensor, block_size: int, kc: Tensor, vc: Tensor, attend_kernel,
                  rope_kv, cos_tab: Optional[Tensor], sin_tab: Optional[Tensor], rope, latent_impl: str = "torch") -> None:
-        """`latent_impl`: kernels.mla_attention.paged_mla_attention's impl for MLA layers (kc is then the latent
+        """`latent_impl`: dataflow_kernels.mla_attention.paged_mla_attention's impl for MLA layers (kc is then the latent
         cache)."""
         self.meta, self.table, self.bs, self.kc, self.vc = meta, table, block_size, kc, vc
         self.kernel, self.rope_kv, self.cos_tab, self.sin_tab, self.rope = attend_kernel, rope_kv, cos_tab, sin_tab, rope
@@ -166,7 +166,7 @@ class AttentionMixin:
         return rotation(self._inv_freq, self._rope_scaling, pos)
 
     def _rope_table(self, positions: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [positions, r/2] on the device (kernels.rope_kv_write.rope_table), made once per length."""
+        """cos, sin [positions, r/2] on the device (dataflow_kernels.rope_kv_write.rope_table), made once per length."""
         t = self._rope_tables.get(positions)
         if t is None:
             t = self._rope_tables[positions] = rope_table(self._inv_freq, self._rope_scaling, positions)
@@ -182,7 +182,7 @@ class AttentionMixin:
         nout = 3 if self.spec.experts.shared_intermediate_size else 2
         bufs.get("h", (b, H), self.dtype, dev)
         # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row counts and the
-        # decode kernel's context of its other rows (kernels.paged_attention.paged_row_block_attention_triton)
+        # decode kernel's context of its other rows (dataflow_kernels.paged_attention.paged_row_block_attention_triton)
         bufs.get("meta", (5, b), torch.int32, dev)
         bufs.get("out", (nout, b, H), self.dtype, dev)
         bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
@@ -195,7 +195,7 @@ class AttentionMixin:
     def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv, blocked: bool = False):
         """The attention stage of a bucket's rows: the stage function with its paged attend step (`PagedStep`), then
         the router and the shared expert. `blocked`: the attention by row blocks (meta rows 2-4; a batch with prompt
-        chunks on the Triton kernels: kernels.paged_attention.paged_row_block_attention_triton), the same result as
+        chunks on the Triton kernels: dataflow_kernels.paged_attention.paged_row_block_attention_triton), the same result as
         the decode kernel's with each K/V tile read once per block of a chunk's rows."""
         spec, w = self.spec, self.w
         h_in, meta, out, route_out = bufs._t["h"], bufs._t["meta"], bufs._t["out"], bufs._t["route"]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from graph_ir.spec import ModelSpec
-from kernels.paged_attention import block_rows_for
+from dataflow_kernels.paged_attention import block_rows_for
 from models import layers
 from models.rope import rope_parameters, rotary_dim
 from models.weights import ModelWeights, stack_qkv

@@ -9,7 +9,7 @@ indexed by row: the host translates the engine's global ids with one numpy table
 ids buffer, and the layer's body sorts into as many bins as the layer holds experts (sentinel ids clamp to that count).
 experts_routed(...) (device-routed): the same FFN over the slots a rank owns, selected on the device, then each
 token's slots summed with their weights (runtime/core/routed_rows.py's payload in, one row per token out).
-combine(...): `kernels.topk_merge` (one launch; same fp32 order as models.moe.combine, bit-equal).
+combine(...): `dataflow_kernels.topk_merge` (one launch; same fp32 order as models.moe.combine, bit-equal).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton
-from kernels.permute import permute_to_experts_triton
-from kernels.topk_merge import topk_merge
+from dataflow_kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton
+from dataflow_kernels.permute import permute_to_experts_triton
+from dataflow_kernels.topk_merge import topk_merge
 from runtime.core.routed_rows import pack_tail, payload_columns, unpack as unpack_routed
 from runtime.executors.capture import StaticBuffers, bucket_for
 

@@ -1,7 +1,7 @@
 """Device-side view of a PagedKVStore: fixed-address caches and page tables the decode graph reads.
 
 The engine owns a `PagedKVStore` (runtime/core/kv_cache.py): page tables on the host, K/V storage
-[pages, block, heads, dim] on the executor's device, the layout `kernels.paged_attention` reads.
+[pages, block, heads, dim] on the executor's device, the layout `dataflow_kernels.paged_attention` reads.
 For CUDA graphs two things must not move or be rebuilt per batch:
 - the K/V storage of every layer: preallocated whole (+1 trash page, id num_blocks, where the
   padded rows of a captured batch write their K/V), so the lazy doubling never reallocates;
