@@ -72,6 +72,8 @@ class AttentionSpec(_Strict):
     o_bias: bool = False
     # "head": RMSNorm over head_dim per head (Qwen3); "full": over all heads' q / k (OLMoE).
     qk_norm: Literal["none", "head", "full"] = "none"
+    # The per-head q/k norm after RoPE instead of before it (Hunyuan-MoE); needs qk_norm head.
+    qk_norm_after_rope: bool = False
     sinks: bool = False  # GPT-OSS: a learned per-head logit that absorbs attention mass
     sliding_window: Optional[int] = Field(None, gt=0, le=MAX_POSITION)
     # Per-layer kind when some layers slide (GPT-OSS alternates). None: all layers use
@@ -138,6 +140,7 @@ class RouterSpec(_Strict):
       softmax       softmax over all experts, then top-k (Mixtral, Qwen, OLMoE, DeepSeek-V2)
       topk_softmax  top-k on raw logits, softmax over those k (GPT-OSS)
       sigmoid       sigmoid scores; selection adds `correction_bias` (GLM-4.5, DeepSeek-V3)
+    softmax and sigmoid can add `correction_bias` for selection only (softmax: ERNIE-4.5-MoE).
     """
 
     scoring: Literal["softmax", "topk_softmax", "sigmoid"] = "softmax"
@@ -197,7 +200,7 @@ class ModelSpec(_Strict):
     # Which reference implementation the math follows; `custom` for user-declared models.
     family: Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe",
                     "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "dots1", "minimax_m2", "granitemoe",
-                    "custom"] = "custom"
+                    "ernie4_5_moe", "hunyuan_v1_moe", "custom"] = "custom"
     num_layers: int = Field(gt=0, le=MAX_LAYERS)
     hidden_size: int = Field(gt=0, le=MAX_HIDDEN)
     vocab_size: int = Field(gt=0, le=MAX_VOCAB)

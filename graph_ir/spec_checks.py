@@ -64,6 +64,10 @@ def _attention(a: "AttentionSpec") -> None:
             raise ValueError(f"attention.rope.partial_rotary_factor {_v(a.rope.partial_rotary_factor)} with kind mla: "
                              f"latent attention rotates all qk_rope_head_dim ({a.qk_rope_head_dim}) channels; "
                              f"supported with mla: 1")
+    # gqa_qkv moves the per-head norm after RoPE; no other norm placement exists.
+    if a.qk_norm_after_rope and a.qk_norm != "head":
+        raise ValueError(f"attention.qk_norm_after_rope true with attention.qk_norm {a.qk_norm}: only the per-head "
+                         f"norm can follow RoPE; supported: qk_norm head, or qk_norm_after_rope false")
     # AttentionSpec.window: with layer_types given, only the 'sliding' layers use sliding_window.
     if a.sliding_window is not None and a.layer_types is not None and "sliding" not in a.layer_types:
         raise ValueError(f"attention.sliding_window {a.sliding_window} is set but attention.layer_types has no "
@@ -110,10 +114,12 @@ def _rope(a: "AttentionSpec") -> None:
 
 def _router(spec: "ModelSpec") -> None:
     r, E = spec.router, spec.experts.num_experts
-    # route_tokens adds correction_bias to the selection scores of sigmoid scoring only.
-    if r.correction_bias and r.scoring != "sigmoid":
-        raise ValueError(f"router.correction_bias true with router.scoring {r.scoring}: the bias steers selection "
-                         f"only for sigmoid scoring; supported: scoring sigmoid, or correction_bias false")
+    # route_tokens adds correction_bias to the selection scores of softmax and sigmoid scoring; topk_softmax selects
+    # on the raw logits.
+    if r.correction_bias and r.scoring == "topk_softmax":
+        raise ValueError("router.correction_bias true with router.scoring topk_softmax: the bias steers selection "
+                         "only for softmax and sigmoid scoring; supported: scoring softmax or sigmoid, or "
+                         "correction_bias false")
     # topk_softmax takes the top-k of the raw logits with no group limit.
     if r.n_group > 1 and r.scoring == "topk_softmax":
         raise ValueError(f"router.n_group {r.n_group} / topk_group {r.topk_group} with router.scoring topk_softmax: "

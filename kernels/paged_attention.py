@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, cdiv, interpreting, kernel_store_dtype, next_power_of_2
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
@@ -390,16 +390,3 @@ def paged_row_block_attention_triton(
         BLOCK_DK=block_dk, BLOCK_DV=block_dv, num_warps=num_warps,
     )
     return out.to(q.dtype)
-
-
-def paged_decode_attention(
-    q, k_cache, v_cache, block_table, context_lens, scale: float, sinks=None, window: int | None = None,
-) -> torch.Tensor:
-    """out [B, nh, dv]: decode attention of q [B, nh, dk] over a paged cache (module docstring).
-
-    block_table [B, max_blocks] int32, context_lens [B] int32, sinks [nh] or None, window W or
-    None. `dataflow_kernels.dispatch.backend_for` picks Triton or torch.
-    """
-    if backend_for(q, k_cache, v_cache, block_table, context_lens, sinks) == "triton":
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_table, context_lens, scale, sinks, window)
-    return paged_decode_attention_torch(q, k_cache, v_cache, block_table, context_lens, scale, sinks, window)

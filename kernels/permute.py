@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, cdiv, kernel_store_dtype, next_power_of_2
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
@@ -87,17 +87,6 @@ def permute_to_experts_triton(expert_ids: torch.Tensor, num_experts: int) -> tup
     return order, offsets
 
 
-def permute_to_experts(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order [T*k] int64, expert_offsets [E+1] int64) for expert_ids [T, k].
-
-    order: flat rows t*k+j sorted by expert, stable (by token then slot within an expert).
-    expert_offsets: rows of expert e are sorted positions expert_offsets[e]:expert_offsets[e+1].
-    """
-    if backend_for(expert_ids) == "triton":
-        return permute_to_experts_triton(expert_ids, num_experts)
-    return permute_to_experts_torch(expert_ids, num_experts)
-
-
 # ---------------------------------------------------------------------------------------------
 # gather_rows
 
@@ -135,9 +124,3 @@ def gather_rows_triton(x: torch.Tensor, src_token: torch.Tensor) -> torch.Tensor
                                    BLOCK_H=block_h, num_warps=4)
     return out.to(x.dtype)
 
-
-def gather_rows(x: torch.Tensor, src_token: torch.Tensor) -> torch.Tensor:
-    """out [N, H] = x[src_token] for x [T, H] and src_token [N] (int64)."""
-    if backend_for(x, src_token) == "triton":
-        return gather_rows_triton(x, src_token)
-    return gather_rows_torch(x, src_token)

@@ -219,12 +219,6 @@ class Plan(_Model):
     routes: list[Route]
     memory: list[RankMemory]
 
-    def stage_of(self, kind: StageKind, layer: int) -> Stage:
-        for s in self.stages:
-            if s.kind == kind and s.layer == layer:
-                return s
-        raise KeyError((kind, layer))
-
 
 def _options_error(name: str, value: Any, valid: str) -> UserError:
     return UserError(f"option '{name}': got {value!r}; valid: {valid}")

@@ -1,18 +1,16 @@
 """Self-attention of every family as plain functions over canonical weights, plus the KV store protocol.
 
-GQA covers Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / GPT-OSS / GLM-4.5 (biases, qk-norm per head or
-over all heads, sinks, per-layer sliding window, partial rotary). MLA is DeepSeek-V2/V3's latent
-attention. A store whose `mla_latent` is true (the runtime's paged cache) keeps per token only the
-normed kv latent and the roped key, [1, kv_lora_rank + rope] (576 values at DeepSeek-V3 against 40,960
-decompressed): a prompt's chunk decompresses its context through kv_b, a decode row attends in the
-absorbed form (`mla_absorb_q` / `mla_unabsorb`: q_nope through kv_b's key half into the latent space,
-the probabilities' latent sum back through its value half), one kv head whose value is the first
-kv_lora_rank channels of the key. Other stores (the reference decoder's, the oracle) keep the
-decompressed per-head K [nope+rope] and V.
+GQA covers Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / GPT-OSS / GLM-4.5 / Hunyuan-MoE (biases, qk-norm per head
+(before or after RoPE) or over all heads, sinks, per-layer sliding window, partial rotary). MLA is DeepSeek-V2/V3's
+latent attention. A store whose `mla_latent` is true (the runtime's paged cache) keeps per token only the normed kv
+latent and the roped key, [1, kv_lora_rank + rope] (576 values at DeepSeek-V3 against 40,960 decompressed): a
+prompt's chunk decompresses its context through kv_b, a decode row attends in the absorbed form (`mla_absorb_q` /
+`mla_unabsorb`: q_nope through kv_b's key half into the latent space, the probabilities' latent sum back through its
+value half), one kv head whose value is the first kv_lora_rank channels of the key. Other stores (the reference
+decoder's, the oracle) keep the decompressed per-head K [nope+rope] and V.
 
-The score math follows HF's eager attention: scores = (q @ k^T) * scale in the activation dtype,
-masked, softmax in fp32 (sinks: softmax in the activation dtype after subtracting the row max,
-as GPT-OSS does), then probs @ v.
+The score math follows HF's eager attention: scores = (q @ k^T) * scale in the activation dtype, masked, softmax
+in fp32 (sinks: softmax in the activation dtype after subtracting the row max, as GPT-OSS does), then probs @ v.
 
 `attend` (per segment) is the reference. `attend_decode_batch` is the same math for a batch of
 one-row segments over padded K/V; `_attend_segments` uses it when the store offers the batched
@@ -299,7 +297,7 @@ def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tenso
 
 
 def gqa_project(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q [T, nh, hd], k/v [T, nkv, hd] of normed x before RoPE (projections, then the q/k norms if any).
+    """q [T, nh, hd], k/v [T, nkv, hd] of normed x before RoPE (projections, then the q/k norms that precede RoPE).
 
     Where the weights also hold "qkv.w" (q.w, k.w and v.w stacked: models.weights.stack_qkv), one GEMM makes
     all three and q/k/v are column views of its output: the same products, in another GEMM's summation order."""
@@ -313,7 +311,7 @@ def gqa_project(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> tuple[Tenso
     if a.qk_norm == "full":  # OLMoE: one norm over all heads' channels, before the head split
         q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
     q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
-    if a.qk_norm == "head":  # Qwen3 / GLM: per head over head_dim, before RoPE
+    if a.qk_norm == "head" and not a.qk_norm_after_rope:  # Qwen3 / GLM: per head over head_dim, before RoPE
         q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
     return q, k, v
 
@@ -328,6 +326,8 @@ def gqa_qkv(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     cos, sin = rope_cs if rope_cs is not None else cos_sin(a.rope, rotary_dim(a.rope, a.head_dim), positions)
     q = apply_rope(q, cos, sin, a.rope.interleaved)
     k = apply_rope(k, cos, sin, a.rope.interleaved)
+    if a.qk_norm == "head" and a.qk_norm_after_rope:  # Hunyuan-MoE: the per-head norm of the rotated q / k
+        q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
     return q, k, v
 
 
@@ -492,6 +492,8 @@ def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, posi
             q, k, v = gqa_qkv(spec, w, x, positions, rope_cs=paged.cos_sin())
         elif a.rope.interleaved:
             raise ValueError("a fused RoPE + KV write rotates GQA's rotate-half pairs only")
+        elif a.qk_norm == "head" and a.qk_norm_after_rope:
+            raise ValueError("a fused RoPE + KV write cannot normalize q / k after RoPE (qk_norm_after_rope)")
         else:
             q, k, v = gqa_project(spec, w, x)
         out = paged.attend(q, k, v, softmax_scale(a), a.window(layer), w.get("sinks"))

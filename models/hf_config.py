@@ -206,6 +206,8 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
             raise cfg.unsupported(key, rp, "different rope settings per layer type")
         rp = dict(values[0])
 
+    if family == "hunyuan_v1_moe":
+        rp = hf_families.hunyuan_ntk_alpha(cfg, key, rp, head_dim)
     rope_type = rp.get("rope_type") or rp.get("type") or "default"
     if rope_type not in _ROPE_KEYS:
         raise cfg.unsupported(f"{key}.rope_type", rope_type,
@@ -236,6 +238,9 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     out["_mscale_all_dim"] = rp.get("mscale_all_dim") or 0
     if family == "deepseek_v2":
         # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves.
+        out["interleaved"] = True
+    elif family == "ernie4_5_moe":
+        # Ernie4_5_MoeAttention rotates adjacent pairs (rotate_half over x[0::2], x[1::2]).
         out["interleaved"] = True
     elif family in ("deepseek_v3", "glm4_moe_lite"):
         # DeepseekV3Attention: adjacent pairs unless rope_interleave is false (its output order differs from

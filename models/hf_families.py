@@ -1,5 +1,6 @@
 """config.json -> spec fields of the MLA families and those added later (models/hf_config.py dispatches here):
-DeepSeek-V2, DeepSeek-V3 (V3/R1, Kimi-K2, Moonlight), GLM-4.7-Flash (glm4_moe_lite), dots1, MiniMax-M2 and GraniteMoE.
+DeepSeek-V2, DeepSeek-V3 (V3/R1, Kimi-K2, Moonlight), GLM-4.7-Flash (glm4_moe_lite), dots1, MiniMax-M2, GraniteMoE,
+ERNIE-4.5-MoE and Hunyuan-MoE.
 
 As in hf_config.py, every default is the installed transformers' (5.x) `configuration_*.py` default, because
 published checkpoints omit keys whose value is the default, and a setting we cannot honour is a UserError naming
@@ -18,8 +19,9 @@ from typing import Any
 MTP_FAMILIES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 
 # RMSNorm eps and rope theta defaults that differ from hf_config's (1e-6, 10000).
-EPS_DEFAULTS = {"glm4_moe_lite": 1e-5, "granitemoe": 1e-6, "dots1": 1e-6, "minimax_m2": 1e-6, "deepseek_v3": 1e-6}
-THETA_DEFAULTS = {"minimax_m2": 5.0e6}
+EPS_DEFAULTS = {"glm4_moe_lite": 1e-5, "ernie4_5_moe": 1e-5, "hunyuan_v1_moe": 1e-5, "granitemoe": 1e-6,
+                "dots1": 1e-6, "minimax_m2": 1e-6, "deepseek_v3": 1e-6}
+THETA_DEFAULTS = {"minimax_m2": 5.0e6, "ernie4_5_moe": 500000.0}
 
 ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -27,6 +29,8 @@ ARCHITECTURES = {
     "Dots1ForCausalLM": "dots1",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "GraniteMoeForCausalLM": "granitemoe",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
 }
 
 
@@ -221,5 +225,88 @@ def granitemoe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router:
                 logits_scaling=cfg.float("logits_scaling", 1.0))
 
 
-BUILDERS = {"deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "dots1": dots1, "minimax_m2": minimax_m2,
-            "granitemoe": granitemoe}
+def ernie4_5_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+                 spec: dict) -> None:
+    """Ernie4_5_MoeTopKRouter: fp32 softmax; selection on probability + e_score_correction_bias, weights the unbiased
+    probabilities renormalized; a shared expert of moe_intermediate_size * moe_num_shared_experts; MoE layers from
+    moe_layer_start_index to moe_layer_end_index every moe_layer_interval, dense MLPs elsewhere; RoPE on adjacent
+    pairs (models/hf_config.py `_rope`)."""
+    from models.hf_config import _reject_set, _silu
+
+    _silu(cfg)
+    # use_bias adds biases to q/k/v/o and to every dense and shared MLP projection: the MLP ones are not implemented.
+    _reject_set(cfg, "use_bias", False, "MLP biases are not implemented")
+    norm_min = cfg.float("moe_norm_min", 1e-12)
+    if norm_min > 1e-6:
+        # the renormalization divides by max(sum, moe_norm_min); we divide by the sum, the same for any tiny floor
+        raise cfg.unsupported("moe_norm_min", norm_min, "supported: at most 1e-6")
+    router.update(scoring="softmax", correction_bias=True, renormalize=True)
+    moe_i = cfg.int("moe_intermediate_size", 1536)
+    experts.update(num_experts=cfg.alias(("moe_num_experts", "num_experts"), 64),
+                   top_k=cfg.alias(("moe_k", "num_experts_per_tok"), 6), intermediate_size=moe_i,
+                   shared_intermediate_size=moe_i * cfg.int("moe_num_shared_experts", 2))
+    start, interval = cfg.int("moe_layer_start_index", 1), cfg.int("moe_layer_interval", 1)
+    end = cfg.int("moe_layer_end_index", -1)
+    end = n_layers - 1 if end == -1 else end
+    if interval < 1:
+        raise cfg.unsupported("moe_layer_interval", interval, "valid: >= 1")
+    dense = [i for i in range(n_layers) if not ((i + 1) % interval == 0 and start <= i <= end)]
+    if dense:
+        spec["dense_layers"] = dense
+        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 12288)
+    spec["tie_embeddings"] = cfg.bool("tie_word_embeddings", True)  # Ernie4_5_MoeConfig's default
+
+
+def _per_layer_int(cfg, key: str, default: int, n_layers: int) -> int:
+    """An int, or a per-layer list of one repeated value (Hunyuan's released configs): transformers sizes every
+    layer's experts by config.num_local_experts, so differing values cannot load."""
+    value = cfg.get(key, default)
+    if isinstance(value, list) and len(value) == n_layers and value and all(v == value[0] for v in value):
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise cfg.unsupported(key, value, f"an integer, or a list of {n_layers} equal integers")
+    return value
+
+
+def hunyuan_v1_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
+                   spec: dict) -> None:
+    """HunYuanMoEV1: per-head q/k RMSNorm after RoPE (query_layernorm / key_layernorm), a softmax router renormalized
+    over the top-k, routed experts and one shared MLP all of intermediate_size, every layer MoE."""
+    from models.hf_config import _reject_set, _silu
+
+    _silu(cfg)
+    # Released Hunyuan configs describe options transformers' HunYuanMoEV1 does not have; it always does this.
+    _reject_set(cfg, "use_cla", False, "cross-layer attention (CLA, K/V shared across layers) is not implemented")
+    _reject_set(cfg, "use_qk_norm", True, "HunYuanMoEV1's attention always normalizes q and k")
+    _reject_set(cfg, "use_mixed_mlp_moe", True, "HunYuanMoEV1 always adds its shared MLP")
+    inter = cfg.int("intermediate_size", 11008)
+    for key, want in (("num_shared_expert", 1), ("moe_intermediate_size", inter)):
+        if cfg.has(key) and _per_layer_int(cfg, key, want, n_layers) != want:
+            raise cfg.unsupported(key, cfg.get(key), f"HunYuanMoEV1 has one shared MLP and sizes every MLP by "
+                                                     f"intermediate_size ({inter}); supported: {want}")
+    bias = cfg.bool("attention_bias", False)
+    attn.update(qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_after_rope=True)
+    router.update(scoring="softmax", renormalize=True)
+    experts.update(num_experts=_per_layer_int(cfg, "num_experts", 1, n_layers),
+                   top_k=_per_layer_int(cfg, "moe_topk", 1, n_layers), intermediate_size=inter,
+                   shared_intermediate_size=inter)
+
+
+def hunyuan_ntk_alpha(cfg, key: str, rp: dict, head_dim: int) -> dict:
+    """HunYuanMoEV1RotaryEmbedding: a `dynamic` rope with `alpha` is NTK-alpha, a fixed base
+    theta * alpha ** (head_dim / (head_dim - 2)) (the dict's other keys unread): the default rope at that theta."""
+    alpha = rp.get("alpha")
+    if (rp.get("rope_type") or rp.get("type")) != "dynamic" or not alpha:
+        return rp
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise cfg.unsupported(f"{key}.alpha", alpha, "a positive number")
+    theta = rp.get("rope_theta") or cfg.float("rope_theta", 10000.0)
+    out = {"rope_type": "default", "rope_theta": float(theta) * float(alpha) ** (head_dim / (head_dim - 2))}
+    if "partial_rotary_factor" in rp:
+        out["partial_rotary_factor"] = rp["partial_rotary_factor"]
+    return out
+
+
+BUILDERS = {"deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3, "glm4_moe_lite": glm4_moe_lite, "dots1": dots1,
+            "minimax_m2": minimax_m2, "granitemoe": granitemoe, "ernie4_5_moe": ernie4_5_moe,
+            "hunyuan_v1_moe": hunyuan_v1_moe}

@@ -21,7 +21,7 @@ FORWARD_KEYS: dict[str, tuple[Any, ...]] = {
     "clip_qkv": (), "mlp_bias": (False,), "use_bias": (False,), "use_qk_norm": (False,),
     "scoring_func": ("softmax",), "n_shared_experts": (0,), "shared_expert_intermediate_size": (0,),
     "first_k_dense_replace": (0,), "moe_layer_freq": (1,), "rope_interleave": (),
-    "moe_num_shared_experts": (0,), "use_routing_bias": (False,),
+    "moe_num_shared_experts": (0,), "use_routing_bias": (False,), "use_cla": (False,),
 }
 
 # Keys that never change the forward pass of a causal LM: not worth a line in the summary.

@@ -1,29 +1,28 @@
 """Hugging Face safetensors tensors -> canonical `ModelWeights` names and layouts.
 
 Layouts accepted for the routed experts (all checked against what transformers 5.24 reads/writes):
-- per-expert (published checkpoints, and what `save_pretrained` writes back for every family but
-  GPT-OSS, because transformers reverses its load-time fusion on save):
-  `{moe}.experts.{e}.gate_proj/up_proj/down_proj.weight`; Mixtral uses `block_sparse_moe.experts.{e}.w1/w3/w2`.
-- fused, as transformers 5 holds them in memory (`model.state_dict()`):
-  `mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first, then up: `.chunk(2, dim=-1)` of the
-  output) and `mlp.experts.down_proj [E, H, I]`.
-- GPT-OSS: `mlp.experts.gate_up_proj [E, H, 2I]` -- transposed relative to a Linear, used as
-  `x @ W`, gate and up *interleaved* along the last dim (gate = [..., ::2], up = [..., 1::2]) --
-  with `gate_up_proj_bias [E, 2I]` (same interleave), `down_proj [E, I, H]`, `down_proj_bias [E, H]`;
-  or the published MXFP4 form `*_blocks [E, out, in/32, 16] uint8` + `*_scales [E, out, in/32] uint8`,
-  whose rows are already in Linear `[out, in]` order (transformers transposes after dequantizing).
+- per-expert (published checkpoints, and what `save_pretrained` writes back for every family but GPT-OSS, because
+  transformers reverses its load-time fusion on save): `{moe}.experts.{e}.gate_proj/up_proj/down_proj.weight`;
+  Mixtral uses `block_sparse_moe.experts.{e}.w1/w3/w2`.
+- fused, as transformers 5 holds them in memory (`model.state_dict()`): `mlp.experts.gate_up_proj [E, 2I, H]` (gate
+  rows first, then up: `.chunk(2, dim=-1)` of the output) and `mlp.experts.down_proj [E, H, I]`.
+- GPT-OSS: `mlp.experts.gate_up_proj [E, H, 2I]` -- transposed relative to a Linear, used as `x @ W`, gate and up
+  *interleaved* along the last dim (gate = [..., ::2], up = [..., 1::2]) -- with `gate_up_proj_bias [E, 2I]` (same
+  interleave), `down_proj [E, I, H]`, `down_proj_bias [E, H]`; or the published MXFP4 form
+  `*_blocks [E, out, in/32, 16] uint8` + `*_scales [E, out, in/32] uint8`, whose rows are already in Linear
+  `[out, in]` order (transformers transposes after dequantizing).
 
-Every source tensor is shape-checked *before* it is transformed, so a wrong checkpoint fails with
-the file, the HF tensor name, the canonical name and expected vs found shape, never with a torch
-error from a stack or a slice.
+Every source tensor is shape-checked *before* it is transformed, so a wrong checkpoint fails with the file, the HF
+tensor name, the canonical name and expected vs found shape, never with a torch error from a stack or a slice.
 
-A subset of the routed experts (`load_tensors(..., experts=)`, a rank's shard) reads only those:
-per-expert tensors of other experts are shape-checked from the header and skipped; fused tensors
-are read by row ranges of dim 0 (safetensors slices lazily), then transformed like the full ones.
+A subset of the routed experts (`load_tensors(..., experts=)`, a rank's shard) reads only those: per-expert tensors
+of other experts are shape-checked from the header and skipped; fused tensors are read by row ranges of dim 0
+(safetensors slices lazily), then transformed like the full ones.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -41,14 +40,10 @@ from models.weights import (ExpertSubset, ModelWeights, expected_shapes, held_pe
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 # Tensors a checkpoint may carry that the model never reads (HF ignores them on load too).
-_IGNORABLE = [
-    re.compile(r".*\.rotary_emb\.inv_freq$"),  # buffers some older checkpoints saved
-]
+_IGNORABLE = [re.compile(r".*\.rotary_emb\.inv_freq$")]  # buffers some older checkpoints saved
 
 # MXFP4 (OCP microscaling FP4 E2M1): a nibble indexes this table; the scale byte is a biased exponent.
-_FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
-               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-
+_FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 # Bytes per element of the safetensors dtypes (sub-byte and unknown dtypes: only the bounds are checked).
 _ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
@@ -95,9 +90,7 @@ def _read_header(path: Path) -> dict:
                 or not 0 <= offsets[0] <= offsets[1]:
             raise UserError(f"{where}: data_offsets {offsets} is not [begin, end] with 0 <= begin <= end")
         itemsize = _ST_ITEMSIZE.get(info["dtype"])
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if itemsize is not None and offsets[1] - offsets[0] != numel * itemsize:
             raise UserError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, shape {shape} "
                             f"of {info['dtype']} needs {numel * itemsize}")
@@ -373,9 +366,11 @@ def _attention(ld: _Loader, layer: int, p: str) -> None:
             ld.direct(f"{p}.self_attn.{proj}_proj.weight", c + f"{proj}.w")
             if c + f"{proj}.b" in want:
                 ld.direct(f"{p}.self_attn.{proj}_proj.bias", c + f"{proj}.b")
-        if c + "q_norm" in want:
-            ld.direct(f"{p}.self_attn.q_norm.weight", c + "q_norm")
-            ld.direct(f"{p}.self_attn.k_norm.weight", c + "k_norm")
+        if c + "q_norm" in want:  # Hunyuan-MoE's are query_layernorm / key_layernorm
+            qn, kn = ("query_layernorm", "key_layernorm") if ld.spec.family == "hunyuan_v1_moe" else \
+                ("q_norm", "k_norm")
+            ld.direct(f"{p}.self_attn.{qn}.weight", c + "q_norm")
+            ld.direct(f"{p}.self_attn.{kn}.weight", c + "k_norm")
         if c + "sinks" in want:
             ld.direct(f"{p}.self_attn.sinks", c + "sinks")
         return
@@ -431,12 +426,17 @@ def _mlp(ld: _Loader, layer: int, p: str) -> None:
         _experts(ld, layer, moe, ("w1", "w3", "w2"))
         return
     moe = f"{p}.mlp"
-    ld.direct(f"{moe}.gate.weight", c + "router.w")
-    if c + "router.correction_bias" in ld.want:
+    ld.direct(f"{moe}.gate.wg.weight" if fam == "hunyuan_v1_moe" else f"{moe}.gate.weight", c + "router.w")
+    if fam == "ernie4_5_moe":  # saved as moe_statics [1, E]; transformers 5 holds it under gate.moe_statics
+        hf = next((n for n in (f"{moe}.moe_statics.e_score_correction_bias",
+                               f"{moe}.gate.moe_statics.e_score_correction_bias") if ld.has(n)), f"{moe}.moe_statics")
+        ld.out[c + "router.correction_bias"] = ld.take(hf, (1,) + ld.want[c + "router.correction_bias"],
+                                                       c + "router.correction_bias").reshape(-1)
+    elif c + "router.correction_bias" in ld.want:
         ld.direct(f"{moe}.gate.e_score_correction_bias", c + "router.correction_bias")
     _experts(ld, layer, moe, ("gate_proj", "up_proj", "down_proj"))
     if c + "shared.gate" in ld.want:
-        shared = "shared_expert" if fam == "qwen2_moe" else "shared_experts"
+        shared = {"qwen2_moe": "shared_expert", "hunyuan_v1_moe": "shared_mlp"}.get(fam, "shared_experts")
         for canon in ("gate", "up", "down"):
             ld.direct(f"{moe}.{shared}.{canon}_proj.weight", c + f"shared.{canon}")
     if c + "shared_gate.w" in ld.want:
@@ -448,6 +448,8 @@ def _ignorable(spec: ModelSpec, name: str, tied: bool) -> bool:
         return True
     if tied and name == "lm_head.weight":
         return True  # transformers ties and ignores a saved copy
+    if spec.family == "ernie4_5_moe" and "mtp" in name:
+        return True  # ERNIE-4.5's multi-token-prediction block: transformers ignores every name containing "mtp"
     m = re.match(r"model\.layers\.(\d+)\.", name)
     if m and int(m.group(1)) >= spec.num_layers and spec.family in MTP_FAMILIES:
         # GLM-4.5's / DeepSeek-V3's / GLM-4.7-Flash's multi-token-prediction layers (num_nextn_predict_layers)

@@ -1,7 +1,9 @@
 """Routers, routed experts, shared experts and dense MLPs as plain functions over canonical weights.
 
 Router variants (spec.router.scoring):
-  softmax       softmax(logits) in fp32, top-k, optional renormalization (Mixtral, Qwen, OLMoE).
+  softmax       softmax(logits) in fp32, top-k, optional renormalization (Mixtral, Qwen, OLMoE). With
+                correction_bias (ERNIE-4.5-MoE) the top-k is taken on probability + bias and the weights
+                are the unbiased probabilities.
                 With n_group > 1: DeepSeek-V2 `group_limited_greedy`: a group's score is its best
                 expert's probability, experts outside the best topk_group groups are zeroed.
   topk_softmax  top-k of the raw logits (router bias included), softmax over those k (GPT-OSS).
@@ -23,11 +25,13 @@ from graph_ir.spec import ModelSpec
 
 
 def _router_logits_fp32(spec: ModelSpec) -> bool:
-    """GLM-4.5 and DeepSeek compute the router matmul in fp32; the others (MiniMax-M2's sigmoid router too: it
-    multiplies in the weight dtype and takes the sigmoid in fp32) in the model dtype."""
+    """GLM-4.5, DeepSeek, ERNIE-4.5 and Hunyuan (its gate is an fp32 Linear) compute the router matmul in fp32; the
+    others (MiniMax-M2's sigmoid router too: it multiplies in the weight dtype and takes the sigmoid in fp32) in the
+    model dtype."""
     if spec.family == "minimax_m2":
         return False
-    return spec.router.scoring == "sigmoid" or spec.family in ("deepseek_v2", "glm4_moe")
+    return spec.router.scoring == "sigmoid" or spec.family in ("deepseek_v2", "glm4_moe", "ernie4_5_moe",
+                                                                "hunyuan_v1_moe")
 
 
 def router_logits(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -56,9 +60,17 @@ def route_tokens(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> tuple[Tens
     logits = router_logits(spec, w, x)
     if r.scoring == "softmax":
         scores = F.softmax(logits, dim=-1, dtype=torch.float32)
-        if r.n_group > 1:
-            scores = scores.masked_fill(~_group_mask(scores, r.n_group, r.topk_group, by_top2_sum=False), 0.0)
-        weights, ids = torch.topk(scores, k, dim=-1)
+        keep = _group_mask(scores, r.n_group, r.topk_group, by_top2_sum=False) if r.n_group > 1 else None
+        if keep is not None:
+            scores = scores.masked_fill(~keep, 0.0)
+        if r.correction_bias:
+            choice = scores + w["router.correction_bias"].float()
+            if keep is not None:  # groups are ranked on the unbiased probabilities; the bias only picks within
+                choice = choice.masked_fill(~keep, float("-inf"))
+            ids = torch.topk(choice, k, dim=-1)[1]
+            weights = scores.gather(1, ids)
+        else:
+            weights, ids = torch.topk(scores, k, dim=-1)
         if r.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
     elif r.scoring == "topk_softmax":

@@ -65,6 +65,10 @@ def _configs():
         "granitemoe": T.GraniteMoeConfig(**COMMON, intermediate_size=24, num_local_experts=5, num_experts_per_tok=3,
                                          embedding_multiplier=12.0, attention_multiplier=0.015625,
                                          residual_multiplier=0.22, logits_scaling=6.0),
+        "ernie4_5_moe": T.Ernie4_5_MoeConfig(**COMMON, head_dim=12, intermediate_size=36, moe_num_experts=5, moe_k=3,
+                                             moe_intermediate_size=20, moe_num_shared_experts=2),
+        "hunyuan_v1_moe": T.HunYuanMoEV1Config(**COMMON, head_dim=12, intermediate_size=24, num_experts=5, moe_topk=3,
+                                               attention_bias=True),
     }
 
 
@@ -107,9 +111,10 @@ def _hf_expected(family: str, model, spec) -> dict[str, torch.Tensor]:
                 out[c + f"{x}.w"] = sd[a + f"{x}_proj.weight"]
                 if a + f"{x}_proj.bias" in sd:
                     out[c + f"{x}.b"] = sd[a + f"{x}_proj.bias"]
-            for n in ("q_norm", "k_norm"):
-                if a + n + ".weight" in sd:
-                    out[c + n] = sd[a + n + ".weight"]
+            for n, hf in (("q_norm", "q_norm"), ("k_norm", "k_norm"), ("q_norm", "query_layernorm"),
+                          ("k_norm", "key_layernorm")):
+                if a + hf + ".weight" in sd:
+                    out[c + n] = sd[a + hf + ".weight"]
             if a + "sinks" in sd:
                 out[c + "sinks"] = sd[a + "sinks"]
         m = p + ("block_sparse_moe." if family == "granitemoe" else "mlp.")
@@ -126,17 +131,20 @@ def _hf_expected(family: str, model, spec) -> dict[str, torch.Tensor]:
             out[c + "experts.down"] = sd[m + "experts.down_proj"].transpose(1, 2)
             out[c + "experts.down_b"] = sd[m + "experts.down_proj_bias"]
             continue
-        out[c + "router.w"] = sd[m + ("router.weight" if family == "granitemoe" else "gate.weight")]
-        for bias in ("gate.e_score_correction_bias", "e_score_correction_bias"):  # MiniMax-M2: on the block
+        out[c + "router.w"] = sd[m + {"granitemoe": "router.weight", "hunyuan_v1_moe": "gate.wg.weight"}.get(
+            family, "gate.weight")]
+        for bias in ("gate.e_score_correction_bias", "e_score_correction_bias",  # MiniMax-M2: on the block
+                     "gate.moe_statics.e_score_correction_bias"):  # ERNIE: [1, E]
             if m + bias in sd:
-                out[c + "router.correction_bias"] = sd[m + bias]
+                out[c + "router.correction_bias"] = sd[m + bias].reshape(-1)
         gu = sd[m + "experts.gate_up_proj"]  # [E, 2I, H]
         half = gu.shape[1] // 2
         out[c + "experts.gate"], out[c + "experts.up"] = gu[:, :half], gu[:, half:]
         out[c + "experts.down"] = sd[m + "experts.down_proj"]
         shared = {"qwen2_moe": "shared_expert.", "glm4_moe": "shared_experts.", "deepseek_v2": "shared_experts.",
                   "deepseek_v3": "shared_experts.", "glm4_moe_lite": "shared_experts.",
-                  "dots1": "shared_experts."}.get(family)
+                  "dots1": "shared_experts.", "ernie4_5_moe": "shared_experts.",
+                  "hunyuan_v1_moe": "shared_mlp."}.get(family)
         if shared:
             for x in ("gate", "up", "down"):
                 out[c + f"shared.{x}"] = sd[m + shared + f"{x}_proj.weight"]
@@ -162,7 +170,8 @@ def _assert_same_tensors(got: dict, want: dict) -> None:
 
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3",
-            "glm4_moe_lite", "dots1", "minimax_m2", "granitemoe"]
+            "glm4_moe_lite", "dots1", "minimax_m2", "granitemoe", "ernie4_5_moe",
+            "hunyuan_v1_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +267,17 @@ def test_spec_fields_follow_config(saved):
     gr = s["granitemoe"]
     assert (gr.embedding_multiplier, gr.residual_multiplier, gr.logits_scaling) == (12.0, 0.22, 6.0)
     assert gr.attention.softmax_scale == 0.015625 and gr.router.scoring == "topk_softmax"
+
+    er = s["ernie4_5_moe"]
+    assert er.router.scoring == "softmax" and er.router.correction_bias and er.router.renormalize
+    assert er.attention.rope.interleaved and er.attention.rope.theta == 500000.0 and er.rms_norm_eps == 1e-5
+    assert er.experts.shared_intermediate_size == 40 and er.dense_layers == [0] and er.dense_intermediate_size == 36
+
+    hy = s["hunyuan_v1_moe"]
+    assert hy.attention.qk_norm == "head" and hy.attention.qk_norm_after_rope and hy.attention.qkv_bias
+    assert hy.attention.o_bias and hy.router.scoring == "softmax" and hy.router.renormalize
+    assert (hy.experts.num_experts, hy.experts.intermediate_size, hy.experts.shared_intermediate_size) == (5, 24, 24)
+    assert not hy.dense_layers and hy.rms_norm_eps == 1e-5
 
 
 def test_sharded_checkpoint_loads(saved, tmp_path):
@@ -420,6 +440,21 @@ def test_unsupported_settings_fail_loudly(saved, tmp_path):
         import_spec(_write(tmp_path / "ds_noaux", {**ds, "topk_method": "noaux_tc"}))
     with pytest.raises(UserError, match="norm_topk_prob"):
         import_spec(_write(tmp_path / "ds_norm", {**ds, "norm_topk_prob": True}))
+    er = json.loads((saved["ernie4_5_moe"][1] / "config.json").read_text())
+    for key, value in (("use_bias", True), ("moe_norm_min", 0.5)):
+        with pytest.raises(UserError) as e:
+            import_spec(_write(tmp_path / f"er_{key}", {**er, key: value}))
+        assert key in _msg(e) and "config.json" in _msg(e), _msg(e)
+    hy = json.loads((saved["hunyuan_v1_moe"][1] / "config.json").read_text())
+    for key, value in (("use_cla", True), ("use_qk_norm", False), ("moe_intermediate_size", [8, 8, 8]),
+                       ("num_experts", [5, 6, 5])):
+        with pytest.raises(UserError) as e:
+            import_spec(_write(tmp_path / f"hy_{key}", {**hy, key: value}))
+        assert key in _msg(e) and "config.json" in _msg(e), _msg(e)
+    # released configs write per-layer lists of one value
+    spec = import_spec(_write(tmp_path / "hy_lists", {**hy, "num_experts": [5] * 3, "moe_topk": [3] * 3,
+                                                      "moe_intermediate_size": [24] * 3, "use_cla": False}))
+    assert (spec.experts.num_experts, spec.experts.top_k) == (5, 3)
 
 
 def _copy_with(saved_dir, dst, edit):

@@ -11,7 +11,8 @@ import torch
 
 from test_hf_parity import VOCAB, _build
 
-NEW_FAMILIES = ["deepseek_v3", "glm4_moe_lite", "dots1", "minimax_m2", "granitemoe"]
+NEW_FAMILIES = ["deepseek_v3", "glm4_moe_lite", "dots1", "minimax_m2", "granitemoe", "ernie4_5_moe",
+                "hunyuan_v1_moe"]
 NEW_TOKENS = 8
 
 

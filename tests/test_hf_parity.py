@@ -145,6 +145,25 @@ def _granitemoe() -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 8000.0})
 
 
+def _ernie4_5_moe() -> Any:
+    # softmax router with a selection bias, shared experts, dense layers 0 and 2 (MoE every 2nd from layer 1),
+    # adjacent-pair RoPE, tied embeddings (the family default)
+    return transformers.Ernie4_5_MoeConfig(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=52, moe_intermediate_size=18, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, moe_num_experts=9, moe_k=3,
+        moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_interval=2, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 6000.0})
+
+
+def _hunyuan_v1_moe() -> Any:
+    # q/k norm after RoPE, attention biases, a shared MLP, NTK-alpha RoPE (a fixed stretched base)
+    return transformers.HunYuanMoEV1Config(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, num_experts=9, moe_topk=3, attention_bias=True,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "dynamic", "alpha": 3.0, "factor": 1.0, "rope_theta": 7000.0})
+
+
 FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "mixtral": ("MixtralForCausalLM", _mixtral),
     "qwen2_moe": ("Qwen2MoeForCausalLM", _qwen2_moe),
@@ -160,6 +179,8 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "dots1": ("Dots1ForCausalLM", _dots1),
     "minimax_m2": ("MiniMaxM2ForCausalLM", _minimax_m2),
     "granitemoe": ("GraniteMoeForCausalLM", _granitemoe),
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", _ernie4_5_moe),
+    "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", _hunyuan_v1_moe),
 }
 
 

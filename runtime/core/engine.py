@@ -237,9 +237,6 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
                 f"free_blocks={self.free_blocks()} queues[{qs or 'empty'}]")
 
     # ------------------------------------------------------------------ events: admission
-    def can_admit(self, req: Request) -> bool:
-        return self.kv.allocator.blocks_for(req.kv_tokens) <= self.free_blocks()
-
     def admit(self, req: Request) -> bool:
         """Bind `req` to this rank and queue its prompt for attn(0). False (no change) if KV is short."""
         if not req.prompt:

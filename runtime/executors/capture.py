@@ -138,6 +138,3 @@ class GraphCache:
 
     def __len__(self) -> int:
         return len(self._graphs)
-
-    def static_bytes(self) -> int:
-        return sum(b.nbytes() for b in self._buffers.values())

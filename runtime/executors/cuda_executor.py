@@ -136,8 +136,9 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         inv_freq, self._rope_scaling = rope_parameters(a.rope, rdim)
         self._inv_freq = inv_freq.to(self.device)
         # GQA's rotate-half RoPE and the KV write run as one kernel in the attention body (kernels/rope_kv_write.py)
-        # from a cos/sin table per position; MLA (interleaved pairs, latent K) keeps the torch ops
-        self._rope_kv_fused = not self._mla and not a.rope.interleaved
+        # from a cos/sin table per position; MLA (interleaved pairs, latent K) and a q/k norm applied after RoPE
+        # (Hunyuan) keep the torch ops
+        self._rope_kv_fused = not self._mla and not a.rope.interleaved and not a.qk_norm_after_rope
         self._rope_tables: dict[int, tuple[Tensor, Tensor]] = {}  # positions -> (cos, sin) tables (_rope_table)
         if self._mla:
             # the latent cache (models.attention): K = [latent, roped key] of one kv head shared by all heads, no V

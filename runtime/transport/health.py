@@ -116,9 +116,6 @@ class PeerHealth:
             if self._abort is None:  # the first notice is the closest to the root cause
                 self._abort = (src, culprit, reason)
 
-    def silence(self, peer: int) -> float:
-        return time.monotonic() - self._last_seen[peer]
-
     def check(self, waiting_for: Callable[[int], str]) -> None:
         """Raise PeerFailure if a peer aborted or has been silent for longer than the timeout."""
         if self._abort is not None:
