@@ -167,7 +167,7 @@ def _decode_pair(lens: list[int], seed: int, rows: int = 3):
     return spec, w, kv_a, copy.deepcopy(kv_a), h, [(i, i, 1) for i in range(rows)]
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-deepseek-v2", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-qwen2-moe"])
 def test_decode_attention_matches_torch_executor(name):
     spec, w = model(name)
     lens = [3, 9, 1, 14, 6]

@@ -116,9 +116,11 @@ def test_exact_tokens_wall_clock(ranks, policy):
 
 
 @pytest.mark.parametrize("name,ranks", [("tiny-glm4-moe", 2), ("tiny-qwen2-moe", 3), ("tiny-deepseek-v2", 2),
-                                        ("tiny-olmoe", 4), ("tiny-gpt-oss", 3), ("tiny-qwen3-moe", 2)])
+                                        ("tiny-olmoe", 4), ("tiny-gpt-oss", 3), ("tiny-qwen3-moe", 2),
+                                        ("tiny-deepseek-v3", 3)])
 def test_exact_tokens_other_families(name, ranks):
-    """Dense first layers, shared experts (gated too), MLA, sinks + sliding windows, QK-norm."""
+    """Dense first layers, shared experts (gated too), MLA (latent cache), sinks + sliding windows, QK-norm,
+    a sigmoid router with correction bias and group-limited top-k."""
     spec, _, _ = model(name)
     reqs = make_requests(spec.vocab_size, 4, seed=7, max_prompt=24)
     res = run(name, ranks, reqs, policy="aging", clock="virtual", delay=jitter(200e-6))
