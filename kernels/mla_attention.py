@@ -28,10 +28,9 @@ from dataflow_kernels.dispatch import next_power_of_2
 from dataflow_kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton
 
 # The Triton decode kernel keeps a [head group, value width] fp32 accumulator and a [head group, key width] query per
-# program, both padded to powers of two. Measured on an H200 (Triton 3.6): 16 heads x 512 latent channels
-# (DeepSeek-V2-Lite) in bf16 fit (185 us for 8 rows of up to 1023 keys, against 316 for the gather form); in fp32
-# (IEEE dots) they need 264 KB of shared memory of the 232 available, and 128 heads (DeepSeek-V3) need 459 KB in
-# bf16: there the gather form runs.
+# program, both padded to powers of two. On an H200 (Triton 3.6, 232 KB of shared memory per block) 16 heads x 512
+# latent channels (DeepSeek-V2-Lite) in bf16 fit; in fp32 (IEEE dots) they need 264 KB, and 128 heads (DeepSeek-V3)
+# need 459 KB in bf16 (the compiler's out-of-resources reports): there the gather form runs.
 TRITON_MAX_TILE = 16 * 512
 
 

@@ -410,19 +410,13 @@ def _mlp(ld: _Loader, layer: int, p: str) -> None:
             ld.direct(f"{moe}.router.weight", c + "router.w")
             _experts(ld, layer, moe, ("gate_proj", "up_proj", "down_proj"))
         return
-    if fam == "minimax_m2":
-        # Published and saved: block_sparse_moe.{gate, e_score_correction_bias, experts.e.w1/w3/w2} (Mixtral's names);
-        # transformers 5 renames the block to mlp in memory.
+    if fam in ("mixtral", "minimax_m2"):
+        # Published Mixtral and MiniMax-M2: block_sparse_moe.{gate, experts.e.w1/w3/w2} (+ MiniMax's
+        # e_score_correction_bias); transformers 5 renames the block to mlp in memory. w1 = gate, w3 = up, w2 = down.
         moe = f"{p}.block_sparse_moe" if ld.has(f"{p}.block_sparse_moe.gate.weight") else f"{p}.mlp"
         ld.direct(f"{moe}.gate.weight", c + "router.w")
-        ld.direct(f"{moe}.e_score_correction_bias", c + "router.correction_bias")
-        _experts(ld, layer, moe, ("w1", "w3", "w2"))
-        return
-    if fam == "mixtral":
-        # Published Mixtral: block_sparse_moe.{gate, experts.e.w1/w3/w2}; transformers 5 renames it to
-        # mlp.{gate, experts.gate_up_proj/down_proj} in memory. w1 = gate, w3 = up, w2 = down.
-        moe = f"{p}.block_sparse_moe" if ld.has(f"{p}.block_sparse_moe.gate.weight") else f"{p}.mlp"
-        ld.direct(f"{moe}.gate.weight", c + "router.w")
+        if fam == "minimax_m2":
+            ld.direct(f"{moe}.e_score_correction_bias", c + "router.correction_bias")
         _experts(ld, layer, moe, ("w1", "w3", "w2"))
         return
     moe = f"{p}.mlp"

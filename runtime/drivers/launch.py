@@ -168,7 +168,9 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
     cleanup re-raised as KeyboardInterrupt / SystemExit(143). Never returns with a child alive.
     `on_tick`: called from the wait loop every ~20 ms (e.g. to show progress the ranks write to a
     file); it must be quick and not raise. The run's files (the pickled job: prompts included) live in
-    a private temporary directory that is gone when this returns or raises (see make_run_dir).
+    a private temporary directory that is gone when this returns or raises (see make_run_dir). Pickle is read
+    only from that directory (mode 0700, this user's own processes on this host), never from a socket: what
+    ranks exchange over the network is the signed msgpack of runtime/transport/wire.py.
     """
     run_dir = make_run_dir("dataflow-launch-")
     try:
