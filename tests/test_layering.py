@@ -4,11 +4,16 @@
   lab (lab/, benchmarks/) or the tests: they import the product, and a product that needs them fails once
   installed without them;
 - the environment is read in one place, runtime/settings.py (RuntimeOptions, the launcher's hand-over, the run's
-  secret): a knob read anywhere else is one that `dataflow run --set`, the options file and the run summary never see.
+  secret): a knob read anywhere else is one that `dataflow run --set`, the options file and the run summary never see;
+- the size budgets: the product at most 12,000 code lines, the runtime core (runtime/core, executors, transport) at
+  most 5,000, no product file over 500 lines. Code lines as cloc counts them: blank lines, comments and docstrings
+  are free, so a comment that says why never costs budget.
 """
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,10 @@ PRODUCT = ("dataflow", "graph_ir", "lowering", "runtime", "kernels", "models")
 NOT_PRODUCT = ("lab", "benchmarks", "tests")
 SETTINGS = Path("runtime/settings.py")
 ENV_NAMES = ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv")
+PRODUCT_CODE_LINES = 12_000
+RUNTIME_CORE = ("runtime/core", "runtime/executors", "runtime/transport")
+RUNTIME_CORE_CODE_LINES = 5_000
+FILE_LINES = 500
 
 
 def product_files() -> list[Path]:
@@ -71,6 +80,37 @@ def test_the_environment_is_read_only_in_the_settings_module():
            for line, what in sorted(environment_uses(_tree(path)))]
     assert not bad, ("environment read outside runtime/settings.py (make it a RuntimeOptions field, or read it "
                      "through settings.launch_environment()):\n" + "\n".join(bad))
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring (a string statement)."""
+    code, doc, previous = set(), set(), None
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        lines = range(tok.start[0], tok.end[0] + 1)
+        if tok.type == tokenize.STRING and previous in (None, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE):
+            doc.update(lines)
+        elif tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                              tokenize.ENDMARKER):
+            code.update(lines)
+        if tok.type not in (tokenize.NL, tokenize.COMMENT):
+            previous = tok.type
+    return len(code - doc)
+
+
+def test_the_product_keeps_its_size_budgets():
+    sizes = {path: code_lines((ROOT / path).read_text(encoding="utf-8")) for path in product_files()}
+    core = sum(n for path, n in sizes.items() if str(path.parent).startswith(RUNTIME_CORE))
+    long = [f"{path}: {n} lines" for path in sizes
+            if (n := len((ROOT / path).read_text(encoding="utf-8").splitlines())) > FILE_LINES]
+    largest = ", ".join(f"{p} {n}" for p, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:8])
+    assert sum(sizes.values()) <= PRODUCT_CODE_LINES, f"product: {sum(sizes.values())} code lines; largest: {largest}"
+    assert core <= RUNTIME_CORE_CODE_LINES, f"runtime core ({', '.join(RUNTIME_CORE)}): {core} code lines"
+    assert not long, "split these by concept:\n" + "\n".join(long)
+
+
+def test_code_lines_skip_blanks_comments_and_docstrings():
+    source = 'def f(x):\n    """Doc\n    string."""\n\n    # why\n    y = (x +\n         1)  # note\n    return "s"\n'
+    assert code_lines(source) == 4  # def, the two lines of y, return
 
 
 @pytest.mark.parametrize("source, imports, env", [
