@@ -2,11 +2,41 @@
 session 8: the same counts, order, inverse, expert ids and packed device inputs, for any routing."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pytest
 import torch
 
-from runtime.core.dispatch_plan import plan_dispatch, plan_reference, unpack_group_inputs
+from runtime.core.dispatch_plan import (DispatchPlan, _weights32, pack_group_inputs, plan_dispatch,
+                                        unpack_group_inputs)
+
+
+def plan_from_order(order: Optional[np.ndarray], weights) -> DispatchPlan:
+    """A plan for a given dispatch order (None: identity), in numpy: how tests hand the merge an arbitrary order.
+    No counts (empty) and no expert ids (zeros): the merge reads neither."""
+    w = _weights32(weights)
+    R, k = w.shape
+    n = R * k
+    inv = None
+    if order is not None:
+        order = np.asarray(order, dtype=np.int64)
+        inv = np.empty(n, dtype=np.int64)
+        inv[order] = np.arange(n, dtype=np.int64)
+        inv = inv.reshape(R, k)
+    packed = pack_group_inputs(None if order is None else order // k, inv, w)
+    return DispatchPlan(np.zeros(0, dtype=np.int64), order, inv, np.zeros(n, dtype=np.int64), packed)
+
+
+def plan_reference(ids: np.ndarray, weights, owner: np.ndarray, world: int) -> DispatchPlan:
+    """`plan_dispatch` in numpy calls (what the engine ran before the compiled version): the reference the tests
+    compare with."""
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    counts = np.bincount(owner[flat], minlength=world)
+    order = np.argsort(owner[flat], kind="stable") if np.count_nonzero(counts) > 1 else None
+    plan = plan_from_order(order, weights)
+    plan.counts, plan.experts = counts, flat if order is None else flat[order]
+    return plan
 
 
 def _owner(E: int, world: int, rng) -> np.ndarray:

@@ -199,7 +199,7 @@ def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
             if a.meta["k"] != pos or a.tensor.dtype != dt or not torch.equal(a.tensor, tensor(a.meta["k"], peer)):
                 out["errors"].append(f"dtype round: message {pos} ({a.meta['k']}, {dt}) differs or out of order")
         out["dtype_count"] = len(got)
-    out["teardown"] = tr.comm_teardown
+    out["teardown"] = tr._links.teardown  # how close() ended the NCCL pair communicators
     return out
 
 

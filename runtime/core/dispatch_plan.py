@@ -10,7 +10,7 @@ needs, derived from them and the layer's expert -> rank table (`owner`):
 - `packed`: what the merge group's device side needs, one int64 host array uploaded in one copy:
   [order // k (the dispatch gather), inv, the fp32 weights two per element] (`pack_group_inputs`' layout).
 
-The numpy version (`plan_reference`, kept as the reference the tests compare against) makes ~20 numpy calls
+The numpy version (`plan_reference`, now in tests/test_dispatch_plan.py as the reference it is compared with) made ~20 numpy calls
 per batch (a bincount, a stable argsort, a scatter for the inverse, a division, the packing); `plan_dispatch`
 does one counting sort in numba: one call, the identical result (tests/test_dispatch_plan.py). On the H200 host
 that saved ~30 us per attention batch, not the 100-150 us
@@ -103,33 +103,6 @@ def plan_dispatch(ids: np.ndarray, weights, owner: np.ndarray, world: int) -> Di
     if np.count_nonzero(counts) > 1:
         return DispatchPlan(counts, order, inv, experts, packed)
     return DispatchPlan(counts, None, None, experts, packed[2 * len(order):])
-
-
-def plan_from_order(order: Optional[np.ndarray], weights) -> DispatchPlan:
-    """A plan for a given dispatch order (None: identity), in numpy: how tests hand the merge an arbitrary order.
-    No counts (empty) and no expert ids (zeros): the merge reads neither."""
-    w = _weights32(weights)
-    R, k = w.shape
-    n = R * k
-    inv = None
-    if order is not None:
-        order = np.asarray(order, dtype=np.int64)
-        inv = np.empty(n, dtype=np.int64)
-        inv[order] = np.arange(n, dtype=np.int64)
-        inv = inv.reshape(R, k)
-    packed = pack_group_inputs(None if order is None else order // k, inv, w)
-    return DispatchPlan(np.zeros(0, dtype=np.int64), order, inv, np.zeros(n, dtype=np.int64), packed)
-
-
-def plan_reference(ids: np.ndarray, weights, owner: np.ndarray, world: int) -> DispatchPlan:
-    """`plan_dispatch` in numpy calls (what the engine ran before the compiled version): the reference the tests
-    compare with."""
-    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
-    counts = np.bincount(owner[flat], minlength=world)
-    order = np.argsort(owner[flat], kind="stable") if np.count_nonzero(counts) > 1 else None
-    plan = plan_from_order(order, weights)
-    plan.counts, plan.experts = counts, flat if order is None else flat[order]
-    return plan
 
 
 def pack_group_inputs(row_of_pos: Optional[np.ndarray], inv: Optional[np.ndarray], weights) -> np.ndarray:

@@ -178,8 +178,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         # A decode wave keeps its (rids, pos) lists through every layer of a step (_complete_attn, _merged pass them
         # on as they are), so the batch lists derived from them are made once per step: (rids, pos, segments).
         self._wave_segments: Optional[tuple] = None
-        if hasattr(transport, "recv_into"):  # a transport that can receive expert outputs in place
-            transport.recv_into = self._landing
+        transport.recv_into = self._landing  # expert outputs received in place (runtime/transport/base.py)
         # The profile_steps option: wall time per step of an attention batch's dispatch, printed at exit
         profile = options.profile_steps
         self._dispatch_timer = StepTimer(f"rank {self.rank} attention dispatch", profile)

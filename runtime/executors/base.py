@@ -15,8 +15,8 @@ differently have a plain default in `ExecutorBase`, which the executors inherit:
   captured for one form); None follows the plan and the options.
 - `sample_batch_start`: asynchronous sampling, a handle to tokens still on their way to the host (`PendingTokens`);
   None (the default) makes the engine call `sample_batch` and wait.
-- `prepare` / `detach`: a driver's hooks around a workload (capture graphs for a KV store before serving; free
-  them before the next one); nothing to do by default.
+- `prepare` / `detach`: a driver's hooks around a workload, not engine calls (capture graphs for a KV store before
+  serving; free them before the next one); nothing to do by default.
 """
 from __future__ import annotations
 
@@ -87,10 +87,6 @@ class Executor(Protocol):
 
     def sample_batch_start(self, logits, params: list[Optional[SamplingParams]],
                            steps: list[int]) -> Optional[PendingTokens]: ...
-
-    def prepare(self, kv, layers_: Optional[list[int]] = None, owned=None, *, host_experts: bool = True) -> int: ...
-
-    def detach(self, kv) -> None: ...
 
 
 class ExecutorBase:

@@ -61,7 +61,6 @@ class ExecStats:
     attn_outputs_moved: int = 0  # a bucket's last outputs still held when it replayed again: moved out first
     expert_graph: int = 0
     expert_eager: int = 0
-    route_wait_s: float = 0.0  # route_arrays()'s waits for the routing copy (also counted in staging.wait_s)
     eager_reasons: dict = field(default_factory=dict)
 
     def note(self, why: str) -> None:

@@ -410,10 +410,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         """route() as numpy arrays, the form the streaming engine dispatches with (fewer torch calls)."""
         p = self._pending
         if p is not None and p.x is x and p.route is not None:
-            t = time.perf_counter()
-            v = p.route.wait()
-            self.stats.route_wait_s += time.perf_counter() - t
-            return p.read(v)
+            return p.read(p.route.wait())  # (a wait is counted in staging.wait_s)
         if p is not None and p.x is x and p.on_device is not None:  # kept on the device (dispatch=device):
             _, ids, wts = unpack_routed(p.on_device, self.spec.hidden_size)  # a host caller (the barriers) waits for
             return ids.cpu().numpy().astype(np.int64), wts.cpu().numpy()  # a copy of the payload's routing

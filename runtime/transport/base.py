@@ -4,11 +4,15 @@ A message is a small picklable metadata dict (stage, request ids, positions, top
 plus at most one tensor. The engine never blocks on the wire: `send` enqueues and returns, and
 completed arrivals are collected with `poll`. Messages between one (src, dst) pair arrive in the
 order they were sent; nothing is promised across pairs.
+
+Transports subclass `Transport`, which holds the defaults of the two optional parts: `recv_into` (receive in place)
+and `post_receives`. The engine sets `recv_into` on every transport; one that has no receive to aim (in-process: the
+sent tensor is the arrival) never calls it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -23,6 +27,11 @@ class Arrival:
 class Transport(Protocol):
     rank: int
     world_size: int
+    # Receive in place (phase 2 of ZmqDistTransport knows a message's shape and meta before its tensor): called with
+    # (src, meta, shape, torch dtype) before a receive is posted; returns (a contiguous tensor of that shape and dtype
+    # to receive into, a CUDA event the receive must wait for or None), or None for a buffer of the transport's own.
+    # May run on a receptor thread. Set by the engine (Engine._landing: expert outputs into their merge buffer).
+    recv_into: Optional[Callable[[int, dict, tuple, torch.dtype], Optional[tuple]]] = None
 
     def send(self, dst: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         """Queue a message for `dst` (may be self). Never blocks on the network."""
@@ -31,8 +40,8 @@ class Transport(Protocol):
         """Messages that fully arrived since the last poll, per-source FIFO."""
 
     def post_receives(self) -> None:
-        """Optional: start the transfers of messages already announced, so that a later poll() finds them done
-        (ZmqDistTransport with engine-thread receives; other transports have nothing to start)."""
+        """Start the transfers of messages already announced, so that a later poll() finds them done
+        (ZmqDistTransport with engine-thread receives; by default there is nothing to start)."""
 
     def pending(self) -> int:
         """Messages sent by this rank that are not yet delivered (for idle/termination checks)."""

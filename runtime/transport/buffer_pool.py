@@ -8,6 +8,7 @@ forgetting to release costs allocations, never correctness. `per_key` bounds wha
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Optional
 
@@ -22,15 +23,11 @@ class BufferPool:
         self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
         self._lock = threading.Lock()  # take() runs on the receptor thread, release() on the engine's
         self.hits = 0
-        self.misses = 0
 
     def take(self, shape: tuple, dtype: torch.dtype, stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
         """A buffer for a receive that will run on `stream` (default: the current stream). A reused one is
         fenced there behind the engine's last read of it; a new one is allocated on that stream."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        key = (dtype, numel)
+        key = (dtype, math.prod(shape))
         with self._lock:
             free = self._free.get(key)
             if free:
@@ -41,7 +38,6 @@ class BufferPool:
                     # reading it finished. No host wait.
                     (stream or torch.cuda.current_stream(self.device)).wait_event(done_reading)
                 return buf.view(shape)
-            self.misses += 1
         if stream is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         with torch.cuda.stream(stream):  # the caching allocator hands out blocks free in that stream's order

@@ -28,7 +28,7 @@ class Item:
     """One message in a lane. `work`: a torch.distributed Work to wait on (gloo) or None; `event`: a
     CUDA event to query (NCCL) or None; `error`: set when the operation failed."""
     __slots__ = ("is_send", "peer", "seq", "meta", "tensor", "shape", "dtype", "work", "event",
-                 "delay_s", "error", "ready_at", "t_post")
+                 "delay_s", "error", "ready_at")
 
     def __init__(self, is_send: bool, peer: int, seq: int, meta: Any, tensor=None, shape=None, dtype=None):
         self.is_send = is_send
@@ -43,7 +43,6 @@ class Item:
         self.delay_s = 0.0
         self.error: Optional[BaseException] = None
         self.ready_at = 0.0
-        self.t_post = 0.0
 
 
 def summary(meta: Any, limit: int = 160) -> str:

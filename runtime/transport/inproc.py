@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from runtime.transport.base import Arrival
+from runtime.transport.base import Arrival, Transport
 
 # delay(src, dst, meta, nbytes, rng) -> seconds
 DelayFn = Callable[[int, int, dict, int, random.Random], float]
@@ -77,7 +77,7 @@ class InprocHub:
         return sum(self._in_flight)
 
 
-class InprocTransport:
+class InprocTransport(Transport):
     def __init__(self, hub: InprocHub, rank: int) -> None:
         self.hub = hub
         self.rank = rank

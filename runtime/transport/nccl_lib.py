@@ -44,14 +44,6 @@ NCCL_DTYPES = {
 _NCCL_UINT8 = 1
 
 
-def nccl_dtype(dtype: torch.dtype) -> int:
-    """The ncclDataType_t of a torch dtype; ValueError for types NCCL has no name for."""
-    try:
-        return NCCL_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"no NCCL data type for {dtype}") from None
-
-
 def wire_count(tensor: torch.Tensor) -> tuple[int, int]:
     """(count, ncclDataType_t) to move `tensor`. Point-to-point copies bytes, the type only sets the
     element size, so a dtype NCCL does not name (bool, int16, float8, complex) goes as uint8 bytes;
@@ -98,7 +90,6 @@ class NcclLib:
     def __init__(self, path: str):
         self.path = path
         lib = ctypes.CDLL(path)  # CDLL releases the GIL during each call
-        self._lib = lib
         P = ctypes.POINTER
 
         def bind(name, restype, *argtypes):
@@ -114,8 +105,6 @@ class NcclLib:
                           _comm_t, _stream_t)
         self._recv = bind("ncclRecv", _result_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           _comm_t, _stream_t)
-        self._group_start = bind("ncclGroupStart", _result_t)
-        self._group_end = bind("ncclGroupEnd", _result_t)
         self._comm_destroy = bind("ncclCommDestroy", _result_t, _comm_t)
         self._comm_abort = bind("ncclCommAbort", _result_t, _comm_t)
         self._comm_get_async_error = bind("ncclCommGetAsyncError", _result_t, _comm_t, P(_result_t))
@@ -157,12 +146,6 @@ class NcclLib:
 
     def recv(self, ptr: int, count: int, dtype: int, peer: int, comm, stream: int) -> None:
         self.check("ncclRecv", self._recv(ptr, count, dtype, peer, comm, stream))
-
-    def group_start(self) -> None:
-        self.check("ncclGroupStart", self._group_start())
-
-    def group_end(self) -> None:
-        self.check("ncclGroupEnd", self._group_end())
 
     def comm_destroy(self, comm) -> None:
         self.check("ncclCommDestroy", self._comm_destroy(comm))

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from runtime import settings
 from runtime.executors.cuda_stream import current_stream
 from runtime.observability.step_timer import StepTimer
-from runtime.transport.base import Arrival
+from runtime.transport.base import Arrival, Transport
 from runtime.transport.buffer_pool import BufferPool
 from runtime.transport.chaos import ChaosDelays
 from runtime.transport.completion import EventLane, Item, WaiterLane, describe, summary
@@ -73,7 +73,7 @@ _HEALTH_CHECK_EVERY_S = 0.05  # poll() is called in a tight loop; checking peers
 _instances = itertools.count()
 
 
-class ZmqDistTransport(HeaderReceiver):
+class ZmqDistTransport(HeaderReceiver, Transport):
     def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
                  inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, chaos: Optional[ChaosDelays] = None,
@@ -112,11 +112,6 @@ class ZmqDistTransport(HeaderReceiver):
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
-        # Receive in place (phase 2 knows the shape and the meta before the tensor): called with
-        # (src, meta, shape, torch dtype) before a receive is posted; returns (a contiguous tensor of
-        # that shape and dtype to receive into, a CUDA event the receive must wait for or None), or None
-        # for a pool buffer. May run on the receptor thread. The engine uses it for expert outputs.
-        self.recv_into: Optional[Callable[[int, dict, tuple, torch.dtype], Optional[tuple]]] = None
         self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0, "in_place": 0,
                       "dropped": 0}
         self._drop_logged: set[str] = set()
@@ -175,11 +170,6 @@ class ZmqDistTransport(HeaderReceiver):
             self._receptor.start()
         self._heartbeat = Heartbeat(heartbeat_s, self._beat, channel.beat_exit, name=f"heartbeat-{rank}")
         register_abort_hook(self)
-
-    @property
-    def comm_teardown(self) -> Optional[str]:
-        """How close() ended the NCCL pair communicators: "destroyed", "aborted", "... timed out"; None without."""
-        return self._links.teardown
 
     # ------------------------------------------------------------------ engine-facing API
     def send(self, dst: int, meta: dict, tensor: Optional[torch.Tensor] = None) -> None:
