@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from graph_ir.errors import UserError
@@ -359,6 +358,3 @@ def load_spec(path: str | Path) -> ModelSpec:
     data = load_yaml(path, "model file")
     return spec_from_dict(data, str(path))
 
-
-def dump_spec(spec: ModelSpec, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
