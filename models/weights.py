@@ -105,6 +105,18 @@ class ModelWeights:
             raise self.unheld_error(layer, expert_ids[rows < 0].tolist())
         return rows
 
+    @classmethod
+    def from_names(cls, tensors: dict[str, Tensor], num_layers: int,
+                   held: Optional[list[Optional[list[int]]]] = None) -> "ModelWeights":
+        """The weights of a flat map of canonical names (`expected_shapes`' keys: `layers.{i}.{name}` per layer)."""
+        layers: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
+        for name, t in tensors.items():
+            if name.startswith("layers."):
+                _, idx, short = name.split(".", 2)
+                layers[int(idx)][short] = t
+        return cls(embed=tensors["embed"], final_norm=tensors["final_norm"], lm_head=tensors.get("lm_head"),
+                   layers=layers, held=held)
+
     @property
     def head(self) -> Tensor:
         """The LM head matrix, resolving tied embeddings."""
@@ -450,14 +462,7 @@ def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | to
             t = torch.empty(shape, dtype=out_dtype, device=device)
             _fill(t, _stream_keys(seed, name), short, std, draw)
         tensors[name] = t
-    layers = [{} for _ in range(spec.num_layers)]
-    for name, t in tensors.items():
-        if name.startswith("layers."):
-            _, idx, short = name.split(".", 2)
-            layers[int(idx)][short] = t
-    return ModelWeights(embed=tensors["embed"], final_norm=tensors["final_norm"],
-                        lm_head=tensors.get("lm_head"), layers=layers,
-                        held=None if experts is None else held)
+    return ModelWeights.from_names(tensors, spec.num_layers, held=None if experts is None else held)
 
 
 def load_weights(spec: ModelSpec, experts: ExpertSubset = None,
