@@ -20,7 +20,7 @@ from typing import Optional
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec
-from models.hf_config import ARCHITECTURES, read_config, spec_from_config
+from models.hf_config import ARCHITECTURES, eos_in_vocab, read_config, spec_from_config
 from models.weights import ModelWeights
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(ARCHITECTURES))
@@ -51,12 +51,8 @@ def import_spec(path: str | Path) -> ModelSpec:
     from models.generation_config import read_generation_config
     gen = read_generation_config(root)
     if gen is not None and gen.eos_token_ids is not None and gen.eos_token_ids != spec.eos_token_ids:
-        bad = [t for t in gen.eos_token_ids if t >= spec.vocab_size]
-        if bad:  # dropped with a warning, as transformers does (a tiny test vocabulary with a real tokenizer's ids)
-            import warnings
-            warnings.warn(f"{gen.source}: eos_token_id {bad} outside the vocabulary 0..{spec.vocab_size - 1}: ignored",
-                          stacklevel=2)
-        spec = spec.model_copy(update={"eos_token_ids": [t for t in gen.eos_token_ids if t < spec.vocab_size]})
+        # (a tiny test vocabulary with a real tokenizer's ids: dropped with a warning, as transformers does)
+        spec = spec.model_copy(update={"eos_token_ids": eos_in_vocab(gen.eos_token_ids, spec.vocab_size, gen.source)})
     return spec
 
 

@@ -303,6 +303,16 @@ def _decoder_sparse_dense_layers(cfg: _Cfg, n_layers: int) -> list[int]:
     return [i for i in range(n_layers) if i in only or (i + 1) % step != 0]
 
 
+def eos_in_vocab(ids: list[int], vocab_size: int, source: str) -> list[int]:
+    """`ids` without those outside the vocabulary, with a warning naming `source`: transformers warns and keeps
+    loading; the ids can never be generated, so dropping them changes nothing."""
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        warnings.warn(f"{source}: eos_token_id {outside} outside the vocabulary 0..{vocab_size - 1}: dropped",
+                      stacklevel=3)
+    return [t for t in ids if t not in outside]
+
+
 def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
                           dtype_fallback: Optional[Callable[[], Optional[str]]] = None,
                           ignored: Optional[list[str]] = None) -> dict:
@@ -439,13 +449,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
             m = yarn_get_mscale(attn["rope"]["factor"], float(mad))
             attn["softmax_scale"] = attn["head_dim"] ** -0.5 * m * m
 
-    eos = _eos(cfg)
-    outside = [t for t in eos if not 0 <= t < spec["vocab_size"]]
-    if outside:
-        # transformers warns and keeps loading; the ids can never be generated, so dropping them changes nothing
-        warnings.warn(f"{source}: eos_token_id {outside} outside the vocabulary 0..{spec['vocab_size'] - 1}: "
-                      f"dropped", stacklevel=2)
-        eos = [t for t in eos if t not in outside]
+    eos = eos_in_vocab(_eos(cfg), spec["vocab_size"], source)
     spec.update(attention=attn, router=router, experts=experts, eos_token_ids=eos,
                 dtype=_dtype(cfg, dtype_fallback))
     unread = hf_keys.check_unread(data, cfg.read, family, source)
