@@ -12,7 +12,9 @@ attention(0,h) closes the decode loop. A LayerID is exactly the routing key the 
 carries, so this graph and the runtime agree on what a token's next hop is.
 
 Homes never exchange tokens (a request lives on its home rank), so the graph is one identical
-subgraph per home; `build_graph(spec, R, homes=[0])` builds one of them, cheap enough for every compile.
+subgraph per home; `build_graph(..., homes=[h])` builds one of them (`dataflow inspect --dot --rank h`). Its
+invariants, checked by tests/test_graph.py, are those the compiler's plan check (lowering/check.py) asserts of the
+stage chain and the placement.
 """
 from __future__ import annotations
 
@@ -21,8 +23,6 @@ from typing import NamedTuple, Optional, Sequence
 import networkx as nx
 
 from graph_ir.spec import ModelSpec
-
-NODE_KINDS = ("attention", "expert", "merge", "sample")
 
 
 class LayerID(NamedTuple):
@@ -34,30 +34,9 @@ class LayerID(NamedTuple):
 Node = tuple[str, LayerID]
 
 
-class GraphValidationError(ValueError):
-    """The graph breaks an invariant: a bug in whatever built it, listed problem by problem."""
-
-
-def _contiguous(num_experts: int, ranks: int) -> list[int]:
-    # Same rule as lowering.placement.contiguous; duplicated (one line) so graph_ir does not
-    # import lowering (data flows graph_ir -> lowering only).
-    return [e * ranks // num_experts for e in range(num_experts)]
-
-
-def build_graph(spec: ModelSpec, ranks: int, placement: Optional[Sequence[Sequence[int]]] = None,
-                homes: Optional[Sequence[int]] = None) -> nx.DiGraph:
-    """Build the dataflow graph for `spec` on `ranks` ranks.
-
-    `placement`: per-layer expert->rank table (`plan.placement.expert_rank`; [] for dense layers);
-    None places experts contiguously. `homes`: which home ranks to build (default all).
-    """
-    if placement is None:
-        table = [(_contiguous(spec.experts.num_experts, ranks) if spec.is_moe_layer(l) else [])
-                 for l in range(spec.num_layers)]
-    else:
-        table = [list(row) for row in placement]
-    if homes is None:
-        homes = range(ranks)
+def build_graph(spec: ModelSpec, ranks: int, placement: Sequence[Sequence[int]], homes: Sequence[int]) -> nx.DiGraph:
+    """Build the dataflow graph for `spec` on `ranks` ranks: `placement` is the per-layer expert->rank table
+    (`plan.placement.expert_rank`; [] for dense layers), `homes` the home ranks to build."""
     L, E = spec.num_layers, spec.experts.num_experts
     g = nx.DiGraph(model=spec.name, num_layers=L, num_experts=E, top_k=spec.experts.top_k,
                    dense_layers=sorted(set(spec.dense_layers)), ranks=ranks)
@@ -79,7 +58,7 @@ def build_graph(spec: ModelSpec, ranks: int, placement: Optional[Sequence[Sequen
                 g.add_edge(prev, attn)
             if spec.is_moe_layer(layer):
                 merge = add("merge", LayerID(layer, h), h)
-                for e, rank in enumerate(table[layer]):
+                for e, rank in enumerate(placement[layer]):
                     ex = add("expert", LayerID(layer, h, e), rank)
                     g.add_edge(attn, ex)
                     g.add_edge(ex, merge)
@@ -89,69 +68,6 @@ def build_graph(spec: ModelSpec, ranks: int, placement: Optional[Sequence[Sequen
         g.add_edge(prev, sample)
         g.add_edge(sample, first)
     return g
-
-
-def graph_problems(g: nx.DiGraph) -> list[str]:
-    """Every broken invariant, as readable lines (empty list: the graph is valid)."""
-    L, E, k = g.graph["num_layers"], g.graph["num_experts"], g.graph["top_k"]
-    ranks = g.graph["ranks"]
-    dense = set(g.graph["dense_layers"])
-    problems: list[str] = []
-    homes = sorted({lid.home_rank for _, lid in g.nodes})
-    for node, data in g.nodes(data=True):
-        kind, lid = node
-        if kind not in NODE_KINDS:
-            problems.append(f"{node}: unknown node kind {kind!r}")
-            continue
-        if g.degree(node) == 0:
-            problems.append(f"{node}: orphan node (no edges)")
-        if not 0 <= data["rank"] < ranks:
-            problems.append(f"{node}: runs on rank {data['rank']}, outside 0..{ranks - 1}")
-        if kind == "expert":
-            if not 0 <= lid.expert < E:
-                problems.append(f"{node}: expert id {lid.expert} outside 0..{E - 1}")
-            if lid.layer in dense:
-                problems.append(f"{node}: expert node in dense layer {lid.layer}")
-        elif lid.expert != -1:
-            problems.append(f"{node}: {kind} node must have expert -1")
-        if kind == "merge":
-            sources = [p for p in g.predecessors(node) if p[0] == "expert" and p[1].layer == lid.layer
-                       and p[1].home_rank == lid.home_rank]
-            got = sorted(p[1].expert for p in sources)
-            if got != list(range(E)):
-                problems.append(f"{node}: merge fed by experts {got}, needs all {E} experts of layer {lid.layer}")
-            if k > g.in_degree(node):
-                problems.append(f"{node}: top_k {k} > {g.in_degree(node)} inputs: a token could never complete")
-        for succ in g.successors(node):
-            if succ[1].home_rank != lid.home_rank:
-                problems.append(f"{node} -> {succ}: edge crosses homes; a request never leaves its home")
-    for h in homes:
-        sample, first = ("sample", LayerID(L, h)), ("attention", LayerID(0, h))
-        if sample not in g or first not in g:
-            problems.append(f"home {h}: missing sample or layer-0 attention node")
-            continue
-        if not g.has_edge(sample, first):
-            problems.append(f"home {h}: chain does not close (no edge sample -> attention(0))")
-        # One traversal each way per home, not a path search per layer: has_path per layer made this
-        # O(layers^2 x experts) (minutes for a 256-layer, 512-expert spec).
-        after_first = nx.descendants(g, first) | {first}
-        before_sample = nx.ancestors(g, sample) | {sample}
-        for layer in range(L):
-            a = ("attention", LayerID(layer, h))
-            if a not in g:
-                problems.append(f"home {h}: no attention node for layer {layer}")
-            elif a not in after_first or a not in before_sample:
-                problems.append(f"home {h}: layer {layer} attention is not on the chain attention(0) -> sample")
-            if layer not in dense and ("merge", LayerID(layer, h)) not in g:
-                problems.append(f"home {h}: MoE layer {layer} has no merge node")
-    return problems
-
-
-def validate_graph(g: nx.DiGraph) -> None:
-    problems = graph_problems(g)
-    if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise GraphValidationError("dataflow graph is invalid:\n  " + "\n  ".join(shown))
 
 
 def node_label(node: Node) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from graph_ir.errors import UserError
@@ -262,6 +261,69 @@ class ModelSpec(_Strict):
         return [l for l in range(self.num_layers) if self.is_moe_layer(l)]
 
 
+def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of every tensor layer `layer` needs under `spec` (the names of models/weights.py,
+    ARCHITECTURE.md): what random init builds, a checkpoint must hold and lowering/sizes.py counts."""
+    a, ex, H = spec.attention, spec.experts, spec.hidden_size
+    s: dict[str, tuple[int, ...]] = {"attn_norm": (H,), "mlp_norm": (H,)}
+    nh, nkv = a.num_heads, a.num_kv_heads
+    if a.kind == "gqa":
+        hd = a.head_dim
+        s["q.w"] = (nh * hd, H)
+        s["k.w"] = (nkv * hd, H)
+        s["v.w"] = (nkv * hd, H)
+        s["o.w"] = (H, nh * hd)
+        if a.qkv_bias:
+            s["q.b"], s["k.b"], s["v.b"] = (nh * hd,), (nkv * hd,), (nkv * hd,)
+        if a.qk_norm == "head":
+            s["q_norm"], s["k_norm"] = (hd,), (hd,)
+        elif a.qk_norm == "full":
+            s["q_norm"], s["k_norm"] = (nh * hd,), (nkv * hd,)
+    else:  # mla
+        qk, rope, nope, vd, kvr = a.qk_head_dim, a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
+        if a.q_lora_rank is None:
+            s["q.w"] = (nh * qk, H)
+        else:
+            s["q_a.w"] = (a.q_lora_rank, H)
+            s["q_a_norm"] = (a.q_lora_rank,)
+            s["q_b.w"] = (nh * qk, a.q_lora_rank)
+        s["kv_a.w"] = (kvr + rope, H)
+        s["kv_a_norm"] = (kvr,)
+        s["kv_b.w"] = (nh * (nope + vd), kvr)
+        s["o.w"] = (H, nh * vd)
+        # HF DeepSeek-V2 `attention_bias` puts biases on q_a / kv_a / o (q_b and kv_b never have one).
+        if a.qkv_bias:
+            if a.q_lora_rank is not None:
+                s["q_a.b"] = (a.q_lora_rank,)
+            s["kv_a.b"] = (kvr + rope,)
+    if a.o_bias:
+        s["o.b"] = (H,)
+    if a.sinks:
+        s["sinks"] = (nh,)
+
+    if spec.is_moe_layer(layer):
+        E, I = ex.num_experts, ex.intermediate_size
+        s["router.w"] = (E, H)
+        if spec.router.bias:
+            s["router.b"] = (E,)
+        if spec.router.correction_bias:
+            s["router.correction_bias"] = (E,)
+        s["experts.gate"] = (E, I, H)
+        s["experts.up"] = (E, I, H)
+        s["experts.down"] = (E, H, I)
+        if ex.bias:
+            s["experts.gate_b"], s["experts.up_b"], s["experts.down_b"] = (E, I), (E, I), (E, H)
+        if ex.shared_intermediate_size:
+            Is = ex.shared_intermediate_size
+            s["shared.gate"], s["shared.up"], s["shared.down"] = (Is, H), (Is, H), (H, Is)
+            if ex.shared_gate:
+                s["shared_gate.w"] = (1, H)
+    else:
+        Id = spec.dense_intermediate_size
+        s["mlp.gate"], s["mlp.up"], s["mlp.down"] = (Id, H), (Id, H), (H, Id)
+    return s
+
+
 def cut_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     """The same model with only its first `layers` layers (per-layer settings cut alike), for
     benchmarks that keep a big model's layer shapes but not its depth (e.g. GPT-OSS-120B cut to 18
@@ -359,6 +421,3 @@ def load_spec(path: str | Path) -> ModelSpec:
     data = load_yaml(path, "model file")
     return spec_from_dict(data, str(path))
 
-
-def dump_spec(spec: ModelSpec, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False))

@@ -14,44 +14,90 @@ def _require(ok: bool, what: str) -> None:
         raise PlanInvariantError(what)
 
 
+class _Count(str):
+    """A count shown as is in a message ("1 entries"), not repr'd like a value."""
+
+
+def _bad(field: str, got, valid: str) -> PlanInvariantError:
+    shown = got if isinstance(got, _Count) else repr(got)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return PlanInvariantError(f"field '{field}': got {shown}; valid: {valid}")
+
+
 def check_plan(plan: Plan) -> None:
+    """Every invariant the compiler guarantees: the tables the runtime indexes first (each problem named by its
+    field, its value and what is valid), then routes, memory and capture."""
+    from lowering.plan import MAX_RANKS
+    from lowering.queues import build_stages
+
     spec, R = plan.spec, plan.cluster.ranks
-    E = spec.experts.num_experts
-    stages = plan.stages
-    # Chain: ids are indices, it visits attn(0..L-1) in order with an expert stage after each MoE
-    # layer, ends in sample, and sample wraps to attn(0).
-    _require([s.id for s in stages] == list(range(len(stages))), "stage ids are not 0..n-1")
-    _require(all(s.next == (s.id + 1) % len(stages) for s in stages), "stage chain is not a single cycle")
-    expected = []
-    for l in range(spec.num_layers):
-        expected.append(("attn", l))
-        if spec.is_moe_layer(l):
-            expected.append(("expert", l))
-    expected.append(("sample", spec.num_layers))
-    _require([(s.kind, s.layer) for s in stages] == expected, "stage chain does not match the model layers")
-    _require(stages[-1].next == stages[0].id and stages[0].kind == "attn" and stages[0].layer == 0,
-             "sample does not feed attn(0)")
+    if R > MAX_RANKS:
+        raise _bad("cluster.ranks", R, f"1..{MAX_RANKS}")
+    for name, table in (("ranks", plan.ranks), ("kv.num_blocks", plan.kv.num_blocks), ("memory", plan.memory),
+                        ("capture.graphs_per_rank", plan.capture.graphs_per_rank),
+                        ("capture.graph_memory_bytes", plan.capture.graph_memory_bytes)):
+        if len(table) != R:
+            raise _bad(name, _Count(f"{len(table)} entries"), f"one per rank: {R} entries (cluster.ranks is {R})")
+    for i, (rp, m) in enumerate(zip(plan.ranks, plan.memory)):
+        if rp.rank != i:
+            raise _bad(f"ranks[{i}].rank", rp.rank, str(i))
+        if m.rank != i:
+            raise _bad(f"memory[{i}].rank", m.rank, str(i))
+        if m.kv_blocks != plan.kv.num_blocks[i]:
+            raise _bad(f"kv.num_blocks[{i}]", plan.kv.num_blocks[i], f"{m.kv_blocks} (memory[{i}].kv_blocks)")
+    if plan.kv.dtype != spec.dtype:
+        raise _bad("kv.dtype", plan.kv.dtype, f"{spec.dtype} (spec.dtype)")
+    if len(plan.kv.bytes_per_token_per_layer) != spec.num_layers:
+        raise _bad("kv.bytes_per_token_per_layer", _Count(f"{len(plan.kv.bytes_per_token_per_layer)} entries"),
+                  f"one per layer: {spec.num_layers} entries (spec.num_layers)")
+
+    # The chain: attn(0..L-1) in order with an expert stage after each MoE layer, then sample, which wraps to attn(0).
+    stages = build_stages(spec)
+    if len(plan.stages) != len(stages):
+        raise _bad("stages", _Count(f"{len(plan.stages)} stages"), f"{len(stages)} stages, the chain of spec's "
+                  f"{spec.num_layers} layers ({len(spec.moe_layers)} MoE)")
+    for i, (s, w) in enumerate(zip(plan.stages, stages)):
+        for f in ("id", "kind", "layer", "next"):
+            if getattr(s, f) != getattr(w, f):
+                raise _bad(f"stages[{i}].{f}", getattr(s, f), f"{getattr(w, f)!r} (stage {i} of the chain is "
+                          f"{w.kind} of layer {w.layer}, next {w.next})")
 
     # Placement: every expert of every MoE layer on exactly one valid rank; dense layers empty.
-    _require(len(plan.placement.expert_rank) == spec.num_layers, "placement has the wrong number of layers")
-    for l, owners in enumerate(plan.placement.expert_rank):
-        if spec.is_moe_layer(l):
-            _require(len(owners) == E, f"layer {l}: {len(owners)} experts placed, expected {E}")
-            _require(all(0 <= r < R for r in owners), f"layer {l}: expert placed on a rank outside 0..{R - 1}")
-        else:
-            _require(owners == [], f"dense layer {l} has experts placed")
+    E = spec.experts.num_experts
+    er = plan.placement.expert_rank
+    if len(er) != spec.num_layers:
+        raise _bad("placement.expert_rank", _Count(f"{len(er)} layers"), f"{spec.num_layers} layers (spec.num_layers)")
+    for layer, owners in enumerate(er):
+        if not spec.is_moe_layer(layer):
+            if owners:
+                raise _bad(f"placement.expert_rank[{layer}]", owners, "[] (a dense layer has no experts)")
+            continue
+        if len(owners) != E:
+            raise _bad(f"placement.expert_rank[{layer}]", _Count(f"{len(owners)} experts"),
+                      f"one rank per expert: {E} entries (spec.experts.num_experts)")
+        for e, r in enumerate(owners):
+            if not 0 <= r < R:
+                raise _bad(f"placement.expert_rank[{layer}][{e}]", r, f"a rank 0..{R - 1}")
 
     # Queues: one per stage per rank, mirroring the chain; expert lists partition the experts.
-    _require([rp.rank for rp in plan.ranks] == list(range(R)), "rank plans are not 0..R-1")
-    for rp in plan.ranks:
-        _require(len(rp.queues) == len(stages), f"rank {rp.rank}: queue count != stage count")
-        for q, s in zip(rp.queues, stages):
-            _require((q.stage_id, q.kind, q.layer, q.next_stage) == (s.id, s.kind, s.layer, s.next),
-                     f"rank {rp.rank}: queue {q.stage_id} does not match stage {s.id}")
-            cap = plan.caps.expert_rows if s.kind == "expert" else plan.caps.attn_tokens
-            _require(q.batch_cap == cap, f"rank {rp.rank}: queue {q.stage_id} cap {q.batch_cap} != {cap}")
-            want = plan.placement.experts_on(s.layer, rp.rank) if s.kind == "expert" else []
-            _require(q.experts == want, f"rank {rp.rank}: queue {q.stage_id} experts disagree with placement")
+    for i, rp in enumerate(plan.ranks):
+        if len(rp.queues) != len(stages):
+            raise _bad(f"ranks[{i}].queues", _Count(f"{len(rp.queues)} queues"), f"one per stage: {len(stages)}")
+        for j, (q, s) in enumerate(zip(rp.queues, stages)):
+            for f, sf in (("stage_id", "id"), ("kind", "kind"), ("layer", "layer"), ("next_stage", "next")):
+                if getattr(q, f) != getattr(s, sf):
+                    raise _bad(f"ranks[{i}].queues[{j}].{f}", getattr(q, f), f"{getattr(s, sf)!r} (stage {j} is "
+                              f"{s.kind} of layer {s.layer})")
+            expert = s.kind == "expert"
+            cap = plan.caps.expert_rows if expert else plan.caps.attn_tokens
+            if q.batch_cap != cap:
+                raise _bad(f"ranks[{i}].queues[{j}].batch_cap", q.batch_cap,
+                          f"{cap} (caps.{'expert_rows' if expert else 'attn_tokens'})")
+            held = plan.placement.experts_on(s.layer, i) if expert else []
+            if q.experts != held:
+                raise _bad(f"ranks[{i}].queues[{j}].experts", q.experts,
+                          f"{held} (the experts placement.expert_rank[{s.layer}] puts on rank {i})")
 
     # Routes: exactly one per chain edge; cross-rank edges reach every holder / every home.
     _require([(r.src_stage, r.dst_stage) for r in plan.routes] == [(s.id, s.next) for s in stages],
@@ -71,105 +117,22 @@ def check_plan(plan: Plan) -> None:
                  f"route {route.src_stage}->{route.dst_stage}: message bytes disagree with rows")
 
     # Memory: the parts add up and never exceed the device.
-    _require(len(plan.memory) == R and plan.kv.num_blocks == [m.kv_blocks for m in plan.memory],
-             "memory/KV tables do not cover every rank")
     for m in plan.memory:
         _require(m.weight_bytes == m.replicated_weight_bytes + m.expert_weight_bytes, f"rank {m.rank}: weights do not sum")
         _require(m.kv_capacity_tokens == m.kv_blocks * plan.kv.block_size, f"rank {m.rank}: KV tokens != blocks x block size")
         _require(m.kv_bytes == m.kv_capacity_tokens * plan.kv.bytes_per_token, f"rank {m.rank}: KV bytes disagree")
         used = m.weight_bytes + m.graph_bytes + m.workspace_bytes + m.kv_bytes
         _require(used + m.free_bytes == m.device_bytes and m.free_bytes >= 0, f"rank {m.rank}: memory does not sum")
-    _require(len(plan.capture.graph_memory_bytes) == R, "capture plan does not cover every rank")
     for kind, bks in plan.capture.buckets.items():
         cap = plan.caps.expert_rows if kind == "expert" else plan.caps.attn_tokens
         _require(bool(bks) and bks == sorted(set(bks)) and bks[-1] == cap,
                  f"{kind} buckets are not ascending up to the cap")
 
 
-class _Count(str):
-    """A count shown as is in a message ("1 entries"), not repr'd like a value."""
-
-
 def check_loaded_plan(plan: Plan, source: str) -> None:
-    """The invariants of a plan read from disk, as UserErrors naming `source` (plan.json), the field, the value and
-    what is valid: a hand-edited plan whose sections disagree fails here, not as an IndexError in every rank. The
-    table shapes the runtime indexes come first, with precise messages; then `check_plan` (every invariant the
-    compiler guarantees) for the rest."""
+    """`check_plan` for a plan read from disk, as a UserError naming `source` (plan.json), the field, the value and
+    what is valid: a hand-edited plan whose sections disagree fails here, not as an IndexError in every rank."""
     from graph_ir.errors import UserError
-    from lowering.plan import MAX_RANKS
-    from lowering.queues import build_stages
-
-    def bad(field: str, got, valid: str) -> UserError:
-        shown = got if isinstance(got, _Count) else repr(got)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        return UserError(f"{source}: field '{field}': got {shown}; valid: {valid}; the plan's sections disagree "
-                         f"(edited by hand?): compile the model again")
-
-    spec, R = plan.spec, plan.cluster.ranks
-    if R > MAX_RANKS:
-        raise bad("cluster.ranks", R, f"1..{MAX_RANKS}")
-    for name, table in (("ranks", plan.ranks), ("kv.num_blocks", plan.kv.num_blocks), ("memory", plan.memory),
-                        ("capture.graphs_per_rank", plan.capture.graphs_per_rank),
-                        ("capture.graph_memory_bytes", plan.capture.graph_memory_bytes)):
-        if len(table) != R:
-            raise bad(name, _Count(f"{len(table)} entries"), f"one per rank: {R} entries (cluster.ranks is {R})")
-    for i, (rp, m) in enumerate(zip(plan.ranks, plan.memory)):
-        if rp.rank != i:
-            raise bad(f"ranks[{i}].rank", rp.rank, str(i))
-        if m.rank != i:
-            raise bad(f"memory[{i}].rank", m.rank, str(i))
-        if m.kv_blocks != plan.kv.num_blocks[i]:
-            raise bad(f"kv.num_blocks[{i}]", plan.kv.num_blocks[i], f"{m.kv_blocks} (memory[{i}].kv_blocks)")
-    if plan.kv.dtype != spec.dtype:
-        raise bad("kv.dtype", plan.kv.dtype, f"{spec.dtype} (spec.dtype)")
-    if len(plan.kv.bytes_per_token_per_layer) != spec.num_layers:
-        raise bad("kv.bytes_per_token_per_layer", _Count(f"{len(plan.kv.bytes_per_token_per_layer)} entries"),
-                  f"one per layer: {spec.num_layers} entries (spec.num_layers)")
-
-    want = build_stages(spec)
-    if len(plan.stages) != len(want):
-        raise bad("stages", _Count(f"{len(plan.stages)} stages"), f"{len(want)} stages, the chain of spec's "
-                  f"{spec.num_layers} layers ({len(spec.moe_layers)} MoE)")
-    for i, (s, w) in enumerate(zip(plan.stages, want)):
-        for f in ("id", "kind", "layer", "next"):
-            if getattr(s, f) != getattr(w, f):
-                raise bad(f"stages[{i}].{f}", getattr(s, f), f"{getattr(w, f)!r} (stage {i} of the chain is "
-                          f"{w.kind} of layer {w.layer}, next {w.next})")
-
-    E = spec.experts.num_experts
-    er = plan.placement.expert_rank
-    if len(er) != spec.num_layers:
-        raise bad("placement.expert_rank", _Count(f"{len(er)} layers"), f"{spec.num_layers} layers (spec.num_layers)")
-    for layer, owners in enumerate(er):
-        if not spec.is_moe_layer(layer):
-            if owners:
-                raise bad(f"placement.expert_rank[{layer}]", owners, "[] (a dense layer has no experts)")
-            continue
-        if len(owners) != E:
-            raise bad(f"placement.expert_rank[{layer}]", _Count(f"{len(owners)} experts"),
-                      f"one rank per expert: {E} entries (spec.experts.num_experts)")
-        for e, r in enumerate(owners):
-            if not 0 <= r < R:
-                raise bad(f"placement.expert_rank[{layer}][{e}]", r, f"a rank 0..{R - 1}")
-
-    for i, rp in enumerate(plan.ranks):
-        if len(rp.queues) != len(want):
-            raise bad(f"ranks[{i}].queues", _Count(f"{len(rp.queues)} queues"), f"one per stage: {len(want)}")
-        for j, (q, s) in enumerate(zip(rp.queues, want)):
-            for f, sf in (("stage_id", "id"), ("kind", "kind"), ("layer", "layer"), ("next_stage", "next")):
-                if getattr(q, f) != getattr(s, sf):
-                    raise bad(f"ranks[{i}].queues[{j}].{f}", getattr(q, f), f"{getattr(s, sf)!r} (stage {j} is "
-                              f"{s.kind} of layer {s.layer})")
-            expert = s.kind == "expert"
-            cap = plan.caps.expert_rows if expert else plan.caps.attn_tokens
-            if q.batch_cap != cap:
-                raise bad(f"ranks[{i}].queues[{j}].batch_cap", q.batch_cap,
-                          f"{cap} (caps.{'expert_rows' if expert else 'attn_tokens'})")
-            held = plan.placement.experts_on(s.layer, i) if expert else []
-            if q.experts != held:
-                raise bad(f"ranks[{i}].queues[{j}].experts", q.experts,
-                          f"{held} (the experts placement.expert_rank[{s.layer}] puts on rank {i})")
 
     try:
         check_plan(plan)

@@ -1,11 +1,13 @@
 """How many elements / bytes each piece of a model takes: the arithmetic behind the memory,
 capture and route passes, kept in one place so they agree.
 
-Parameter counts follow the canonical weight names of models/weights.py (ARCHITECTURE.md).
+Parameter counts are those of the canonical tensors (graph_ir.spec.layer_shapes).
 """
 from __future__ import annotations
 
-from graph_ir.spec import ModelSpec
+import math
+
+from graph_ir.spec import ModelSpec, layer_shapes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -14,71 +16,19 @@ def dtype_bytes(spec: ModelSpec) -> int:
     return DTYPE_BYTES[spec.dtype]
 
 
-def attention_params(spec: ModelSpec) -> int:
-    """Attention weights of one layer, its two RMSNorms included."""
-    a, h = spec.attention, spec.hidden_size
-    n = 2 * h  # attn_norm, mlp_norm
-    if a.kind == "gqa":
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        n += q * h + 2 * kv * h + h * q
-        if a.qkv_bias:
-            n += q + 2 * kv
-        if a.o_bias:
-            n += h
-        if a.qk_norm == "head":
-            n += 2 * a.head_dim
-        elif a.qk_norm == "full":
-            n += q + kv
-        if a.sinks:
-            n += a.num_heads
-    else:
-        qk = a.num_heads * a.qk_head_dim
-        if a.q_lora_rank:
-            n += a.q_lora_rank * h + a.q_lora_rank + qk * a.q_lora_rank
-        else:
-            n += qk * h
-        n += (a.kv_lora_rank + a.qk_rope_head_dim) * h + a.kv_lora_rank
-        n += a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
-        n += h * a.num_heads * a.v_head_dim
-    return n
-
-
-def router_params(spec: ModelSpec) -> int:
-    e = spec.experts.num_experts
-    r = spec.router
-    return e * spec.hidden_size + (e if r.bias else 0) + (e if r.correction_bias else 0)
+def replicated_params(spec: ModelSpec) -> int:
+    """Everything every rank holds: embedding, head, final norm and every layer's tensors but its routed experts
+    (norms, attention, the router and shared expert of MoE layers, the MLP of dense layers)."""
+    h, v = spec.hidden_size, spec.vocab_size
+    n = v * h + h + (0 if spec.tie_embeddings else v * h)
+    return n + sum(math.prod(shape) for layer in range(spec.num_layers)
+                   for name, shape in layer_shapes(spec, layer).items() if not name.startswith("experts."))
 
 
 def expert_params(spec: ModelSpec) -> int:
     """One routed expert (gate, up, down and their biases)."""
-    x, h = spec.experts, spec.hidden_size
-    n = 3 * x.intermediate_size * h
-    if x.bias:
-        n += 2 * x.intermediate_size + h
-    return n
-
-
-def shared_params(spec: ModelSpec) -> int:
-    x, h = spec.experts, spec.hidden_size
-    return 3 * x.shared_intermediate_size * h + (h if x.shared_gate else 0)
-
-
-def dense_mlp_params(spec: ModelSpec) -> int:
-    return 3 * (spec.dense_intermediate_size or 0) * spec.hidden_size
-
-
-def replicated_params(spec: ModelSpec) -> int:
-    """Everything every rank holds: embedding, head, final norm and, per layer, attention plus the
-    home-rank MLP parts (router and shared expert of MoE layers, the MLP of dense layers)."""
-    h, v = spec.hidden_size, spec.vocab_size
-    n = v * h + h + (0 if spec.tie_embeddings else v * h)
-    for layer in range(spec.num_layers):
-        n += attention_params(spec)
-        if spec.is_moe_layer(layer):
-            n += router_params(spec) + shared_params(spec)
-        else:
-            n += dense_mlp_params(spec)
-    return n
+    shapes = layer_shapes(spec, spec.moe_layers[0])
+    return sum(math.prod(shape[1:]) for name, shape in shapes.items() if name.startswith("experts."))
 
 
 def kv_bytes_per_token_layer(spec: ModelSpec) -> int:

@@ -174,16 +174,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window:
     scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [nh, n, L]
     allowed = window_mask(q_pos, torch.arange(k.shape[0], device=q.device), window)
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    if sinks is not None:
-        # GPT-OSS: one extra logit per head competes in the softmax and is then dropped, so the
-        # real keys' weights sum to < 1.
-        sink_col = sinks.to(scores.dtype).view(nh, 1, 1).expand(nh, scores.shape[1], 1)
-        combined = torch.cat([scores, sink_col], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(vh.dtype)
-    else:
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = _probs(scores, None if sinks is None else sinks.view(nh, 1, 1), q.dtype, v.dtype)
     return torch.matmul(probs, vh).transpose(0, 1)  # [n, nh, dv]
+
+
+def _probs(scores: Tensor, sinks: Optional[Tensor], q_dtype: torch.dtype, v_dtype: torch.dtype) -> Tensor:
+    """Softmax of masked scores over the last dim, in fp32. With `sinks` (GPT-OSS, broadcastable to the scores
+    but for the last dim): one extra logit per head competes in the softmax, in the activation dtype after
+    subtracting the row max, and is then dropped, so the real keys' weights sum to < 1."""
+    if sinks is None:
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(q_dtype)
+    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v_dtype)
 
 
 def attend_decode_batch(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float,
@@ -202,17 +205,9 @@ def attend_decode_batch(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale:
     scores = (torch.matmul(q.view(B, nkv, rep, dk), kt) * scale).view(B, nh, L)
     qpos = (lengths - 1).to(torch.int64)
     kpos = torch.arange(L, device=q.device)
-    allowed = kpos[None, :] <= qpos[:, None]  # also masks the padding: key >= length
-    if window is not None:
-        allowed &= kpos[None, :] > (qpos[:, None] - window)  # window_mask semantics
+    allowed = window_mask(qpos, kpos, window)  # also masks the padding: key >= length
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    if sinks is not None:  # exactly as `attend`: sink logit joins the softmax, then dropped
-        sink_col = sinks.to(scores.dtype).view(1, nh, 1).expand(B, nh, 1)
-        combined = torch.cat([scores, sink_col], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
-    else:
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = _probs(scores, None if sinks is None else sinks.view(1, nh, 1), q.dtype, v.dtype)
     out = torch.matmul(probs.view(B, nkv, rep, L), v.permute(0, 2, 1, 3))  # [B, nkv, rep, dv]
     return out.reshape(B, nh, v.shape[3])
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec, spec_from_dict
+from models.rope import yarn_get_mscale
 from models import hf_families, hf_keys
 
 # `architectures[0]` -> our family name. model_type is the fallback when `architectures` is absent.
@@ -37,10 +38,6 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     **hf_families.ARCHITECTURES,
 }
-MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
-
-# `default_theta` of each config class (RotaryEmbeddingConfigMixin default is 10000).
-_DEFAULT_THETA = {"mixtral": 1.0e6, "gpt_oss": 150000.0, **hf_families.THETA_DEFAULTS}
 
 # What transformers' rope validation accepts as keys of a rope dict; anything else inside the rope
 # dict would be a setting we do not know how to honour.
@@ -117,6 +114,30 @@ class _Cfg:
         extra = f" ({why})" if why else ""
         return UserError(f"{self.source}: '{key}' = {value!r} is not supported by dataflow{extra}")
 
+    def reject_set(self, key: str, default: Any, why: str = "") -> None:
+        """Fail when `key` is present with a value other than the one we implement."""
+        value = self.get(key, default)
+        if value != default:
+            raise self.unsupported(key, value, why)
+
+    def layer_types(self, n_layers: int) -> Optional[list[str]]:
+        """`layer_types` as the spec's per-layer "full" / "sliding", None when absent."""
+        lt = self.get("layer_types")
+        if lt is None:
+            return None
+        names = {"full_attention": "full", "sliding_attention": "sliding"}
+        if not isinstance(lt, list) or any(t not in names for t in lt):
+            raise self.unsupported("layer_types", lt, "entries must be full_attention or sliding_attention")
+        if len(lt) != n_layers:
+            raise self.fail(f"'layer_types' has {len(lt)} entries, num_hidden_layers is {n_layers}")
+        return [names[t] for t in lt]
+
+    def dense(self, spec: dict, layers: list[int], size_default: int) -> None:
+        """Dense `layers` (if any) into `spec`, their MLP of `intermediate_size`."""
+        if layers:
+            spec["dense_layers"] = layers
+            spec["dense_intermediate_size"] = self.int("intermediate_size", size_default)
+
 
 def read_config(path: str | Path) -> tuple[dict, Path]:
     """Load `<dir>/config.json` (or a config.json path). Returns (dict, the config file path)."""
@@ -147,8 +168,8 @@ def detect_family(cfg: _Cfg) -> str:
         raise cfg.fail(f"architectures {archs!r} (model_type {cfg.get('model_type')!r}) is not supported; "
                        f"supported architectures: {supported}")
     mt = cfg.get("model_type")
-    if mt in MODEL_TYPES:
-        return MODEL_TYPES[mt]
+    if mt in ARCHITECTURES.values():
+        return mt
     raise cfg.fail(f"no supported 'architectures' entry and model_type {mt!r} is not supported; "
                    f"supported architectures: {supported}")
 
@@ -176,10 +197,6 @@ def _eos(cfg: _Cfg) -> list[int]:
         raise cfg.fail(f"'eos_token_id' must be an integer or a list of integers, got {eos!r}")
     # Deduplicate, keep order: some configs repeat ids.
     return list(dict.fromkeys(ids))
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
@@ -219,19 +236,13 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
 
     theta = rp.get("rope_theta")
     if theta is None:
-        theta = cfg.float("rope_theta", _DEFAULT_THETA.get(family, 10000.0))
+        theta = cfg.float("rope_theta", hf_families.THETA_DEFAULTS.get(family, 10000.0))
     partial = rp.get("partial_rotary_factor")
     if partial is None and family == "minimax_m2":
         partial = hf_families.minimax_partial_rotary(cfg, head_dim)
     if partial is None:
         partial = cfg.float("partial_rotary_factor", 0.5 if family == "glm4_moe" else 1.0)
-    if not 0 < float(partial) <= 1:
-        raise cfg.fail(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
-    rot_dim = int(head_dim * float(partial))
-    if rot_dim % 2 or rot_dim == 0:
-        raise cfg.fail(f"partial_rotary_factor {partial} of head dim {head_dim} gives an odd or empty "
-                       f"rotary dimension ({rot_dim})")
-
+    # (its range and the even rotated width it leaves are checked by the spec: graph_ir/spec.py)
     out: dict[str, Any] = {"theta": float(theta), "partial_rotary_factor": float(partial)}
     # Not a RopeSpec field: DeepSeek-V2's softmax scale needs mscale_all_dim even when mscale is
     # absent (then the rope spec itself stores neither). Popped by the caller.
@@ -273,25 +284,12 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     )
     attention_factor = rp.get("attention_factor")
     if attention_factor is not None:
-        implied = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)) if both \
-            else _yarn_mscale(factor)
+        implied = (yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)) if both \
+            else yarn_get_mscale(factor)
         if not math.isclose(float(attention_factor), implied, rel_tol=1e-6):
             raise cfg.unsupported(f"{key}.attention_factor", attention_factor,
                                   f"only the value implied by factor/mscale ({implied:.6g}) is supported")
     return out
-
-
-def _silu(cfg: _Cfg) -> None:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise cfg.unsupported("hidden_act", act, "experts and MLPs are SwiGLU (silu) only")
-
-
-def _reject_set(cfg: _Cfg, key: str, default: Any, why: str = "") -> None:
-    """Fail when `key` is present with a value other than the one we implement."""
-    value = cfg.get(key, default)
-    if value != default:
-        raise cfg.unsupported(key, value, why)
 
 
 def _decoder_sparse_dense_layers(cfg: _Cfg, n_layers: int) -> list[int]:
@@ -305,16 +303,14 @@ def _decoder_sparse_dense_layers(cfg: _Cfg, n_layers: int) -> list[int]:
     return [i for i in range(n_layers) if i in only or (i + 1) % step != 0]
 
 
-def _layer_types(cfg: _Cfg, n_layers: int) -> Optional[list[str]]:
-    lt = cfg.get("layer_types")
-    if lt is None:
-        return None
-    names = {"full_attention": "full", "sliding_attention": "sliding"}
-    if not isinstance(lt, list) or any(t not in names for t in lt):
-        raise cfg.unsupported("layer_types", lt, "entries must be full_attention or sliding_attention")
-    if len(lt) != n_layers:
-        raise cfg.fail(f"'layer_types' has {len(lt)} entries, num_hidden_layers is {n_layers}")
-    return [names[t] for t in lt]
+def eos_in_vocab(ids: list[int], vocab_size: int, source: str) -> list[int]:
+    """`ids` without those outside the vocabulary, with a warning naming `source`: transformers warns and keeps
+    loading; the ids can never be generated, so dropping them changes nothing."""
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        warnings.warn(f"{source}: eos_token_id {outside} outside the vocabulary 0..{vocab_size - 1}: dropped",
+                      stacklevel=3)
+    return [t for t in ids if t not in outside]
 
 
 def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
@@ -357,15 +353,14 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
     spec: dict[str, Any] = {"name": name, "family": family, "num_layers": n_layers, "hidden_size": hidden,
                             "vocab_size": cfg.int("vocab_size", required=True), "max_position": max_pos,
                             "tie_embeddings": cfg.bool("tie_word_embeddings", False)}
-    eps_default = {"mixtral": 1e-5, "olmoe": 1e-5, "gpt_oss": 1e-5, "glm4_moe": 1e-5,
-                   **hf_families.EPS_DEFAULTS}.get(family, 1e-6)
-    spec["rms_norm_eps"] = cfg.float("rms_norm_eps", eps_default)
+    spec["rms_norm_eps"] = cfg.float("rms_norm_eps", hf_families.EPS_DEFAULTS.get(family, 1e-6))
+    if family != "gpt_oss":  # (GPT-OSS's experts have their own clamped GLU: experts.activation)
+        cfg.reject_set("hidden_act", "silu", "experts and MLPs are SwiGLU (silu) only")
 
     if family in hf_families.BUILDERS:
         hf_families.BUILDERS[family](cfg, data, n_layers, n_heads, attn, router, experts, spec)
 
     elif family == "mixtral":
-        _silu(cfg)
         # MixtralTopKRouter always renormalizes the top-k softmax weights (no norm_topk_prob).
         router.update(scoring="softmax", renormalize=True)
         experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 8), top_k=cfg.int("num_experts_per_tok", 2),
@@ -374,15 +369,11 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
             attn["sliding_window"] = cfg.int("sliding_window")
 
     elif family in ("qwen2_moe", "qwen3_moe"):
-        _silu(cfg)
         router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
         experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 60 if family == "qwen2_moe" else 128),
                        top_k=cfg.int("num_experts_per_tok", 4 if family == "qwen2_moe" else 8),
                        intermediate_size=cfg.int("moe_intermediate_size", 1408 if family == "qwen2_moe" else 768))
-        dense = _decoder_sparse_dense_layers(cfg, n_layers)
-        if dense:
-            spec["dense_layers"] = dense
-            spec["dense_intermediate_size"] = cfg.int("intermediate_size", 5632 if family == "qwen2_moe" else 6144)
+        cfg.dense(spec, _decoder_sparse_dense_layers(cfg, n_layers), 5632 if family == "qwen2_moe" else 6144)
         if family == "qwen2_moe":
             attn["qkv_bias"] = cfg.bool("qkv_bias", True)
             shared = cfg.int("shared_expert_intermediate_size", 5632)
@@ -391,7 +382,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
             if cfg.bool("use_sliding_window", False):
                 # Qwen2MoeConfig: sliding on odd-numbered (1-based) layers below max_window_layers,
                 # unless layer_types is given.
-                lt = _layer_types(cfg, n_layers) or [
+                lt = cfg.layer_types(n_layers) or [
                     "sliding" if (i + 1) % 2 and i < cfg.int("max_window_layers", 28) else "full"
                     for i in range(n_layers)]
                 if "sliding" in lt:
@@ -406,8 +397,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
                 attn["sliding_window"] = cfg.int("sliding_window", 4096)
 
     elif family == "olmoe":
-        _silu(cfg)
-        _reject_set(cfg, "clip_qkv", None, "q/k/v clipping is not implemented")
+        cfg.reject_set("clip_qkv", None, "q/k/v clipping is not implemented")
         if head_dim * n_heads != hidden:
             raise cfg.fail(f"OLMoE needs head_dim * num_attention_heads == hidden_size "
                            f"({head_dim} * {n_heads} != {hidden}): its q/k norms span the full projection")
@@ -420,7 +410,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
     elif family == "gpt_oss":
         bias = cfg.bool("attention_bias", True)
         attn.update(qkv_bias=bias, o_bias=bias, sinks=True)
-        lt = _layer_types(cfg, n_layers) or ["sliding" if (i + 1) % 2 else "full" for i in range(n_layers)]
+        lt = cfg.layer_types(n_layers) or ["sliding" if (i + 1) % 2 else "full" for i in range(n_layers)]
         window = cfg.int("sliding_window", 128)
         if "sliding" in lt:
             if not window:
@@ -434,7 +424,6 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
                        bias=True)
 
     elif family == "glm4_moe":
-        _silu(cfg)
         # q/k/v take attention_bias; Glm4MoeAttention's o_proj never has a bias.
         attn["qkv_bias"] = cfg.bool("attention_bias", False)
         if cfg.bool("use_qk_norm", False):
@@ -446,10 +435,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 128), top_k=cfg.int("num_experts_per_tok", 8),
                        intermediate_size=moe_i,
                        shared_intermediate_size=moe_i * cfg.int("n_shared_experts", 1))
-        k_dense = cfg.int("first_k_dense_replace", 1)
-        if k_dense:
-            spec["dense_layers"] = list(range(min(k_dense, n_layers)))
-            spec["dense_intermediate_size"] = cfg.int("intermediate_size", 10944)
+        cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 1), n_layers))), 10944)
 
     # Rope: for MLA only the qk_rope_head_dim part rotates (DeepseekV2Config sets head_dim to it).
     rope_head_dim = attn["qk_rope_head_dim"] if attn["kind"] == "mla" else attn["head_dim"]
@@ -460,16 +446,10 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         # whenever the rope type is not default (this is on top of the cos/sin attention factor).
         # Written out explicitly so the spec says the scale rather than leaving it to be re-derived.
         if mad:
-            m = _yarn_mscale(attn["rope"]["factor"], float(mad))
+            m = yarn_get_mscale(attn["rope"]["factor"], float(mad))
             attn["softmax_scale"] = attn["head_dim"] ** -0.5 * m * m
 
-    eos = _eos(cfg)
-    outside = [t for t in eos if not 0 <= t < spec["vocab_size"]]
-    if outside:
-        # transformers warns and keeps loading; the ids can never be generated, so dropping them changes nothing
-        warnings.warn(f"{source}: eos_token_id {outside} outside the vocabulary 0..{spec['vocab_size'] - 1}: "
-                      f"dropped", stacklevel=2)
-        eos = [t for t in eos if t not in outside]
+    eos = eos_in_vocab(_eos(cfg), spec["vocab_size"], source)
     spec.update(attention=attn, router=router, experts=experts, eos_token_ids=eos,
                 dtype=_dtype(cfg, dtype_fallback))
     unread = hf_keys.check_unread(data, cfg.read, family, source)

@@ -18,10 +18,10 @@ from typing import Any
 # Families whose MTP layers follow the decoder layers in the checkpoint (see the module docstring).
 MTP_FAMILIES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 
-# RMSNorm eps and rope theta defaults that differ from hf_config's (1e-6, 10000).
-EPS_DEFAULTS = {"glm4_moe_lite": 1e-5, "ernie4_5_moe": 1e-5, "hunyuan_v1_moe": 1e-5, "granitemoe": 1e-6,
-                "dots1": 1e-6, "minimax_m2": 1e-6, "deepseek_v3": 1e-6}
-THETA_DEFAULTS = {"minimax_m2": 5.0e6, "ernie4_5_moe": 500000.0}
+# Each config class's RMSNorm eps and rope `default_theta` where they differ from 1e-6 and 10000.
+EPS_DEFAULTS = {"mixtral": 1e-5, "olmoe": 1e-5, "gpt_oss": 1e-5, "glm4_moe": 1e-5, "glm4_moe_lite": 1e-5,
+                "ernie4_5_moe": 1e-5, "hunyuan_v1_moe": 1e-5}
+THETA_DEFAULTS = {"mixtral": 1.0e6, "gpt_oss": 150000.0, "minimax_m2": 5.0e6, "ernie4_5_moe": 500000.0}
 
 ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -35,8 +35,9 @@ ARCHITECTURES = {
 
 
 def _mla(cfg, data: dict, attn: dict, n_heads: int, *, q_lora: int, nope: int, rope_hd: int, v_hd: int) -> None:
-    """DeepseekV3Attention (GLM-4.7-Flash's too): MLA as DeepSeek-V2, biases on q_a / kv_a / o with
-    attention_bias; rope_interleave (default true) rotates adjacent pairs."""
+    """DeepseekV2Attention / DeepseekV3Attention (GLM-4.7-Flash's too): attention_bias puts biases on q_a_proj,
+    kv_a_proj_with_mqa and o_proj (never q_b / kv_b / q_proj); V3's rope_interleave (default true) rotates adjacent
+    pairs (hf_config `_rope`)."""
     bias = cfg.bool("attention_bias", False)
     nope, rope_hd = cfg.int("qk_nope_head_dim", nope), cfg.int("qk_rope_head_dim", rope_hd)
     attn.update(kind="mla", num_kv_heads=n_heads, head_dim=nope + rope_hd, qkv_bias=bias, o_bias=bias,
@@ -50,11 +51,9 @@ def _noaux_router(cfg, router: dict, *, renorm: bool, n_group: int, topk_group: 
     """DeepseekV3TopkRouter (also GLM's and dots1's): fp32 sigmoid scores; selection on score + correction bias,
     restricted to the topk_group best of n_group groups (a group scores the sum of its two best); the weights are
     the unbiased scores, renormalized with norm_topk_prob, times routed_scaling_factor."""
-    from models.hf_config import _reject_set
-
     # Published DeepSeek-V3 configs say how the original code routes; transformers hard-wires the one below.
-    _reject_set(cfg, "scoring_func", "sigmoid", "the DeepSeek-V3 router scores with sigmoid")
-    _reject_set(cfg, "topk_method", "noaux_tc", "the DeepSeek-V3 router selects with noaux_tc")
+    cfg.reject_set("scoring_func", "sigmoid", "the DeepSeek-V3 router scores with sigmoid")
+    cfg.reject_set("topk_method", "noaux_tc", "the DeepSeek-V3 router selects with noaux_tc")
     router.update(scoring="sigmoid", correction_bias=True, renormalize=cfg.bool("norm_topk_prob", renorm),
                   n_group=cfg.int("n_group", n_group), topk_group=cfg.int("topk_group", topk_group),
                   routed_scaling=cfg.float("routed_scaling_factor", scaling))
@@ -70,23 +69,13 @@ def _shared(cfg, moe_i: int, default: Any) -> int:
 
 def deepseek_v2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
                 spec: dict) -> None:
-    from models.hf_config import _reject_set, _silu
-
-    _silu(cfg)
-    # attention_bias puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj (never q_b/kv_b/q_proj).
-    bias = cfg.bool("attention_bias", False)
-    attn_bias = {"qkv_bias": bias, "o_bias": bias}
-    _reject_set(cfg, "mlp_bias", False, "MLP biases are not implemented")
-    _reject_set(cfg, "moe_layer_freq", 1, "transformers' DeepseekV2 ignores it; only 1 is supported")
+    cfg.reject_set("mlp_bias", False, "MLP biases are not implemented")
+    cfg.reject_set("moe_layer_freq", 1, "transformers' DeepseekV2 ignores it; only 1 is supported")
     # transformers' DeepseekV2TopkRouter never renormalizes, while the original DeepSeek code
     # renormalizes *instead of* applying routed_scaling_factor. Rather than pick one silently:
-    _reject_set(cfg, "norm_topk_prob", False,
-                "transformers ignores it and the original DeepSeek code differs; refusing to guess")
-    nope, rope_hd = cfg.int("qk_nope_head_dim", 128), cfg.int("qk_rope_head_dim", 64)
-    attn.update(kind="mla", num_kv_heads=n_heads, head_dim=nope + rope_hd,
-                q_lora_rank=cfg.int("q_lora_rank", 1536) if "q_lora_rank" not in data else cfg.int("q_lora_rank"),
-                kv_lora_rank=cfg.int("kv_lora_rank", 512), qk_nope_head_dim=nope, qk_rope_head_dim=rope_hd,
-                v_head_dim=cfg.int("v_head_dim", 128), **attn_bias)
+    cfg.reject_set("norm_topk_prob", False,
+                   "transformers ignores it and the original DeepSeek code differs; refusing to guess")
+    _mla(cfg, data, attn, n_heads, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
     method = cfg.get("topk_method", "greedy")
     router.update(scoring="softmax", renormalize=False,
                   routed_scaling=cfg.float("routed_scaling_factor", 1.0))
@@ -102,35 +91,23 @@ def deepseek_v2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router
     moe_i = cfg.int("moe_intermediate_size", 1407)
     experts.update(num_experts=cfg.alias(("n_routed_experts", "num_experts"), 64), top_k=top_k, intermediate_size=moe_i,
                    shared_intermediate_size=moe_i * (cfg.int("n_shared_experts") or 0))
-    k_dense = cfg.int("first_k_dense_replace", 0)
-    if k_dense:
-        spec["dense_layers"] = list(range(min(k_dense, n_layers)))
-        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 11008)
+    cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 0), n_layers))), 11008)
 
 
 def deepseek_v3(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
                 spec: dict) -> None:
-    from models.hf_config import _reject_set, _silu
-
-    _silu(cfg)
-    _reject_set(cfg, "moe_layer_freq", 1, "transformers' DeepseekV3 ignores it; only 1 is supported")
+    cfg.reject_set("moe_layer_freq", 1, "transformers' DeepseekV3 ignores it; only 1 is supported")
     _mla(cfg, data, attn, n_heads, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
     _noaux_router(cfg, router, renorm=True, n_group=8, topk_group=4, scaling=2.5)
     moe_i = cfg.int("moe_intermediate_size", 2048)
     experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 256),
                    top_k=cfg.int("num_experts_per_tok", 8), intermediate_size=moe_i,
                    shared_intermediate_size=_shared(cfg, moe_i, 1))
-    k_dense = cfg.int("first_k_dense_replace", 3)
-    if k_dense:
-        spec["dense_layers"] = list(range(min(k_dense, n_layers)))
-        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 18432)
+    cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 3), n_layers))), 18432)
 
 
 def glm4_moe_lite(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
                   spec: dict) -> None:
-    from models.hf_config import _reject_set, _silu
-
-    _silu(cfg)
     _mla(cfg, data, attn, n_heads, q_lora=768, nope=192, rope_hd=64, v_hd=256)
     _noaux_router(cfg, router, renorm=True, n_group=1, topk_group=1, scaling=1.8)
     moe_i = cfg.int("moe_intermediate_size", 1536)
@@ -140,27 +117,21 @@ def glm4_moe_lite(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, rout
     # Glm4MoeLiteConfig: mlp_layer_types, default one dense layer then sparse ones
     if not cfg.has("mlp_layer_types"):
         # not a Glm4MoeLiteConfig field: transformers makes layer 0 dense whatever it says
-        _reject_set(cfg, "first_k_dense_replace", 1, "transformers' Glm4MoeLite ignores it; give mlp_layer_types")
+        cfg.reject_set("first_k_dense_replace", 1, "transformers' Glm4MoeLite ignores it; give mlp_layer_types")
     types = cfg.get("mlp_layer_types", ["dense"] + ["sparse"] * (n_layers - 1))
     if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
         raise cfg.unsupported("mlp_layer_types", types, f"a list of {n_layers} entries 'dense' or 'sparse'")
-    dense = [i for i, t in enumerate(types) if t == "dense"]
-    if dense:
-        spec["dense_layers"] = dense
-        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 10240)
+    cfg.dense(spec, [i for i, t in enumerate(types) if t == "dense"], 10240)
 
 
 def dots1(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
           spec: dict) -> None:
     """Qwen3 attention (per-head q/k norm, attention_bias on q/k/v/o, sliding layers from max_window_layers) with
     DeepSeek-V3's MoE."""
-    from models.hf_config import _layer_types, _silu
-
-    _silu(cfg)
     bias = cfg.bool("attention_bias", False)
     attn.update(qk_norm="head", qkv_bias=bias, o_bias=bias)
     window = cfg.int("sliding_window", 4096) if "sliding_window" not in data else cfg.int("sliding_window")
-    lt = _layer_types(cfg, n_layers) or [
+    lt = cfg.layer_types(n_layers) or [
         "sliding" if window is not None and i >= cfg.int("max_window_layers", 62) else "full"
         for i in range(n_layers)]
     if "sliding" in lt:
@@ -174,25 +145,17 @@ def dots1(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict
                    shared_intermediate_size=_shared(cfg, moe_i, None))
     if experts["num_experts"] is None:
         raise cfg.fail("missing required key 'n_routed_experts'")
-    k_dense = cfg.int("first_k_dense_replace", 0)
-    if k_dense:
-        spec["dense_layers"] = list(range(min(k_dense, n_layers)))
-        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 10944)
+    cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 0), n_layers))), 10944)
 
 
 def minimax_m2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
                spec: dict) -> None:
     """FlexOlmo attention (q/k RMSNorm over all heads, no biases), partial RoPE, a sigmoid router with a
     selection bias and no groups, always renormalized (MiniMaxM2TopKRouter)."""
-    from models.hf_config import _silu
-
-    from models.hf_config import _reject_set
-
-    _silu(cfg)
     # Released configs describe the router and the norms with keys transformers does not read: it always does this.
-    _reject_set(cfg, "scoring_func", "sigmoid", "MiniMax-M2's router scores with sigmoid")
-    _reject_set(cfg, "use_routing_bias", True, "MiniMax-M2's router always adds its selection bias")
-    _reject_set(cfg, "use_qk_norm", True, "MiniMax-M2's attention always normalizes q and k")
+    cfg.reject_set("scoring_func", "sigmoid", "MiniMax-M2's router scores with sigmoid")
+    cfg.reject_set("use_routing_bias", True, "MiniMax-M2's router always adds its selection bias")
+    cfg.reject_set("use_qk_norm", True, "MiniMax-M2's attention always normalizes q and k")
     attn.update(qk_norm="full", head_dim=cfg.int("head_dim", 128))
     router.update(scoring="sigmoid", correction_bias=True, renormalize=True)
     experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 256),
@@ -210,9 +173,6 @@ def granitemoe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router:
     """Mixtral-like, with multipliers: embedding_multiplier on the embeddings, attention_multiplier as the softmax
     scale, residual_multiplier on every block's output, logits divided by logits_scaling; the router takes the
     top-k logits and a softmax over those k."""
-    from models.hf_config import _silu
-
-    _silu(cfg)
     bias = cfg.bool("attention_bias", False)
     # GraniteMoeAttention: head_dim is hidden // heads (the config class has no head_dim field)
     attn.update(qkv_bias=bias, o_bias=bias, head_dim=spec["hidden_size"] // n_heads,
@@ -231,11 +191,8 @@ def ernie4_5_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, route
     probabilities renormalized; a shared expert of moe_intermediate_size * moe_num_shared_experts; MoE layers from
     moe_layer_start_index to moe_layer_end_index every moe_layer_interval, dense MLPs elsewhere; RoPE on adjacent
     pairs (models/hf_config.py `_rope`)."""
-    from models.hf_config import _reject_set, _silu
-
-    _silu(cfg)
     # use_bias adds biases to q/k/v/o and to every dense and shared MLP projection: the MLP ones are not implemented.
-    _reject_set(cfg, "use_bias", False, "MLP biases are not implemented")
+    cfg.reject_set("use_bias", False, "MLP biases are not implemented")
     norm_min = cfg.float("moe_norm_min", 1e-12)
     if norm_min > 1e-6:
         # the renormalization divides by max(sum, moe_norm_min); we divide by the sum, the same for any tiny floor
@@ -250,10 +207,7 @@ def ernie4_5_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, route
     end = n_layers - 1 if end == -1 else end
     if interval < 1:
         raise cfg.unsupported("moe_layer_interval", interval, "valid: >= 1")
-    dense = [i for i in range(n_layers) if not ((i + 1) % interval == 0 and start <= i <= end)]
-    if dense:
-        spec["dense_layers"] = dense
-        spec["dense_intermediate_size"] = cfg.int("intermediate_size", 12288)
+    cfg.dense(spec, [i for i in range(n_layers) if not ((i + 1) % interval == 0 and start <= i <= end)], 12288)
     spec["tie_embeddings"] = cfg.bool("tie_word_embeddings", True)  # Ernie4_5_MoeConfig's default
 
 
@@ -272,13 +226,10 @@ def hunyuan_v1_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, rou
                    spec: dict) -> None:
     """HunYuanMoEV1: per-head q/k RMSNorm after RoPE (query_layernorm / key_layernorm), a softmax router renormalized
     over the top-k, routed experts and one shared MLP all of intermediate_size, every layer MoE."""
-    from models.hf_config import _reject_set, _silu
-
-    _silu(cfg)
     # Released Hunyuan configs describe options transformers' HunYuanMoEV1 does not have; it always does this.
-    _reject_set(cfg, "use_cla", False, "cross-layer attention (CLA, K/V shared across layers) is not implemented")
-    _reject_set(cfg, "use_qk_norm", True, "HunYuanMoEV1's attention always normalizes q and k")
-    _reject_set(cfg, "use_mixed_mlp_moe", True, "HunYuanMoEV1 always adds its shared MLP")
+    cfg.reject_set("use_cla", False, "cross-layer attention (CLA, K/V shared across layers) is not implemented")
+    cfg.reject_set("use_qk_norm", True, "HunYuanMoEV1's attention always normalizes q and k")
+    cfg.reject_set("use_mixed_mlp_moe", True, "HunYuanMoEV1 always adds its shared MLP")
     inter = cfg.int("intermediate_size", 11008)
     for key, want in (("num_shared_expert", 1), ("moe_intermediate_size", inter)):
         if cfg.has(key) and _per_layer_int(cfg, key, want, n_layers) != want:

@@ -217,9 +217,6 @@ class _Loader:
                             f"expected {list(shape)}")
         self.used.add(hf)
 
-    def _meta(self, hf: str) -> Tensor:
-        return torch.empty(self.st.shape_of[hf], device="meta")
-
     def _scale_of(self, hf: str, shape: tuple[int, ...], canon: str) -> Optional[str]:
         """The `weight_scale_inv` of an fp8 tensor (checked: present, one entry per block), None if not fp8."""
         if self.st.dtype_of.get(hf) != "F8_E4M3":
@@ -233,21 +230,14 @@ class _Loader:
         self.check(scale, blocks, canon + " (fp8 scale)")
         return scale
 
-    def take(self, hf: str, shape: tuple[int, ...], canon: str) -> Tensor:
+    def take(self, hf: str, shape: tuple[int, ...], canon: str, layer: Optional[int] = None) -> Tensor:
+        """`hf`, checked, read and dequantized; with `layer`, a fused [E, ...] tensor of that layer: every row, or
+        only the held experts' rows."""
         self.check(hf, shape, canon)
         scale = self._scale_of(hf, shape, canon)
         if self.dry:
-            return self._meta(hf)
-        t = self.st.get(hf)
-        return t if scale is None else _dequant_fp8(t, self.st.get(scale), self.fp8_block)
-
-    def take_experts(self, hf: str, shape: tuple[int, ...], canon: str, layer: int) -> Tensor:
-        """A fused [E, ...] tensor of `layer`: every row, or only the held experts' rows."""
-        self.check(hf, shape, canon)
-        scale = self._scale_of(hf, shape, canon)
-        if self.dry:
-            return self._meta(hf)
-        held = self.held[layer]
+            return torch.empty(self.st.shape_of[hf], device="meta")
+        held = None if layer is None else self.held[layer]
         get = self.st.get if held is None else (lambda name: self.st.get_rows(name, held))
         return get(hf) if scale is None else _dequant_fp8(get(hf), get(scale), self.fp8_block)
 
@@ -309,16 +299,18 @@ def _dequant_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
     return vals.flatten(-2)
 
 
-def _experts(ld: _Loader, layer: int, moe: str, names: tuple[str, str, str]) -> None:
+def _experts(ld: _Loader, layer: int, moe: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+             fused: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")) -> None:
     """Routed experts of `layer` under prefix `moe` (e.g. `model.layers.3.mlp`), per-expert or fused.
-    `names`: the per-expert (gate, up, down) module names, e.g. ("gate_proj", "up_proj", "down_proj")."""
+    `names`: the per-expert (gate, up, down) module names; `fused`: the names of the fused [E, 2I, H] gate-then-up
+    and [E, H, I] down tensors."""
     c = f"layers.{layer}."
     E, I, H = ld.want[c + "experts.gate"]
-    fused = f"{moe}.experts.gate_up_proj"
-    if ld.has(fused):
-        gu = ld.take_experts(fused, (E, 2 * I, H), c + "experts.gate/up", layer)
+    gu_name, down_name = (f"{moe}.{n}" for n in fused)
+    if ld.has(gu_name):
+        gu = ld.take(gu_name, (E, 2 * I, H), c + "experts.gate/up", layer)
         ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, :I], gu[:, I:]
-        ld.out[c + "experts.down"] = ld.take_experts(f"{moe}.experts.down_proj", (E, H, I), c + "experts.down", layer)
+        ld.out[c + "experts.down"] = ld.take(down_name, (E, H, I), c + "experts.down", layer)
         return
     held = ld.held[layer]
     ids = range(E) if held is None else held
@@ -341,21 +333,21 @@ def _gpt_oss_experts(ld: _Loader, layer: int, moe: str) -> None:
             if in_dim % 32:
                 raise UserError(f"{ld.where(base + '_blocks')}: MXFP4 tensor '{base}_blocks' needs an input dim "
                                 f"divisible by 32, the spec gives {in_dim}")
-            blocks = ld.take_experts(base + "_blocks", (E, out_dim, in_dim // 32, 16), canon, layer)
-            scales = ld.take_experts(base + "_scales", (E, out_dim, in_dim // 32), canon, layer)
+            blocks = ld.take(base + "_blocks", (E, out_dim, in_dim // 32, 16), canon, layer)
+            scales = ld.take(base + "_scales", (E, out_dim, in_dim // 32), canon, layer)
             return _dequant_mxfp4(blocks, scales)
 
         gu = mx(gu_name, 2 * I, H, c + "experts.gate/up")  # [E, 2I, H]
         ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, 0::2], gu[:, 1::2]
         ld.out[c + "experts.down"] = mx(down_name, H, I, c + "experts.down")  # [E, H, I]
     else:
-        gu = ld.take_experts(gu_name, (E, H, 2 * I), c + "experts.gate/up", layer)  # x @ W layout
+        gu = ld.take(gu_name, (E, H, 2 * I), c + "experts.gate/up", layer)  # x @ W layout
         ld.out[c + "experts.gate"] = gu[..., 0::2].transpose(1, 2)
         ld.out[c + "experts.up"] = gu[..., 1::2].transpose(1, 2)
-        ld.out[c + "experts.down"] = ld.take_experts(down_name, (E, I, H), c + "experts.down", layer).transpose(1, 2)
-    gub = ld.take_experts(gu_name + "_bias", (E, 2 * I), c + "experts.gate_b/up_b", layer)
+        ld.out[c + "experts.down"] = ld.take(down_name, (E, I, H), c + "experts.down", layer).transpose(1, 2)
+    gub = ld.take(gu_name + "_bias", (E, 2 * I), c + "experts.gate_b/up_b", layer)
     ld.out[c + "experts.gate_b"], ld.out[c + "experts.up_b"] = gub[:, 0::2], gub[:, 1::2]
-    ld.out[c + "experts.down_b"] = ld.take_experts(down_name + "_bias", (E, H), c + "experts.down_b", layer)
+    ld.out[c + "experts.down_b"] = ld.take(down_name + "_bias", (E, H), c + "experts.down_b", layer)
 
 
 def _attention(ld: _Loader, layer: int, p: str) -> None:
@@ -400,15 +392,11 @@ def _mlp(ld: _Loader, layer: int, p: str) -> None:
         # up), output_linear [E, H, I]}; transformers 5 holds them as router.weight / experts.gate_up_proj/down_proj.
         moe = f"{p}.block_sparse_moe"
         if ld.has(f"{moe}.input_linear.weight"):
-            E, I, H = ld.want[c + "experts.gate"]
             ld.direct(f"{moe}.router.layer.weight", c + "router.w")
-            gu = ld.take_experts(f"{moe}.input_linear.weight", (E, 2 * I, H), c + "experts.gate/up", layer)
-            ld.out[c + "experts.gate"], ld.out[c + "experts.up"] = gu[:, :I], gu[:, I:]
-            ld.out[c + "experts.down"] = ld.take_experts(f"{moe}.output_linear.weight", (E, H, I), c + "experts.down",
-                                                         layer)
+            _experts(ld, layer, moe, fused=("input_linear.weight", "output_linear.weight"))
         else:
             ld.direct(f"{moe}.router.weight", c + "router.w")
-            _experts(ld, layer, moe, ("gate_proj", "up_proj", "down_proj"))
+            _experts(ld, layer, moe)
         return
     if fam in ("mixtral", "minimax_m2"):
         # Published Mixtral and MiniMax-M2: block_sparse_moe.{gate, experts.e.w1/w3/w2} (+ MiniMax's
@@ -428,7 +416,7 @@ def _mlp(ld: _Loader, layer: int, p: str) -> None:
                                                        c + "router.correction_bias").reshape(-1)
     elif c + "router.correction_bias" in ld.want:
         ld.direct(f"{moe}.gate.e_score_correction_bias", c + "router.correction_bias")
-    _experts(ld, layer, moe, ("gate_proj", "up_proj", "down_proj"))
+    _experts(ld, layer, moe)
     if c + "shared.gate" in ld.want:
         shared = {"qwen2_moe": "shared_expert", "hunyuan_v1_moe": "shared_mlp"}.get(fam, "shared_experts")
         for canon in ("gate", "up", "down"):
@@ -481,13 +469,7 @@ def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = No
     dtype = torch_dtype(spec.dtype)
     # contiguous(): slices/transposes above are views; callers expect plain dense tensors.
     ts = {k: v.contiguous() for k, v in ld.out.items()}
-    layers: list[dict[str, Tensor]] = [{} for _ in range(spec.num_layers)]
-    for name, t in ts.items():
-        if name.startswith("layers."):
-            _, idx, short = name.split(".", 2)
-            layers[int(idx)][short] = t
-    w = ModelWeights(embed=ts["embed"], final_norm=ts["final_norm"], lm_head=ts.get("lm_head"), layers=layers,
-                     held=None if experts is None else ld.held)
+    w = ModelWeights.from_names(ts, spec.num_layers, held=None if experts is None else ld.held)
     # ModelWeights.to keeps the fp32-always tensors (router correction bias) in fp32.
     w = w.to(dtype=dtype)
     validate_weights(spec, w, source=str(st.root))

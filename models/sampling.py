@@ -130,7 +130,3 @@ def sample(logits: Tensor, params: SamplingParams, step: int) -> int:
         raise ValueError(f"sample expects logits of shape [V], got {list(logits.shape)}")
     return int(sample_tokens(logits[None], [params], [step])[0])
 
-
-def sample_rows(logits: Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """sample() for each row of logits [B, V]; row i uses params[i] and steps[i]."""
-    return sample_tokens(logits, params, steps).tolist()

@@ -1,9 +1,9 @@
 """ModelWeights: every tensor of a model under its canonical name (see ARCHITECTURE.md).
 
 The math in models/ reads only these names, so a checkpoint importer's whole job is to map a
-family's tensor names and layouts onto them. `expected_shapes` is the single source of truth for
-which tensors a spec needs and their shapes: random init builds from it and checkpoint loading
-validates against it, so the two can never disagree.
+family's tensor names and layouts onto them. `expected_shapes` (per layer graph_ir.spec.layer_shapes, which
+lowering's memory plan counts too) is the single source of truth for which tensors a spec needs and their shapes:
+random init builds from it and checkpoint loading validates against it, so the two can never disagree.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from graph_ir.errors import UserError
-from graph_ir.spec import ModelSpec
+from graph_ir.spec import ModelSpec, layer_shapes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,6 +105,18 @@ class ModelWeights:
             raise self.unheld_error(layer, expert_ids[rows < 0].tolist())
         return rows
 
+    @classmethod
+    def from_names(cls, tensors: dict[str, Tensor], num_layers: int,
+                   held: Optional[list[Optional[list[int]]]] = None) -> "ModelWeights":
+        """The weights of a flat map of canonical names (`expected_shapes`' keys: `layers.{i}.{name}` per layer)."""
+        layers: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
+        for name, t in tensors.items():
+            if name.startswith("layers."):
+                _, idx, short = name.split(".", 2)
+                layers[int(idx)][short] = t
+        return cls(embed=tensors["embed"], final_norm=tensors["final_norm"], lm_head=tensors.get("lm_head"),
+                   layers=layers, held=held)
+
     @property
     def head(self) -> Tensor:
         """The LM head matrix, resolving tied embeddings."""
@@ -153,68 +165,6 @@ def stack_qkv(w: ModelWeights) -> ModelWeights:
                 lw[f"{n}.{kind}"] = own[f"{n}.{kind}"] = view
         layers.append(own)
     return replace(w, layers=layers)
-
-
-def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape of every tensor layer `layer` needs under `spec`."""
-    a, ex, H = spec.attention, spec.experts, spec.hidden_size
-    s: dict[str, tuple[int, ...]] = {"attn_norm": (H,), "mlp_norm": (H,)}
-    nh, nkv = a.num_heads, a.num_kv_heads
-    if a.kind == "gqa":
-        hd = a.head_dim
-        s["q.w"] = (nh * hd, H)
-        s["k.w"] = (nkv * hd, H)
-        s["v.w"] = (nkv * hd, H)
-        s["o.w"] = (H, nh * hd)
-        if a.qkv_bias:
-            s["q.b"], s["k.b"], s["v.b"] = (nh * hd,), (nkv * hd,), (nkv * hd,)
-        if a.qk_norm == "head":
-            s["q_norm"], s["k_norm"] = (hd,), (hd,)
-        elif a.qk_norm == "full":
-            s["q_norm"], s["k_norm"] = (nh * hd,), (nkv * hd,)
-    else:  # mla
-        qk, rope, nope, vd, kvr = a.qk_head_dim, a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
-        if a.q_lora_rank is None:
-            s["q.w"] = (nh * qk, H)
-        else:
-            s["q_a.w"] = (a.q_lora_rank, H)
-            s["q_a_norm"] = (a.q_lora_rank,)
-            s["q_b.w"] = (nh * qk, a.q_lora_rank)
-        s["kv_a.w"] = (kvr + rope, H)
-        s["kv_a_norm"] = (kvr,)
-        s["kv_b.w"] = (nh * (nope + vd), kvr)
-        s["o.w"] = (H, nh * vd)
-        # HF DeepSeek-V2 `attention_bias` puts biases on q_a / kv_a / o (q_b and kv_b never have one).
-        if a.qkv_bias:
-            if a.q_lora_rank is not None:
-                s["q_a.b"] = (a.q_lora_rank,)
-            s["kv_a.b"] = (kvr + rope,)
-    if a.o_bias:
-        s["o.b"] = (H,)
-    if a.sinks:
-        s["sinks"] = (nh,)
-
-    if spec.is_moe_layer(layer):
-        E, I = ex.num_experts, ex.intermediate_size
-        s["router.w"] = (E, H)
-        if spec.router.bias:
-            s["router.b"] = (E,)
-        if spec.router.correction_bias:
-            s["router.correction_bias"] = (E,)
-        s["experts.gate"] = (E, I, H)
-        s["experts.up"] = (E, I, H)
-        s["experts.down"] = (E, H, I)
-        if ex.bias:
-            s["experts.gate_b"], s["experts.up_b"], s["experts.down_b"] = (E, I), (E, I), (E, H)
-        if ex.shared_intermediate_size:
-            Is = ex.shared_intermediate_size
-            s["shared.gate"], s["shared.up"], s["shared.down"] = (Is, H), (Is, H), (H, Is)
-            if ex.shared_gate:
-                s["shared_gate.w"] = (1, H)
-    else:
-        Id = spec.dense_intermediate_size
-        s["mlp.gate"], s["mlp.up"], s["mlp.down"] = (Id, H), (Id, H), (H, Id)
-    return s
 
 
 def expected_shapes(spec: ModelSpec, experts: ExpertSubset = None) -> dict[str, tuple[int, ...]]:
@@ -450,14 +400,7 @@ def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | to
             t = torch.empty(shape, dtype=out_dtype, device=device)
             _fill(t, _stream_keys(seed, name), short, std, draw)
         tensors[name] = t
-    layers = [{} for _ in range(spec.num_layers)]
-    for name, t in tensors.items():
-        if name.startswith("layers."):
-            _, idx, short = name.split(".", 2)
-            layers[int(idx)][short] = t
-    return ModelWeights(embed=tensors["embed"], final_norm=tensors["final_norm"],
-                        lm_head=tensors.get("lm_head"), layers=layers,
-                        held=None if experts is None else held)
+    return ModelWeights.from_names(tensors, spec.num_layers, held=None if experts is None else held)
 
 
 def load_weights(spec: ModelSpec, experts: ExpertSubset = None,

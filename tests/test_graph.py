@@ -1,4 +1,5 @@
-"""The token-level dataflow graph: shape, LayerID keys, and that validation catches each broken invariant."""
+"""The token-level dataflow graph: shape, LayerID keys, and `graph_problems` (every invariant build_graph keeps,
+checked here) catching each broken one."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +7,90 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from graph_ir.graph import LayerID, build_graph, graph_problems, to_dot, validate_graph, GraphValidationError
+from graph_ir.graph import LayerID, build_graph as _build_graph, to_dot
 from graph_ir.spec import load_spec
+from lowering.placement import contiguous
 
 SPECS = Path(__file__).resolve().parents[1] / "models" / "specs"
 TINY = sorted(p.stem for p in SPECS.glob("tiny*.yaml"))
+
+
+NODE_KINDS = ("attention", "expert", "merge", "sample")
+
+
+def build_graph(spec, ranks, placement=None, homes=None):
+    """The graph on `ranks` ranks, experts placed contiguously unless `placement` says, every home unless `homes`."""
+    if placement is None:
+        placement = [contiguous(spec.experts.num_experts, ranks) if spec.is_moe_layer(l) else []
+                     for l in range(spec.num_layers)]
+    return _build_graph(spec, ranks, placement, range(ranks) if homes is None else homes)
+
+
+class GraphValidationError(ValueError):
+    """The graph breaks an invariant, listed problem by problem."""
+
+
+def graph_problems(g: nx.DiGraph) -> list[str]:
+    """Every broken invariant, as readable lines (empty list: the graph is valid)."""
+    L, E, k = g.graph["num_layers"], g.graph["num_experts"], g.graph["top_k"]
+    ranks = g.graph["ranks"]
+    dense = set(g.graph["dense_layers"])
+    problems: list[str] = []
+    homes = sorted({lid.home_rank for _, lid in g.nodes})
+    for node, data in g.nodes(data=True):
+        kind, lid = node
+        if kind not in NODE_KINDS:
+            problems.append(f"{node}: unknown node kind {kind!r}")
+            continue
+        if g.degree(node) == 0:
+            problems.append(f"{node}: orphan node (no edges)")
+        if not 0 <= data["rank"] < ranks:
+            problems.append(f"{node}: runs on rank {data['rank']}, outside 0..{ranks - 1}")
+        if kind == "expert":
+            if not 0 <= lid.expert < E:
+                problems.append(f"{node}: expert id {lid.expert} outside 0..{E - 1}")
+            if lid.layer in dense:
+                problems.append(f"{node}: expert node in dense layer {lid.layer}")
+        elif lid.expert != -1:
+            problems.append(f"{node}: {kind} node must have expert -1")
+        if kind == "merge":
+            sources = [p for p in g.predecessors(node) if p[0] == "expert" and p[1].layer == lid.layer
+                       and p[1].home_rank == lid.home_rank]
+            got = sorted(p[1].expert for p in sources)
+            if got != list(range(E)):
+                problems.append(f"{node}: merge fed by experts {got}, needs all {E} experts of layer {lid.layer}")
+            if k > g.in_degree(node):
+                problems.append(f"{node}: top_k {k} > {g.in_degree(node)} inputs: a token could never complete")
+        for succ in g.successors(node):
+            if succ[1].home_rank != lid.home_rank:
+                problems.append(f"{node} -> {succ}: edge crosses homes; a request never leaves its home")
+    for h in homes:
+        sample, first = ("sample", LayerID(L, h)), ("attention", LayerID(0, h))
+        if sample not in g or first not in g:
+            problems.append(f"home {h}: missing sample or layer-0 attention node")
+            continue
+        if not g.has_edge(sample, first):
+            problems.append(f"home {h}: chain does not close (no edge sample -> attention(0))")
+        # One traversal each way per home, not a path search per layer: has_path per layer made this
+        # O(layers^2 x experts) (minutes for a 256-layer, 512-expert spec).
+        after_first = nx.descendants(g, first) | {first}
+        before_sample = nx.ancestors(g, sample) | {sample}
+        for layer in range(L):
+            a = ("attention", LayerID(layer, h))
+            if a not in g:
+                problems.append(f"home {h}: no attention node for layer {layer}")
+            elif a not in after_first or a not in before_sample:
+                problems.append(f"home {h}: layer {layer} attention is not on the chain attention(0) -> sample")
+            if layer not in dense and ("merge", LayerID(layer, h)) not in g:
+                problems.append(f"home {h}: MoE layer {layer} has no merge node")
+    return problems
+
+
+def validate_graph(g: nx.DiGraph) -> None:
+    problems = graph_problems(g)
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise GraphValidationError("dataflow graph is invalid:\n  " + "\n  ".join(shown))
 
 
 @pytest.mark.parametrize("name", TINY)
