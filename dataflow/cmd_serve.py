@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from graph_ir.errors import UserError
-from dataflow.cmd_run import OPTIONS_HELP, SET_HELP
+from dataflow.cmd_run import OPTIONS_HELP, SET_HELP, check_policy
 
 
 def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[int] = None,
@@ -24,16 +24,9 @@ def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[
     from lowering.plan import load_plan
     from runtime.drivers.cluster import RunOptions
     from runtime.drivers.front import Front
-    from runtime.core.scheduler import POLICIES, make_policy, parse_policy
     plan = load_plan(plan_dir)
     spec = plan.spec
-    name, params = parse_policy(policy)
-    if name not in POLICIES:
-        raise UserError(f"--policy {policy!r}; valid: {', '.join(POLICIES)} (optionally NAME:KEY=VALUE,...)")
-    try:
-        make_policy(policy)
-    except ValueError as err:
-        raise UserError(f"--policy {policy!r}: {err}") from None
+    check_policy(policy, {})
     tokenizer = defaults = None
     if spec.weights.source == "checkpoint":
         from models.generation_config import read_generation_config
