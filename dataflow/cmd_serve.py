@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from graph_ir.errors import UserError
-from dataflow.cmd_run import OPTIONS_HELP, SET_HELP, check_policy
+from dataflow.cmd_run import OPTIONS_HELP, SET_HELP, _tokenizer_of, check_policy
 
 
 def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[int] = None,
@@ -27,11 +27,9 @@ def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[
     plan = load_plan(plan_dir)
     spec = plan.spec
     check_policy(policy, {})
-    tokenizer = defaults = None
+    tokenizer, defaults = _tokenizer_of(spec), None
     if spec.weights.source == "checkpoint":
         from models.generation_config import read_generation_config
-        from models.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(spec.weights.path)
         defaults = read_generation_config(spec.weights.path)
     options = RunOptions(policy=policy, kv_blocks=kv_blocks, stall_timeout_s=stall_timeout)
     front = Front(plan, options, peer_timeout_s=peer_timeout, max_outstanding=max_outstanding)

@@ -112,10 +112,6 @@ class Cluster:
         self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
                                    options.home_policy or plan.placement.home_policy)
 
-    def set_policy(self, name: str, **params) -> None:
-        for e in self.engines:
-            e.set_policy(name, **params)
-
     # ------------------------------------------------------------------ shared pieces
     def _release(self, pending: list[Request], now: float) -> None:
         while pending and pending[-1].arrival <= now:
