@@ -63,7 +63,7 @@ async def _one(client, base: str, model: str, prompt: list[int], max_tokens: int
 
 async def run(args) -> dict:
     if args.plan:
-        from dataflow.cmd_serve import serve_in_thread
+        from lab.serve_thread import serve_in_thread
         t0 = time.monotonic()
         with serve_in_thread(Path(args.plan), kv_blocks=args.kv_blocks, max_outstanding=args.max_outstanding) as (
                 base, _server):

@@ -173,8 +173,8 @@ def main() -> int:
     sampler.stop.set()
     sampler.join()
     if not streams and result is not None:
-        from runtime.drivers.workload import write_outputs
-        write_outputs(out_path, result.requests)
+        from runtime.drivers.workload import output_line
+        out_path.write_text("".join(output_line(r) for r in result.requests))
     outputs = check_outputs(out_path, reqs, a.max_new_tokens) if out_path.exists() else {"error": "no output file"}
 
     # The end: the last sample with every rank alive (after it, rank 0 alone builds the run's result)

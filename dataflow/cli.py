@@ -19,9 +19,10 @@ DEFAULT_PLAN_DIR = "dataflow-plan"  # `compile` writes here without -o; `run`/`i
 def _register() -> None:
     # Each cmd_* module defines `register(app)` and imports its heavy dependencies (torch, the
     # runtime) inside the command, so `dataflow --help` stays fast.
-    # (`bench`, which compares against the lab's baselines, is the lab's: `python -m lab bench`.)
-    from dataflow import cmd_compile, cmd_inspect, cmd_options, cmd_run, cmd_serve, cmd_transport_bench
-    for mod in (cmd_compile, cmd_inspect, cmd_run, cmd_serve, cmd_options, cmd_transport_bench):
+    # (`bench`, which compares against the lab's baselines, is the lab's: `python -m lab bench`; the transport's
+    # per-message costs are benchmarks/transport_bench.py's.)
+    from dataflow import cmd_compile, cmd_inspect, cmd_options, cmd_run, cmd_serve
+    for mod in (cmd_compile, cmd_inspect, cmd_run, cmd_serve, cmd_options):
         mod.register(app)
 
 

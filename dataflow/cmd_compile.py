@@ -13,6 +13,7 @@ import typer
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec, cut_layers, load_spec
 from lowering.plan import DEFAULT_ATTN_CAP
+from lowering.summary import compress_ids
 
 GIB = 1024 ** 3
 
@@ -131,8 +132,6 @@ def register(app: typer.Typer) -> None:
 def _print_summary(plan, path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from lowering.summary import compress_ids
 
     s, c = plan.spec, plan.cluster
     console = Console()

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import typer
 
 from graph_ir.errors import UserError
+from lowering.summary import compress_ids
 
 SECTIONS = ("placement", "queues", "graphs", "routes", "memory")
 GIB = 1024 ** 3
@@ -60,22 +61,14 @@ def _section_data(plan, section: str, rank: Optional[int]) -> Any:
 
 def _group_layers(plan) -> list[tuple[list[int], list[int]]]:
     """MoE layers grouped by identical expert->rank rows (usually one group for all layers)."""
-    groups: list[tuple[list[int], list[int]]] = []
+    groups: dict[tuple, list[int]] = {}
     for layer in plan.spec.moe_layers:
-        row = plan.placement.expert_rank[layer]
-        for layers, r in groups:
-            if r == row:
-                layers.append(layer)
-                break
-        else:
-            groups.append(([layer], row))
-    return groups
+        groups.setdefault(tuple(plan.placement.expert_rank[layer]), []).append(layer)
+    return [(layers, list(row)) for row, layers in groups.items()]
 
 
 def _print_placement(console, plan, rank: Optional[int]) -> None:
     from rich.table import Table
-
-    from lowering.summary import compress_ids
 
     p = plan.placement
     console.print(f"[bold]placement[/]: {p.policy}; home-rank policy {p.home_policy}; "
@@ -99,8 +92,6 @@ def _print_placement(console, plan, rank: Optional[int]) -> None:
 def _print_queues(console, plan, rank: Optional[int]) -> None:
     from rich.table import Table
 
-    from lowering.summary import compress_ids
-
     r = 0 if rank is None else rank
     chain = " -> ".join(stage_name(plan, s.id) for s in plan.stages) + " -> (wraps to attn(0))"
     console.print(f"[bold]stage chain[/] ({len(plan.stages)} stages, same ids on every rank): {chain}")
@@ -118,8 +109,6 @@ def _print_queues(console, plan, rank: Optional[int]) -> None:
 
 def _print_graphs(console, plan, rank: Optional[int]) -> None:
     from rich.table import Table
-
-    from lowering.summary import compress_ids
 
     c = plan.capture
     state = "captured" if c.enabled else "planned only (CUDA graphs are captured on cuda)"
@@ -144,8 +133,6 @@ def _print_graphs(console, plan, rank: Optional[int]) -> None:
 
 def _print_routes(console, plan, rank: Optional[int]) -> None:
     from rich.table import Table
-
-    from lowering.summary import compress_ids
 
     if plan.cluster.dispatch == "device":
         console.print("[bold]routes[/] (device-routed dispatch): dispatch = home ranks send each attention batch "

@@ -70,18 +70,15 @@ class RunFailed(UserError):
     exit_code = 1
 
 
-def _multi_process_runner(procs_timeout: Optional[float], peer_timeout: float):
-    from runtime.drivers.multiproc import run_workload_multiprocess
-
-    def run(plan, requests, options):
-        return run_workload_multiprocess(plan, requests, options, timeout=procs_timeout, peer_timeout_s=peer_timeout)
-    return run
-
-
-def _under_torchrun_rank() -> Optional[int]:
-    from runtime.drivers.launch import from_torchrun_env
-    env = from_torchrun_env()
-    return None if env is None else env.rank
+def check_policy(policy: str, params: dict) -> None:
+    """--policy NAME[:KEY=VALUE,...] with `params` (--policy-param): a UserError naming what is valid."""
+    from runtime.core.scheduler import POLICIES, make_policy, parse_policy
+    try:
+        if parse_policy(policy)[0] not in POLICIES:
+            raise UserError(f"--policy {policy!r}; valid: {', '.join(POLICIES)} (optionally NAME:KEY=VALUE,...)")
+        make_policy(policy, **params)
+    except ValueError as err:
+        raise UserError(f"--policy {policy!r} / --policy-param: {err}") from None
 
 
 def cap_hint(metrics: dict, plan) -> str:
@@ -266,7 +263,6 @@ def register(app: typer.Typer) -> None:
         from lowering.plan import load_plan
         from models.sampling import SamplingParams
         from runtime.drivers.cluster import RunOptions, run_workload
-        from runtime.core.scheduler import POLICIES, make_policy, parse_policy
         from runtime.drivers.workload import default_workload, load_prompts
 
         console = Console(stderr=True)
@@ -274,13 +270,8 @@ def register(app: typer.Typer) -> None:
         settings.from_flags(options_file and str(options_file), set_option)
         plan = load_plan(plan_dir)
         spec = plan.spec
-        if parse_policy(policy)[0] not in POLICIES:
-            raise UserError(f"--policy {policy!r}; valid: {', '.join(POLICIES)} (optionally NAME:KEY=VALUE,...)")
         params = _parse_params(policy_param)
-        try:
-            make_policy(policy, **params)
-        except ValueError as err:
-            raise UserError(f"--policy / --policy-param: {err}") from None
+        check_policy(policy, params)
         if clock not in ("wall", "virtual"):
             raise UserError(f"--clock {clock!r}; valid: wall, virtual")
         if max_new_tokens < 1:
@@ -322,31 +313,36 @@ def register(app: typer.Typer) -> None:
                            ("--stall-timeout", stall_timeout)):
             if value is not None and not 0 < value < float("inf"):
                 raise UserError(f"{opt} {value}; valid: a positive number of seconds")
-        torchrun_rank = None if in_process or clock == "virtual" else _under_torchrun_rank()
+        # The virtual clock is a simulation of the whole cluster: it needs every rank in one process.
+        multi = not (in_process or clock == "virtual")
+        from runtime.drivers.launch import from_torchrun_env
+        torchrun = from_torchrun_env() if multi else None
+        # Under torchrun only rank 0 reads the prompts, prints and writes the outputs; the others serve what it sends.
+        reports = torchrun is None or torchrun.rank == 0
         import os
         # Without torchrun every rank is a process started on this machine, each with its own torch runtime
         # (~0.3-0.5 GB resident) and its own serving loop: beyond one per core (at least 8, so small boxes still run
         # the 4-rank benchmarks) they only compete for memory and cores; 1,000 of them were OOM-killed.
         max_local = max(8, os.cpu_count() or 1)
-        if not (in_process or clock == "virtual") and torchrun_rank is None and plan.cluster.ranks > max_local:
+        if multi and torchrun is None and plan.cluster.ranks > max_local:
             raise UserError(f"{plan_dir}: the plan has {plan.cluster.ranks} ranks, and `dataflow run` starts one "
                             f"process per rank on this machine; valid: at most {max_local} local rank processes "
                             f"(max(8, {os.cpu_count()} CPU cores)); start the ranks across hosts with torchrun, run "
                             f"them all in this process with --in-process, or compile for fewer --ranks")
         # Text in, text out: the tokenizer of the checkpoint the plan was compiled from (spec.weights.path); a spec
         # with random weights has none and serves ids only.
-        tokenizer = _tokenizer_of(spec) if torchrun_rank in (None, 0) else None
+        tokenizer = _tokenizer_of(spec) if reports else None
         bad = [t for t in stop_token_id if not 0 <= t < spec.vocab_size]
         if bad:
             raise UserError(f"--stop-token-id {bad[0]}: outside the vocabulary 0..{spec.vocab_size - 1} of {spec.name}")
-        if stop and tokenizer is None and torchrun_rank in (None, 0):
+        if stop and tokenizer is None and reports:
             from runtime.drivers.workload import no_tokenizer_reason
             raise UserError(f"--stop {stop[0]!r}: stop strings need the text of the output, and "
                             f"{no_tokenizer_reason(spec)}; valid: --stop-token-id")
         if any(not s for s in stop):
             raise UserError("--stop '': valid: a non-empty string")
-        if torchrun_rank not in (None, 0):
-            requests = []  # only the coordinator (rank 0) reads the prompts; the others serve what it sends
+        if not reports:
+            requests = []
         elif prompts is not None:
             # load_prompts gives request i the seed seed + i unless its line sets one
             requests = load_prompts(prompts, spec, max_new_tokens, sampling, ignore_eos, tokenizer,
@@ -371,9 +367,7 @@ def register(app: typer.Typer) -> None:
                     note += f", with a KV pool of {kv_blocks} pages per rank for these requests (--kv-blocks sets it)"
         options = RunOptions(policy=policy, policy_params=params, clock=clock, trace=trace is not None,
                              kv_blocks=kv_blocks, stall_timeout_s=stall_timeout)
-        # The virtual clock is a simulation of the whole cluster: it needs every rank in one process.
-        runner = None if in_process or clock == "virtual" else _multi_process_runner(procs_timeout, peer_timeout)
-        if torchrun_rank in (None, 0):  # the process that writes them: fail now, not after the whole run
+        if reports:  # the process that writes them: fail now, not after the whole run
             for opt, path in (("--output", output), ("--trace", trace)):
                 if path is not None:
                     _check_writable(opt, path)
@@ -381,19 +375,21 @@ def register(app: typer.Typer) -> None:
             # Each request's line is written as it finishes (by rank 0's coordinator, or the in-process driver): a
             # failed run keeps every finished one. Out of process, rank 0 then keeps no outputs (flat memory).
             options.output_path = str(output)
-            options.keep_outputs = runner is None
+            options.keep_outputs = not multi
         if note:
             console.print(f"[yellow]note:[/] {note}")
 
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[tokens]} tokens"), TimeElapsedColumn(), console=console,
-                      disable=quiet or torchrun_rank not in (None, 0), transient=True) as bar:
-            task = bar.add_task("starting the ranks" if runner is not None else "serving", total=len(requests),
+                      disable=quiet or not reports, transient=True) as bar:
+            task = bar.add_task("starting the ranks" if multi else "serving", total=len(requests),
                                 tokens=0)
             options.progress = _BarProgress(bar, task)
             try:
-                if runner is not None:
-                    result = runner(plan, requests, options)
+                if multi:
+                    from runtime.drivers.multiproc import run_workload_multiprocess
+                    result = run_workload_multiprocess(plan, requests, options, timeout=procs_timeout,
+                                                       peer_timeout_s=peer_timeout)
                 else:
                     result = run_workload(plan, requests, options)
             except ValueError as err:  # e.g. a request larger than any rank's KV pool

@@ -6,7 +6,6 @@ SIGTERM) cancels what is outstanding, stops the ranks and exits.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,7 +13,7 @@ from typing import Optional
 import typer
 
 from graph_ir.errors import UserError
-from dataflow.cmd_run import OPTIONS_HELP, SET_HELP
+from dataflow.cmd_run import OPTIONS_HELP, SET_HELP, _tokenizer_of, check_policy
 
 
 def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[int] = None,
@@ -25,68 +24,17 @@ def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[
     from lowering.plan import load_plan
     from runtime.drivers.cluster import RunOptions
     from runtime.drivers.front import Front
-    from runtime.core.scheduler import POLICIES, make_policy, parse_policy
     plan = load_plan(plan_dir)
     spec = plan.spec
-    name, params = parse_policy(policy)
-    if name not in POLICIES:
-        raise UserError(f"--policy {policy!r}; valid: {', '.join(POLICIES)} (optionally NAME:KEY=VALUE,...)")
-    try:
-        make_policy(policy)
-    except ValueError as err:
-        raise UserError(f"--policy {policy!r}: {err}") from None
-    tokenizer = defaults = None
+    check_policy(policy, {})
+    tokenizer, defaults = _tokenizer_of(spec), None
     if spec.weights.source == "checkpoint":
         from models.generation_config import read_generation_config
-        from models.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(spec.weights.path)
         defaults = read_generation_config(spec.weights.path)
     options = RunOptions(policy=policy, kv_blocks=kv_blocks, stall_timeout_s=stall_timeout)
     front = Front(plan, options, peer_timeout_s=peer_timeout, max_outstanding=max_outstanding)
     return Server(front, model=spec.name, max_position=spec.max_position, vocab_size=spec.vocab_size,
                   tokenizer=tokenizer, defaults=defaults, eos_token_ids=tuple(spec.eos_token_ids)), plan
-
-
-@contextlib.contextmanager
-def serve_in_thread(plan_dir: Path, *, startup_timeout_s: float = 900.0, **options):
-    """`dataflow serve` of a plan directory inside this process (uvicorn on a thread, the ranks as processes), for
-    tests and benchmarks: yields (base url, Server) once /health answers 200; shuts it down after (bounded)."""
-    import socket
-    import threading
-    import time
-    import urllib.request
-
-    import uvicorn
-
-    from dataflow.openai_api import create_app
-    server, _ = build_server(plan_dir, **options)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=http.run, name="dataflow-serve", daemon=True)
-    th.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as res:
-                if res.status == 200:
-                    break
-        except OSError:  # (refused before it listens; 503 while the ranks start)
-            pass
-        if not th.is_alive():
-            raise RuntimeError(f"the server failed to start: {server.front.failure or 'see its log above'}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the server did not become healthy in {startup_timeout_s:g} s")
-        time.sleep(0.2)
-    try:
-        yield base, server
-    finally:
-        http.should_exit = True
-        th.join(60)
-        if th.is_alive():
-            raise RuntimeError("the server did not shut down within 60 s")
 
 
 def register(app: typer.Typer) -> None:

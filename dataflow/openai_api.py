@@ -231,6 +231,10 @@ class Server:
         return generate_latest(self.registry).decode()
 
 
+def _usage(ids: list[int], tokens: list[int]) -> dict:
+    return {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -303,9 +307,7 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
         text, tokens, reason = await _collect(gen)
         return {"id": cid, "object": "text_completion", "created": created, "model": server.model,
-                "choices": [choice(prefix + text, tokens, reason)],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                          "total_tokens": len(ids) + len(tokens)}}
+                "choices": [choice(prefix + text, tokens, reason)], "usage": _usage(ids, tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
@@ -333,8 +335,7 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
         return {"id": cid, "object": "chat.completion", "created": created, "model": server.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": OPENAI_FINISH.get(reason, reason), "token_ids": tokens}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                          "total_tokens": len(ids) + len(tokens)}}
+                "usage": _usage(ids, tokens)}
 
     return app
 

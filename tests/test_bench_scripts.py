@@ -127,6 +127,15 @@ def test_ab_summary_reads_both_benches_rows_and_pairs_rounds():
     assert summary("old 1 | s | c | 1 | 5.0 |\n").startswith("expected two trees")
 
 
+def test_transport_bench_prints_a_table():
+    from typer.testing import CliRunner
+
+    import transport_bench
+    out = CliRunner().invoke(transport_bench.app, ["--ranks", "2", "--sizes", "0,4K", "--messages", "50"])
+    assert out.exit_code == 0, out.output
+    assert "msg/s" in out.output and "4K" in out.output and "meta-only" in out.output
+
+
 # ------------------------------------------------------------------------------ the device runner (benchmarks/device)
 DEVICE = Path(__file__).resolve().parent.parent / "benchmarks" / "device"
 KINDS = {"nvidia-h200", "nvidia-h200-x2", "nvidia-h200-x4", "nvidia-h200-x8"}

@@ -231,7 +231,7 @@ def test_policy_switch_mid_run_keeps_tokens_exact():
     cycle = ["flfs", "aging", "mtfs", "defrag"]
     options = RunOptions(kv_blocks=128, clock="virtual", policy="defrag", trace=True)
     cluster = Cluster(plan, TorchExecutor(spec, w), options)
-    options.progress = lambda done, total, tokens: cluster.set_policy(cycle[done % len(cycle)])
+    options.progress = lambda done, total, tokens: [e.set_policy(cycle[done % len(cycle)]) for e in cluster.engines]
     res = cluster.run(reqs)
     assert assert_matches_reference("tiny-mixtral", res.requests) > 20
     used = {d["policy"] for d in res.trace.decisions}

@@ -17,7 +17,7 @@ NAME = "tiny-mixtral"
 
 
 def running_server(plan_dir, **options):
-    from dataflow.cmd_serve import serve_in_thread
+    from lab.serve_thread import serve_in_thread
     return serve_in_thread(plan_dir, startup_timeout_s=120, **options)
 
 

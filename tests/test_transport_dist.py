@@ -322,15 +322,6 @@ def test_bench_link_delay_holds_back_delivery_not_just_the_senders_notice():
     assert res.results[0]["rtt"] >= 0.010, res.results[0]
 
 
-def test_transport_bench_command_prints_a_table():
-    from typer.testing import CliRunner
-
-    from dataflow.cli import app
-    out = CliRunner().invoke(app, ["transport-bench", "--ranks", "2", "--sizes", "0,4K", "--messages", "50"])
-    assert out.exit_code == 0, out.output
-    assert "msg/s" in out.output and "4K" in out.output and "meta-only" in out.output
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("p2p", ["lib", "c10d"])
 def test_cuda_exchange_direct_nccl(p2p, use_options):

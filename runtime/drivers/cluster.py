@@ -52,7 +52,7 @@ class RunOptions:
     # (runtime/transport/health.py ProgressWatch; `dataflow run --stall-timeout`).
     stall_timeout_s: float = 60.0
     progress: Optional[Callable[[int, int, int], None]] = None  # (finished, total, tokens)
-    # One JSON line per finished request (runtime/drivers/workload.py output_line, the format of write_outputs), written and
+    # One JSON line per finished request (runtime/drivers/workload.py output_line), written and
     # flushed as each finishes, in finish order, by whoever collects the finished requests (the in-process driver, or
     # rank 0's coordinator): a run that fails later keeps them. run_workload / run_workloads_multiprocess create the
     # file empty first.
@@ -70,9 +70,6 @@ class RunResult:
     metrics: dict
     trace: Optional[TraceRecorder]
     world_size: int
-
-    def outputs(self) -> list[dict]:
-        return [r.result() for r in self.requests]
 
 
 def inproc_factory(delay: Optional[DelayFn] = None, seed: int = 0) -> TransportFactory:
@@ -114,10 +111,6 @@ class Cluster:
                 e.async_sample = False
         self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
                                    options.home_policy or plan.placement.home_policy)
-
-    def set_policy(self, name: str, **params) -> None:
-        for e in self.engines:
-            e.set_policy(name, **params)
 
     # ------------------------------------------------------------------ shared pieces
     def _release(self, pending: list[Request], now: float) -> None:

@@ -6,7 +6,7 @@ while the ranks serve), and waits for their ready notice. Then
 
     stream = await front.submit(prompt_ids, max_new_tokens=..., params=..., stop_token_ids=...)
     async for tokens in stream: ...      # each frame's new token ids, in order
-    stream.reason, stream.timings        # when it ended: "eos" | "stop" | "length" | "abort" | "error"
+    stream.reason                        # when it ended: "eos" | "stop" | "length" | "abort" | "error"
     await front.cancel(stream.rid)       # its client went away: KV freed at its home's next token
 
 The channel (runtime/drivers/front_link.py) carries signed msgpack frames (runtime/transport/wire.py). Admission control
@@ -46,8 +46,6 @@ class Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.reason: Optional[str] = None
         self.error: Optional[str] = None
-        self.timings: dict = {}
-        self.tokens: list[int] = []
 
     def __aiter__(self):
         return self
@@ -57,17 +55,10 @@ class Stream:
             raise StopAsyncIteration
         kind, value = await self.queue.get()
         if kind == "tok":
-            self.tokens.extend(value)
             return list(value)
         self.reason = value.get("reason", "error")
         self.error = value.get("error")
-        self.timings = {k: v for k, v in value.items() if k.endswith("_s")}
         raise StopAsyncIteration
-
-    async def collect(self) -> list[int]:
-        async for _ in self:
-            pass
-        return self.tokens
 
 
 class Front:
@@ -88,7 +79,6 @@ class Front:
         self._rids = itertools.count(1)
         self._streams: dict[int, Stream] = {}
         self.stats: dict = {}
-        self.dropped = 0
         self.failure: Optional[str] = None
         self.closed = False
         self._ready = asyncio.Event()
@@ -108,8 +98,6 @@ class Front:
         self.endpoints = (f"tcp://127.0.0.1:{cmd_port}", f"tcp://127.0.0.1:{ev_port}")
         job = RankJob(self.plan, [([], _picklable(self.options))], self.peer_timeout_s, front=self.endpoints)
         env = dict(self.env, DATAFLOW_RUN_SECRET=self.secret.hex())
-        if self.plan.cluster.device == "cuda":
-            env.setdefault("NCCL_NVLS_ENABLE", "0")
         self._reader = asyncio.create_task(self._read_events())
         self._launch = threading.Thread(target=self._run_ranks, args=(job, env), name="front-ranks", daemon=True)
         self._launch.start()
@@ -193,8 +181,7 @@ class Front:
             raw = await self._events.recv()
             try:
                 frame = self._codec.decode(raw)
-            except WireError:
-                self.dropped += 1
+            except WireError:  # not this run's frame: dropped
                 continue
             meta = frame.meta
             t = meta.get("t")

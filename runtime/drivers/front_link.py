@@ -17,7 +17,6 @@ from typing import Optional
 
 import zmq
 
-from runtime.observability.metrics import request_timings
 from runtime.transport.wire import DATA, Codec, WireError
 
 CMD_SUBMIT, CMD_CANCEL, CMD_BYE = "fsub", "fcan", "fbye"
@@ -40,7 +39,6 @@ class FrontLink:
             self._commands.connect(commands)
         self._seq = 0
         self._sent: dict[int, int] = {}  # rid -> tokens already streamed
-        self.dropped = 0
 
     def send(self, meta: dict) -> None:
         self._events.send(self._codec.encode(DATA, self._seq, meta))
@@ -63,11 +61,10 @@ class FrontLink:
         """Its last tokens (if any are unsent), then its end."""
         self.stream([req])
         self._sent.pop(req.rid, None)
-        timings = {k: v for k, v in request_timings(req).items() if v is not None}
-        self.send({"t": EV_FINISHED, "rid": req.rid, "reason": req.finish_reason, "n": len(req.output), **timings})
+        self.send({"t": EV_FINISHED, "rid": req.rid, "reason": req.finish_reason, "n": len(req.output)})
 
     def commands(self) -> list[dict]:
-        """The front's commands waiting (rank 0); a frame that is not this run's is dropped and counted."""
+        """The front's commands waiting (rank 0); a frame that is not this run's is dropped."""
         out = []
         sock = self._commands
         while sock is not None and sock.poll(0):
@@ -75,12 +72,9 @@ class FrontLink:
             try:
                 frame = self._codec.decode(raw)
             except WireError:
-                self.dropped += 1
                 continue
             if frame.src == self._codec.world_size - 1 and type(frame.meta) is dict:
                 out.append(frame.meta)
-            else:
-                self.dropped += 1
         return out
 
     def close(self) -> None:

@@ -89,7 +89,6 @@ class LaunchResult:
     first_failed_rank: Optional[int]
     errors: dict[int, str] = field(default_factory=dict)  # every failed rank's one-line message
     results: list[Any] = field(default_factory=list)      # targets' return values (None if it failed)
-    wall_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -158,8 +157,8 @@ def _forward_lines(stream, sink, prefix: bytes) -> None:
 
 
 def launch_local(world_size: int, target: Union[str, Callable], args: tuple = (), timeout: Optional[float] = None, *,
-                 grace_s: float = 5.0, env: Optional[dict] = None, prefix_output: bool = True,
-                 stdout=None, stderr=None, on_tick: Optional[Callable[[], None]] = None) -> LaunchResult:
+                 grace_s: float = 5.0, env: Optional[dict] = None,
+                 on_tick: Optional[Callable[[], None]] = None) -> LaunchResult:
     """Run `target(RankEnv, *args)` in `world_size` processes on this machine and wait for all.
 
     `timeout`: seconds for the whole run (None: no limit); on expiry every rank is terminated and
@@ -174,8 +173,7 @@ def launch_local(world_size: int, target: Union[str, Callable], args: tuple = ()
     """
     run_dir = make_run_dir("dataflow-launch-")
     try:
-        return _launch_local(run_dir, world_size, target, args, timeout, grace_s=grace_s, env=env,
-                             prefix_output=prefix_output, stdout=stdout, stderr=stderr, on_tick=on_tick)
+        return _launch_local(run_dir, world_size, target, args, timeout, grace_s=grace_s, env=env, on_tick=on_tick)
     finally:
         remove_run_dir(run_dir)
 
@@ -226,11 +224,8 @@ def remove_run_dir(path: str) -> None:
 
 
 def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], args: tuple, timeout: Optional[float],
-                  *, grace_s: float, env: Optional[dict], prefix_output: bool, stdout, stderr,
-                  on_tick: Optional[Callable[[], None]]) -> LaunchResult:
+                  *, grace_s: float, env: Optional[dict], on_tick: Optional[Callable[[], None]]) -> LaunchResult:
     name = target_name(target)
-    stdout = stdout or sys.stdout
-    stderr = stderr or sys.stderr
     with open(os.path.join(run_dir, "args.pkl"), "wb") as f:
         pickle.dump((name, tuple(args)), f)
     # This process's environment carries the run's options (DATAFLOW_OPTIONS, exported by settings.configure): the
@@ -282,16 +277,14 @@ def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], a
         for rank in range(world_size):
             # DATAFLOW_SPAWNED_AT: when this launcher started the rank (its start-up phases count the spawn from it)
             child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), DATAFLOW_SPAWNED_AT=f"{time.time():.6f}")
-            pipe = subprocess.PIPE if prefix_output else None
             p = subprocess.Popen([sys.executable, "-m", "runtime.drivers.launch"], env=child_env, cwd=os.getcwd(),
-                                 stdout=pipe, stderr=pipe, start_new_session=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             procs.append(p)
-            if prefix_output:
-                for stream, sink in ((p.stdout, stdout), (p.stderr, stderr)):
-                    t = threading.Thread(target=_forward_lines, args=(stream, sink, f"[rank {rank}] ".encode()),
-                                         daemon=True)
-                    t.start()
-                    readers.append(t)
+            for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                t = threading.Thread(target=_forward_lines, args=(stream, sink, f"[rank {rank}] ".encode()),
+                                     daemon=True)
+                t.start()
+                readers.append(t)
 
         fail_at: Optional[float] = None
         term_at: Optional[float] = None
@@ -348,7 +341,7 @@ def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], a
             first_error += f"; earlier, rank {failed_before_timeout}: {errors.get(failed_before_timeout)}"
     elif first_failed is not None:
         first_error = f"rank {first_failed}: {errors[first_failed]}"
-    result = LaunchResult(exit_codes, first_error, first_failed, errors, results, time.monotonic() - start)
+    result = LaunchResult(exit_codes, first_error, first_failed, errors, results)
     if received:
         if received[0] == signal.SIGINT:
             raise KeyboardInterrupt(f"interrupted; ranks exited with {exit_codes}")

@@ -195,13 +195,11 @@ def _launch(plan, job: RankJob, tmpdir: str, progress, timeout: Optional[float],
                     _w, done, total, tokens = (int(x) for x in text.split())
                     progress(done, total, tokens)
 
-    child_env = dict(env or {})
-    if plan.cluster.device == "cuda":
-        child_env.setdefault("NCCL_NVLS_ENABLE", "0")
+    # (NCCL's environment is the rank's to set: settings.configure_nccl)
     # grace_s > the peer timeout: survivors get to notice a dead rank themselves and say what
     # they were waiting for, instead of being SIGTERMed with nothing to say.
     return launch_local(plan.cluster.ranks, rank_main, (job,), timeout=timeout, grace_s=peer_timeout_s + 5.0,
-                        env=child_env, on_tick=on_tick)
+                        env=env, on_tick=on_tick)
 
 
 def _finished_so_far(path: str, workloads: list) -> tuple[list, list]:

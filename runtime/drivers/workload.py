@@ -215,13 +215,6 @@ def output_line(req: Request) -> str:
     return json.dumps(line) + "\n"
 
 
-def write_outputs(path: str | Path, requests: list[Request]) -> None:
-    """Every request's line, in the order given."""
-    with Path(path).open("w") as f:
-        for r in requests:
-            f.write(output_line(r))
-
-
 class OutputWriter:
     """Appends a request's line (output_line) as it finishes and flushes it to the OS at once, so the line
     survives this process being killed a moment later. Lines come in finish order."""

@@ -96,8 +96,6 @@ class PhaseTimes:
 
     def __init__(self) -> None:
         self.trace: Optional[TraceWindow] = None
-        self.t: dict[str, float] = {}
-        self.n: dict[str, int] = {}
         self.iterations = 0
         self.batches: dict[str, int] = {}
         self.all: dict[str, list[float]] = {}  # every call's seconds (first calls, median, max)
@@ -118,19 +116,19 @@ class PhaseTimes:
         gc.callbacks.append(on_gc)
 
     def add(self, phase: str, dt: float) -> None:
-        self.t[phase] = self.t.get(phase, 0.0) + dt
-        self.n[phase] = self.n.get(phase, 0) + 1
         self.all.setdefault(phase, []).append(dt)
 
     def report(self, rank: int) -> str:
-        total = sum(v for k, v in self.t.items() if not k.startswith("("))
+        t = {k: sum(v) for k, v in self.all.items()}
+        total = sum(v for k, v in t.items() if not k.startswith("("))
         nb = sum(self.batches.values())
         lines = [f"rank {rank}: {self.iterations} loop iterations, {nb} batches {self.batches}, "
                  f"{total * 1e3:.1f} ms in the loop (cProfile overhead included when on)",
                  f"{'phase':<14}{'calls':>8}{'total ms':>10}{'us/call':>9}{'us/iter':>9}{'us/batch':>9}"]
-        for k in sorted(self.t, key=self.t.get, reverse=True):
-            lines.append(f"{k:<14}{self.n[k]:>8}{self.t[k] * 1e3:>10.1f}{self.t[k] / self.n[k] * 1e6:>9.1f}"
-                         f"{self.t[k] / max(1, self.iterations) * 1e6:>9.1f}{self.t[k] / max(1, nb) * 1e6:>9.1f}")
+        for k in sorted(t, key=t.get, reverse=True):
+            n = len(self.all[k])
+            lines.append(f"{k:<14}{n:>8}{t[k] * 1e3:>10.1f}{t[k] / n * 1e6:>9.1f}"
+                         f"{t[k] / max(1, self.iterations) * 1e6:>9.1f}{t[k] / max(1, nb) * 1e6:>9.1f}")
         for g, v in sorted(self.gc.items()):
             lines.append(f"gc gen{g}: {len(v)} collections, {sum(v) * 1e3:.1f} ms, max {max(v) * 1e3:.2f} ms")
         lines.append("per call, us: median / max / first three")

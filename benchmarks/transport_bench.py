@@ -1,4 +1,7 @@
-"""`dataflow transport-bench`: what one message costs on the real transport, by size, for design notes.
+"""What one message costs on the real transport (runtime/transport/zmq_dist.py), by size, for design notes.
+
+    python benchmarks/transport_bench.py --ranks 2 --device cpu        # messages/s, p50/p99 latency, CPU per message
+    python benchmarks/transport_bench.py --device cuda --ranks 2 --sizes 0,4K,64K,184K,1M --messages 2000
 
 Starts `--ranks` processes on this machine (runtime.drivers.launch) and, for each size:
   latency:    rank 0 sends one message to rank 1 and waits for a meta-only ack before the next; the
@@ -10,17 +13,25 @@ Starts `--ranks` processes on this machine (runtime.drivers.launch) and, for eac
               heartbeat) divided by the messages it sent, i.e. one send plus one receive.
 Size 0 means a meta-only message (ZeroMQ only, no phase 2). `--device cuda` puts each rank on
 cuda:LOCAL_RANK and moves the tensors with NCCL (on per-direction streams, see zmq_dist.py) instead
-of gloo; latency then includes the device-side completion.
+of gloo; latency then includes the device-side completion. (Formerly `dataflow transport-bench`.)
 """
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from graph_ir.errors import UserError
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graph_ir.errors import UserError  # noqa: E402
+
+# The ranks import this file as part of the repository (launch.py puts its root on their path), whatever name the
+# launching process gave it (__main__ as a script).
+RANK_TARGET = "benchmarks.transport_bench:bench_rank"
 
 
 def _parse_size(text: str) -> int:
@@ -135,51 +146,58 @@ def bench_rank(env, sizes: list[int], messages: int, latency_messages: int, devi
     return out
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("transport-bench")
-    def transport_bench(
-        ranks: int = typer.Option(2, help="processes to start on this machine (>= 2)"),
-        sizes: str = typer.Option("4K,64K,184K,1M", help="message sizes, comma separated (0 = meta-only)"),
-        messages: int = typer.Option(1000, help="messages per rank per size in the throughput phase"),
-        latency_messages: Optional[int] = typer.Option(None, help="ping-pong messages per size (default: min(messages, 300))"),
-        timeout: float = typer.Option(600.0, help="seconds before the whole benchmark is terminated"),
-        device: str = typer.Option("cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)"),
-    ) -> None:
-        """Measure the ZeroMQ + torch.distributed transport: messages/s, one-way latency, CPU per message."""
-        from rich.console import Console
-        from rich.table import Table
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
-        from runtime.drivers.launch import launch_local
-        if ranks < 2:
-            raise UserError("--ranks must be at least 2")
-        if messages < 1:
-            raise UserError("--messages must be at least 1")
-        if device not in ("cpu", "cuda"):
-            raise UserError(f"--device {device!r}; valid: cpu, cuda")
-        if device == "cuda":
-            import torch
-            if torch.cuda.device_count() < ranks:
-                raise UserError(f"--device cuda needs one GPU per rank: {ranks} ranks, "
-                                f"{torch.cuda.device_count()} GPU(s) visible")
-        size_list = [_parse_size(s) for s in sizes.split(",") if s.strip()]
-        n_lat = latency_messages if latency_messages is not None else min(messages, 300)
-        env = {"NCCL_NVLS_ENABLE": "0"} if device == "cuda" else None
-        res = launch_local(ranks, bench_rank, (size_list, messages, n_lat, device), timeout=timeout, env=env)
-        if not res.ok:
-            raise UserError(f"transport benchmark failed: {res.first_error}")
-        backend = "NCCL p2p (GPU)" if device == "cuda" else "gloo p2p"
-        table = Table(title=f"transport: ZeroMQ metadata + {backend}, {ranks} ranks on this host")
-        for col in ("size", "msg/s", "MB/s", "p50 us", "p99 us", "send() us", "CPU us/msg"):
-            table.add_column(col, justify="right")
-        for size in size_list:
-            rows = [r["sizes"][size] for r in res.results]
-            lat = sorted(res.results[1]["sizes"][size]["latency_us"])
-            rate = statistics.mean(r["msgs_per_s"] for r in rows)
-            p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
-            table.add_row(_label(size), f"{rate:,.0f}", f"{rate * size / 1e6:,.1f}", f"{p(0.5):,.0f}", f"{p(0.99):,.0f}",
-                          f"{statistics.mean(r['send_call_us'] for r in rows):.1f}",
-                          f"{statistics.mean(r['cpu_us_per_msg'] for r in rows):,.0f}")
-        Console().print(table)
-        typer.echo("msg/s: per stream (each rank streams to one neighbour); p50/p99: one-way latency rank 0 -> 1, "
-                   "one message at a time; send(): host time of the call; CPU: all threads of a rank per message "
-                   "sent + one received")
+
+@app.command()
+def main(
+    ranks: int = typer.Option(2, help="processes to start on this machine (>= 2)"),
+    sizes: str = typer.Option("4K,64K,184K,1M", help="message sizes, comma separated (0 = meta-only)"),
+    messages: int = typer.Option(1000, help="messages per rank per size in the throughput phase"),
+    latency_messages: Optional[int] = typer.Option(None, help="ping-pong messages per size (default: min(messages, 300))"),
+    timeout: float = typer.Option(600.0, help="seconds before the whole benchmark is terminated"),
+    device: str = typer.Option("cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)"),
+) -> None:
+    """Measure the ZeroMQ + torch.distributed transport: messages/s, one-way latency, CPU per message."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from runtime.drivers.launch import launch_local
+    if ranks < 2:
+        raise UserError("--ranks must be at least 2")
+    if messages < 1:
+        raise UserError("--messages must be at least 1")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}; valid: cpu, cuda")
+    if device == "cuda":
+        import torch
+        if torch.cuda.device_count() < ranks:
+            raise UserError(f"--device cuda needs one GPU per rank: {ranks} ranks, "
+                            f"{torch.cuda.device_count()} GPU(s) visible")
+    size_list = [_parse_size(s) for s in sizes.split(",") if s.strip()]
+    n_lat = latency_messages if latency_messages is not None else min(messages, 300)
+    env = {"NCCL_NVLS_ENABLE": "0"} if device == "cuda" else None
+    res = launch_local(ranks, RANK_TARGET, (size_list, messages, n_lat, device), timeout=timeout, env=env)
+    if not res.ok:
+        raise UserError(f"transport benchmark failed: {res.first_error}")
+    backend = "NCCL p2p (GPU)" if device == "cuda" else "gloo p2p"
+    table = Table(title=f"transport: ZeroMQ metadata + {backend}, {ranks} ranks on this host")
+    for col in ("size", "msg/s", "MB/s", "p50 us", "p99 us", "send() us", "CPU us/msg"):
+        table.add_column(col, justify="right")
+    for size in size_list:
+        rows = [r["sizes"][size] for r in res.results]
+        lat = sorted(res.results[1]["sizes"][size]["latency_us"])
+        rate = statistics.mean(r["msgs_per_s"] for r in rows)
+        p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
+        table.add_row(_label(size), f"{rate:,.0f}", f"{rate * size / 1e6:,.1f}", f"{p(0.5):,.0f}", f"{p(0.99):,.0f}",
+                      f"{statistics.mean(r['send_call_us'] for r in rows):.1f}",
+                      f"{statistics.mean(r['cpu_us_per_msg'] for r in rows):,.0f}")
+    Console().print(table)
+    typer.echo("msg/s: per stream (each rank streams to one neighbour); p50/p99: one-way latency rank 0 -> 1, "
+               "one message at a time; send(): host time of the call; CPU: all threads of a rank per message "
+               "sent + one received")
+
+
+if __name__ == "__main__":
+    from dataflow.cli import run_app
+    run_app(app)
