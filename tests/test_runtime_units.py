@@ -9,7 +9,8 @@ import torch
 from runtime.core.clock import VirtualClock
 from runtime.core.merge import TAG_SHIFT
 from runtime.core.queues import AttnBlock, AttnItem, ExpertItem, MuQueue
-from runtime.core.requests import Admission, Request
+from runtime.core.requests import Request
+from runtime.drivers.admission import Admission
 from runtime.transport.inproc import InprocHub
 
 

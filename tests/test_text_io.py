@@ -310,7 +310,8 @@ def test_cli_sampling_defaults_come_from_generation_config(ckpt, tmp_path):
 def test_stop_ids_on_the_wire_and_text_output():
     import numpy as np
 
-    from runtime.core.requests import Request, request_from_wire, request_to_wire
+    from runtime.core.requests import Request
+    from runtime.drivers.admission import request_from_wire, request_to_wire
     from runtime.transport.wire import DATA, Codec, new_secret
     secret = new_secret()
     tx, rx = Codec(secret, 1, 2), Codec(secret, 0, 2)  # the signed msgpack frame the admission message travels in

@@ -67,7 +67,8 @@ def test_every_message_kind_round_trips(kind, meta, shape, dtype):
 
 def test_a_request_crosses_as_plain_values():
     from models.sampling import SamplingParams
-    from runtime.core.requests import Request, request_from_wire, request_to_wire
+    from runtime.core.requests import Request
+    from runtime.drivers.admission import request_from_wire, request_to_wire
     req = Request(7, "q-7", [3, 1, 4, 1, 5], 9, params=SamplingParams(temperature=0.7, top_p=0.9, seed=11),
                   ignore_eos=True, arrival=0.25, home=1)
     tx, rx = pair()

@@ -21,7 +21,8 @@ from runtime.core.clock import VirtualClock, WallClock
 from runtime.executors.cost_model import CostModel
 from runtime.core.engine import Batch, Engine, config_from_plan
 from runtime.observability.metrics import BATCH_LOG, summarize
-from runtime.core.requests import Admission, Request
+from runtime.core.requests import Request
+from runtime.drivers.admission import Admission
 from runtime.core.scheduler import make_policy
 from runtime.observability.trace import TRACE_BATCHES, TraceRecorder
 from runtime.transport.inproc import DelayFn, InprocHub

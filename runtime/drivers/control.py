@@ -11,7 +11,7 @@ alone owns the request list and the arrival times, picks each request's home, an
                      one-way latency across hosts)
   synced rank -> 0   clock shifted; the coordinator admits nothing before every rank said so (a rank
                      must not time-stamp expert rows from a faster peer on its old time base)
-  adm    0 -> home   a request (runtime/core/requests.py request_to_wire: plain values) for workload w
+  adm    0 -> home   a request (runtime/drivers/admission.py request_to_wire: plain values) for workload w
   cancel 0 -> home   a served request's client went away: finish it at its next token
   fin    home -> 0   a finished request: tokens, finish reason, times, home's free blocks and tokens
   stop   0 -> rank   every request of workload w finished: report and move on

@@ -1,6 +1,6 @@
 """Rank 0's coordinator of one workload: arrivals, home placement, finished requests, progress, the end.
 
-It picks each request's home with the plan's home policy (runtime/core/requests.py `Admission`) over a mirror of every
+It picks each request's home with the plan's home policy (runtime/drivers/admission.py `Admission`) over a mirror of every
 rank's free KV blocks (exact: blocks are reserved at admission and freed at finish, and the coordinator sees both; the
 homes also report their real count in every finish notice), sends the admission, and collects the finished requests
 (the messages: runtime/drivers/control.py). It also judges progress: when requests are outstanding and no rank ran a
@@ -14,7 +14,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Optional
 
-from runtime.core.requests import request_from_wire, request_to_wire
+from runtime.drivers.admission import request_from_wire, request_to_wire
 from runtime.drivers.control import COORDINATOR, CTRL_ADMIT, CTRL_CANCEL, CTRL_DONE, CTRL_FIN, CTRL_STOP
 from runtime.drivers.startup import write_atomically as _write_atomically
 
@@ -34,7 +34,7 @@ class Coordinator:
     the front said goodbye (fbye) and nothing is outstanding."""
 
     def __init__(self, node: RankNode, w: int, requests: list, options) -> None:
-        from runtime.core.requests import Admission
+        from runtime.drivers.admission import Admission
         from runtime.core.engine import config_from_plan
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):

@@ -26,7 +26,8 @@ import zmq
 import zmq.asyncio
 
 from runtime.drivers.front_link import CMD_BYE, CMD_CANCEL, CMD_SUBMIT, EV_FINISHED, EV_READY, EV_STATS, EV_TOKENS
-from runtime.core.requests import Request, request_to_wire
+from runtime.core.requests import Request
+from runtime.drivers.admission import request_to_wire
 from runtime.transport.wire import DATA, Codec, WireError
 
 

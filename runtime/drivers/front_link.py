@@ -4,7 +4,7 @@ The front (the HTTP server's process) binds two ZeroMQ sockets on loopback and s
 addresses (RankJob.front):
   commands  front -> coordinator (rank 0) only:  fsub (a request to admit), fcan (a client went away), fbye
   events    every rank -> front:                  fready (serving), ftok (new tokens of requests homed here),
-                                                  ffin (a request finished: reason, latencies), fstat (rank 0's
+                                                  ffin (a request finished: reason, tokens), fstat (rank 0's
                                                   admission state, every second)
 Frames are the wire's (runtime/transport/wire.py: msgpack, signed with the run's secret, schema-checked); on this
 channel the front is rank `world_size` of a world of `world_size + 1`. Tokens go from each home straight to the

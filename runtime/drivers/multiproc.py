@@ -77,7 +77,7 @@ def _check_fits(plan, requests: list, options) -> None:
     """Refuse a request no rank could ever hold here, as a ValueError (a user mistake), not as a rank's
     failure after every process started."""
     from runtime.core.engine import config_from_plan
-    from runtime.core.requests import Admission
+    from runtime.drivers.admission import Admission
     capacity = [config_from_plan(plan, r, options.kv_blocks).num_blocks for r in range(plan.cluster.ranks)]
     adm = Admission(plan.kv.block_size, capacity, options.home_policy or plan.placement.home_policy)
     for req in requests:

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from runtime import settings
-from runtime.core.requests import request_from_wire
+from runtime.drivers.admission import request_from_wire
 from runtime.drivers.control import (COORDINATOR, CTRL_ADMIT, CTRL_CANCEL, CTRL_DONE, CTRL_FIN, CTRL_READY, CTRL_STOP,
                                      CTRL_SYNC, CTRL_SYNCED)
 from runtime.drivers.coordinator import Coordinator
@@ -250,7 +250,7 @@ class RankNode:
         poll, feed, next_batch, execute, complete = tr.poll, self._feed, e.next_batch, e.execute, e.complete
         # Between a batch's launch and its bookkeeping: receives for headers that came meanwhile, so their transfers run
         # during the bookkeeping and the next poll delivers them (a batch earlier than if that poll posted them)
-        post_receives = getattr(tr, "post_receives", None) or (lambda: None)
+        post_receives = tr.post_receives
         finish = self._send_finished
         ph = self.phases
         if ph is not None:

@@ -104,7 +104,6 @@ MESSAGES: dict[str, dict[str, tuple]] = {
     "fready": {"t": (_STR, True), "ranks": (_INT, True)},
     "ftok": {"t": (_STR, True), "rid": (_SEQ, True), "toks": (_SEQ, True)},
     "ffin": {"t": (_STR, True), "rid": (_INT, True), "reason": (_STR, True), "n": (_INT, True),
-             "ttft_s": (_NUM, False), "tpot_s": (_NUM, False), "itl_p50_s": (_NUM, False), "itl_p99_s": (_NUM, False),
              "error": (_STR, False)},
     "fstat": {"t": (_STR, True), "waiting": (_INT, True), "running": (_INT, True), "free_kv": (_SEQ, True),
               "tokens": (_INT, True), "queued": (_SEQ, True)},
