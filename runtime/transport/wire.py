@@ -78,7 +78,7 @@ class Frame(NamedTuple):
 # The metadata of every message kind the runtime sends (meta["t"] -> key -> (type(s), required)). The engine's
 # data messages (runtime/core/engine.py) and the rank processes' control protocol (runtime/drivers/control.py). "seq" is
 # a msgpack array (a tuple here); "any" a plain value checked by its receiver. A message whose "t" is not listed
-# (the lab's barrier baselines, transport-bench) gets the codec's guarantees only.
+# (the lab's barrier baselines, benchmarks/transport_bench.py) gets the codec's guarantees only.
 _INT, _NUM, _STR, _BYTES, _SEQ, _MAP, _ANY = (int,), (int, float), (str,), (bytes,), (tuple,), (dict,), None
 _ROWS = (tuple, np.ndarray)  # merge tags: (first, count) or an int64 array (runtime/core/expert_wire.py)
 MESSAGES: dict[str, dict[str, tuple]] = {

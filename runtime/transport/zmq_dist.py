@@ -31,7 +31,7 @@ raise PeerFailure naming the rank and what this rank was waiting for.
 
 Receive buffers come from a size-keyed pool; give them back with `release(tensor)` when done.
 
-Cost (`dataflow transport-bench --ranks 2 --sizes 0,4K,184K,1M`): gloo on a 2-core VM, 4 KB one-way
+Cost (`python benchmarks/transport_bench.py --ranks 2 --sizes 0,4K,184K,1M`): gloo on a 2-core VM, 4 KB one-way
 ~160-220 us p50: ZeroMQ header ~60-80, receptor -> waiter hand-off ~40 (up to 1 ms under load), gloo
 transfer with its rendezvous ~60-100, hand-off to poll() ~20; CPU ~215 us per message sent + received,
 most of it in gloo's loop threads and the engine thread.
