@@ -166,8 +166,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole bench")
     p.add_argument("--variants", default=None,
                    help="A/B of the streaming launches' settings: 'NAME:KEY=VALUE,...;NAME:...', KEY a RuntimeOptions "
-                        "field (runtime/settings.py) or an environment variable of the lab (DATAFLOW_KEYED_ROUTER) "
+                        "field (runtime/settings.py) or an environment variable of a library the ranks load (NCCL_ALGO) "
                         "(e.g. 'lib:nccl_p2p=lib;c10d:nccl_p2p=c10d'); rows read streaming-<policy>@NAME")
+    p.add_argument("--timeline", action="store_true",
+                   help="the streaming ranks also record every batch and data message: DIR/timeline_<row>.json, "
+                        "read by benchmarks/wave_timeline.py")
     p.add_argument("--rounds", type=int, default=1,
                    help="launch every family this many times, variants alternating within a round, and add a "
                         "table of medians over rounds (the H200 box's run-to-run noise is 10-40%%)")
@@ -286,12 +289,11 @@ def main(argv=None) -> int:
         ws = workloads(family, rnd)
         log(f"launch {target}{'@' + vname if vname else ''}{f' round {rnd}' if args.rounds > 1 else ''}: "
             f"{len(ws) - 1} workloads ({', '.join(family)}) + warm-up; limit {limit:.0f} s")
-        job = DistJob(plan, es, ws, delays=delays, hogs=hogs, decode_only=True, peer_timeout_s=60.0 if gpu else 20.0)
+        job = DistJob(plan, es, ws, delays=delays, hogs=hogs, decode_only=True, peer_timeout_s=60.0 if gpu else 20.0,
+                      log_t0=time.time() - (time.perf_counter() - T0), timeline=args.timeline)
         t = time.perf_counter()
         try:
             env = {"TRITON_INTERPRET": "1"} if not gpu else {}
-            env["DATAFLOW_EP_BENCH_LOG"] = "1"
-            env["DATAFLOW_EP_BENCH_T0"] = repr(time.time() - (time.perf_counter() - T0))
             env.update(venv)
             res = run_dist(target, job, args.ranks, timeout=limit, env=env)
             results["hogs"].extend(res.get("hogs", []))
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
                     s["system"] = f"{s['system']}@{vname}"
                     s["name"] = "/".join([s["system"]] + s["name"].split("/")[1:])
                 results["runs"].append(s)
-                if w.get("timeline"):  # DATAFLOW_TIMELINE=1: per rank, for benchmarks/wave_timeline.py
+                if w.get("timeline"):  # --timeline: per rank, for benchmarks/wave_timeline.py
                     tl = out_dir / ("timeline_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", s["name"]) + ".json")
                     tl.write_text(json.dumps({"name": s["name"], "ranks": w["timeline"]}))
                 log(f"  {s['name']:<34} tok/s {s['tokens_per_s'] or 0:9.1f}  ITL p50 {s['itl_p50_ms'] or 0:7.2f} "

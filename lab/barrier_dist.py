@@ -182,13 +182,14 @@ class DistJob:
     hogs: dict = field(default_factory=dict)   # scenario -> lab.hogs kwargs (kind, ...)
     decode_only: bool = True
     peer_timeout_s: float = 30.0
+    log_t0: Optional[float] = None  # rank 0 prints progress lines, in seconds since this time.time(); None: quiet
+    timeline: bool = False  # the streaming ranks' probes also keep a timeline (HostProbe.timeline)
 
 
-def _say(msg: str) -> None:
-    """Progress line from rank 0 when the bench asks (DATAFLOW_EP_BENCH_LOG=1), on the bench's time base."""
-    if os.environ.get("DATAFLOW_EP_BENCH_LOG") == "1":
-        t0 = float(os.environ.get("DATAFLOW_EP_BENCH_T0", "0") or 0)
-        print(f"[{time.time() - t0:7.1f}s {time.strftime('%H:%M:%S')}]   rank 0: {msg}", flush=True)
+def _say(job: DistJob, msg: str) -> None:
+    """Progress line from rank 0 when the bench asks (job.log_t0), on the bench's time base."""
+    if job.log_t0 is not None:
+        print(f"[{time.time() - job.log_t0:7.1f}s {time.strftime('%H:%M:%S')}]   rank 0: {msg}", flush=True)
 
 
 def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None:
@@ -197,7 +198,7 @@ def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None
     _ACTIVE["delay"] = delay_of_scenario(w.scenario, default_us) or 0.0
     if rank != 0:
         return
-    _say(f"start {w.name} ({len(w.requests)} requests, {w.kv_blocks} KV blocks per rank)")
+    _say(job, f"start {w.name} ({len(w.requests)} requests, {w.kv_blocks} KV blocks per rank)")
     want = job.hogs.get(w.scenario)
     cur = hogs_state.get("hog")
     if cur is not None and hogs_state.get("scenario") != w.scenario:
@@ -207,7 +208,7 @@ def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None
         from lab.hogs import Hog
         hogs_state["hog"] = Hog(**want).start()
         hogs_state["scenario"] = w.scenario
-        _say(f"{want['kind']} hog started (pid {hogs_state['hog'].proc.pid})")
+        _say(job, f"{want['kind']} hog started (pid {hogs_state['hog'].proc.pid})")
 
 
 def _hogs_off(hogs_state: dict) -> None:
@@ -218,7 +219,6 @@ def _hogs_off(hogs_state: dict) -> None:
 
 def _device(plan, local_rank: int):
     if plan.cluster.device == "cuda" and torch.cuda.is_available():
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
@@ -253,7 +253,7 @@ def barrier_dist_rank_main(env, job: DistJob):
             if env.rank == 0:
                 out.append(_merge_rank_results(w, allr))
                 toks = sum(len(r["output"]) for r in out[-1]["requests"])
-                _say(f"done {w.name}: {toks} tokens in {out[-1]['wall_s']:.2f} s = {toks / max(out[-1]['wall_s'], 1e-9):.1f} tok/s")
+                _say(job, f"done {w.name}: {toks} tokens in {out[-1]['wall_s']:.2f} s = {toks / max(out[-1]['wall_s'], 1e-9):.1f} tok/s")
     finally:
         _ACTIVE["delay"] = 0.0
         _hogs_off(hogs_state)
@@ -535,10 +535,10 @@ def stream_rank_main(env, job: DistJob):
                     try:
                         inner.prepare(self.engine.kv, owned=self.engine.owned_experts)
                     except Exception as err:  # noqa: BLE001
-                        _say(f"prepare failed ({type(err).__name__}: {err}); graphs captured lazily")
+                        _say(job, f"prepare failed ({type(err).__name__}: {err}); graphs captured lazily")
                 if probes and isinstance(probes[-1], HostProbe):
                     probes[-1] = probes[-1].summary()  # release the last workload's CUDA events
-                probe = new_probe(inner, job.plan.spec, job.exec.dtype)
+                probe = new_probe(inner, job.plan.spec, job.exec.dtype, job.timeline)
                 probes.append(probe)
                 probe_engine(self.engine, probe)
 
