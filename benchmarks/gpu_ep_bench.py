@@ -15,7 +15,7 @@ KV, ShareGPT prompt lengths clipped to --max-prompt, new tokens drawn in --new-t
 requests at t = 0, C requests per rank (--concurrency). Rank r runs on cuda:r.
 
 Systems: streaming-<policy> (runtime/multiproc's RankNode over ZmqDistTransport + NCCL p2p;
-runtime/barrier_dist.stream_rank_main), ag-ep and a2a-ep (runtime/barrier_dist: per-layer
+lab/stream_dist.stream_rank_main), ag-ep and a2a-ep (lab/barrier_dist: per-layer
 dist.all_gather_into_tensor + dist.all_reduce, or dist.all_to_all_single with sizes exchanged first).
 Scenarios: clean; delay (link delay bursts: +--burst-us for --burst-duty of every --burst-period-ms,
 on every link, or on the --delay-links pairs only; streaming: the transport's receive lanes (or --delay-lanes), barrier: a host stall
@@ -24,7 +24,7 @@ before each dispatch/combine collective while the burst is on); delay-<N>ms (the
 to sweep the size in one launch; ep_bench.json's meta.burst.extra_us_by_scenario has each scenario's
 size in us); compute-hog (a process running bf16 8192^3 matmuls in a loop on GPU 1); nvlink-hog (a
 process copying 256 MB buffers GPU0 <-> GPU1 continuously). Hogs are started by rank 0 before the
-workload and stopped after it (lab/hogs.py).
+workload and stopped after it (lab/hogs.py, lab/dist_scenarios.py).
 
 One launch per system family (barrier: ag + a2a; streaming: every policy), each starting with an
 unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
@@ -32,7 +32,7 @@ after each launch), ep_bench.md (the table). Progress lines carry seconds since 
 scenario the table has tok/s and its ratios, ITL p50/p99, mean batch rows, host us per attention and
 expert batch with the share hidden behind the batch's own device work and behind any device work of the
 rank (the paper's definition; lab/busy_timeline.py), and the expert batches' GB/s
-against the measured device copy ceiling (lab/barrier_dist.HostProbe).
+against the measured device copy ceiling (lab/host_probe.HostProbe).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ SCENARIO_FORMS = ("clean, delay (+--burst-us), delay-<N>ms (+N ms, N > 0, e.g. d
 
 def delay_us_of(scenario: str, burst_us: float):
     """Extra us per burst of a delay scenario (`delay`: burst_us; `delay-<N>ms`: N * 1000); None otherwise."""
-    from lab.barrier_dist import delay_of_scenario
+    from lab.dist_scenarios import delay_of_scenario
     s = delay_of_scenario(scenario, burst_us)
     return None if s is None else round(s * 1e6, 6)
 
@@ -99,7 +99,7 @@ def kv_blocks_for(reqs: list, block: int, ranks: int) -> int:
 
 
 def summarize(w: dict) -> dict:
-    from lab.barrier_dist import token_stats
+    from lab.dist_job import token_stats
     from lab.itl_tail import describe, itl_tail
     s = token_stats(w["requests"], w["wall_s"] or 0.0)
     s["itl_tail"] = describe(itl_tail(w["requests"]))
@@ -218,7 +218,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
     from lowering.plan import DEFAULT_ATTN_CAP, compile_plan
-    from lab.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+    from lab.barrier_dist import ExecSpec, cut_spec
+    from lab.dist_job import DistJob, Workload, run_dist
+    from lab.dist_scenarios import BurstDelays
     spec = cut_spec(model, layers, dtype)
     plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy,
                         attn_cap=args.attn_cap or DEFAULT_ATTN_CAP, expert_cap=args.expert_cap)

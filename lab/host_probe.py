@@ -1,6 +1,6 @@
 """Host time per batch of a GPU bench, and how much of it the device hid: the probe a rank's executor and engine
 report to (HostProbe), its wiring into an engine (probe_engine) and the merge of every rank's summary
-(merge_probes). Used by the distributed EP bench (lab/barrier_dist.py) and benchmarks/gpu_bench.py."""
+(merge_probes). Used by the distributed EP bench (lab/barrier_dist.py, lab/stream_dist.py) and benchmarks/gpu_bench.py."""
 from __future__ import annotations
 
 import itertools
