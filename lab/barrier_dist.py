@@ -1,8 +1,8 @@
 """Barrier EP baselines over real torch.distributed collectives, one process per rank (rank r on cuda:r), for
 benchmarks/gpu_ep_bench.py.
 
-lab/barrier.py runs the same step logic as coroutines over point-to-point messages (and
-lab/barrier_mp.py drives them over our own ZeroMQ + gloo transport). Here every MoE layer ends in
+lab/barrier_rank.py runs the same step logic as coroutines over point-to-point messages (lab/barrier.py
+drives them in process, lab/barrier_mp.py over our own ZeroMQ + gloo transport). Here every MoE layer ends in
 the collectives an EP serving system really calls:
 
   ag   dispatch: dist.all_gather_into_tensor of the hidden rows and of the routing (ids and weights
@@ -13,12 +13,12 @@ the collectives an EP serving system really calls:
   a2a  sizes first: dist.all_to_all_single of a [R, 2] count table (tokens, (token, slot) pairs per
        destination); then all_to_all_single of the token rows (one row per token and destination)
        and of the pair metadata (message row, expert id); experts in source-rank order (as
-       lab/barrier.py); combine: all_to_all_single of the unweighted slot rows back, placed at
+       lab/barrier_rank.py); combine: all_to_all_single of the unweighted slot rows back, placed at
        token * k + slot and summed by executor.combine in slot order (what the streaming engine does).
   Per step: all_gather_into_tensor of the token counts (the global batch shape; the run ends when
   every rank has no work left).
 
-Same executor calls as lab/barrier.py (embed, attention, route, shared_expert, experts, combine,
+Same executor calls as lab/barrier_rank.py (embed, attention, route, shared_expert, experts, combine,
 logits, sample), same KV store (PagedKVStore, RandomPrefixKV in decode-only mode), same admission
 (runtime.core.requests.Admission over the same capacities; every rank computes it identically, as all
 requests of a workload arrive at t = 0: a closed batch, which is what the bench runs).
@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from runtime.drivers.gc_settle import settle_heap, thaw_heap
-from lab.barrier import step_batch
+from lab.barrier_rank import step_batch
 from lab.dist_job import DistJob, Workload, say, start_rank
 from lab.dist_scenarios import ACTIVE, hogs_off, scenario_on
 from lab.floors import measure_copy_bps
