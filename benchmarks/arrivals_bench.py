@@ -36,8 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_bench import cut_spec, detach_all, device_weights, sync  # noqa: E402
+from gpu_bench_common import detach_all, sync  # noqa: E402  (first: Triton's interpreter without CUDA)
 
+from lab.barrier_dist import cut_spec, device_weights  # noqa: E402
 from lowering.plan import compile_plan  # noqa: E402
 from runtime.drivers.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executors.cuda_executor import PROMPT_PATHS, CudaExecutor  # noqa: E402

@@ -15,7 +15,7 @@ KV, ShareGPT prompt lengths clipped to --max-prompt, new tokens drawn in --new-t
 requests at t = 0, C requests per rank (--concurrency). Rank r runs on cuda:r.
 
 Systems: streaming-<policy> (runtime/multiproc's RankNode over ZmqDistTransport + NCCL p2p;
-runtime/barrier_dist.stream_rank_main), ag-ep and a2a-ep (runtime/barrier_dist: per-layer
+lab/stream_dist.stream_rank_main), ag-ep and a2a-ep (lab/barrier_dist: per-layer
 dist.all_gather_into_tensor + dist.all_reduce, or dist.all_to_all_single with sizes exchanged first).
 Scenarios: clean; delay (link delay bursts: +--burst-us for --burst-duty of every --burst-period-ms,
 on every link, or on the --delay-links pairs only; streaming: the transport's receive lanes (or --delay-lanes), barrier: a host stall
@@ -24,7 +24,7 @@ before each dispatch/combine collective while the burst is on); delay-<N>ms (the
 to sweep the size in one launch; ep_bench.json's meta.burst.extra_us_by_scenario has each scenario's
 size in us); compute-hog (a process running bf16 8192^3 matmuls in a loop on GPU 1); nvlink-hog (a
 process copying 256 MB buffers GPU0 <-> GPU1 continuously). Hogs are started by rank 0 before the
-workload and stopped after it (lab/hogs.py).
+workload and stopped after it (lab/hogs.py, lab/dist_scenarios.py).
 
 One launch per system family (barrier: ag + a2a; streaming: every policy), each starting with an
 unreported warm-up workload (CUDA graph capture). Output (DIR): ep_bench.json (everything, written
@@ -32,7 +32,7 @@ after each launch), ep_bench.md (the table). Progress lines carry seconds since 
 scenario the table has tok/s and its ratios, ITL p50/p99, mean batch rows, host us per attention and
 expert batch with the share hidden behind the batch's own device work and behind any device work of the
 rank (the paper's definition; lab/busy_timeline.py), and the expert batches' GB/s
-against the measured device copy ceiling (lab/barrier_dist.HostProbe).
+against the measured device copy ceiling (lab/host_probe.HostProbe).
 """
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a test loads this file by its path
+
+from ep_bench_report import print_table, ratios, summarize, tokens_check, write_md  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -65,7 +68,7 @@ SCENARIO_FORMS = ("clean, delay (+--burst-us), delay-<N>ms (+N ms, N > 0, e.g. d
 
 def delay_us_of(scenario: str, burst_us: float):
     """Extra us per burst of a delay scenario (`delay`: burst_us; `delay-<N>ms`: N * 1000); None otherwise."""
-    from lab.barrier_dist import delay_of_scenario
+    from lab.dist_scenarios import delay_of_scenario
     s = delay_of_scenario(scenario, burst_us)
     return None if s is None else round(s * 1e6, 6)
 
@@ -96,30 +99,6 @@ def make_requests(spec, n: int, seed: int, max_prompt: int, new_lo: int, new_hi:
 def kv_blocks_for(reqs: list, block: int, ranks: int) -> int:
     need = [math.ceil(q.kv_tokens / block) for q in reqs]
     return int(math.ceil(sum(need) / ranks * 1.3)) + max(need) + 8
-
-
-def summarize(w: dict) -> dict:
-    from lab.barrier_dist import token_stats
-    from lab.itl_tail import describe, itl_tail
-    s = token_stats(w["requests"], w["wall_s"] or 0.0)
-    s["itl_tail"] = describe(itl_tail(w["requests"]))
-    s.update(system=w["system"], scenario=w["scenario"], name=w["name"])
-    b = w.get("batches", {})
-    for kind in ("attn", "expert"):
-        if kind in b:
-            s[f"{kind}_mean_batch"] = b[kind]["mean_rows"]
-            s[f"{kind}_host_us"] = b[kind]["host_us"]
-            s[f"{kind}_batches"] = b[kind]["batches"]
-            s[f"{kind}_device_us"] = b[kind].get("device_us")
-            s[f"{kind}_hidden"] = b[kind].get("hidden_share")
-            s[f"{kind}_busy"] = b[kind].get("busy_share")
-            s["gpu_busy"] = b[kind].get("gpu_busy_share")  # (a rank-level share: the same in every kind)
-    if "expert" in b:
-        s["expert_GBps"] = b["expert"].get("GBps")
-        s["expert_pct_copy"] = b["expert"].get("pct_copy")
-    if w.get("delay_stalls_s") is not None:
-        s["delay_stall_s"] = w["delay_stalls_s"]
-    return s
 
 
 def main(argv=None) -> int:
@@ -166,8 +145,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole bench")
     p.add_argument("--variants", default=None,
                    help="A/B of the streaming launches' settings: 'NAME:KEY=VALUE,...;NAME:...', KEY a RuntimeOptions "
-                        "field (runtime/settings.py) or an environment variable of the lab (DATAFLOW_KEYED_ROUTER) "
+                        "field (runtime/settings.py) or an environment variable of a library the ranks load (NCCL_ALGO) "
                         "(e.g. 'lib:nccl_p2p=lib;c10d:nccl_p2p=c10d'); rows read streaming-<policy>@NAME")
+    p.add_argument("--timeline", action="store_true",
+                   help="the streaming ranks also record every batch and data message: DIR/timeline_<row>.json, "
+                        "read by benchmarks/wave_timeline.py")
     p.add_argument("--rounds", type=int, default=1,
                    help="launch every family this many times, variants alternating within a round, and add a "
                         "table of medians over rounds (the H200 box's run-to-run noise is 10-40%%)")
@@ -215,7 +197,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
     from lowering.plan import DEFAULT_ATTN_CAP, compile_plan
-    from lab.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+    from lab.barrier_dist import ExecSpec, cut_spec
+    from lab.dist_job import DistJob, Workload, run_dist
+    from lab.dist_scenarios import BurstDelays
     spec = cut_spec(model, layers, dtype)
     plan = compile_plan(spec, args.ranks, "cuda" if gpu else "cpu", home_policy=args.home_policy,
                         attn_cap=args.attn_cap or DEFAULT_ATTN_CAP, expert_cap=args.expert_cap)
@@ -286,12 +270,11 @@ def main(argv=None) -> int:
         ws = workloads(family, rnd)
         log(f"launch {target}{'@' + vname if vname else ''}{f' round {rnd}' if args.rounds > 1 else ''}: "
             f"{len(ws) - 1} workloads ({', '.join(family)}) + warm-up; limit {limit:.0f} s")
-        job = DistJob(plan, es, ws, delays=delays, hogs=hogs, decode_only=True, peer_timeout_s=60.0 if gpu else 20.0)
+        job = DistJob(plan, es, ws, delays=delays, hogs=hogs, decode_only=True, peer_timeout_s=60.0 if gpu else 20.0,
+                      log_t0=time.time() - (time.perf_counter() - T0), timeline=args.timeline)
         t = time.perf_counter()
         try:
             env = {"TRITON_INTERPRET": "1"} if not gpu else {}
-            env["DATAFLOW_EP_BENCH_LOG"] = "1"
-            env["DATAFLOW_EP_BENCH_T0"] = repr(time.time() - (time.perf_counter() - T0))
             env.update(venv)
             res = run_dist(target, job, args.ranks, timeout=limit, env=env)
             results["hogs"].extend(res.get("hogs", []))
@@ -305,7 +288,7 @@ def main(argv=None) -> int:
                     s["system"] = f"{s['system']}@{vname}"
                     s["name"] = "/".join([s["system"]] + s["name"].split("/")[1:])
                 results["runs"].append(s)
-                if w.get("timeline"):  # DATAFLOW_TIMELINE=1: per rank, for benchmarks/wave_timeline.py
+                if w.get("timeline"):  # --timeline: per rank, for benchmarks/wave_timeline.py
                     tl = out_dir / ("timeline_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", s["name"]) + ".json")
                     tl.write_text(json.dumps({"name": s["name"], "ranks": w["timeline"]}))
                 log(f"  {s['name']:<34} tok/s {s['tokens_per_s'] or 0:9.1f}  ITL p50 {s['itl_p50_ms'] or 0:7.2f} "
@@ -326,46 +309,6 @@ def main(argv=None) -> int:
     print_table(results)
     log(f"wrote {out_dir / 'ep_bench.json'} and {out_dir / 'ep_bench.md'}")
     return 0 if results["runs"] and not results["errors"] else 1
-
-
-_OUTPUTS: dict = {}
-
-
-def tokens_check(results: dict, workloads: list) -> None:
-    """Requests whose tokens equal the first system's of the same (scenario, C) (bf16: near-ties may differ)."""
-    for w in workloads:
-        if not w["report"]:
-            continue
-        _, sc, C = w["name"].split("/")
-        key = (sc, C)
-        outs = {r["rid"]: r["output"] for r in w["requests"]}
-        if key not in _OUTPUTS:
-            _OUTPUTS[key] = (w["system"], outs)
-            continue
-        ref_sys, ref = _OUTPUTS[key]
-        same = sum(outs.get(r) == o for r, o in ref.items())
-        for s in reversed(results["runs"]):  # the newest row of that workload (rounds/variants repeat names)
-            if s.get("workload", s["name"]) == w["name"]:
-                s["tokens_equal_to"] = f"{same}/{len(ref)} requests equal to {ref_sys}"
-                break
-
-
-def ratios(results: dict) -> None:
-    # Keyed by the scenario label of the name (clean, clean#2, ...) so repeated scenarios stay apart.
-    by = {(r["system"], r["name"].split("/")[1], r["name"].split("/")[2]): r for r in results["runs"]}
-    for r in results["runs"]:
-        if not r["system"].startswith("streaming-"):
-            continue
-        C = r["name"].split("/")[2]
-        for base in ("ag-ep", "a2a-ep"):
-            b = by.get((base, r["name"].split("/")[1], C))
-            if b and b.get("tokens_per_s") and r.get("tokens_per_s"):
-                r[f"ratio_vs_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
-    for r in results["runs"]:
-        rnd = _round_of(r["name"].split("/")[1])
-        clean = by.get((r["system"], "clean" + (f".r{rnd}" if rnd else ""), r["name"].split("/")[2]))
-        if clean and clean.get("tokens_per_s") and r.get("tokens_per_s"):
-            r["vs_clean"] = r["tokens_per_s"] / clean["tokens_per_s"]
 
 
 def parse_links(text, ranks: int):
@@ -414,108 +357,6 @@ def parse_variants(text) -> list:
             env[settings.ENV_OPTIONS] = options.model_dump_json(exclude_defaults=True)
         out.append((name.strip(), env))
     return out
-
-
-def _round_of(label: str) -> int:
-    """The round of a scenario label ('clean.r2' -> 2; 0 without rounds)."""
-    head, dot, tail = label.rpartition(".r")
-    return int(tail) if dot and tail.isdigit() else 0
-
-
-def median_rows(results: dict) -> list[dict]:
-    """Per (system, scenario without the round, C): median tok/s over rounds, min, max, and the median
-    of the per-round ratios to ag-ep (each round's streaming against the same round's barrier); the
-    grouping and medians are `python -m lab bench`'s (report.median_over_repeats)."""
-    from lab.report import median_over_repeats
-    cells = []
-    for r in results["runs"]:
-        system, label, C = r["name"].split("/")
-        cells.append({**r, "label": f"{system}/{C}",
-                      "scenario": label.rpartition(".r")[0] if _round_of(label) else label})
-    out = []
-    for m in median_over_repeats(cells):
-        tps = m.get("tokens_per_s_repeats") or [m.get("tokens_per_s")]
-        tps = [x for x in tps if x]
-        if tps:
-            system, C = m["label"].split("/")
-            out.append(dict(system=system, scenario=m["scenario"], C=C[1:], rounds=len(tps), median=m["tokens_per_s"],
-                            lo=min(tps), hi=max(tps), ratio=m.get("ratio_vs_ag-ep")))
-    return out
-
-
-def median_lines(results: dict) -> list[str]:
-    rows = median_rows(results)
-    if not rows or max(r["rounds"] for r in rows) < 2:
-        return []
-    L = ["| system | scenario | C/rank | rounds | tok/s median (min-max) | /ag-ep median of rounds |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        L.append(f"| {r['system']} | {r['scenario']} | {r['C']} | {r['rounds']} | {r['median']:.1f} ({r['lo']:.1f}-{r['hi']:.1f}) | "
-                 f"{_f(r['ratio'], '{:.2f}x')} |")
-    return L
-
-
-def _f(x, fmt="{:.1f}"):
-    return "-" if x is None else fmt.format(x)
-
-
-def table_lines(results: dict) -> list[str]:
-    L = ["| system | scenario | C/rank | tok/s | vs clean | /ag-ep | /a2a-ep | ITL p50 ms | ITL p99 ms | attn batch | "
-         "expert batch | host us attn (hidden own/any) | host us expert (hidden own/any) | expert GB/s (% copy) | GPU busy | "
-         "unfinished | tokens |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    def pct(own, any_):
-        return "" if own is None else f" ({100 * own:.0f}%" + ("" if any_ is None else f" / {100 * any_:.0f}%") + ")"
-
-    for r in results["runs"]:
-        L.append(f"| {r['system']} | {r['name'].split('/')[1]} | {r['name'].split('/')[2][1:]} | {_f(r.get('tokens_per_s'))} | "
-                 f"{_f(r.get('vs_clean'), '{:.2f}')} | {_f(r.get('ratio_vs_ag-ep'), '{:.2f}x')} | "
-                 f"{_f(r.get('ratio_vs_a2a-ep'), '{:.2f}x')} | {_f(r.get('itl_p50_ms'), '{:.2f}')} | "
-                 f"{_f(r.get('itl_p99_ms'), '{:.2f}')} | {_f(r.get('attn_mean_batch'))} | {_f(r.get('expert_mean_batch'))} | "
-                 f"{_f(r.get('attn_host_us'), '{:.0f}')}{pct(r.get('attn_hidden'), r.get('attn_busy'))} | "
-                 f"{_f(r.get('expert_host_us'), '{:.0f}')}{pct(r.get('expert_hidden'), r.get('expert_busy'))} | "
-                 f"{_f(r.get('expert_GBps'), '{:.0f}')}{_f(r.get('expert_pct_copy'), ' ({:.0f}%)') if r.get('expert_pct_copy') else ''} | "
-                 f"{_f(r.get('gpu_busy'), '{:.0%}')} | {r['unfinished']} | "
-                 f"{r.get('tokens_equal_to', 'reference')} |")
-    return L
-
-
-def write_md(path: Path, results: dict) -> None:
-    m = results["meta"]
-    L = [f"# EP bench: streaming vs all-gather EP vs all-to-all EP ({m['date']})", "",
-         f"`{m['command']}`", "",
-         f"{m['model']} ({m['layers']} layers, {m['experts']} experts, top-{m['top_k']}, {m['dtype']}), {m['ranks']} ranks "
-         f"one process each on {m['device']} {m['gpus']}, torch {m['torch']}; decode-only, {m.get('lengths', 'sharegpt')} prompts "
-         f"clipped to {m['max_prompt']} (mean {m['prompt_len_mean']}), new tokens {m['new_tokens']}, Zipf s={m['zipf_s']}, "
-         f"all requests at t=0; bursts {m['burst']}.", "",
-         "tok/s = generated tokens / (last finish - start); ratios = streaming / baseline at the same scenario and C; "
-         "host us = wall of the executor calls of a batch minus time blocked on the device (streaming: "
-         "execute+complete of a batch; barrier: attention+route+shared, and expert compute incl. index ops); "
-         "(hidden own/any) = share of that host time overlapped by device work: own = the batch's own (per batch "
-         "exposed = max(0, wall - device time of its attention/expert graphs); 1 - exposed / host), any = any "
-         "graph of the rank (the paper's: exposed = the part of the batch's wall with the GPU idle; "
-         "lab/busy_timeline.py); expert GB/s = "
-         "bytes an expert batch cannot avoid (active experts' weights + rows in/out) / its device time, "
-         "and its share of the measured device copy bandwidth; GPU busy = share of the ranks' batch span during which "
-         "their GPUs ran any recorded graph (low: the host is the bottleneck).", ""]
-    L += table_lines(results)
-    med = median_lines(results)
-    if med:
-        L += ["", "Medians over rounds (ratios: each round's streaming against the same round's barrier):", ""] + med
-    tails = [f"- {r['system']} / {r['name'].split('/')[1]}: {r['itl_tail']}" for r in results["runs"] if r.get("itl_tail")]
-    if tails:
-        L += ["", "ITL tails (inter-token gaps >= the p99, overlapping ones merged into stall windows: few long windows "
-              "= rank-wide stalls; lab/itl_tail.py):", ""] + tails
-    if results.get("hogs"):
-        L += ["", "Hogs (rate while running):", ""] + [f"- {json.dumps(h)}" for h in results["hogs"]]
-    if results.get("errors"):
-        L += ["", "Errors:", ""] + [f"- {e}" for e in results["errors"]]
-    path.write_text("\n".join(L) + "\n")
-
-
-def print_table(results: dict) -> None:
-    print("\n".join(table_lines(results) + [""] + median_lines(results)), flush=True)
-    for e in results.get("errors", []):
-        print(f"ERROR {e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arrivals_bench import decode_wait  # noqa: E402
-from gpu_bench import cut_spec  # noqa: E402
 
+from lab.barrier_dist import cut_spec  # noqa: E402
 from lowering.plan import compile_plan  # noqa: E402
 from runtime.drivers.cluster import Cluster, RunOptions  # noqa: E402
 from runtime.executors.cost_model import CostModel  # noqa: E402

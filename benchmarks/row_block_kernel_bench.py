@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("needs CUDA (the kernels' CPU checks are tests/test_kernels.py)")
+        print("needs CUDA (the kernels' CPU checks are tests/test_kernels_attention.py)")
         return 0
     dev, dt = torch.device("cuda"), torch.bfloat16
     nh, nkv, d, bs = 64, 8, 64, 16

@@ -1,9 +1,9 @@
 """Where a decode wave's layer goes: split a home's layer round trip across the ranks of a streaming run.
 
-    DATAFLOW_TIMELINE=1 python benchmarks/gpu_ep_bench.py --out DIR --systems "streaming-..." --scenarios clean ...
+    python benchmarks/gpu_ep_bench.py --out DIR --timeline --systems "streaming-..." --scenarios clean ...
     python benchmarks/wave_timeline.py DIR/timeline_*.json
 
-The bench's probe (lab/barrier_dist.py, HostProbe with DATAFLOW_TIMELINE=1) keeps, per rank, the
+The bench's probe (lab/host_probe.py, HostProbe with timeline=True) keeps, per rank, the
 middle of the timed run: every batch (kind, layer, the homes of its items, rows, host start and wall of execute +
 complete, the device start and end of its graphs on the host clock) and every data message handed to the engine
 (kind, layer, source, handling time). perf_counter is one clock for every process of a host, so the ranks' records

@@ -1,8 +1,8 @@
-"""Barrier EP baselines over real torch.distributed collectives, one process per rank (rank r on cuda:r),
-plus the streaming engine's rank main with the same executor recipe, for benchmarks/gpu_ep_bench.py.
+"""Barrier EP baselines over real torch.distributed collectives, one process per rank (rank r on cuda:r), for
+benchmarks/gpu_ep_bench.py.
 
-lab/barrier.py runs the same step logic as coroutines over point-to-point messages (and
-lab/barrier_mp.py drives them over our own ZeroMQ + gloo transport). Here every MoE layer ends in
+lab/barrier_rank.py runs the same step logic as coroutines over point-to-point messages (lab/barrier.py
+drives them in process, lab/barrier_mp.py over our own ZeroMQ + gloo transport). Here every MoE layer ends in
 the collectives an EP serving system really calls:
 
   ag   dispatch: dist.all_gather_into_tensor of the hidden rows and of the routing (ids and weights
@@ -13,63 +13,37 @@ the collectives an EP serving system really calls:
   a2a  sizes first: dist.all_to_all_single of a [R, 2] count table (tokens, (token, slot) pairs per
        destination); then all_to_all_single of the token rows (one row per token and destination)
        and of the pair metadata (message row, expert id); experts in source-rank order (as
-       lab/barrier.py); combine: all_to_all_single of the unweighted slot rows back, placed at
+       lab/barrier_rank.py); combine: all_to_all_single of the unweighted slot rows back, placed at
        token * k + slot and summed by executor.combine in slot order (what the streaming engine does).
   Per step: all_gather_into_tensor of the token counts (the global batch shape; the run ends when
   every rank has no work left).
 
-Same executor calls as lab/barrier.py (embed, attention, route, shared_expert, experts, combine,
+Same executor calls as lab/barrier_rank.py (embed, attention, route, shared_expert, experts, combine,
 logits, sample), same KV store (PagedKVStore, RandomPrefixKV in decode-only mode), same admission
 (runtime.core.requests.Admission over the same capacities; every rank computes it identically, as all
 requests of a workload arrive at t = 0: a closed batch, which is what the bench runs).
 
-Link delay bursts (BurstDelays): a rank sleeps, before each dispatch and each combine collective,
-the largest burst delay currently on a link to or from it; the streaming engine gets the same
-schedule through the transport's chaos hook (lanes of the chosen direction), on the same wall clock.
-The burst's size is the workload's scenario's (delay_of_scenario): `delay` = the BurstDelays' own
-extra_us, `delay-<N>ms` = N ms (e.g. delay-5ms, delay-0.5ms), same period and duty.
-
-Hogs (lab/hogs.py) are started by rank 0 before a workload that asks for one and stopped after it.
+Every rank of both systems builds its executor by one recipe (ExecSpec, build_executor): the streaming ranks'
+main (lab/stream_dist.py) too. The job, its launch (lab/dist_job.py) and the interference of each workload's
+scenario (lab/dist_scenarios.py) are shared as well.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import os
-import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from runtime.drivers.gc_settle import settle_heap, thaw_heap
-from lab.barrier import step_batch
+from lab.barrier_rank import step_batch
+from lab.dist_job import DistJob, Workload, say, start_rank
+from lab.dist_scenarios import ACTIVE, hogs_off, scenario_on
 from lab.floors import measure_copy_bps
-from lab.host_probe import HostProbe, merge_probes, new_probe, probe_engine  # (merge_probes: for callers)  # noqa: F401
+from lab.host_probe import merge_probes, new_probe
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# What scenario is on in this process (set per workload; read by BurstDelays lanes in transport threads).
-# "delay": the burst's extra seconds of the running workload's scenario (0.0: no delay scenario).
-_ACTIVE: dict = {"delay": 0.0}
-
-_DELAY_MS = re.compile(r"delay-(\d+(?:\.\d+)?)ms")
-
-
-def delay_of_scenario(name: str, default_us: float) -> Optional[float]:
-    """Extra seconds per burst of a delay scenario: `delay` -> default_us (the CLI's --burst-us),
-    `delay-<N>ms` -> N ms (N > 0, e.g. delay-5ms, delay-10ms, delay-0.5ms); None for any other name
-    (clean, the hogs, delay-0ms, delay-5us, ...)."""
-    if name == "delay":
-        return float(default_us) * 1e-6
-    m = _DELAY_MS.fullmatch(name)
-    if m is None:
-        return None
-    ms = float(m.group(1))
-    return ms * 1e-3 if ms > 0 else None
 
 
 # ------------------------------------------------------------------------------ model + executor
@@ -126,117 +100,11 @@ def build_executor(es: ExecSpec, plan, device, rank: Optional[int] = None, route
     return ex, inner
 
 
-class BurstDelays:
-    """On/off link delay bursts on the wall clock (time.time() since `epoch`: one clock for every
-    process of the host), on only while a workload of a delay scenario runs in this process, with
-    that scenario's size (_ACTIVE["delay"], set by _scenario_on from delay_of_scenario; `extra_us` is
-    plain `delay`'s size).
-    - `lane(direction, me, peer)`: the streaming transport's chaos hook (ZmqDistTransport); lanes of
-      `directions` get the burst delay of the link (me -> peer for send, peer -> me for recv).
-    - `collective(me, world)`: the barrier baselines' host-side stall before a collective: the largest
-      delay on any link to or from `me` right now (a collective ends with its slowest message)."""
-
-    def __init__(self, period_ms: float = 20.0, duty: float = 0.3, extra_us: float = 2000.0,
-                 links: Optional[list] = None, directions: tuple = ("recv",), epoch: Optional[float] = None) -> None:
-        self.period_s, self.duty, self.extra_s = period_ms * 1e-3, duty, extra_us * 1e-6
-        self.links = None if links is None else {(int(a), int(b)) for a, b in links}
-        self.directions = tuple(directions)
-        self.epoch = time.time() if epoch is None else epoch
-
-    def delay(self, src: int, dst: int) -> float:
-        extra = _ACTIVE["delay"]
-        if not extra or src == dst:
-            return 0.0
-        if self.links is not None and (src, dst) not in self.links:
-            return 0.0
-        t = time.time() - self.epoch
-        return extra if (t % self.period_s) < self.duty * self.period_s else 0.0
-
-    def lane(self, direction: str, me: int, peer: int):
-        if direction not in self.directions:
-            return lambda: 0.0
-        if direction == "send":
-            return lambda: self.delay(me, peer)
-        return lambda: self.delay(peer, me)
-
-    def collective(self, me: int, world: int) -> float:
-        return max([0.0] + [max(self.delay(p, me), self.delay(me, p)) for p in range(world) if p != me])
-
-
-@dataclass
-class Workload:
-    name: str
-    system: str                   # streaming-<policy> | ag-ep | a2a-ep
-    requests: list                # runtime.core.requests.Request, arrival 0
-    kv_blocks: int
-    scenario: str = "clean"       # clean | delay | delay-<N>ms | compute-hog | nvlink-hog
-    report: bool = True           # False: warm-up (graph capture), not reported
-
-
-@dataclass
-class DistJob:
-    plan: object
-    exec: ExecSpec
-    workloads: list               # [Workload]
-    delays: Optional[BurstDelays] = None
-    hogs: dict = field(default_factory=dict)   # scenario -> lab.hogs kwargs (kind, ...)
-    decode_only: bool = True
-    peer_timeout_s: float = 30.0
-
-
-def _say(msg: str) -> None:
-    """Progress line from rank 0 when the bench asks (DATAFLOW_EP_BENCH_LOG=1), on the bench's time base."""
-    if os.environ.get("DATAFLOW_EP_BENCH_LOG") == "1":
-        t0 = float(os.environ.get("DATAFLOW_EP_BENCH_T0", "0") or 0)
-        print(f"[{time.time() - t0:7.1f}s {time.strftime('%H:%M:%S')}]   rank 0: {msg}", flush=True)
-
-
-def _scenario_on(job: DistJob, w: Workload, hogs_state: dict, rank: int) -> None:
-    """Switch interference to workload `w`'s scenario (the burst size here, 0.0 = off; hogs from rank 0)."""
-    default_us = job.delays.extra_s * 1e6 if job.delays is not None else 0.0
-    _ACTIVE["delay"] = delay_of_scenario(w.scenario, default_us) or 0.0
-    if rank != 0:
-        return
-    _say(f"start {w.name} ({len(w.requests)} requests, {w.kv_blocks} KV blocks per rank)")
-    want = job.hogs.get(w.scenario)
-    cur = hogs_state.get("hog")
-    if cur is not None and hogs_state.get("scenario") != w.scenario:
-        hogs_state["log"].append(cur.stop())
-        hogs_state["hog"] = None
-    if want is not None and hogs_state.get("hog") is None:
-        from lab.hogs import Hog
-        hogs_state["hog"] = Hog(**want).start()
-        hogs_state["scenario"] = w.scenario
-        _say(f"{want['kind']} hog started (pid {hogs_state['hog'].proc.pid})")
-
-
-def _hogs_off(hogs_state: dict) -> None:
-    if hogs_state.get("hog") is not None:
-        hogs_state["log"].append(hogs_state["hog"].stop())
-        hogs_state["hog"] = None
-
-
-def _device(plan, local_rank: int):
-    if plan.cluster.device == "cuda" and torch.cuda.is_available():
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
-def _threads(env, job) -> None:
-    from runtime.drivers.launch import set_rank_threads
-    set_rank_threads(env, on_gpu=job.plan.cluster.device == "cuda")
-
-
 # ------------------------------------------------------------------------------ barrier rank main
 def barrier_dist_rank_main(env, job: DistJob):
     """One rank of the barrier baselines; every workload in order. Rank 0 returns the results."""
     import torch.distributed as dist
-    from runtime.transport.rendezvous import init_distributed
-    _threads(env, job)
-    device, backend = _device(job.plan, env.local_rank)
-    init_distributed(env.rank, env.world_size, backend)
+    device = start_rank(env, job)
     ex, inner = build_executor(job.exec, job.plan, device, env.rank, route_on_device=False)
     # the expert batches' bandwidth is reported against it; rank 0's is the one reported (1 GiB copies: once)
     copy_bps = measure_copy_bps(device) if env.rank == 0 else None
@@ -244,7 +112,7 @@ def barrier_dist_rank_main(env, job: DistJob):
     out = []
     try:
         for w in job.workloads:
-            _scenario_on(job, w, hogs_state, env.rank)
+            scenario_on(job, w, hogs_state, env.rank)
             mode = {"ag-ep": "ag", "a2a-ep": "a2a"}[w.system]
             res = run_barrier_workload(env.rank, env.world_size, job, w, mode, ex, inner, device)
             res["copy_bps"] = copy_bps
@@ -253,10 +121,10 @@ def barrier_dist_rank_main(env, job: DistJob):
             if env.rank == 0:
                 out.append(_merge_rank_results(w, allr))
                 toks = sum(len(r["output"]) for r in out[-1]["requests"])
-                _say(f"done {w.name}: {toks} tokens in {out[-1]['wall_s']:.2f} s = {toks / max(out[-1]['wall_s'], 1e-9):.1f} tok/s")
+                say(job, f"done {w.name}: {toks} tokens in {out[-1]['wall_s']:.2f} s = {toks / max(out[-1]['wall_s'], 1e-9):.1f} tok/s")
     finally:
-        _ACTIVE["delay"] = 0.0
-        _hogs_off(hogs_state)
+        ACTIVE["delay"] = 0.0
+        hogs_off(hogs_state)
         thaw_heap()
         try:
             dist.barrier()
@@ -317,7 +185,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
     delay_s = [0.0]
 
     def stall() -> None:
-        if job.delays is not None and _ACTIVE["delay"]:
+        if job.delays is not None and ACTIVE["delay"]:
             d = job.delays.collective(me, R)
             if d > 0:
                 time.sleep(d)
@@ -494,112 +362,3 @@ def _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owner, ex, inn
     if flat_parts:
         Y.index_copy_(0, torch.cat(flat_parts).to(Y.device), back.to(device=Y.device, dtype=Y.dtype))
     return ex.combine(h_res, shared, Y.view(T, k, H), wts, feeds_attention=feeds)
-
-
-# ------------------------------------------------------------------------------ streaming rank main
-def stream_rank_main(env, job: DistJob):
-    """runtime.drivers.multiproc.rank_main with the bench's executor (device-drawn weights, Zipf routing), the
-    BurstDelays chaos hook, hogs from rank 0 and host time per batch; one workload per (policy, scenario)."""
-    from runtime.drivers.cluster import RunOptions
-    from runtime.drivers.multiproc import COORDINATOR, RankJob, RankNode, SyncedClock, serve_rank
-    from runtime.transport.zmq_dist import ZmqDistTransport
-    from runtime.transport.rendezvous import init_distributed
-    _threads(env, job)
-    device, backend = _device(job.plan, env.local_rank)
-    init_distributed(env.rank, env.world_size, backend)
-    from runtime.core.requests import Request
-
-    def fresh(w):  # the coordinator fills its Request objects in: every workload gets its own
-        return [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=q.ignore_eos, arrival=q.arrival)
-                for q in w.requests]
-    works = [(fresh(w), RunOptions(policy=w.system.split("-", 1)[1], clock="wall", kv_blocks=w.kv_blocks,
-                                           decode_only=job.decode_only, stall_timeout_s=120.0))
-             for w in job.workloads]
-    rjob = RankJob(job.plan, works, job.peer_timeout_s, job.delays)
-    hogs_state: dict = {"log": []}
-    probes: list = []
-    with ZmqDistTransport(env.rank, env.world_size, device, peer_timeout_s=job.peer_timeout_s,
-                          chaos=job.delays) as transport:
-        ex, inner = build_executor(job.exec, job.plan, device, env.rank)
-        copy_bps = measure_copy_bps(device) if env.rank == COORDINATOR else None  # only the coordinator reports
-
-        class Node(RankNode):
-            def _start_workload(self, w, options):
-                _scenario_on(job, job.workloads[w], hogs_state, self.rank)
-                super()._start_workload(w, options)
-                if options.decode_only and not self.engine.decode_only:
-                    self.engine.enable_decode_only()
-                if device.type == "cuda" and hasattr(inner, "prepare"):
-                    # capture this KV store's graphs before requests come (the barrier does the same
-                    # before its start barrier); lazy capture would land inside the timed run
-                    try:
-                        inner.prepare(self.engine.kv, owned=self.engine.owned_experts)
-                    except Exception as err:  # noqa: BLE001
-                        _say(f"prepare failed ({type(err).__name__}: {err}); graphs captured lazily")
-                if probes and isinstance(probes[-1], HostProbe):
-                    probes[-1] = probes[-1].summary()  # release the last workload's CUDA events
-                probe = new_probe(inner, job.plan.spec, job.exec.dtype)
-                probes.append(probe)
-                probe_engine(self.engine, probe)
-
-        clock = SyncedClock()
-        try:
-            # as `dataflow run`'s ranks: the profile_ranks option, PeerFailure naming the rank
-            results = serve_rank(Node(env, job.plan, ex, transport, clock, rjob))
-        finally:
-            _ACTIVE["delay"] = 0.0
-            _hogs_off(hogs_state)
-        # host probes of every rank to the coordinator: through the filesystem-free path, a gloo/nccl object gather
-        import torch.distributed as dist
-        allp = [None] * env.world_size
-        dist.all_gather_object(allp, [p.summary() if isinstance(p, HostProbe) else p for p in probes])
-    if env.rank != COORDINATOR:
-        return None
-    out = []
-    for i, (w, raw) in enumerate(zip(job.workloads, results)):
-        reqs = raw["requests"]
-        m = raw["metrics"]
-        out.append({"name": w.name, "system": w.system, "scenario": w.scenario, "report": w.report,
-                    "wall_s": m.get("elapsed_s"),
-                    "requests": [{"rid": q.rid, "home": q.home, "output": list(q.output),
-                                  "token_times": list(q.token_times), "t_finish": q.t_finish,
-                                  "prompt_len": len(q.prompt)} for q in reqs],
-                    "batches": merge_probes([rank_p[i] for rank_p in allp], copy_bps),
-                    **({"timeline": [rank_p[i].get("_timeline") for rank_p in allp]}
-                       if any("_timeline" in rank_p[i] for rank_p in allp) else {}),
-                    "engine": {k2: m.get(k2) for k2 in ("attn_mean_batch", "expert_mean_batch", "attn_batches",
-                                                        "expert_batches", "messages", "max_queue_delay_s")}})
-    return {"workloads": out, "hogs": hogs_state["log"]}
-
-
-# ------------------------------------------------------------------------------ launcher side
-def run_dist(target: str, job: DistJob, world: int, timeout: float, env: Optional[dict] = None) -> dict:
-    """Launch `world` rank processes of `target` ("stream" | "barrier"); rank 0's result."""
-    from runtime.drivers.launch import launch_local
-    fn = stream_rank_main if target == "stream" else barrier_dist_rank_main
-    child_env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    child_env.update(env or {})
-    res = launch_local(world, fn, (job,), timeout=timeout, grace_s=job.peer_timeout_s + 5.0, env=child_env)
-    if not res.ok:
-        lines = [res.first_error or "failed"] + [f"rank {r}: {m}" for r, m in sorted(res.errors.items())]
-        raise RuntimeError("; ".join(lines)[:2000])
-    return res.results[0]
-
-
-def token_stats(requests: list, wall: float) -> dict:
-    """tokens/s over the run, ITL p50/p99 (ms)."""
-    itl = sorted(b - a for r in requests for a, b in zip(r["token_times"], r["token_times"][1:]))
-    toks = sum(len(r["output"]) for r in requests)
-
-    def pct(q):
-        return None if not itl else 1e3 * itl[min(len(itl) - 1, int(round(q / 100 * (len(itl) - 1))))]
-    return {"tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall if wall else None,
-            "itl_p50_ms": pct(50), "itl_p99_ms": pct(99),
-            "unfinished": sum(1 for r in requests if r.get("t_finish") is None)}
-
-
-def dumps(obj) -> str:
-    return json.dumps(obj, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
-
-
-_ = math  # noqa: F841

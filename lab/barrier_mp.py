@@ -1,4 +1,4 @@
-"""Barrier EP baselines with one process per rank: lab/barrier.py's rank coroutines (the same code
+"""Barrier EP baselines with one process per rank: lab/barrier_rank.py's rank coroutines (the same code
 the in-process driver runs) driven over the ZeroMQ + torch.distributed transport, with the same
 chaos hook as the multi-process streaming runs, so `python -m lab bench` with `clock: process` compares
 barrier and barrier-free decoding side by side on real sockets.
@@ -58,7 +58,7 @@ def barrier_rank_main(env, job: BarrierJob):
 
 def _serve(me: int, R: int, job: BarrierJob, tr):
     from models.weights import load_weights
-    from lab.barrier import Compute, Gather, Idle, RankContext, Send, rank_loop
+    from lab.barrier_rank import Compute, Gather, Idle, RankContext, Send, rank_loop
     from runtime.executors.torch_executor import TorchExecutor
     from runtime.core.kv_cache import BlockAllocator, PagedKVStore
     from runtime.observability.metrics import BatchRecord, RankMetrics

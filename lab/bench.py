@@ -29,125 +29,16 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Callable, Optional
 
 from graph_ir.errors import UserError
 from lab.arrivals import PoissonArrivals, sample_requests
+from lab.bench_config import BARRIER_SYSTEMS, STREAMING, BenchConfig, check_config
 from runtime.executors.cost_model import CostModel
 from lab.interference import Interference, from_config
 from lab.lengths import length_distribution
 from lab.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
 from runtime.core.requests import Request
-
-STREAMING = "streaming"
-BARRIER_SYSTEMS = {"ag-ep": "ag", "a2a-ep": "a2a"}
-SYSTEMS = (STREAMING,) + tuple(BARRIER_SYSTEMS)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class WorkloadConfig(_Strict):
-    lengths: str = "sharegpt"            # sharegpt | gsm8k | fixed:P:O (ignored with `prompts`)
-    prompts: Optional[str] = None        # JSONL file (id, prompt_token_ids, max_new_tokens), as `dataflow run`
-    max_context: int = Field(512, ge=2)
-    max_new_tokens: Optional[int] = Field(None, gt=0)   # cap on sampled output lengths
-    requests: int = Field(200, gt=0)
-    rate: float = Field(200.0, gt=0)     # Poisson, requests/s
-    decode_only: bool = False            # the paper's mode: random prompt KV, no prefill compute
-
-
-class RoutingConfig(_Strict):
-    kind: Literal["model", "zipf", "trace"] = "zipf"
-    s: float = 1.2
-    drift_every: int = 0
-    drift_stride: int = 1
-    path: Optional[str] = None           # kind = trace
-
-
-class CostConfig(_Strict):
-    attn_fixed_us: float = 60.0
-    attn_per_row_us: float = 1.0
-    expert_fixed_us: float = 150.0
-    expert_per_row_us: float = 0.3
-    sample_fixed_us: float = 30.0
-    sample_per_row_us: float = 0.5
-    # communication (runtime/executors/cost_model.py): defaults = free for the sender, direct collectives
-    send_cpu_us: float = 0.0
-    overlap_host: bool = True
-    collective_fixed_us: dict[str, float] = Field(default_factory=lambda: {"ag": 0.0, "ar": 0.0, "a2a": 0.0})
-    collective_send_cpu_us: float = 0.0
-    collective_algo: Literal["ring", "direct"] = "direct"
-
-    def model(self) -> CostModel:
-        bad = set(self.collective_fixed_us) - {"ag", "ar", "a2a"}
-        if bad:
-            raise UserError(f"cost.collective_fixed_us: unknown collective(s) {sorted(bad)}; valid: ag, ar, a2a")
-        return CostModel(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
-                         self.expert_per_row_us * 1e-6, self.sample_fixed_us * 1e-6, self.sample_per_row_us * 1e-6,
-                         send_cpu=self.send_cpu_us * 1e-6, overlap_host=self.overlap_host,
-                         collective_fixed={k: v * 1e-6 for k, v in self.collective_fixed_us.items()},
-                         collective_send_cpu=self.collective_send_cpu_us * 1e-6,
-                         collective_algo=self.collective_algo)
-
-
-class BenchConfig(_Strict):
-    name: str = "bench"
-    model: str = "tiny"
-    ranks: int = Field(4, gt=0)
-    clock: Literal["virtual", "wall", "process"] = "virtual"
-    executor: Literal["sim", "torch"] = "sim"
-    seed: int = 0
-    repeats: int = Field(1, gt=0)        # measure the matrix N times (round by round); report medians
-    kv_blocks: Optional[int] = Field(None, gt=0)
-    # Bytes the link model charges per tensor row (None: the tensors' real bytes). Lets a tiny or
-    # simulated model (8-byte rows) carry a real model's rows: GPT-OSS hidden 2880 x bf16 = 5760.
-    row_bytes: Optional[int] = Field(None, gt=0)
-    workload: WorkloadConfig = WorkloadConfig()
-    routing: RoutingConfig = RoutingConfig()
-    cost: CostConfig = CostConfig()
-    systems: list[str] = Field(default_factory=lambda: list(SYSTEMS))
-    policies: list[str] = Field(default_factory=lambda: ["defrag", "mtfs", "flfs"])
-    baseline: str = "ag-ep"
-    scenarios: dict[str, dict] = Field(default_factory=lambda: {"clean": {}})
-    clean_scenario: str = "clean"
-    peak_window_s: float = Field(60.0, gt=0)
-    heatmap_policies: list[str] = Field(default_factory=lambda: ["mtfs", "defrag"])
-
-
-def load_config(path: str | Path) -> BenchConfig:
-    import yaml
-    from pydantic import ValidationError
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"bench config {p} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-        return BenchConfig.model_validate(data)
-    except yaml.YAMLError as err:
-        raise UserError(f"{p}: not valid YAML: {err}") from None
-    except ValidationError as err:
-        msgs = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
-        raise UserError(f"{p}: {msgs}") from None
-
-
-def _check(cfg: BenchConfig) -> None:
-    bad = [s for s in cfg.systems if s not in SYSTEMS]
-    if bad:
-        raise UserError(f"unknown system(s) {bad}; valid: {', '.join(SYSTEMS)}")
-    if cfg.baseline not in cfg.systems:
-        raise UserError(f"baseline {cfg.baseline!r} is not among the systems {cfg.systems}")
-    if cfg.clean_scenario not in cfg.scenarios:
-        raise UserError(f"clean scenario {cfg.clean_scenario!r} is not among the scenarios {list(cfg.scenarios)}")
-    from runtime.core.scheduler import POLICIES, make_policy
-    for p in cfg.policies:  # a name or "name:key=value,..." (runtime/scheduler.parse_policy)
-        try:
-            make_policy(p)
-        except ValueError as err:
-            raise UserError(f"policies: {p!r}: {err} (valid names: {', '.join(POLICIES)})") from None
 
 
 # ---- one matrix cell ------------------------------------------------------------------------------------
@@ -466,7 +357,7 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
               progress: Optional[Callable[[int, int, Cell, Optional[dict]], None]] = None,
               weights=None) -> dict:
     """Run the whole matrix and write the report into `out_dir`. Returns the report document."""
-    _check(cfg)
+    check_config(cfg)
     from lowering.plan import compile_plan
     plan = compile_plan(spec, cfg.ranks)
     router = _router(cfg, spec)  # None: the model's own router

@@ -40,7 +40,8 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from dataflow.cmd_compile import resolve_model
-        from lab.bench import BenchConfig, load_config, run_bench
+        from lab.bench import run_bench
+        from lab.bench_config import BenchConfig, load_config
 
         cfg = load_config(config) if config else BenchConfig()
         upd = {k: v for k, v in (("model", model), ("ranks", ranks), ("clock", clock), ("executor", executor),

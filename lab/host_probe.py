@@ -1,10 +1,9 @@
 """Host time per batch of a GPU bench, and how much of it the device hid: the probe a rank's executor and engine
 report to (HostProbe), its wiring into an engine (probe_engine) and the merge of every rank's summary
-(merge_probes). Used by the distributed EP bench (lab/barrier_dist.py) and benchmarks/gpu_bench.py."""
+(merge_probes). Used by the distributed EP bench (lab/barrier_dist.py, lab/stream_dist.py) and benchmarks/gpu_bench.py."""
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from typing import Optional
 
@@ -26,7 +25,7 @@ def _waited(inner) -> float:
 
 
 TIMING_EVENTS = 16384  # timing events a probe's executor makes before the run (more are made as needed)
-TIMELINE_MAX = 6000  # DATAFLOW_TIMELINE: records a probe keeps per workload (the middle of the run)
+TIMELINE_MAX = 6000  # HostProbe(timeline=True): records a probe keeps per workload (the middle of the run)
 
 
 class HostProbe:
@@ -43,7 +42,7 @@ class HostProbe:
         probe.summary()   # after the device finished (reads the events): sums, merged by merge_probes
     """
 
-    def __init__(self, inner=None, expert_bytes=None) -> None:
+    def __init__(self, inner=None, expert_bytes=None, timeline: bool = False) -> None:
         self.inner = inner
         self.expert_bytes = expert_bytes  # (active experts, rows) -> bytes; None: no bandwidth column
         if inner is not None and getattr(inner, "device", torch.device("cpu")).type == "cuda":
@@ -53,9 +52,9 @@ class HostProbe:
                 reserve(TIMING_EVENTS)
         self.recs: list = []  # (kind, rows, host_s, wall_s, events, expert ids, host start, first part of its batch)
         self._anchor: Optional[tuple] = None  # (CUDA event, perf_counter when it ran): maps device time to host time
-        # DATAFLOW_TIMELINE=1: also every batch's layer and homes and every data message's handling, for
+        # timeline: also every batch's layer and homes and every data message's handling, for
         # benchmarks/wave_timeline.py (a layer's round trip split across both ranks; perf_counter is one clock per host)
-        self.timeline: Optional[list] = [] if os.environ.get("DATAFLOW_TIMELINE") == "1" else None
+        self.timeline: Optional[list] = [] if timeline else None
 
     def _make_anchor(self) -> tuple:
         torch.cuda.synchronize(self.inner.device)  # once, before the first timed batch: the event runs at once
@@ -92,7 +91,7 @@ class HostProbe:
             self.timeline.append((kind, layer, homes, rows, t0, wall, len(self.recs) - 1))
 
     def message(self, t0: float, src: int, meta: dict) -> None:
-        """DATAFLOW_TIMELINE: a data message handed to the engine at t0 (perf_counter), handled until now."""
+        """With a timeline: a data message handed to the engine at t0 (perf_counter), handled until now."""
         if self.timeline is not None:
             self.timeline.append(("msg", meta.get("layer", -1), (meta.get("home", -1),), meta.get("t"), t0,
                                   time.perf_counter() - t0, src))
@@ -162,11 +161,12 @@ def _rows_experts(e) -> np.ndarray:
     return np.asarray(e).reshape(-1)
 
 
-def new_probe(inner, spec, dtype: str) -> HostProbe:
-    """A probe counting expert-batch bytes for `spec`'s expert shapes in `dtype` (ExecSpec.dtype)."""
+def new_probe(inner, spec, dtype: str, timeline: bool = False) -> HostProbe:
+    """A probe counting expert-batch bytes for `spec`'s expert shapes in `dtype` (ExecSpec.dtype); `timeline`:
+    HostProbe's."""
     es = torch.finfo(getattr(torch, dtype)).bits // 8
     H, I = spec.hidden_size, spec.experts.intermediate_size
-    return HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, H, I, es))
+    return HostProbe(inner, lambda active, rows: expert_batch_bytes(active, rows, H, I, es), timeline)
 
 
 ROUTED_SAMPLE = 8  # probe_engine: one device-routed expert batch in this many copies its ids for the GB/s column

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -312,17 +311,14 @@ class RoutingRecorder:
 
 def routed(executor: Any, router: Router) -> Any:
     """`executor` routing MoE layers by `router`: inside the executor's attention graph as a learned router
-    runs (the default where both can: CudaExecutor and a router with `route_torch`, such as ZipfRouting; one
-    Triton kernel on the GPU, zipf_triton.py), or, with DATAFLOW_KEYED_ROUTER=host, by KeyedRoutingExecutor
-    on the host per attention batch. The answers are the same either way (bit for bit). The graph is the
-    default since session 7 (benchmarks/NOTES.md §22): a learned router's answer exists only once the device
-    ran the batch, so a streaming rank must wait for it before it can dispatch, and the host path, which
-    knows the routing without the device, spared streaming exactly that round trip (3.0x against 2.0x under
-    a compute hog, runs 49-50). Runs 1-48 used the host path unless they say otherwise."""
-    where = os.environ.get("DATAFLOW_KEYED_ROUTER", "").strip().lower() or "graph"
-    if where not in ("graph", "host"):
-        raise UserError(f"DATAFLOW_KEYED_ROUTER={where!r}: expected graph or host")
-    if where == "graph" and hasattr(executor, "use_keyed_router") and hasattr(router, "route_torch"):
+    runs where both can (CudaExecutor and a router with `route_torch`, such as ZipfRouting; one Triton kernel
+    on the GPU, zipf_triton.py), otherwise by KeyedRoutingExecutor on the host per attention batch. The
+    answers are the same either way (bit for bit). The graph since session 7 (benchmarks/NOTES.md §22): a
+    learned router's answer exists only once the device ran the batch, so a streaming rank must wait for it
+    before it can dispatch, and the host path, which knows the routing without the device, spared streaming
+    exactly that round trip (3.0x against 2.0x under a compute hog, runs 49-50). Runs 1-48 used the host path
+    unless they say otherwise; the switch back to it (DATAFLOW_KEYED_ROUTER=host) is gone since issue 30."""
+    if hasattr(executor, "use_keyed_router") and hasattr(router, "route_torch"):
         executor.use_keyed_router(router)
         return executor
     return KeyedRoutingExecutor(executor, router)

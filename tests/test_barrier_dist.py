@@ -1,13 +1,16 @@
 """lab/barrier_dist.py: barrier EP over real torch.distributed collectives (gloo here), 2 processes,
 tiny model in fp32, tokens vs the streaming engine (in-process, same executor recipe and routing).
-ag and a2a run in one launch (spawning ranks is the expensive part)."""
+ag and a2a run in one launch (spawning ranks is the expensive part). Also the bench's interference
+(lab/dist_scenarios.py), hogs and host probes."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from lab.barrier_dist import BurstDelays, DistJob, ExecSpec, Workload, cut_spec, run_dist
+from lab.barrier_dist import ExecSpec, cut_spec
+from lab.dist_job import DistJob, Workload, run_dist
+from lab.dist_scenarios import BurstDelays
 
 pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
 
@@ -62,22 +65,22 @@ def test_barrier_dist_tokens_match_streaming(executor):
 
 
 def test_burst_delays_schedule():
-    import lab.barrier_dist as bd
+    import lab.dist_scenarios as bd
     d = BurstDelays(period_ms=20, duty=0.3, extra_us=2000, links=[(0, 1)], epoch=0.0)
-    bd._ACTIVE["delay"] = 0.0
+    bd.ACTIVE["delay"] = 0.0
     assert d.collective(0, 2) == 0.0
-    bd._ACTIVE["delay"] = d.extra_s  # what _scenario_on sets for plain `delay`
+    bd.ACTIVE["delay"] = d.extra_s  # what scenario_on sets for plain `delay`
     try:
         seen = {d.delay(0, 1) for _ in range(2000)}
         assert seen <= {0.0, 0.002}
         assert d.delay(1, 0) == 0.0 and d.delay(0, 0) == 0.0
         assert d.lane("send", 0, 1)() in (0.0, 0.002) and d.lane("send", 1, 0)() == 0.0
     finally:
-        bd._ACTIVE["delay"] = 0.0
+        bd.ACTIVE["delay"] = 0.0
 
 
 def test_delay_of_scenario_parses_sizes():
-    from lab.barrier_dist import delay_of_scenario
+    from lab.dist_scenarios import delay_of_scenario
     assert delay_of_scenario("delay", 2000.0) == 2000.0 * 1e-6
     assert delay_of_scenario("delay-5ms", 2000.0) == 5e-3
     assert delay_of_scenario("delay-10ms", 2000.0) == 10e-3
@@ -88,19 +91,19 @@ def test_delay_of_scenario_parses_sizes():
 
 
 def test_burst_delays_honor_the_scenario_size():
-    """_scenario_on sets the running workload's burst size; BurstDelays.delay returns it during a burst
+    """scenario_on sets the running workload's burst size; BurstDelays.delay returns it during a burst
     (plain `delay`: the BurstDelays' own extra_us), the lanes and the barrier's collective stall too."""
     import time
 
-    import lab.barrier_dist as bd
+    import lab.dist_scenarios as bd
     period_ms = 1e9  # ~11.6 days: the phase set through `epoch` below holds for the whole test
     d = BurstDelays(period_ms=period_ms, duty=0.5, extra_us=2000, epoch=time.time())
     job = DistJob(plan=None, exec=None, workloads=[], delays=d)
     try:
         for scenario, want in (("delay-5ms", 5e-3), ("delay-0.5ms", 0.5e-3), ("delay-10ms", 10e-3),
                                ("delay", 2e-3), ("clean", 0.0), ("compute-hog", 0.0)):
-            bd._scenario_on(job, Workload("w", "ag-ep", [], 8, scenario), {}, rank=1)
-            assert bool(bd._ACTIVE["delay"]) == (want > 0), scenario
+            bd.scenario_on(job, Workload("w", "ag-ep", [], 8, scenario), {}, rank=1)
+            assert bool(bd.ACTIVE["delay"]) == (want > 0), scenario
             d.epoch = time.time()                          # inside the burst (first half of the period)
             assert abs(d.delay(0, 1) - want) < 1e-15, scenario
             assert abs(d.lane("recv", 1, 0)() - want) < 1e-15 and d.lane("send", 0, 1)() == 0.0
@@ -108,10 +111,10 @@ def test_burst_delays_honor_the_scenario_size():
             d.epoch = time.time() - 0.75 * period_ms * 1e-3  # between bursts
             assert d.delay(0, 1) == 0.0 and d.collective(0, 2) == 0.0
         # no BurstDelays on the job: plain `delay` has no size, off
-        bd._scenario_on(DistJob(plan=None, exec=None, workloads=[]), Workload("w", "ag-ep", [], 8, "delay"), {}, 1)
-        assert bd._ACTIVE["delay"] == 0.0
+        bd.scenario_on(DistJob(plan=None, exec=None, workloads=[]), Workload("w", "ag-ep", [], 8, "delay"), {}, 1)
+        assert bd.ACTIVE["delay"] == 0.0
     finally:
-        bd._ACTIVE["delay"] = 0.0
+        bd.ACTIVE["delay"] = 0.0
 
 
 def test_hog_start_stop_cpu():

@@ -101,7 +101,8 @@ def test_write_report_files(tmp_path):
 
 def test_run_bench_small_matrix_is_deterministic(tmp_path):
     from graph_ir.spec import load_spec
-    from lab.bench import BenchConfig, run_bench
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
     cfg = BenchConfig.model_validate({
         "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
         "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
@@ -126,7 +127,8 @@ def test_bench_repeats_run_round_by_round_and_one_repeat_is_unchanged(tmp_path):
     """repeats = 2 on the virtual clock (deterministic): the matrix runs twice, round 0 of every cell
     before round 1, and every median equals the single run's number; repeats = 1 adds nothing."""
     from graph_ir.spec import load_spec
-    from lab.bench import BenchConfig, cells, run_bench
+    from lab.bench import cells, run_bench
+    from lab.bench_config import BenchConfig
     base = {"ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
             "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
             "routing": {"kind": "zipf", "s": 1.0}, "systems": ["streaming", "ag-ep"], "policies": ["defrag", "mtfs"],
@@ -156,7 +158,8 @@ def test_bench_runs_the_wave_hold_it_is_given(tmp_path):
     """A policy string with the wave hold reaches the engines through the bench (its depth recorder once
     hid hold_fill, so the held variant ran exactly like plain defrag): the hold changes the batches."""
     from graph_ir.spec import load_spec
-    from lab.bench import BenchConfig, run_bench
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
     cfg = BenchConfig.model_validate({
         "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
         "workload": {"lengths": "fixed:8:6", "requests": 24, "rate": 2000},
@@ -175,7 +178,8 @@ def test_bench_runs_the_wave_hold_it_is_given(tmp_path):
 
 def test_bench_prompts_file_and_decode_only(tmp_path):
     from graph_ir.spec import load_spec
-    from lab.bench import BenchConfig, run_bench
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
     spec = load_spec("models/specs/tiny.yaml")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt_token_ids": [5 + i] * (3 + 2 * i),

@@ -82,8 +82,7 @@ def test_router_near_ties_are_steps_whose_expert_choice_is_within_bf16_noise():
     """gpu_bench leaves a step out of the teacher-forced logit comparison when the fp32 reference's k-th and (k+1)-th
     router logits (at any MoE layer) are closer than twice the bf16 run's router-logit error at that token; steps are
     the positions from the prompt's last on."""
-    import importlib
-    gb = importlib.import_module("gpu_bench")
+    import gpu_bench_correctness as gb
     spec = SimpleNamespace(experts=SimpleNamespace(top_k=2))
     # 4 positions (a 2-token prompt: steps are positions 1..3), 4 experts; top-2 margin per position: 1.0, 0.1, 1.0, 0.1
     a = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.9, 0.0], [0.0, 5.0, 4.0, 3.0], [2.0, 0.0, 1.95, 1.85]])
@@ -99,9 +98,9 @@ def test_router_near_ties_are_steps_whose_expert_choice_is_within_bf16_noise():
 def test_gpu_bench_kernel_table_groups_a_traces_device_events_per_replay(tmp_path):
     """--profile-graphs reads the profiler's chrome trace (on the CPU no graph is captured, so this feeds it one):
     device events grouped by name per replay, largest first, the tail summed, host events ignored."""
-    import importlib
     import json
-    gb = importlib.import_module("gpu_bench")
+
+    import gpu_bench_executor as gb
 
     class Prof:
         def export_chrome_trace(self, path):

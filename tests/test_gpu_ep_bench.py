@@ -1,5 +1,6 @@
-"""benchmarks/gpu_ep_bench.py's A/B bookkeeping (pure functions; the bench itself runs on the GPU box and
-in its --smoke mode): environment variants, round labels and the medians over rounds."""
+"""benchmarks/gpu_ep_bench.py's A/B bookkeeping and its results (benchmarks/ep_bench_report.py) (pure functions; the
+bench itself runs on the GPU box and in its --smoke mode): environment variants, round labels and the medians over
+rounds."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,16 +11,17 @@ import pytest
 _spec = importlib.util.spec_from_file_location("gpu_ep_bench", Path(__file__).resolve().parents[1] / "benchmarks/gpu_ep_bench.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+import ep_bench_report as report  # noqa: E402  (on sys.path once gpu_ep_bench is loaded)
 
 
 def test_variants_parse_and_fail_clearly():
     """A RuntimeOptions field goes to the launch as DATAFLOW_OPTIONS (the rank processes' one override), any other
-    key as the environment variable it names (the lab's own, such as DATAFLOW_KEYED_ROUTER)."""
+    key as the environment variable it names (a library's, such as NCCL_ALGO)."""
     assert bench.parse_variants(None) == [(None, {})]
     assert bench.parse_variants("lib:nccl_p2p=lib;c10d:nccl_p2p=c10d,decode_wait_ms=0,X=1") == [
         ("lib", {"DATAFLOW_OPTIONS": '{"nccl_p2p":"lib"}'}),
         ("c10d", {"X": "1", "DATAFLOW_OPTIONS": '{"decode_wait_ms":0.0,"nccl_p2p":"c10d"}'})]
-    assert bench.parse_variants("host:DATAFLOW_KEYED_ROUTER=host") == [("host", {"DATAFLOW_KEYED_ROUTER": "host"})]
+    assert bench.parse_variants("ring:NCCL_ALGO=Ring") == [("ring", {"NCCL_ALGO": "Ring"})]
     for bad in ("lib", "lib:X", "a/b:X=1", ":X=1", "x:nccl_p2p=both"):
         with pytest.raises(ValueError, match="--variants"):
             bench.parse_variants(bad)
@@ -34,14 +36,14 @@ def test_medians_over_rounds_use_same_round_ratios():
     results = {"runs": [run("ag-ep", "clean.r1", 100.0), run("s@a", "clean.r1", 50.0, 0.5),
                         run("ag-ep", "clean.r2", 200.0), run("s@a", "clean.r2", 80.0, 0.4),
                         run("ag-ep", "clean.r3", 150.0), run("s@a", "clean.r3", 90.0, 0.6)]}
-    rows = {(r["system"], r["scenario"]): r for r in bench.median_rows(results)}
+    rows = {(r["system"], r["scenario"]): r for r in report.median_rows(results)}
     assert rows[("ag-ep", "clean")]["median"] == 150.0 and rows[("ag-ep", "clean")]["rounds"] == 3
     s = rows[("s@a", "clean")]
     assert (s["median"], s["lo"], s["hi"], s["ratio"]) == (80.0, 50.0, 90.0, 0.5)
-    assert bench._round_of("delay#2.r12") == 12 and bench._round_of("clean") == 0
-    assert any("rounds" in line for line in bench.median_lines(results))
+    assert report._round_of("delay#2.r12") == 12 and report._round_of("clean") == 0
+    assert any("rounds" in line for line in report.median_lines(results))
     # one round: no medians table
-    assert bench.median_lines({"runs": [run("ag-ep", "clean", 1.0)]}) == []
+    assert report.median_lines({"runs": [run("ag-ep", "clean", 1.0)]}) == []
 
 
 def test_delay_size_scenarios_validate_and_record_their_size(tmp_path, capsys):
@@ -68,18 +70,18 @@ def test_ratios_tables_and_medians_with_delay_size_labels():
         for label, tps in labels.items():
             runs += [run("ag-ep", f"{label}.r{rnd}", tps * rnd), run("streaming-defrag", f"{label}.r{rnd}", 2 * tps * rnd)]
     results = {"runs": runs}
-    bench.ratios(results)
+    report.ratios(results)
     by = {r["name"]: r for r in runs}
     for rnd in (1, 2):
-        assert bench._round_of(f"delay-0.5ms.r{rnd}") == rnd and bench._round_of(f"delay-10ms#2.r{rnd}") == rnd
+        assert report._round_of(f"delay-0.5ms.r{rnd}") == rnd and report._round_of(f"delay-10ms#2.r{rnd}") == rnd
         for label, tps in labels.items():
             for system in ("ag-ep", "streaming-defrag"):
                 assert by[f"{system}/{label}.r{rnd}/C8"]["vs_clean"] == pytest.approx(tps / 100.0), (system, label)
             assert by[f"streaming-defrag/{label}.r{rnd}/C8"]["ratio_vs_ag-ep"] == pytest.approx(2.0)
-    rows = {(r[0].strip(), r[1].strip()): r for r in (line.strip("|").split("|") for line in bench.table_lines(results)[2:])}
+    rows = {(r[0].strip(), r[1].strip()): r for r in (line.strip("|").split("|") for line in report.table_lines(results)[2:])}
     assert rows[("streaming-defrag", "delay-0.5ms.r1")][4].strip() == "0.90"
     assert rows[("ag-ep", "delay-10ms#2.r2")][4].strip() == "0.40"
-    med = {(m["system"], m["scenario"]): m for m in bench.median_rows(results)}
+    med = {(m["system"], m["scenario"]): m for m in report.median_rows(results)}
     assert set(s for _, s in med) == set(labels)
     assert med[("streaming-defrag", "delay-0.5ms")]["rounds"] == 2 and med[("streaming-defrag", "delay-0.5ms")]["ratio"] == 2.0
     assert med[("ag-ep", "delay-10ms#2")]["median"] == pytest.approx(60.0)

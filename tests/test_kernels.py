@@ -1,25 +1,17 @@
 """kernels/: torch references against naive loops and the models' math, Triton kernels against the
-references.
+references: the MoE layer's kernels (top-k merge, permute and gather, grouped expert FFN) and the backend dispatch.
+tests/test_kernels_attention.py has the attention graph's.
 
-Shapes are odd on purpose (H=72, I=40, E=9, k=3, 6 query heads on 2 kv heads, block size 4, ragged
-contexts including 0 and 1, empty and overfull experts) so nothing passes by symmetry.
+Shapes are odd on purpose (H=72, I=40, E=9, k=3, empty and overfull experts) so nothing passes by symmetry.
 
-Without a GPU the Triton kernels run in Triton's CPU interpreter. Triton fixes interpret mode
-when it is imported, and `kernels` only imports it at the first launch, so the `triton_device`
-fixture sets TRITON_INTERPRET=1 before that. If some earlier test already imported triton in
-compiled mode, the Triton tests are re-run in a subprocess instead (last test of this file).
-Interpreter caveats (handled in kernels/, see kernels/dispatch.py): its bf16 `tl.dot` is wrong
-(kernels upcast to fp32 under the interpreter) and its fp32->bf16 cast truncates (kernels store
-fp32 and the wrapper rounds with torch).
+Without a GPU the Triton kernels run in Triton's CPU interpreter (tests/triton_interpreter.py: the `triton_device`
+fixture, and the subprocess fallback, the last test of this file). Interpreter caveats (handled in kernels/, see
+kernels/dispatch.py): its bf16 `tl.dot` is wrong (kernels upcast to fp32 under the interpreter) and its fp32->bf16
+cast truncates (kernels store fp32 and the wrapper rounds with torch).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -27,41 +19,17 @@ import torch
 
 from dataflow_kernels.dispatch import backend_for
 from dataflow_kernels.grouped_ffn import grouped_ffn, grouped_ffn_torch, grouped_ffn_triton
-from dataflow_kernels.paged_attention import (block_rows_for, clear_block_rows, paged_decode_attention_torch,
-                                     paged_decode_attention_triton, paged_row_block_attention_triton, row_blocks)
 from dataflow_kernels.permute import gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton
 from dataflow_kernels.topk_merge import topk_merge, topk_merge_torch, topk_merge_triton
+from triton_interpreter import DTYPES, HAS_TRITON, gen, run_triton_tests_in_subprocess
+from triton_interpreter import triton_device  # noqa: F401  (a fixture)
 
 H, I, E, K = 72, 40, 9, 3
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _interpreter_blocked() -> bool:
-    """True when triton was imported in compiled mode before we could ask for the interpreter."""
-    return not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-@pytest.fixture(scope="module")
-def triton_device() -> str:
-    if not HAS_TRITON:
-        pytest.skip("triton is not importable: only the torch references are tested")
-    if torch.cuda.is_available():
-        return "cuda"
-    if _interpreter_blocked():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 earlier in this process; "
-                    "test_triton_kernels_in_subprocess runs these tests instead")
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import (it happens at first launch)
-    return "cpu"
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def _skewed_ids(T: int, seed: int) -> torch.Tensor:
     """[T, K] expert ids: expert 2 never chosen, expert 0 very hot."""
-    g = _gen(seed)
+    g = gen(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     ids = torch.where(ids == 2, torch.zeros_like(ids), ids)  # empty expert (kernels allow repeats)
     ids[: T // 2, 0] = 0  # hot expert: more rows than one 16-row tile
@@ -73,7 +41,7 @@ def _skewed_ids(T: int, seed: int) -> torch.Tensor:
 
 
 def _merge_inputs(T: int, N: int, dtype, device, seed: int = 0):
-    g = _gen(seed)
+    g = gen(seed)
     h_res = torch.randn(T, H, generator=g).to(dtype)
     shared = torch.randn(T, H, generator=g).to(dtype)
     # rows as a strided view into a wider receive buffer: the kernel must honour the row stride.
@@ -173,7 +141,7 @@ def test_permute_triton(triton_device, T):
 def test_permute_triton_chunks_with_sentinels(triton_device):
     """A routed expert batch's shape: 2,048 slots over a rank's 16 held experts with sentinel ids (16: not held or
     padding) anywhere; several chunks, each ranked by its own program, give the stable sort with sentinels unplaced."""
-    ids = torch.randint(0, 17, (512, 4), generator=_gen(7))
+    ids = torch.randint(0, 17, (512, 4), generator=gen(7))
     got_o, got_off = permute_to_experts_triton(ids.to(triton_device), 16)
     ref_o, ref_off = permute_to_experts_torch(ids.clamp(max=16), 17)
     n = int(ref_off[16])  # rows of held experts; the sentinel rows sort last in the reference and are unplaced here
@@ -181,15 +149,15 @@ def test_permute_triton_chunks_with_sentinels(triton_device):
 
 
 def test_permute_triton_many_experts(triton_device):
-    ids = torch.randint(0, 130, (50, 4), generator=_gen(3)).to(triton_device)  # E not a power of two
+    ids = torch.randint(0, 130, (50, 4), generator=gen(3)).to(triton_device)  # E not a power of two
     got, ref = permute_to_experts_triton(ids, 130), permute_to_experts_torch(ids, 130)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gather_rows_triton(triton_device, dtype):
-    x = torch.randn(11, H, generator=_gen(4)).to(dtype).to(triton_device)
-    src = torch.randint(0, 11, (33,), generator=_gen(5)).to(triton_device)
+    x = torch.randn(11, H, generator=gen(4)).to(dtype).to(triton_device)
+    src = torch.randint(0, 11, (33,), generator=gen(5)).to(triton_device)
     assert torch.equal(gather_rows_triton(x, src), gather_rows_torch(x, src))
     assert gather_rows_triton(x, src[:0]).shape == (0, H)
 
@@ -199,7 +167,7 @@ def test_gather_rows_triton(triton_device, dtype):
 
 
 def _ffn_inputs(dtype, device, with_bias: bool, seed: int = 0, T: int = 13):
-    g = _gen(seed)
+    g = gen(seed)
     ids = _skewed_ids(T, seed)
     order, offsets = permute_to_experts_torch(ids, E)
     x = torch.randn(T, H, generator=g)[order // K]  # token rows in expert order
@@ -248,7 +216,7 @@ def test_grouped_ffn_reference(activation):
 
 def test_gptoss_glu_matches_transformers():
     modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
-    g = _gen(6)
+    g = gen(6)
     gate_up = torch.randn(5, 2 * I, generator=g) * 6  # interleaved: gate = [..., ::2], up = [..., 1::2]
     expected = modeling.GptOssExperts._apply_gate(SimpleNamespace(alpha=1.702, limit=7.0), gate_up)
     from models.moe import glu  # (the grouped FFN's torch reference applies the model's own activation)
@@ -277,118 +245,6 @@ def test_grouped_ffn_triton(triton_device, dtype, activation, with_bias):
 def test_grouped_ffn_triton_empty_batch(triton_device):
     x, offsets, *rest = _ffn_inputs(torch.float32, triton_device, True)
     assert grouped_ffn_triton(x[:0], torch.zeros_like(offsets), *rest).shape == (0, H)
-
-
-# ------------------------------------------------------------------------------------------
-# paged decode attention
-
-NH, NKV, DK, DV, BLOCK = 6, 2, 24, 20, 4
-LENS = [1, 7, 0, 30, 13, 4]  # ragged, one empty (a padding slot), one exactly one block
-
-
-def _paged_inputs(dtype, device, seed: int = 0):
-    g = _gen(seed)
-    B, max_blocks = len(LENS), math.ceil(max(LENS) / BLOCK) + 1
-    num_blocks = B * max_blocks + 3
-    q = torch.randn(B, NH, DK, generator=g)
-    k_cache = torch.randn(num_blocks, BLOCK, NKV, DK, generator=g)
-    v_cache = torch.randn(num_blocks, BLOCK, NKV, DV, generator=g)
-    # Physical blocks scattered and out of order.
-    table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks).to(torch.int32)
-    sinks = torch.randn(NH, generator=g)
-    cast = lambda t: t.to(dtype).to(device)  # noqa: E731
-    return cast(q), cast(k_cache), cast(v_cache), table.to(device), torch.tensor(LENS, dtype=torch.int32, device=device), cast(sinks)
-
-
-def _contiguous_kv(k_cache, v_cache, table, b, length):
-    pos = torch.arange(length)
-    blocks, slots = table[b, pos // BLOCK].long(), pos % BLOCK
-    return k_cache[blocks, slots], v_cache[blocks, slots]
-
-
-def _paged_naive(q, k_cache, v_cache, table, lens, scale, sinks, window):
-    out = torch.zeros(q.shape[0], NH, DV, dtype=torch.float64)
-    for b, length in enumerate(lens.tolist()):
-        Kc, Vc = _contiguous_kv(k_cache, v_cache, table, b, length)
-        for h in range(NH):
-            kvh = h // (NH // NKV)
-            keys = [p for p in range(length) if window is None or (length - 1) - p < window]
-            logits = [float(q[b, h].double() @ Kc[p, kvh].double()) * scale for p in keys]
-            extra = [float(sinks[h])] if sinks is not None else []
-            if not logits:
-                continue
-            mx = max(logits + extra)
-            den = sum(math.exp(x - mx) for x in logits + extra)
-            for p, x in zip(keys, logits):
-                out[b, h] += math.exp(x - mx) / den * Vc[p, kvh].double()
-    return out
-
-
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("with_sinks", [True, False])
-def test_paged_attention_reference(window, with_sinks):
-    q, k_cache, v_cache, table, lens, sinks = _paged_inputs(torch.float32, "cpu")
-    sinks = sinks if with_sinks else None
-    ref = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3, sinks, window)
-    torch.testing.assert_close(ref.double(), _paged_naive(q, k_cache, v_cache, table, lens, 0.3, sinks, window),
-                               rtol=1e-5, atol=1e-5)
-    attention = pytest.importorskip("models.attention")
-    for b, length in enumerate(LENS):
-        if length == 0:
-            continue
-        Kc, Vc = _contiguous_kv(k_cache, v_cache, table, b, length)
-        expected = attention.attend(q[b : b + 1], Kc, Vc, torch.tensor([length - 1]), 0.3, window, sinks)
-        torch.testing.assert_close(ref[b], expected[0], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("with_sinks", [True, False])
-def test_paged_attention_triton(triton_device, dtype, window, with_sinks):
-    q, k_cache, v_cache, table, lens, sinks = _paged_inputs(dtype, triton_device, seed=1)
-    sinks = sinks if with_sinks else None
-    ref = paged_decode_attention_torch(q, k_cache, v_cache, table, lens, 0.3, sinks, window).float()
-    # bf16 on the GPU: probabilities are rounded to bf16 for the P @ V tensor-core dot.
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for splits in (1, 3):  # 3 splits: chunks of 16 positions, some of them empty
-        got = paged_decode_attention_triton(q, k_cache, v_cache, table, lens, 0.3, sinks, window,
-                                            num_splits=splits, block_t=16).float()
-        torch.testing.assert_close(got, ref, **tol)
-        assert torch.all(got[2] == 0)  # empty context
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("with_sinks", [True, False])
-def test_paged_row_block_attention_equals_the_decode_kernel_row_by_row(triton_device, dtype, window, with_sinks):
-    """A batch of prompt chunks and decode rows (rows of one sequence share its page-table row; a 40-row chunk spans
-    two blocks; a padding row of context 0) through the row-block schedule, the chunks' rows by blocks and the others
-    through the decode kernel: each row's result is paged_decode_attention's for that row."""
-    q0, k_cache, v_cache, table, _, sinks = _paged_inputs(dtype, triton_device, seed=2)
-    sinks = sinks if with_sinks else None
-    # (table row, first position, rows): a 6-row chunk at 3.., a decode row at 29, a 40-row chunk at 0.., padding
-    segs = [(1, 3, 6), (3, 29, 1), (0, 0, 40), (2, -1, 1)]
-    T = sum(n for *_, n in segs)
-    big = torch.cat([table] * 6, dim=1)[:, : math.ceil(41 / BLOCK)]  # room for 40 positions (pages reused: reads only)
-    rows = [t for t, _, n in segs for _ in range(n)]
-    lens = torch.tensor([p + i + 1 for _, p, n in segs for i in range(n)], dtype=torch.int32, device=triton_device)
-    bt = big[torch.tensor(rows)].to(triton_device)
-    q = torch.randn(T, NH, DK, generator=_gen(5)).to(dtype).to(triton_device)
-    ref = paged_decode_attention_torch(q, k_cache, v_cache, bt, lens, 0.3, sinks, window).float()
-    per = block_rows_for(NH, NKV)
-    first, count = row_blocks([(t, sum(n for *_, n in segs[:i]), n) for i, (t, _, n) in enumerate(segs)], per)
-    assert count == [6, per, 40 - per]  # the one-row segments are left to the decode kernel
-    solo = clear_block_rows(lens.clone(), first, count)
-    solo[-1] = 0  # the padding row, as the executor writes it
-    assert solo.count_nonzero() == 1  # the decode row
-    pad = 3  # unused blocks (count 0), as a captured bucket has
-    as_t = lambda v: torch.tensor(v + [0] * pad, dtype=torch.int32, device=triton_device)  # noqa: E731
-    got = paged_row_block_attention_triton(q, k_cache, v_cache, bt, lens, 0.3, sinks, window,
-                                           first=as_t(first), count=as_t(count), solo_lens=solo, rows_per_block=per,
-                                           block_t=16).float()
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got, ref, **tol)
-    assert torch.all(got[-1] == 0)  # the padding row: empty context
 
 
 # ------------------------------------------------------------------------------------------
@@ -423,145 +279,5 @@ def test_dispatch_runs_triton_when_forced(triton_device, use_options):
 
 
 def test_triton_kernels_in_subprocess():
-    """Fallback when triton was imported in compiled mode before this file could ask for the
-    interpreter (see module docstring): run this file's Triton tests in a fresh interpreter."""
-    if not HAS_TRITON or not _interpreter_blocked():
-        pytest.skip("not needed: the Triton tests ran in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton and not subprocess"],
-        env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("weight_in_fp32", [True, False])
-def test_rms_norm_triton_matches_the_reference(triton_device, dtype, weight_in_fp32):
-    """One program per row (kernels/rms_norm.py) against models.attention.rms_norm: equal up to the order of the fp32
-    sum of squares (fp32), within one bf16 ulp (bf16; the interpreter also truncates where the GPU rounds, see
-    dataflow_kernels.dispatch.kernel_store_dtype); a hidden size that is not a power of two; rows of a larger buffer."""
-    from dataflow_kernels.rms_norm import rms_norm_torch, rms_norm_triton
-    g = _gen(11)
-    for T, Hn in ((5, 72), (1, 64), (0, 72)):
-        x = (torch.randn(T, Hn + 8, generator=g) * 3).to(dtype)[:, :Hn]  # rows of a wider buffer: a row stride
-        w = (torch.rand(Hn, generator=g) + 0.5).to(dtype)
-        got = rms_norm_triton(x.to(triton_device), w.to(triton_device), 1e-5, weight_in_fp32).cpu()
-        ref = rms_norm_torch(x, w, 1e-5, weight_in_fp32)
-        assert got.dtype == ref.dtype and got.shape == ref.shape
-        tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
-        torch.testing.assert_close(got.float(), ref.float(), **tol)
-
-
-def _rope_kv_inputs(dtype, nh: int, nkv: int, D: int, rdim: int, seed: int):
-    """A decode batch over a paged cache: q/k/v as strided views of one projection output (the layout a fused
-    projection gives), ragged positions incl. a padded row (-1 -> the trash row and page), a partial rotary width."""
-    from dataflow_kernels.rope_kv_write import rope_table
-    g = _gen(seed)
-    bs, pages, width = 4, 24, 5
-    pos = torch.tensor([0, 5, 17, 3, -1], dtype=torch.int32)
-    b = pos.shape[0]
-    table = torch.randperm(pages, generator=g)[: 4 * width].view(4, width).to(torch.int32)
-    table = torch.cat([table, torch.full((1, width), pages, dtype=torch.int32)])  # trash row -> trash page
-    rows = torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32)
-    qkv = (torch.randn(b, (nh + 2 * nkv) * D + 3, generator=g) * 2).to(dtype)
-    q = qkv[:, : nh * D].view(b, nh, D)
-    k = qkv[:, nh * D: (nh + nkv) * D].view(b, nkv, D)
-    v = qkv[:, (nh + nkv) * D: (nh + 2 * nkv) * D].view(b, nkv, D)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rdim, 2, dtype=torch.float32) / rdim))
-    cos_t, sin_t = rope_table(inv_freq, 1.3, width * bs)
-    kc = torch.randn(pages + 1, bs, nkv, D, generator=g).to(dtype)
-    vc = torch.randn(pages + 1, bs, nkv, D, generator=g).to(dtype)
-    return q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("nh,nkv,D,rdim", [(6, 2, 16, 16), (4, 4, 16, 8), (8, 1, 12, 12)])
-def test_rope_kv_write_triton_matches_the_reference(triton_device, dtype, nh, nkv, D, rdim):
-    """One program per row (kernels/rope_kv_write.py) against its torch reference: the rotated q, the whole K/V cache
-    after the write (untouched pages included) and the context lengths. Bit for bit in fp32, and in bf16 on a GPU; the
-    interpreter truncates each of the kernel's bf16 roundings where the GPU rounds to nearest (cos/sin, two products,
-    the sum: a few ulps of the largest input). Shapes: odd head counts, a partial rotary width, a head dim that is not a
-    power of two, strided q/k/v."""
-    from dataflow_kernels.rope_kv_write import rope_kv_write_torch, rope_kv_write_triton
-    args = _rope_kv_inputs(dtype, nh, nkv, D, rdim, seed=21)
-    ref_kc, ref_vc = args[9].clone(), args[10].clone()
-    got_kc, got_vc = args[9].clone().to(triton_device), args[10].clone().to(triton_device)
-    dev = [a.to(triton_device) if isinstance(a, torch.Tensor) else a for a in args[:9]]
-    q_ref, ctx_ref = rope_kv_write_torch(*args[:9], ref_kc, ref_vc)
-    q_got, ctx_got = rope_kv_write_triton(*dev, got_kc, got_vc)
-    assert ctx_got.dtype == torch.int32 and ctx_got.cpu().tolist() == ctx_ref.tolist() == [1, 6, 18, 4, 0]
-    assert q_got.dtype == dtype and q_got.shape == q_ref.shape
-    exact = dtype == torch.float32 or triton_device == "cuda"
-    tol = dict(rtol=0, atol=0 if exact else 2 ** -5 * float(args[0].abs().max()))
-    for got, ref in ((q_got, q_ref), (got_kc, ref_kc), (got_vc, ref_vc)):
-        torch.testing.assert_close(got.cpu().float(), ref.float(), **tol)
-    assert not torch.equal(ref_kc, args[9]) and not torch.equal(ref_vc, args[10])  # the write happened
-
-
-def test_rope_kv_write_reference_is_the_model_math():
-    """The reference against the model's own pieces: models.rope.cos_sin / apply_rope for q and k, and each row's K/V
-    at the page its table names (the padded row's at the trash page)."""
-    from dataflow_kernels.rope_kv_write import rope_kv_write_torch
-    from models.rope import apply_rope
-    q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc = _rope_kv_inputs(torch.float32, 6, 2, 16, 8, seed=22)
-    q_out, _ = rope_kv_write_torch(q, k, v, pos, rows, table, bs, cos_t, sin_t, kc, vc)
-    posc = pos.long().clamp(min=0)
-    freqs = posc.float()[:, None] * (1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8)))[None, :]
-    cos, sin = freqs.cos() * 1.3, freqs.sin() * 1.3
-    assert torch.equal(q_out, apply_rope(q, cos, sin))
-    k_rot = apply_rope(k, cos, sin)
-    for i, (p, r) in enumerate(zip(posc.tolist(), rows.tolist())):
-        page = int(table[r, p // bs])
-        assert torch.equal(kc[page, p % bs], k_rot[i]) and torch.equal(vc[page, p % bs], v[i])
-    assert int(table[rows[4], 0]) == kc.shape[0] - 1  # the padded row went to the trash page
-
-
-@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-glm4-moe", "tiny-olmoe", "tiny-qwen3-moe", "tiny-deepseek-v2"])
-def test_cuda_executor_attention_body_with_the_triton_kernels(triton_device, use_options, name):
-    """The attention graph's body as the GPU runs it (attn_impl="triton": the paged decode kernel, the fused RMSNorm,
-    one q/k/v GEMM, RoPE and the KV write in one kernel), here through the interpreter, against the torch executor:
-    the same hidden rows up to fp32 rounding. Families: sinks and windows (GPT-OSS), a partial rotary width (GLM),
-    q/k norms over all heads (OLMoE) and per head (Qwen3), and MLA (DeepSeek: interleaved RoPE, the torch ops).
-    Then a batch with a new prompt's 3-row chunk between the decode rows, padded to bucket 8: the row-block attention
-    (dataflow_kernels.paged_attention.paged_row_block_attention_triton: the chunk by row blocks, the decode and padding rows
-    through the decode kernel)."""
-    import copy
-
-    from graph_ir.spec import load_spec
-    from models.weights import random_weights
-    from runtime.executors.torch_executor import TorchExecutor
-    from runtime.executors.cuda_executor import CudaExecutor
-    from runtime.core.kv_cache import BlockAllocator, PagedKVStore
-    if triton_device != "cpu":  # (on a GPU host the CPU tensors below would need the interpreter)
-        pytest.skip("the interpreter's check of the attention body over a CPU KV store; on a GPU, "
-                    "benchmarks/gpu_bench.py's correctness section checks the body against the torch executor")
-    use_options(kernels="triton")
-    spec = load_spec(f"models/specs/{name}.yaml")
-    w = random_weights(spec)
-    ref = TorchExecutor(spec, w)
-    kv_a = PagedKVStore(spec.num_layers, BlockAllocator(32, 4))
-    lens = [3, 6]
-    for sid, n in enumerate(lens):
-        assert kv_a.reserve(sid, n + 8)
-        h = ref.embed([5 + i for i in range(n)])
-        for layer in range(spec.num_layers):
-            h_res, x = ref.attention(layer, h, list(range(n)), [(sid, 0, n)], kv_a)
-            h = h_res + x
-    kv_b = copy.deepcopy(kv_a)
-    h = torch.randn(2, spec.hidden_size, generator=_gen(12))
-    ex = CudaExecutor(spec, w, device="cpu", attn_impl="triton", buckets={"attn": [4, 8], "expert": [16]})
-    segs = [(0, 0, 1), (1, 1, 1)]
-    want = ref.attention(1, h, lens, segs, kv_a)
-    got = ex.attention(1, h, lens, segs, kv_b)
-    for g_, w_ in zip(got, want):
-        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
-    for kv_ in (kv_a, kv_b):
-        assert kv_.reserve(2, 8)
-    segs, pos = [(0, 0, 1), (2, 1, 3), (1, 4, 1)], [4, 0, 1, 2, 7]
-    h = torch.randn(5, spec.hidden_size, generator=_gen(13))
-    want = ref.attention(1, h, pos, segs, kv_a)
-    got = ex.attention(1, h, pos, segs, kv_b)
-    assert ex.stats.attn_paged_prompt == 1 and ex.block_rows > 0 and ex.stats.attn_eager == 0
-    for g_, w_ in zip(got, want):
-        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+    """Fallback when triton was imported in compiled mode before this file could ask for the interpreter."""
+    run_triton_tests_in_subprocess(__file__)

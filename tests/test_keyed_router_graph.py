@@ -4,12 +4,12 @@ in the bucketed decode body and in the eager path, and the same tokens and routi
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-from graph_ir.errors import UserError
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from models.weights import random_weights
@@ -85,8 +85,8 @@ def _requests(spec, n=8, seed=3):
 
 
 def _served(where: str, monkeypatch):
-    """Tokens and every routing decision the engines saw (layer, ids, weights), in call order."""
-    monkeypatch.setenv("DATAFLOW_KEYED_ROUTER", where)
+    """Tokens and every routing decision the engines saw (layer, ids, weights), in call order: the router in the
+    attention graph (`RoutedBy`, as every bench runs it) or on the host (KeyedRoutingExecutor around the executor)."""
     spec = load_spec("models/specs/tiny-gpt-oss.yaml")
     w = random_weights(spec)
     plan = compile_plan(spec, 2)
@@ -101,9 +101,10 @@ def _served(where: str, monkeypatch):
         seen.append((layer, torch.as_tensor(ids).clone(), torch.as_tensor(wts).clone()))
         return ids, wts
     monkeypatch.setattr(answers, method, spy)
+    router = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2)
+    wrapper = RoutedBy(router) if where == "graph" else partial(KeyedRoutingExecutor, router=router)
     res = run_workload(plan, _requests(spec), RunOptions(policy="defrag", executor="cuda", kv_blocks=64,
-                                                         clock="virtual", executor_wrapper=RoutedBy(ZipfRouting(
-                                                             spec.experts.num_experts, spec.experts.top_k, s=1.2))),
+                                                         clock="virtual", executor_wrapper=wrapper),
                        weights=w)
     return {r.rid: list(r.output) for r in res.requests}, seen
 
@@ -118,18 +119,11 @@ def test_served_run_routes_and_generates_the_same_in_graph_as_on_host(monkeypatc
         assert lg == lh and torch.equal(ig, ih) and torch.equal(wg, wh)
 
 
-def test_routed_picks_the_graph_only_where_both_sides_can(monkeypatch):
+def test_routed_picks_the_graph_only_where_both_sides_can():
     spec = load_spec("models/specs/tiny-gpt-oss.yaml")
     ex = CudaExecutor(spec, random_weights(spec), device="cpu")
     z = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.0)
-    monkeypatch.setenv("DATAFLOW_KEYED_ROUTER", "host")
-    assert isinstance(routed(ex, z), KeyedRoutingExecutor) and ex.keyed_router is None
-    monkeypatch.delenv("DATAFLOW_KEYED_ROUTER", raising=False)
-    assert routed(ex, z) is ex and ex.keyed_router is z  # the default: in the graph
+    assert routed(ex, z) is ex and ex.keyed_router is z  # in the graph
     other = CudaExecutor(spec, random_weights(spec), device="cpu")
     assert isinstance(routed(other, lambda *a: None), KeyedRoutingExecutor)  # no route_torch: host
-    monkeypatch.setenv("DATAFLOW_KEYED_ROUTER", "host")
-    assert isinstance(routed(other, z), KeyedRoutingExecutor) and other.keyed_router is None
-    monkeypatch.setenv("DATAFLOW_KEYED_ROUTER", "gpu")
-    with pytest.raises(UserError, match="DATAFLOW_KEYED_ROUTER='gpu': expected graph or host"):
-        routed(other, z)
+    assert other.keyed_router is None

@@ -1,11 +1,10 @@
-"""benchmarks/wave_timeline.py: a home's layer round trip split from the probe's timeline (DATAFLOW_TIMELINE=1).
+"""benchmarks/wave_timeline.py: a home's layer round trip split from the probe's timeline (gpu_ep_bench --timeline).
 A hand-made timeline with known legs, and the real path: the EP bench's CPU smoke (2 gloo rank processes) writing
 timelines that the analysis follows."""
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -48,10 +47,9 @@ def test_legs_of_a_hand_made_wave():
 
 
 def test_ep_bench_smoke_writes_timelines_the_analysis_follows(tmp_path):
-    env = dict(os.environ, DATAFLOW_TIMELINE="1")
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_ep_bench.py"), "--out", str(tmp_path), "--smoke",
-                          "--systems", "streaming-defrag:hold_fill=1;hold_us=30000", "--scenarios", "clean"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          "--systems", "streaming-defrag:hold_fill=1;hold_us=30000", "--scenarios", "clean", "--timeline"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     files = sorted(tmp_path.glob("timeline_*.json"))
     assert files, list(tmp_path.iterdir())
@@ -63,10 +61,9 @@ def test_ep_bench_smoke_writes_timelines_the_analysis_follows(tmp_path):
     n = int(re.search(r"waves followed: (\d+)", text).group(1))
     assert n > 0, text
     assert _leg(text, "cycle") >= _leg(text, "attn host") > 0
-    # without the variable: no timeline files, the bench as before
+    # without --timeline: no timeline files, the bench as before
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_ep_bench.py"), "--out", str(tmp_path / "off"),
                           "--smoke", "--systems", "streaming-defrag", "--scenarios", "clean", "--concurrency", "4"],
-                         cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "DATAFLOW_TIMELINE"},
-                         capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert not list((tmp_path / "off").glob("timeline_*.json"))

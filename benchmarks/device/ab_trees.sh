@@ -8,8 +8,9 @@
 # working tree when the call starts, uncommitted edits included; run 57's "new" was such a tree, NOTES §23).
 # AB_BENCH=gpu_ep_bench (default: 2 GPUs, one process per rank, both ranks' phase timers in phases.txt) or
 # AB_BENCH=gpu_bench (one GPU, in-process ranks; pass --sections e2e; the engine's and executor's step timers,
-# profile_steps, in phases.txt). AB_TIMEOUT: seconds per launch (120). With DATAFLOW_TIMELINE=1, the
-# launches whose tree writes timelines get their benchmarks/wave_timeline.py summary in OUT/timelines.txt.
+# profile_steps, in phases.txt). AB_TIMEOUT: seconds per launch (120). With --timeline in BENCH_ARGS (trees
+# before issue 30 read DATAFLOW_TIMELINE=1 instead), the launches whose tree writes timelines get their
+# benchmarks/wave_timeline.py summary in OUT/timelines.txt.
 set -u
 OUT=$(cd "${1:?out dir}" && pwd); TGZ=${2:?old tree tarball}; ROUNDS=${3:?rounds}; shift 3
 BENCH=${AB_BENCH:-gpu_ep_bench}
@@ -35,7 +36,7 @@ for r in $(seq 1 "$ROUNDS"); do
       timeout "${AB_TIMEOUT:-120}" python3 benchmarks/$BENCH.py --out "$P/$v$r" "$@" > "$P/$v$r.log" 2>&1)
     echo "$v round $r exit $?" >> "$OUT/env.txt"
     echo "$v $r $(grep '^| streaming' "$P/$v$r/$MD" | cut -c1-200)" | tee -a "$OUT/ab.txt"
-    if ls "$P/$v$r"/timeline_*.json >/dev/null 2>&1; then  # DATAFLOW_TIMELINE=1 (trees that know it)
+    if ls "$P/$v$r"/timeline_*.json >/dev/null 2>&1; then  # --timeline (trees that know it)
       { echo "=== $v round $r"; python3 benchmarks/wave_timeline.py "$P/$v$r"/timeline_*.json; } >> "$OUT/timelines.txt" 2>&1
     fi
     if [ $BENCH = gpu_bench ]; then

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lab.routing_override import ZipfRouting  # noqa: E402
+from lab.routing_override import KeyedRoutingExecutor, RoutedBy, ZipfRouting  # noqa: E402
 from lab.zipf_torch import zipf_route  # noqa: E402
 from lab.zipf_triton import zipf_route_triton  # noqa: E402
 
@@ -121,15 +122,14 @@ def served() -> str:
     plan = compile_plan(spec, 2, DEV)
     out = {}
     for where in ("graph", "host"):
-        os.environ["DATAFLOW_KEYED_ROUTER"] = where
+        router = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2)
+        wrapper = RoutedBy(router) if where == "graph" else partial(KeyedRoutingExecutor, router=router)
         g = random.Random(7)
         reqs = [Request(i, f"r{i}", [g.randrange(3, spec.vocab_size) for _ in range(g.choice([1, 1, 5, 9]))], 12,
                         ignore_eos=True, arrival=0.0) for i in range(24)]
         res = run_workload(plan, reqs, RunOptions(policy="defrag", executor="cuda", kv_blocks=128, clock="virtual",
-                                                  router=ZipfRouting(spec.experts.num_experts, spec.experts.top_k,
-                                                                     s=1.2)), weights=w)
+                                                  executor_wrapper=wrapper), weights=w)
         out[where] = {r.rid: list(r.output) for r in res.requests}
-    os.environ.pop("DATAFLOW_KEYED_ROUTER")
     same = sum(out["graph"][r] == out["host"][r] for r in out["host"])
     return f"served tiny fp32 on {DEV}: requests with equal tokens, Zipf router in the graph vs on the host {same}/{len(out['host'])}"
 
