@@ -22,7 +22,8 @@ from typing import Callable, Generator, Optional, Sequence
 from lab.barrier_rank import Compute, Gather, RankContext, Send, rank_loop
 from runtime.core.clock import VirtualClock, WallClock
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
-from runtime.core.requests import Admission, Request
+from runtime.core.requests import Request
+from runtime.drivers.admission import Admission
 from runtime.executors.cost_model import CostModel
 from runtime.observability.metrics import BatchRecord, RankMetrics
 from runtime.transport.inproc import InprocHub

@@ -20,7 +20,7 @@ the collectives an EP serving system really calls:
 
 Same executor calls as lab/barrier_rank.py (embed, attention, route, shared_expert, experts, combine,
 logits, sample), same KV store (PagedKVStore, RandomPrefixKV in decode-only mode), same admission
-(runtime.core.requests.Admission over the same capacities; every rank computes it identically, as all
+(runtime.drivers.admission.Admission over the same capacities; every rank computes it identically, as all
 requests of a workload arrive at t = 0: a closed batch, which is what the bench runs).
 
 Every rank of both systems builds its executor by one recipe (ExecSpec, build_executor): the streaming ranks'
@@ -151,7 +151,8 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
     """One closed batch of requests (all at t = 0) under synchronous EP with real collectives."""
     import torch.distributed as dist
     from runtime.core.kv_cache import BlockAllocator, PagedKVStore
-    from runtime.core.requests import Admission, Request
+    from runtime.core.requests import Request
+    from runtime.drivers.admission import Admission
     plan, spec = job.plan, job.plan.spec
     block = plan.kv.block_size
     reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=q.ignore_eos, arrival=0.0)

@@ -62,7 +62,7 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
     from runtime.executors.torch_executor import TorchExecutor
     from runtime.core.kv_cache import BlockAllocator, PagedKVStore
     from runtime.observability.metrics import BatchRecord, RankMetrics
-    from runtime.core.requests import Admission, request_from_wire, request_to_wire
+    from runtime.drivers.admission import Admission, request_from_wire, request_to_wire
     from runtime.transport.base import Arrival
 
     plan, spec = job.plan, job.plan.spec

@@ -11,10 +11,13 @@ from lab.host_probe import HostProbe, merge_probes, new_probe, probe_engine
 
 
 def stream_rank_main(env, job: DistJob):
-    """runtime.drivers.multiproc.rank_main with the bench's executor (device-drawn weights, Zipf routing), the
+    """runtime.drivers.rank_process.rank_main with the bench's executor (device-drawn weights, Zipf routing), the
     BurstDelays chaos hook, hogs from rank 0 and host time per batch; one workload per (policy, scenario)."""
     from runtime.drivers.cluster import RunOptions
-    from runtime.drivers.multiproc import COORDINATOR, RankJob, RankNode, SyncedClock, serve_rank
+    from runtime.drivers.control import COORDINATOR
+    from runtime.drivers.multiproc import RankJob
+    from runtime.drivers.rank_node import RankNode, SyncedClock
+    from runtime.drivers.rank_process import serve_rank
     from runtime.transport.zmq_dist import ZmqDistTransport
     device = start_rank(env, job)
     from runtime.core.requests import Request

@@ -21,7 +21,7 @@ from models.sampling import SamplingParams
 from runtime.drivers.cluster import RunOptions
 from runtime.drivers.multiproc import run_workloads_multiprocess
 from runtime.core.scheduler import POLICIES
-from runtime.transport.chaos import ChaosDelays
+from lab.chaos import ChaosDelays
 from test_runtime import assert_matches_reference, make_requests, model
 
 NAME = "tiny-mixtral"

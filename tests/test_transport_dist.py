@@ -43,7 +43,8 @@ def _checksum(t) -> float | None:
 def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", receive_on=None,
               spin=None) -> dict:
     """Every rank sends n messages to every rank (itself included) in random bursts while polling."""
-    from runtime.transport.zmq_dist import ChaosDelays, ZmqDistTransport
+    from lab.chaos import ChaosDelays
+    from runtime.transport.zmq_dist import ZmqDistTransport
     rank, world = env.rank, env.world_size
     chaos = ChaosDelays(chaos_seed, max_delay_s=0.003, probability=0.5) if chaos_seed is not None else None
     rng = random.Random(f"{seed}/driver/{rank}")
@@ -107,7 +108,8 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
 
 def _slow_link(env) -> dict:
     """Rank 0's link to rank 2 is slow (every send completes 0-100 ms late); rank 1 must not notice."""
-    from runtime.transport.zmq_dist import ChaosDelays, ZmqDistTransport
+    from lab.chaos import ChaosDelays
+    from runtime.transport.zmq_dist import ZmqDistTransport
     rank = env.rank
     chaos = ChaosDelays(7, max_delay_s=0.1, probability=1.0, peers={2}, directions=("send",)) if rank == 0 else None
     with ZmqDistTransport(rank, env.world_size, "cpu", inflight_limit=2, chaos=chaos) as tr:

@@ -268,7 +268,7 @@ def test_a_hostile_local_process_neither_runs_code_nor_stops_the_run(tmp_path, m
     from runtime.drivers import launch
     from runtime.drivers.cluster import RunOptions
     from runtime.drivers.multiproc import run_workloads_multiprocess
-    from runtime.transport.chaos import ChaosDelays
+    from lab.chaos import ChaosDelays
     from test_runtime import assert_matches_reference, make_requests, model
 
     port = launch.free_port()

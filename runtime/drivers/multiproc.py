@@ -25,12 +25,7 @@ from typing import Optional
 from runtime import settings
 from runtime.drivers.control import COORDINATOR
 from runtime.drivers.launch import from_torchrun_env, launch_local, make_run_dir, remove_run_dir, run_rank
-from runtime.drivers.rank_node import RankNode, SyncedClock
-from runtime.drivers.rank_process import rank_main, serve_rank
-
-# The rank side's names, importable from here as before the split (the lab's rank mains use them).
-__all__ = ["COORDINATOR", "DEFAULT_STARTUP_TIMEOUT_S", "RankJob", "RankNode", "RunFailed", "SyncedClock", "rank_main",
-           "run_workload_multiprocess", "run_workloads_multiprocess", "serve_rank"]
+from runtime.drivers.rank_process import rank_main
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0  # loading a real checkpoint can take minutes; liveness is the heartbeat's job
 
@@ -53,7 +48,10 @@ class RankJob:
     plan: object  # lowering.plan.Plan
     workloads: list  # [(requests, RunOptions without callables)]; only the coordinator uses the requests
     peer_timeout_s: float
-    chaos: object = None  # runtime.transport.chaos.ChaosDelays: seeded per-message delays (tests)
+    chaos: object = None  # runtime.transport.base.LinkDelays: per-message delays (tests, the lab's link models)
+    # (rank, tokens): that rank's serving loop stops for good once it sampled that many tokens, its heartbeat thread
+    # alive (a wedged main thread, for the failure-detection tests).
+    wedge: Optional[tuple[int, int]] = None
     progress_path: Optional[str] = None  # the coordinator writes "done total tokens" here for the launcher
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     finished_path: Optional[str] = None  # the coordinator appends a JSON line per finished request (_journal)
@@ -69,7 +67,7 @@ def _picklable(options):
     if options.until is not None:
         raise ValueError("`until` (stopping mid-run) is supported by the in-process driver only")
     if options.delay is not None:
-        raise ValueError("`delay` is the in-process transport's hook; pass chaos=ChaosDelays(...) for real sockets")
+        raise ValueError("`delay` is the in-process transport's hook; pass chaos= (a LinkDelays) for real sockets")
     return dataclasses.replace(options, progress=None)
 
 
@@ -112,7 +110,7 @@ def _failure_message(res) -> str:
     return "\n".join(lines)
 
 
-def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float = 10.0, chaos=None,
+def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float = 10.0, chaos=None, wedge=None,
                                timeout: Optional[float] = None, env: Optional[dict] = None,
                                progress=None) -> Optional[list]:
     """Serve several workloads [(requests, RunOptions)] one after the other on one launch of
@@ -127,7 +125,7 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
         if not opts.keep_outputs and not opts.output_path:
             raise ValueError("keep_outputs=False needs an output_path (the outputs would be nowhere)")
     progress = progress or (workloads[0][1].progress if len(workloads) == 1 else None)
-    job = RankJob(plan, clean, peer_timeout_s, chaos)
+    job = RankJob(plan, clean, peer_timeout_s, chaos, wedge=wedge)
     world = plan.cluster.ranks
 
     renv = from_torchrun_env()

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -261,15 +262,13 @@ class RankNode:
             post_receives = _timed(ph, "post_receives", post_receives)
             ph.in_loop = True
         fresh = False  # the idle wait just polled (and fed what came): no second poll before deciding
-        from runtime.transport.chaos import ChaosDelays
-        chaos = self.job.chaos  # (the lab's delay models travel here too; only ChaosDelays wedges)
-        wedge = chaos.wedge_at(self.rank) if isinstance(chaos, ChaosDelays) else None
+        wedge = self.job.wedge[1] if self.job.wedge is not None and self.job.wedge[0] == self.rank else None
         while not self.stopped:
             tr.progress += 1  # the heartbeat carries it: peers see this loop turn (runtime/transport/health.py)
             if ph is not None:
                 ph.iterations += 1
             if wedge is not None and e.metrics.tokens >= wedge:
-                self.job.chaos.wedge()  # fault injection (tests): this thread stops here, the heartbeat goes on
+                threading.Event().wait()  # fault injection (tests): stops here, GIL released; the heartbeat goes on
             ran = False
             if tick is not None:
                 ran |= tick()

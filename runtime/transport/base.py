@@ -24,6 +24,15 @@ class Arrival:
     tensor: Optional[torch.Tensor]
 
 
+class LinkDelays(Protocol):
+    """Extra per-message delays a transport applies inside each lane, after the message completed and before it is
+    handed on, so per-peer order holds (fault injection: the tests' lab/chaos.py, the lab's link disturbances)."""
+
+    def lane(self, direction: str, me: int, peer: int) -> Callable[[], float]:
+        """The delay source of one lane ("send" or "recv", this rank, the peer): each call, the next message's
+        seconds."""
+
+
 class Transport(Protocol):
     rank: int
     world_size: int

@@ -11,7 +11,7 @@ Two kinds, one interface (`submit`, `drain`, `busy`):
 - `EventLane` (NCCL): the op ran on a dedicated CUDA stream and recorded an event; the engine thread
   queries head events in `drain()`: no threads, no host blocking, as in the StreamEP design.
 
-An optional per-item `delay_s` (chaos testing, see chaos.py; link disturbances in the bench) holds
+An optional per-item `delay_s` (chaos testing: lab/chaos.py; link disturbances in the bench) holds
 the item back until `delay_s` after it entered the lane, and at least until the item before it left:
 an added link latency (not cumulative over a backlog), it changes timing only, never order.
 """

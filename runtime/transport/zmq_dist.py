@@ -51,9 +51,8 @@ import torch.distributed as dist
 from runtime import settings
 from runtime.executors.cuda_stream import current_stream
 from runtime.observability.step_timer import StepTimer
-from runtime.transport.base import Arrival, Transport
+from runtime.transport.base import Arrival, LinkDelays, Transport
 from runtime.transport.buffer_pool import BufferPool
-from runtime.transport.chaos import ChaosDelays
 from runtime.transport.completion import EventLane, Item, WaiterLane, describe, summary
 from runtime.transport.header_receiver import HeaderReceiver
 from runtime.transport.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Heartbeat,
@@ -63,7 +62,7 @@ from runtime.transport.rendezvous import DEFAULT_TIMEOUT_S, current_store, init_
 from runtime.transport.tensor_links import TensorLinks
 from runtime.transport.wire import BYE, DATA, DEFAULT_MAX_FRAME_BYTES
 
-__all__ = ["ZmqDistTransport", "init_distributed", "PeerFailure", "ChaosDelays"]
+__all__ = ["ZmqDistTransport", "init_distributed", "PeerFailure"]
 
 DEFAULT_INFLIGHT_LIMIT = 16
 _HEALTH_CHECK_EVERY_S = 0.05  # poll() is called in a tight loop; checking peers each time is waste
@@ -76,7 +75,7 @@ _instances = itertools.count()
 class ZmqDistTransport(HeaderReceiver, Transport):
     def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
                  inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, chaos: Optional[ChaosDelays] = None,
+                 peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, chaos: Optional[LinkDelays] = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, pool_per_size: int = 8, receive_on: Optional[str] = None,
                  spin: Optional[bool] = None, secret: Optional[bytes] = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):

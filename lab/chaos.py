@@ -1,4 +1,5 @@
-"""Seeded random per-message delays for chaos tests: timing changes, content and per-peer order don't.
+"""Seeded random per-message delays for chaos tests (the transport's LinkDelays hook, runtime/transport/base.py):
+timing changes, content and per-peer order don't.
 
 Each lane (direction and peer) draws from its own RNG seeded by (seed, direction, peer), so a run is
 reproducible message by message regardless of how threads interleave. The transports apply the delay
@@ -12,27 +13,14 @@ from typing import Callable, Optional
 
 class ChaosDelays:
     def __init__(self, seed: int, max_delay_s: float = 0.005, probability: float = 0.5,
-                 peers: Optional[set[int]] = None, directions: tuple[str, ...] = ("send", "recv"),
-                 wedge: Optional[tuple[int, int]] = None):
+                 peers: Optional[set[int]] = None, directions: tuple[str, ...] = ("send", "recv")):
         """`peers`/`directions` restrict the delays to some lanes (e.g. one slow link: peers={2},
-        directions=("send",)); by default every lane is delayed. `wedge` (rank, tokens): that rank's serving
-        loop stops for good once it sampled that many tokens, its heartbeat thread alive (a wedged main thread,
-        for the failure-detection tests)."""
+        directions=("send",)); by default every lane is delayed."""
         self.seed = seed
-        self.wedge_spec = wedge
         self.peers = peers
         self.directions = directions
         self.max_delay_s = max_delay_s
         self.probability = probability
-
-    def wedge_at(self, rank: int) -> Optional[int]:
-        """Tokens after which `rank`'s serving loop wedges, or None."""
-        return self.wedge_spec[1] if self.wedge_spec is not None and self.wedge_spec[0] == rank else None
-
-    @staticmethod
-    def wedge() -> None:
-        import threading
-        threading.Event().wait()  # forever, GIL released: the heartbeat thread keeps beating
 
     def lane(self, direction: str, me: int, peer: int) -> Callable[[], float]:
         rng = random.Random(f"{self.seed}/{direction}/{me}/{peer}")
