@@ -12,6 +12,7 @@ import torch
 
 from gpu_bench_common import detach_all, log, pct, sync
 from lab.barrier_dist import cut_spec, device_weights
+from lab.decode_only import decode_only
 from lab.floors import measure_copy_bps
 from lab.host_probe import merge_probes, new_probe, probe_engine
 from lowering.plan import compile_plan
@@ -61,7 +62,7 @@ def section_e2e(args, dev: torch.device, results: dict, S: dict) -> None:
                 log(f"  {system} {policy} C={C} ...")
                 try:
                     if system == "streaming":
-                        opts = RunOptions(policy=policy, kv_blocks=kv_blocks, decode_only=True, stall_timeout_s=120)
+                        opts = RunOptions(policy=policy, kv_blocks=kv_blocks, engine_setup=decode_only, stall_timeout_s=120)
                         cl = Cluster(plan, ex, opts)
                         t = time.perf_counter()
                         ncap = sum(inner.prepare(e.kv, owned=e.owned_experts) for e in cl.engines)
@@ -137,7 +138,7 @@ def section_mp(args, dev: torch.device, results: dict, S: dict) -> None:
         log(f"mp: {spec.name} ranks={args.mp_ranks} C={C} (weights drawn on each rank's host: slow for big models)")
         try:
             t = time.perf_counter()
-            res = run_workload_multiprocess(plan, reqs, RunOptions(kv_blocks=kv_blocks, decode_only=True),
+            res = run_workload_multiprocess(plan, reqs, RunOptions(kv_blocks=kv_blocks),
                                             timeout=args.mp_timeout)
             rec.update(token_stats(res.requests, time.perf_counter() - t))
         except Exception as err:  # noqa: BLE001

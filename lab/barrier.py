@@ -89,7 +89,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     nblocks = [kv_blocks if kv_blocks is not None else plan.kv.num_blocks[r] for r in range(R)]
     kvs = [PagedKVStore(spec.num_layers, BlockAllocator(nblocks[r], plan.kv.block_size)) for r in range(R)]
     if decode_only:
-        from runtime.core.decode_only import RandomPrefixKV
+        from lab.decode_only import RandomPrefixKV
         kvs = [RandomPrefixKV(kv) for kv in kvs]
     admission = Admission(plan.kv.block_size, nblocks, home_policy or plan.placement.home_policy)
     pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)   # next due at the end

@@ -166,7 +166,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
                          f"({w.kv_blocks} blocks per rank): the barrier runs a closed batch")
     kv = PagedKVStore(spec.num_layers, BlockAllocator(w.kv_blocks, block))
     if job.decode_only:
-        from runtime.core.decode_only import RandomPrefixKV
+        from lab.decode_only import RandomPrefixKV
         kv = RandomPrefixKV(kv)
     live = []
     for q, home in placed:

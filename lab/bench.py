@@ -34,6 +34,7 @@ from typing import Callable, Optional
 from graph_ir.errors import UserError
 from lab.arrivals import PoissonArrivals, sample_requests
 from lab.bench_config import BARRIER_SYSTEMS, STREAMING, BenchConfig, check_config
+from lab.decode_only import decode_only
 from runtime.executors.cost_model import CostModel
 from lab.interference import Interference, from_config
 from lab.lengths import length_distribution
@@ -150,7 +151,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
 
         scaled = _ScaledCost(cost, inter)
         opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks,
-                          decode_only=cfg.workload.decode_only, batch_log=None)  # the report reads every batch
+                          engine_setup=decode_only if cfg.workload.decode_only else None, batch_log=None)  # the report reads every batch
         cluster = Cluster(plan, executor, opts, factory)
         for e in cluster.engines:
             e.policy = _DepthRecorder(e.policy, e.rank, probe)

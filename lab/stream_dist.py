@@ -4,6 +4,7 @@ the interference of each workload's scenario (lab/dist_scenarios.py) and host ti
 from __future__ import annotations
 
 from lab.barrier_dist import build_executor
+from lab.decode_only import decode_only
 from lab.dist_job import DistJob, say, start_rank
 from lab.dist_scenarios import ACTIVE, hogs_off, scenario_on
 from lab.floors import measure_copy_bps
@@ -26,7 +27,7 @@ def stream_rank_main(env, job: DistJob):
         return [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=q.ignore_eos, arrival=q.arrival)
                 for q in w.requests]
     works = [(fresh(w), RunOptions(policy=w.system.split("-", 1)[1], clock="wall", kv_blocks=w.kv_blocks,
-                                           decode_only=job.decode_only, stall_timeout_s=120.0))
+                                           stall_timeout_s=120.0))
              for w in job.workloads]
     rjob = RankJob(job.plan, works, job.peer_timeout_s, job.delays)
     hogs_state: dict = {"log": []}
@@ -40,8 +41,8 @@ def stream_rank_main(env, job: DistJob):
             def _start_workload(self, w, options):
                 scenario_on(job, job.workloads[w], hogs_state, self.rank)
                 super()._start_workload(w, options)
-                if options.decode_only and not self.engine.decode_only:
-                    self.engine.enable_decode_only()
+                if job.decode_only and not self.engine.decode_only:
+                    decode_only(self.engine)
                 if device.type == "cuda" and hasattr(inner, "prepare"):
                     # capture this KV store's graphs before requests come (the barrier does the same
                     # before its start barrier); lazy capture would land inside the timed run

@@ -172,7 +172,7 @@ def test_batched_api_checks_capacity():
 def test_wrappers_that_delegate_by_getattr_keep_the_per_segment_path():
     """runtime/decode_only.RandomPrefixKV fills prefixes inside write(): a delegating wrapper must
     not be bypassed by the batched write."""
-    from runtime.core.decode_only import RandomPrefixKV
+    from lab.decode_only import RandomPrefixKV
 
     kv = PagedKVStore(1, BlockAllocator(8, BLOCK))
     assert attn._batched_store(kv)

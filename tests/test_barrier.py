@@ -7,6 +7,7 @@ from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
 from models.weights import random_weights
 from lab.barrier import run_barrier
+from lab.decode_only import decode_only
 from runtime.drivers.cluster import RunOptions, run_workload
 from runtime.executors.torch_executor import TorchExecutor
 from lab.interference import Bursts, LinkSchedule
@@ -127,7 +128,7 @@ def test_decode_only_barrier_equals_streaming_and_skips_prefill(model):
     ex = TorchExecutor(spec, w)
     bar = run_barrier(plan, ex, _requests(prompts), "a2a", kv_blocks=32, decode_only=True)
     from runtime.drivers.cluster import Cluster
-    cl = Cluster(plan, ex, RunOptions(clock="virtual", kv_blocks=32, decode_only=True))
+    cl = Cluster(plan, ex, RunOptions(clock="virtual", kv_blocks=32, engine_setup=decode_only))
     st = cl.run(_requests(prompts))
     # same random prompt K/V (seeded per sequence and layer), same math: the same tokens
     assert [r.output for r in bar.requests] == [r.output for r in st.requests]

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from lab.barrier_dist import ExecSpec, cut_spec
+from lab.decode_only import decode_only
 from lab.dist_job import DistJob, Workload, run_dist
 from lab.dist_scenarios import BurstDelays
 
@@ -44,7 +45,7 @@ def test_barrier_dist_tokens_match_streaming(executor):
     # reference: the streaming engine in-process, same executor recipe (weights, Zipf routing)
     ex, _ = build_executor(es, plan, torch.device("cpu"))
     ref = [type(q)(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=0.0) for q in reqs]
-    Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=64, decode_only=True)).run(ref)
+    Cluster(plan, ex, RunOptions(policy="defrag", kv_blocks=64, engine_setup=decode_only)).run(ref)
     want = {q.rid: list(q.output) for q in ref}
     works = [Workload(f"{m}", m, reqs, 64) for m in ("a2a-ep", "ag-ep")]
     job = DistJob(plan, es, works, delays=BurstDelays(period_ms=10, duty=0.5, extra_us=500), decode_only=True,

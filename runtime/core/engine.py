@@ -153,7 +153,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         # 256-row attention batch on the H200 host)
         self._chunked = 0
         self._unread = 0  # rows of sample batches launched whose tokens are not read yet (Request.unread summed)
-        self.decode_only = False
+        self.decode_only = False  # random prompt K/V, requests enter at their last prompt token (lab/decode_only.py)
         # Wave hold (runtime/core/scheduler.py): rows each home announced it will still send to this rank's
         # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
         self._announced: list[dict[int, float]] = [{} for _ in range(cfg.num_layers)]
@@ -189,13 +189,6 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         if profile:
             atexit.register(lambda: print(f"{self._dispatch_timer.report()}\n{self._exec_timer.report()}\n"
                                           f"{self._decide_timer.report()}", file=sys.stderr))
-
-    def enable_decode_only(self, seed: int = 0) -> None:
-        """The paper's throughput mode (runtime/core/decode_only.py): no prefill compute; an admitted request's
-        prompt K/V is random and it enters attn(0) at its last prompt token. Set before any admission."""
-        from runtime.core.decode_only import RandomPrefixKV
-        self.kv = RandomPrefixKV(self.kv, seed)
-        self.decode_only = True
 
     # ------------------------------------------------------------------ policy / introspection
     def set_policy(self, policy, **params) -> None:

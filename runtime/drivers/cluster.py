@@ -43,7 +43,9 @@ class RunOptions:
     trace: bool = False
     kv_blocks: Optional[int] = None  # per-rank KV pool override (None: the plan's)
     home_policy: Optional[str] = None  # None: the plan's
-    decode_only: bool = False  # paper's throughput mode: random prompt KV, no prefill (runtime/core/decode_only.py)
+    # Called with each engine before any admission, in-process driver only: the lab's decode-only mode
+    # (lab/decode_only.py: random prompt K/V, no prefill compute, the paper's throughput setup).
+    engine_setup: Optional[Callable[[object], None]] = None
     # Applied to the executor each rank builds, which it returns replaced or changed (an experiment's routing
     # override, say); picklable, so rank processes apply the same one. None: the executor as built.
     executor_wrapper: Optional[Callable[[object], object]] = None
@@ -104,9 +106,9 @@ class Cluster:
                                batch_log=options.batch_log)
                         for r in range(self.world_size)]
         self._out = None  # OutputWriter while run() streams finished requests to options.output_path
-        if options.decode_only:
+        if options.engine_setup is not None:
             for e in self.engines:
-                e.enable_decode_only()
+                options.engine_setup(e)
         if options.clock == "virtual":  # simulated batch ends: a batch's results are there when it completes
             for e in self.engines:
                 e.async_sample = False

@@ -32,7 +32,7 @@ class DeviceBlockTables:
     def __init__(self, kv, width: int, rows: int, device: torch.device,
                  upload: Callable[[np.ndarray], tuple]) -> None:
         """`upload(host_array) -> (device tensor, event)` stages a host copy (pinned, non-blocking: HostStaging.upload)."""
-        # Wrappers (runtime/decode_only.RandomPrefixKV) delegate to an inner store: the hooks must
+        # Wrappers (lab/decode_only.py RandomPrefixKV) delegate to an inner store: the hooks must
         # sit on the store that actually reserves and releases.
         while hasattr(kv, "inner"):
             kv = kv.inner

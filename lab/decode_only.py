@@ -13,6 +13,14 @@ from __future__ import annotations
 import torch
 
 
+def decode_only(engine, seed: int = 0) -> None:
+    """Put `engine` in decode-only mode before any admission: its KV store fills prompts with random K/V, and an
+    admitted request enters attn(0) at its last prompt token (the engine's `decode_only`). The RunOptions
+    `engine_setup` hook of the in-process driver; the lab's rank mains call it themselves."""
+    engine.kv = RandomPrefixKV(engine.kv, seed)
+    engine.decode_only = True
+
+
 class RandomPrefixKV:
     def __init__(self, inner, seed: int = 0) -> None:
         self.inner = inner
