@@ -6,7 +6,8 @@
 set -u
 OUT=$(cd "${1:?out dir}" && pwd)
 timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_kernels_attention.py \
-  tests/test_executor_cuda.py tests/test_runtime_units.py tests/test_scheduler.py tests/test_math.py \
+  tests/test_executor_cuda.py tests/test_executor_cuda_attention.py tests/test_executor_cuda_twin.py \
+  tests/test_executor_cuda_in_place.py tests/test_runtime_units.py tests/test_scheduler.py tests/test_math.py \
   tests/test_bench_scripts.py tests/test_attention_batched.py 2>&1 | tail -3 | tee "$OUT/checks.txt"
 timeout 120 python3 benchmarks/gpu_bench.py --out "$OUT" --sections correctness > "$OUT/gpu_bench.log" 2>&1
 echo "gpu_bench correctness exit $?" | tee -a "$OUT/env.txt"; tail -1 "$OUT/gpu_bench.log"
