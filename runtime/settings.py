@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from graph_ir.errors import UserError
 
@@ -68,6 +68,12 @@ class RuntimeOptions(BaseModel):
     profile_torch: Optional[str] = Field(
         None, pattern=r"^\d+:\d+$", description="START:COUNT: a torch.profiler trace of those batches of each "
         "profiled rank")
+
+    @field_validator("profile_ranks", mode="before")
+    @classmethod
+    def _rank_number(cls, value: Any) -> Any:
+        # `--set profile_ranks=0` and an options file's `profile_ranks: 0` read the rank as a number
+        return str(value) if type(value) is int else value
 
 
 def _refuse(err: ValidationError, source: str) -> UserError:

@@ -30,6 +30,11 @@ def test_set_flags_parse_json_values_and_refuse_a_missing_equals():
         {"decode_wait_ms": 0.5, "verbose": True, "dispatch": "host", "nccl_library": None}
     with pytest.raises(UserError, match=r"--set 'verbose': expected FIELD=VALUE"):
         settings.parse_set(["verbose"])
+    # a rank number reads as JSON's 0: still the rank list "0" (a number for a string field would be refused)
+    assert settings.options_from(settings.parse_set(["profile_ranks=0"]), "--set").profile_ranks == "0"
+    assert settings.options_from({"profile_ranks": 12}, "f.yaml").profile_ranks == "12"
+    with pytest.raises(UserError, match=r"profile_ranks='-1': String should match"):
+        settings.options_from({"profile_ranks": -1}, "x")
 
 
 def test_environment_file_and_flags_stack_and_configure_exports_them(tmp_path, monkeypatch):
