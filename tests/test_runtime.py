@@ -117,10 +117,14 @@ def test_exact_tokens_wall_clock(ranks, policy):
 
 @pytest.mark.parametrize("name,ranks", [("tiny-glm4-moe", 2), ("tiny-qwen2-moe", 3), ("tiny-deepseek-v2", 2),
                                         ("tiny-olmoe", 4), ("tiny-gpt-oss", 3), ("tiny-qwen3-moe", 2),
-                                        ("tiny-deepseek-v3", 3)])
+                                        ("tiny-deepseek-v3", 3), ("tiny-glm4-moe-lite", 2), ("tiny-dots1", 3),
+                                        ("tiny-minimax-m2", 4), ("tiny-granitemoe", 2), ("tiny-ernie4-5-moe", 3),
+                                        ("tiny-hunyuan-moe", 4)])
 def test_exact_tokens_other_families(name, ranks):
     """Dense first layers, shared experts (gated too), MLA (latent cache), sinks + sliding windows, QK-norm,
-    a sigmoid router with correction bias and group-limited top-k."""
+    a sigmoid router with correction bias and group-limited top-k; GLM-4.7-Flash's MLA with v wider than nope, dense
+    layers that are not a prefix (ERNIE), softmax routing with a correction bias, the q/k norm after RoPE (Hunyuan),
+    Granite's embedding / residual / logits multipliers."""
     spec, _, _ = model(name)
     reqs = make_requests(spec.vocab_size, 4, seed=7, max_prompt=24)
     res = run(name, ranks, reqs, policy="aging", clock="virtual", delay=jitter(200e-6))

@@ -14,9 +14,11 @@ from lowering import sizes
 
 SPECS = Path(__file__).resolve().parents[1] / "models" / "specs"
 SHIPPED = sorted(p.stem for p in SPECS.glob("*.yaml"))
-BIG = ["gpt-oss-120b", "gpt-oss-20b", "glm-4.5-air", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite", "olmoe-1b-7b"]
+BIG = ["gpt-oss-120b", "gpt-oss-20b", "glm-4.5-air", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite", "olmoe-1b-7b",
+       "deepseek-v3"]
 TINY = ["tiny-gpt-oss", "tiny-glm4-moe", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v2",
-        "tiny-deepseek-v3", "tiny-olmoe", "tiny"]
+        "tiny-deepseek-v3", "tiny-olmoe", "tiny-glm4-moe-lite", "tiny-dots1", "tiny-minimax-m2", "tiny-granitemoe",
+        "tiny-ernie4-5-moe", "tiny-hunyuan-moe", "tiny"]
 
 
 def test_every_model_the_issue_names_is_shipped():
@@ -41,6 +43,7 @@ PUBLISHED = {
     "mixtral-8x7b": (32, 4096, 8, 2, 14336, 32, 8, 46.7),
     "deepseek-v2-lite": (27, 2048, 64, 6, 1408, 16, 16, 15.7),
     "olmoe-1b-7b": (16, 2048, 64, 8, 1024, 16, 16, 6.9),
+    "deepseek-v3": (61, 7168, 256, 8, 2048, 128, 128, 671.0),  # without the MTP layer
 }
 
 
@@ -70,6 +73,26 @@ def test_family_features_survive_in_tiny_variants():
     assert ds.attention.kind == "mla" and ds.dense_layers == [0] and ds.experts.shared_intermediate_size > 0
     ol = load_spec(SPECS / "tiny-olmoe.yaml")
     assert ol.attention.qk_norm == "full" and not ol.router.renormalize
+    lite = load_spec(SPECS / "tiny-glm4-moe-lite.yaml")
+    assert lite.attention.kind == "mla" and lite.attention.v_head_dim != lite.attention.qk_nope_head_dim
+    assert lite.router.scoring == "sigmoid" and lite.router.correction_bias and lite.router.n_group > 1
+    assert lite.dense_layers == [0] and lite.experts.shared_intermediate_size > 0
+    dots = load_spec(SPECS / "tiny-dots1.yaml")
+    assert dots.attention.qk_norm == "head" and dots.attention.qkv_bias and dots.attention.window(2) is not None
+    assert dots.router.scoring == "sigmoid" and dots.router.correction_bias and dots.router.n_group > 1
+    assert dots.dense_layers == [0] and dots.experts.shared_intermediate_size > 0
+    mm = load_spec(SPECS / "tiny-minimax-m2.yaml")
+    assert mm.attention.qk_norm == "full" and mm.attention.rope.partial_rotary_factor < 1
+    assert mm.router.scoring == "sigmoid" and mm.router.correction_bias and mm.router.n_group == 1
+    gr = load_spec(SPECS / "tiny-granitemoe.yaml")
+    assert gr.embedding_multiplier != 1 and gr.residual_multiplier != 1 and gr.logits_scaling != 1
+    assert gr.attention.softmax_scale is not None and gr.router.scoring == "topk_softmax"
+    er = load_spec(SPECS / "tiny-ernie4-5-moe.yaml")
+    assert er.router.scoring == "softmax" and er.router.correction_bias and er.experts.shared_intermediate_size > 0
+    assert er.dense_layers == [0, 2] and er.attention.rope.interleaved and er.tie_embeddings
+    hy = load_spec(SPECS / "tiny-hunyuan-moe.yaml")
+    assert hy.attention.qk_norm == "head" and hy.attention.qk_norm_after_rope and hy.attention.qkv_bias
+    assert hy.router.scoring == "softmax" and hy.experts.shared_intermediate_size == hy.experts.intermediate_size
     for name in TINY:
         s = load_spec(SPECS / f"{name}.yaml")
         assert s.dtype == "float32" and 2 <= s.num_layers <= 4
