@@ -2,8 +2,8 @@
 
 A feature lives in models/ once (the stage functions of models/layers.py; the CUDA executor calls them, or kernels
 registered as the implementation of one step whose torch reference is the model's own code). This test is what holds
-that promise: each row below is a tiny model with one feature switched on (or one family whose math differs), run as
-a serving workload by
+that promise: each row below is a tiny model with one feature switched on (or one family whose math differs), and
+each family's shipped tiny spec (models/specs/tiny-*.yaml: its features together), run as a serving workload by
 - the torch executor (runtime/executors/torch_executor.py),
 - the CUDA executor's CPU twin (the bucketed, padded, paged body the GPU captures in graphs) with host-routed dispatch,
 - the CUDA executor's CPU twin with device-routed dispatch (the routing packed in the attention body, the experts'
@@ -17,11 +17,12 @@ from __future__ import annotations
 import copy
 import random
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
 
-from graph_ir.spec import ModelSpec
+from graph_ir.spec import ModelSpec, load_spec
 from lowering.plan import compile_plan
 from models.reference import ReferenceDecoder
 from models.weights import random_weights
@@ -92,6 +93,9 @@ SAME_IN_FP32 = {"router_topk_softmax",  # softmax over the top-k logits = top-k 
                 "family_gpt_oss_norm_weight_fp32", "family_glm4_moe_router_fp32",
                 "logits_scaling"}  # dividing the logits keeps their argmax (it matters to sampling only)
 
+SPECS = Path(__file__).resolve().parents[1] / "models" / "specs"
+FAMILY_SPECS = sorted(p.stem for p in SPECS.glob("tiny-*.yaml"))
+
 # (executor, dispatch option)
 EXECUTORS = [("torch", "host"), ("torch", "device"), ("cuda", "host"), ("cuda", "device")]
 
@@ -121,11 +125,34 @@ def _margin(logits: torch.Tensor) -> float:
     return float(v[0] - v[1])
 
 
+@lru_cache(maxsize=None)
+def family_model(name: str):
+    """A shipped tiny spec (one per family: models/specs/tiny-*.yaml), with the same prompts as the feature rows."""
+    spec = load_spec(SPECS / f"{name}.yaml")
+    w = random_weights(spec)
+    ref = ReferenceDecoder(spec, w)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(n)] for n in (1, 6, 11)]
+    return spec, w, prompts, [ref.generate(p, 5, ignore_eos=True) for p in prompts]
+
+
 @pytest.mark.parametrize("executor,dispatch", EXECUTORS, ids=[f"{e}-{d}" for e, d in EXECUTORS])
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_feature_through_executor_equals_the_reference(feature, executor, dispatch, use_options):
     use_options(dispatch=dispatch)
-    spec, w, prompts, want = feature_model(feature)
+    _served_equals_the_reference(feature, feature_model(feature), executor, dispatch)
+
+
+@pytest.mark.parametrize("executor,dispatch", EXECUTORS, ids=[f"{e}-{d}" for e, d in EXECUTORS])
+@pytest.mark.parametrize("name", FAMILY_SPECS)
+def test_family_through_executor_equals_the_reference(name, executor, dispatch, use_options):
+    """Each family's tiny spec, its features together, through every executor."""
+    use_options(dispatch=dispatch)
+    _served_equals_the_reference(name, family_model(name), executor, dispatch)
+
+
+def _served_equals_the_reference(feature: str, model: tuple, executor: str, dispatch: str) -> None:
+    spec, w, prompts, want = model
     reqs = [Request(i, f"r{i}", p, 5, ignore_eos=True, arrival=0.0) for i, p in enumerate(prompts)]
     plan = compile_plan(spec, 2)
     res = run_workload(plan, reqs, RunOptions(policy="defrag", executor=executor, kv_blocks=32, clock="virtual"),
