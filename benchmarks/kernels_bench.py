@@ -1,6 +1,6 @@
 """Time each kernel (torch reference vs Triton) against its bytes/FLOPs floor.
 
-    python benchmarks/kernels_bench.py --out DIR            # GPU box: GPT-OSS shapes, bf16
+    python benchmarks/kernels_bench.py --out DIR            # GPU box: GPT-OSS (and DeepSeek MLA) shapes, bf16
     python benchmarks/kernels_bench.py --out DIR --smoke    # tiny shapes (default without CUDA)
 
 Writes DIR/kernels_bench.json (one record per op x shape x implementation) and
@@ -44,6 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataflow_kernels.dispatch import triton_available  # noqa: E402
 from dataflow_kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton  # noqa: E402
+from dataflow_kernels.mla_attention import (  # noqa: E402
+    paged_mla_attention_gather, paged_mla_attention_torch, paged_mla_attention_triton, triton_fits,
+)
 from dataflow_kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
 from dataflow_kernels.permute import (  # noqa: E402
     gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton,
@@ -60,10 +63,15 @@ GPU_SHAPES = dict(
     ffn_rows=(16, 128, 256, 512, 1024),  # routed expert rows per batch (expert-side buckets)
     nh=64, nkv=8, head_dim=64, block_size=16, attn_batch=(1, 8, 64, 256), context=(1024, 8192),
     windows=(None, 128),  # GPT-OSS alternates full and 128-token sliding layers
+    # DeepSeek MLA decode: V2-Lite's 16 heads and V3's 128, latent 512 + rope 64 per token; the decompressed cache
+    # it replaced held nope + rope keys (192) and values (128) per head
+    mla_heads=(16, 128), mla_rank=512, mla_rope=64, mla_v=128, mla_nope=128, mla_batch=(1, 64, 256),
+    mla_context=(1024, 4096),
 )
 SMOKE_SHAPES = dict(
     H=72, I=40, k=3, experts=(9,), merge_tokens=(1, 5), ffn_rows=(12,),
     nh=6, nkv=2, head_dim=24, block_size=4, attn_batch=(3,), context=(30,), windows=(None, 5),
+    mla_heads=(4,), mla_rank=16, mla_rope=4, mla_v=8, mla_nope=8, mla_batch=(3,), mla_context=(30,),
 )
 
 
@@ -268,6 +276,46 @@ def bench_paged_attention(r: Recorder, S: dict, dtype: torch.dtype, use_triton: 
             del k_cache, v_cache
 
 
+def bench_mla_attention(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bool) -> None:
+    """MLA decode over the latent cache (one [R + P] row per token shared by every head) in its three forms, and
+    the same batch over the decompressed per-head cache it replaced (paged_attn_decompressed: nope + rope keys and
+    values per head, the pre-issue-32 layout) for the bytes and time the latent saves."""
+    R, P, dv, dn, bs, dev = S["mla_rank"], S["mla_rope"], S["mla_v"], S["mla_nope"], S["block_size"], r.device
+    es = torch.finfo(dtype).bits // 8
+    scale = (dn + P) ** -0.5
+    for nh in S["mla_heads"]:
+        for L in S["mla_context"]:
+            for B in S["mla_batch"]:
+                max_blocks = math.ceil(L / bs)
+                lens = torch.randint(L // 2, L + 1, (B,), device=dev, dtype=torch.int32)
+                table = torch.randperm(B * max_blocks, device=dev).view(B, max_blocks).to(torch.int32)
+                ctx = int(lens.sum())
+                shape = dict(B=B, max_ctx=L, nh=nh)
+                cache = torch.randn(B * max_blocks, bs, 1, R + P, device=dev, dtype=dtype)
+                q = torch.randn(B, nh, R + P, device=dev, dtype=dtype)
+                args = (q, cache, R, table, lens, scale)
+                impls = {"torch": lambda: paged_mla_attention_torch(*args),
+                         "gather": lambda: paged_mla_attention_gather(*args)}
+                if use_triton and triton_fits(nh, R, dtype):
+                    impls["triton"] = lambda: paged_mla_attention_triton(*args)
+                r.run("mla_latent", shape, impls, ctx * (R + P) * es + B * nh * (2 * R + P) * es + table.numel() * 4,
+                      2 * ctx * nh * (2 * R + P), close(2e-2 if dtype != torch.float32 else 1e-4))
+                del cache
+                if B * max_blocks * bs * nh * (dn + P + dv) * es > 40e9:
+                    continue  # (V3's 128 heads at B=256 x 4,096: 85 GB of decompressed cache, the reason for latent)
+                k = torch.randn(B * max_blocks, bs, nh, dn + P, device=dev, dtype=dtype)
+                v = torch.randn(B * max_blocks, bs, nh, dv, device=dev, dtype=dtype)
+                qd = torch.randn(B, nh, dn + P, device=dev, dtype=dtype)
+                dargs = (qd, k, v, table, lens, scale, None, None)
+                impls = {"torch": lambda: paged_decode_attention_torch(*dargs)}
+                if use_triton:
+                    impls["triton"] = lambda: paged_decode_attention_triton(*dargs)
+                r.run("paged_attn_decompressed", shape, impls,
+                      ctx * nh * (dn + P + dv) * es + B * nh * (dn + P + dv) * es + table.numel() * 4,
+                      2 * ctx * nh * (dn + P + dv), close(2e-2 if dtype != torch.float32 else 1e-4))
+                del k, v
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -298,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few iterations (default without CUDA)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--ops", default="topk_merge,permute,grouped_ffn,paged_attn")
+    p.add_argument("--ops", default="topk_merge,permute,grouped_ffn,paged_attn,mla_attn")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--no-graphs", action="store_true")
@@ -316,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(device, copy_bps, NOMINAL_BF16_FLOPS, iters, reps, graphs=not args.no_graphs)
     use_triton = triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
     benches = dict(topk_merge=bench_topk_merge, permute=bench_permute, grouped_ffn=bench_grouped_ffn,
-                   paged_attn=bench_paged_attention)
+                   paged_attn=bench_paged_attention, mla_attn=bench_mla_attention)
     for op in args.ops.split(","):
         benches[op](rec, S, dtype, use_triton)
 
