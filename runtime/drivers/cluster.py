@@ -119,6 +119,8 @@ class Cluster:
     def _release(self, pending: list[Request], now: float) -> None:
         while pending and pending[-1].arrival <= now:
             self.admission.submit(pending.pop())
+        if not self.admission.waiting:
+            return  # (a virtual-clock run calls this at every event: no list of every rank's free pages then)
         free = [e.free_blocks() for e in self.engines]
         for req, home in self.admission.admit(free):
             if not self.engines[home].admit(req):
