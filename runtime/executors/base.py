@@ -17,6 +17,9 @@ differently have a plain default in `ExecutorBase`, which the executors inherit:
   None (the default) makes the engine call `sample_batch` and wait.
 - `prepare` / `detach`: a driver's hooks around a workload, not engine calls (capture graphs for a KV store before
   serving; free them before the next one); nothing to do by default.
+- `kv_rows` (and `device`): a driver's question before the engine is built, the K and V row shapes and dtype of a KV
+  pool the executor preallocates on `device` (runtime/executors/kv_fit.py clamps it to the free memory there); None
+  by default: pages are allocated as they fill (torch) or there are none (sim).
 """
 from __future__ import annotations
 
@@ -116,4 +119,7 @@ class ExecutorBase:
 
     def detach(self, kv) -> None:
         """Free what prepare() made for `kv`."""
+
+    def kv_rows(self) -> Optional[tuple]:
+        return None
 

@@ -85,14 +85,14 @@ def executor_kv_fit(executor, plan, rank: int, wanted: int, *, pools: int = 1,
     them on this host; a cuda plan sized for 132 GiB GPUs would otherwise be killed by the kernel's
     OOM killer with no word of why). `mem_get_info` fakes a device (tests; a CPU twin then takes the
     device's path)."""
-    device = getattr(executor, "device", None)
-    row = getattr(executor, "kv_rows", None)
-    if row is None or device is None:
+    row = executor.kv_rows()
+    if row is None:
         return wanted
+    device = executor.device
     on_host = device.type != "cuda" and mem_get_info is None
     if on_host:
         mem_get_info, pools = host_mem_get_info, max(pools, plan.cluster.ranks)
-    k_row, v_row, dtype = row()
+    k_row, v_row, dtype = row
     free, _total = (mem_get_info or torch.cuda.mem_get_info)(device)
     per_block = kv_bytes_per_block(plan.spec.num_layers, plan.kv.block_size, k_row, v_row, dtype)
     m = plan.memory[rank] if rank < len(plan.memory) and not on_host else None  # (GPU graphs and workspaces)
