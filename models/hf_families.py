@@ -67,6 +67,15 @@ def _shared(cfg, moe_i: int, default: Any) -> int:
     return moe_i * n
 
 
+def _v3_experts(cfg, experts: dict, num: Any, top_k: Any, moe_i: int, shared: Any) -> None:
+    """DeepseekV3MoE's keys (n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts), with
+    the family's transformers defaults; a None default makes the key required."""
+    moe_i = cfg.int("moe_intermediate_size", moe_i)
+    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), num),
+                   top_k=cfg.int("num_experts_per_tok", top_k, required=top_k is None), intermediate_size=moe_i,
+                   shared_intermediate_size=_shared(cfg, moe_i, shared))
+
+
 def deepseek_v2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
                 spec: dict) -> None:
     cfg.reject_set("mlp_bias", False, "MLP biases are not implemented")
@@ -99,10 +108,7 @@ def deepseek_v3(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router
     cfg.reject_set("moe_layer_freq", 1, "transformers' DeepseekV3 ignores it; only 1 is supported")
     _mla(cfg, data, attn, n_heads, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
     _noaux_router(cfg, router, renorm=True, n_group=8, topk_group=4, scaling=2.5)
-    moe_i = cfg.int("moe_intermediate_size", 2048)
-    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 256),
-                   top_k=cfg.int("num_experts_per_tok", 8), intermediate_size=moe_i,
-                   shared_intermediate_size=_shared(cfg, moe_i, 1))
+    _v3_experts(cfg, experts, num=256, top_k=8, moe_i=2048, shared=1)
     cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 3), n_layers))), 18432)
 
 
@@ -110,10 +116,7 @@ def glm4_moe_lite(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, rout
                   spec: dict) -> None:
     _mla(cfg, data, attn, n_heads, q_lora=768, nope=192, rope_hd=64, v_hd=256)
     _noaux_router(cfg, router, renorm=True, n_group=1, topk_group=1, scaling=1.8)
-    moe_i = cfg.int("moe_intermediate_size", 1536)
-    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 64),
-                   top_k=cfg.int("num_experts_per_tok", 4), intermediate_size=moe_i,
-                   shared_intermediate_size=_shared(cfg, moe_i, 1))
+    _v3_experts(cfg, experts, num=64, top_k=4, moe_i=1536, shared=1)
     # Glm4MoeLiteConfig: mlp_layer_types, default one dense layer then sparse ones
     if not cfg.has("mlp_layer_types"):
         # not a Glm4MoeLiteConfig field: transformers makes layer 0 dense whatever it says
@@ -139,10 +142,7 @@ def dots1(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict
             raise cfg.fail("layer_types has sliding_attention layers but sliding_window is not set")
         attn.update(layer_types=lt, sliding_window=window)
     _noaux_router(cfg, router, renorm=False, n_group=1, topk_group=1, scaling=1.0)
-    moe_i = cfg.int("moe_intermediate_size", 1408)
-    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), None),
-                   top_k=cfg.int("num_experts_per_tok", required=True), intermediate_size=moe_i,
-                   shared_intermediate_size=_shared(cfg, moe_i, None))
+    _v3_experts(cfg, experts, num=None, top_k=None, moe_i=1408, shared=None)
     if experts["num_experts"] is None:
         raise cfg.fail("missing required key 'n_routed_experts'")
     cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 0), n_layers))), 10944)

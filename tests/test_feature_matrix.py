@@ -109,7 +109,16 @@ def _merge(base: dict, over: dict) -> dict:
 
 @lru_cache(maxsize=None)
 def feature_model(feature: str):
-    spec = ModelSpec.model_validate(_merge(BASE, {**FEATURES[feature], "name": f"fm-{feature}"}))
+    return _served_model(ModelSpec.model_validate(_merge(BASE, {**FEATURES[feature], "name": f"fm-{feature}"})))
+
+
+@lru_cache(maxsize=None)
+def family_model(name: str):
+    """A shipped tiny spec (one per family: models/specs/tiny-*.yaml), with the same prompts as the feature rows."""
+    return _served_model(load_spec(SPECS / f"{name}.yaml"))
+
+
+def _served_model(spec: ModelSpec):
     w = random_weights(spec)
     ref = ReferenceDecoder(spec, w)
     rng = random.Random(11)
@@ -123,17 +132,6 @@ def feature_model(feature: str):
 def _margin(logits: torch.Tensor) -> float:
     v = torch.topk(logits.float(), 2).values
     return float(v[0] - v[1])
-
-
-@lru_cache(maxsize=None)
-def family_model(name: str):
-    """A shipped tiny spec (one per family: models/specs/tiny-*.yaml), with the same prompts as the feature rows."""
-    spec = load_spec(SPECS / f"{name}.yaml")
-    w = random_weights(spec)
-    ref = ReferenceDecoder(spec, w)
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, spec.vocab_size) for _ in range(n)] for n in (1, 6, 11)]
-    return spec, w, prompts, [ref.generate(p, 5, ignore_eos=True) for p in prompts]
 
 
 @pytest.mark.parametrize("executor,dispatch", EXECUTORS, ids=[f"{e}-{d}" for e, d in EXECUTORS])
