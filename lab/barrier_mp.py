@@ -35,6 +35,7 @@ class BarrierJob:
     algo: str = "direct"
     chaos: object = None           # transport chaos hook (lab.bench.WallLinkDelays)
     router: object = None          # keyed router replacing the model's (routing_override), as the streaming ranks
+    slow: object = None            # slow ranks (lab.bench.WallSlowRanks), as the streaming ranks: stall after math
     peer_timeout_s: float = 10.0
 
 
@@ -172,9 +173,12 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
         elif isinstance(op, Idle):
             pump(_IDLE_S)
         elif isinstance(op, Compute) and not op.kind.startswith("coll:"):
-            # wall clock: the math already took its time; record the batch
+            # wall clock: the math already took its time (a slow rank stalls on top of it); record the batch
+            t_start = ctx.clock.now() - op.measured_s
+            if job.slow is not None:
+                job.slow.stall(me, t_start, op.measured_s)
             now = ctx.clock.now()
-            ctx.metrics.on_batch(BatchRecord(me, -1, op.kind, op.layer, op.rows, now - op.measured_s, now, 0.0), ())
+            ctx.metrics.on_batch(BatchRecord(me, -1, op.kind, op.layer, op.rows, t_start, now, 0.0), ())
     pump()
     if not coord:
         return {"metrics": ctx.metrics}

@@ -195,17 +195,46 @@ def _slow_rank(engine, scaled: _ScaledCost, inter: Interference, wall: bool) -> 
     the cost model which rank's batch it times next, on the wall clock by stalling after the math."""
     if not inter.slow:
         return
+    if wall:
+        WallSlowRanks(inter)(engine)
+        return
     inner_execute = engine.execute
 
     def execute(batch):
         scaled.rank, scaled.now = engine.rank, engine.clock.now()
-        t0 = time.perf_counter()
         inner_execute(batch)
-        if wall:
-            extra = (inter.compute_scale(engine.rank, scaled.now) - 1.0) * (time.perf_counter() - t0)
-            if extra > 0:
-                time.sleep(extra)
     engine.execute = execute
+
+
+class WallSlowRanks:
+    """A scenario's slow ranks on the wall clock: while its schedule says a rank is slow by `factor`, every batch
+    that rank computes is followed by a stall of (factor - 1) x the time the batch's math took, so the rank computes
+    `factor` times slower by its own measured batch time (a busy or throttled GPU). The same rule for every system:
+    the streaming engines get it as RunOptions.engine_setup (in-process and in rank processes; `__call__` wraps
+    the engine's execute), the barrier ranks call `stall` after each compute (lab/barrier_mp.py). The schedule's
+    time is the run's clock (the engine's, or the barrier ranks' common time base). A factor below 1 cannot
+    speed real math up and is ignored here. Host-measured: on a CUDA rank the time of an asynchronous launch, so
+    for the CPU processes. Picklable (it travels to the rank processes)."""
+
+    def __init__(self, inter: Interference) -> None:
+        self.inter = inter
+
+    def stall(self, rank: int, t: float, measured_s: float) -> float:
+        """Stall after a batch that started at run time `t` and took `measured_s`; returns the stall (s)."""
+        extra = (self.inter.compute_scale(rank, t) - 1.0) * measured_s
+        if extra <= 0:
+            return 0.0
+        time.sleep(extra)
+        return extra
+
+    def __call__(self, engine) -> None:
+        inner_execute = engine.execute
+
+        def execute(batch):
+            t, t0 = engine.clock.now(), time.perf_counter()
+            inner_execute(batch)
+            self.stall(engine.rank, t, time.perf_counter() - t0)
+        engine.execute = execute
 
 
 # ---- real processes ----------------------------------------------------------------------------------------
@@ -273,9 +302,6 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
     from runtime.drivers.multiproc import run_workloads_multiprocess
     if cfg.workload.decode_only:
         raise UserError("clock = process: the multi-process driver does not support decode_only yet")
-    for name, inter in scenarios.items():
-        if inter.slow:
-            raise UserError(f"scenario {name!r}: slow ranks are not injectable into rank processes yet")
     barriers = [s for s in cfg.systems if s in BARRIER_SYSTEMS]
     streaming = STREAMING in cfg.systems
     runs, i = [], 0
@@ -296,7 +322,8 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
             reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
                     for q in requests]
             work.append((reqs, RunOptions(policy=pol, clock="wall", kv_blocks=cfg.kv_blocks,
-                                          executor_wrapper=None if router is None else RoutedBy(router))))
+                                          executor_wrapper=None if router is None else RoutedBy(router),
+                                          engine_setup=WallSlowRanks(inter) if inter.slow else None)))
         if progress:
             progress(i, todo, Cell(STREAMING, ",".join(cfg.policies), name, rnd), None)
         t0 = time.perf_counter()
@@ -327,7 +354,7 @@ def _process_barrier(cfg: BenchConfig, plan, requests: list[Request], system: st
     reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
             for q in requests]
     job = BarrierJob(plan, BARRIER_SYSTEMS[system], reqs, cfg.kv_blocks, cfg.cost.collective_algo,
-                     WallLinkDelays(inter), router=router)
+                     WallLinkDelays(inter), router=router, slow=WallSlowRanks(inter) if inter.slow else None)
     t0 = time.perf_counter()
     res = launch_local(cfg.ranks, barrier_rank_main, (job,), timeout=600.0, grace_s=15.0)
     if not res.ok:

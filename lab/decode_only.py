@@ -15,8 +15,8 @@ import torch
 
 def decode_only(engine, seed: int = 0) -> None:
     """Put `engine` in decode-only mode before any admission: its KV store fills prompts with random K/V, and an
-    admitted request enters attn(0) at its last prompt token (the engine's `decode_only`). The RunOptions
-    `engine_setup` hook of the in-process driver; the lab's rank mains call it themselves."""
+    admitted request enters attn(0) at its last prompt token (the engine's `decode_only`). A RunOptions
+    `engine_setup` hook; the lab's barrier rank mains call it themselves."""
     engine.kv = RandomPrefixKV(engine.kv, seed)
     engine.decode_only = True
 

@@ -236,3 +236,43 @@ def test_wall_link_delays_inject_only_the_bursts_and_pickle():
     w.epoch = _t.time() - 0.015            # 15 ms in: off
     assert w.lane("recv", 1, 0)() == 0.0
     assert WallLinkDelays(from_config({"latency_us": 40})).lane("recv", 1, 0)() == 0.0
+
+
+def test_wall_slow_ranks_stall_by_the_ranks_own_batch_time_and_pickle(monkeypatch):
+    """The wall-clock slow rank: after each batch, (factor - 1) x the time the batch's math took, only on the slow
+    rank and only while its schedule is on; the same object reaches the rank processes (pickled)."""
+    import pickle
+    import types
+
+    import lab.bench as bench
+    from lab.interference import from_config
+    inter = from_config({"slow_ranks": [{"rank": 1, "factor": 3.0, "period_ms": 10, "duty": 0.5}]})
+    slow = pickle.loads(pickle.dumps(bench.WallSlowRanks(inter)))
+    slept = []
+    monkeypatch.setattr(bench.time, "sleep", slept.append)
+    assert slow.stall(1, 0.002, 0.004) == pytest.approx(0.008) and slept == [pytest.approx(0.008)]
+    assert slow.stall(1, 0.007, 0.004) == 0.0         # 7 ms into a 10 ms period at duty 0.5: not slow now
+    assert slow.stall(0, 0.002, 0.004) == 0.0         # not the slow rank
+    assert len(slept) == 1
+    ran = []
+    engine = types.SimpleNamespace(rank=1, clock=types.SimpleNamespace(now=lambda: 0.001), execute=ran.append)
+    slow(engine)                                      # an engine_setup hook: wraps the engine's execute
+    engine.execute("batch")
+    assert ran == ["batch"] and len(slept) == 2 and slept[1] >= 0
+
+
+def test_process_bench_injects_a_slow_rank_into_every_system(tmp_path):
+    """clock: process with a slow-rank scenario (once refused: "slow ranks are not injectable into rank processes"):
+    the streaming ranks (engine_setup in each rank process) and the barrier ranks both run it to the end."""
+    from graph_ir.spec import load_spec
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
+    cfg = BenchConfig.model_validate({
+        "ranks": 2, "clock": "process", "executor": "torch", "peak_window_s": 0.05,
+        "workload": {"lengths": "fixed:4:3", "requests": 4, "rate": 1000},
+        "routing": {"kind": "model"}, "systems": ["streaming", "ag-ep"], "policies": ["defrag"],
+        "scenarios": {"slow": {"slow_ranks": [{"rank": 1, "factor": 2.0}]}}, "clean_scenario": "slow",
+    })
+    doc = run_bench(cfg, load_spec("models/specs/tiny.yaml"), tmp_path / "out")
+    assert {r["label"] for r in doc["results"]} == {"streaming/defrag", "ag-ep"}
+    assert all(r["output_tokens"] == 4 * 3 and r["unfinished"] == 0 for r in doc["results"])

@@ -43,8 +43,9 @@ class RunOptions:
     trace: bool = False
     kv_blocks: Optional[int] = None  # per-rank KV pool override (None: the plan's)
     home_policy: Optional[str] = None  # None: the plan's
-    # Called with each engine before any admission, in-process driver only: the lab's decode-only mode
-    # (lab/decode_only.py: random prompt K/V, no prefill compute, the paper's throughput setup).
+    # Called with each engine before any admission (in a rank process too, so picklable there): an experiment's
+    # change to the engine, e.g. the lab's decode-only mode (lab/decode_only.py: random prompt K/V, no prefill
+    # compute, the paper's throughput setup, in-process only) or a scenario's slow rank (lab/bench.py WallSlowRanks).
     engine_setup: Optional[Callable[[object], None]] = None
     # Applied to the executor each rank builds, which it returns replaced or changed (an experiment's routing
     # override, say); picklable, so rank processes apply the same one. None: the executor as built.

@@ -66,8 +66,6 @@ def _picklable(options):
         raise ValueError("the multi-process runner runs on the wall clock; use the in-process driver for --clock virtual")
     if options.until is not None:
         raise ValueError("`until` (stopping mid-run) is supported by the in-process driver only")
-    if options.engine_setup is not None:
-        raise ValueError("`engine_setup` is the in-process driver's hook")
     if options.delay is not None:
         raise ValueError("`delay` is the in-process transport's hook; pass chaos= (a LinkDelays) for real sockets")
     return dataclasses.replace(options, progress=None)

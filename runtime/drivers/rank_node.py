@@ -137,6 +137,8 @@ class RankNode:
                              self.transport, self.clock, make_policy(options.policy, **options.policy_params),
                              self.trace, batch_log=options.batch_log)
         self.engine.on_control = self._on_control
+        if options.engine_setup is not None:
+            options.engine_setup(self.engine)
         self.transport.queued_fn = self.engine.queued_items  # (heartbeats carry it: the serving front's /metrics)
         if self.front is not None:
             self.engine.sampled = []  # each sample batch's requests: their new tokens stream to the front
