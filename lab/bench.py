@@ -37,6 +37,7 @@ from lab.bench_config import BARRIER_SYSTEMS, STREAMING, BenchConfig, check_conf
 from lab.decode_only import decode_only
 from runtime.executors.cost_model import CostModel
 from lab.interference import Interference, from_config
+from lab.network import Network
 from lab.lengths import length_distribution
 from lab.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
 from runtime.core.requests import Request
@@ -121,6 +122,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
     probe = _Probe()
     cost = cfg.cost.model()
     wall = cfg.clock == "wall"
+    # The links: each on its own (the scenario's pure schedule), or a topology whose ports queue (one per run).
+    link_delay = inter.delay if cfg.network is None else Network(cfg.network.topology(), inter.link, cfg.ranks).delay
 
     def count(src, dst, nbytes):
         key = f"{src}->{dst}"
@@ -146,7 +149,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
                 if cost.send_cpu and not wall:
                     depart = max(now, host_free[src])
                     host_free[src] = depart + cost.send_cpu
-                return (depart - now) + inter.delay(src, dst, nbytes, depart)
+                return (depart - now) + link_delay(src, dst, nbytes, depart)
             return InprocHub(world_size, clock, delay).transports()
 
         scaled = _ScaledCost(cost, inter)
@@ -162,7 +165,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
     else:
         from lab.barrier import run_barrier
         res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[cell.system], clock=cfg.clock, cost_model=cost,
-                          router=router, link_delay=inter.delay, compute_scale=inter.compute_scale,
+                          router=router, link_delay=link_delay, compute_scale=inter.compute_scale,
                           kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
         probe.link_bytes = res.link_bytes
         ranks = res.ranks

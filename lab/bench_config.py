@@ -64,6 +64,22 @@ class CostConfig(_Strict):
                          collective_algo=self.collective_algo)
 
 
+class NetworkConfig(_Strict):
+    """The cluster's topology on the virtual clock (lab/network.py): nodes of `gpus_per_node` GPUs, point-to-point
+    links inside a node, one shared NIC per node between nodes (with its send and receive queues). Defaults: the
+    paper's testbed NIC (200 Gbit/s) and NVLink-class links inside a node (H200: 450 GB/s each way)."""
+    gpus_per_node: int = Field(gt=0)
+    nic_gbps: float = Field(200.0, gt=0)
+    nic_latency_us: float = Field(5.0, ge=0)
+    intra_gbps: float = Field(3600.0, gt=0)
+    intra_latency_us: float = Field(2.0, ge=0)
+
+    def topology(self):
+        from lab.network import Topology
+        return Topology(self.gpus_per_node, self.intra_latency_us * 1e-6, self.intra_gbps,
+                        self.nic_latency_us * 1e-6, self.nic_gbps)
+
+
 class BenchConfig(_Strict):
     name: str = "bench"
     model: str = "tiny"
@@ -83,6 +99,9 @@ class BenchConfig(_Strict):
     policies: list[str] = Field(default_factory=lambda: ["defrag", "mtfs", "flfs"])
     baseline: str = "ag-ep"
     scenarios: dict[str, dict] = Field(default_factory=lambda: {"clean": {}})
+    # The links' topology and queues (virtual clock only); None: every link on its own, priced by the scenario's
+    # latency_us / bandwidth_gbps (which a network replaces: a scenario then sets disturbances only).
+    network: Optional[NetworkConfig] = None
     clean_scenario: str = "clean"
     peak_window_s: float = Field(60.0, gt=0)
     heatmap_policies: list[str] = Field(default_factory=lambda: ["mtfs", "defrag"])
@@ -112,6 +131,15 @@ def check_config(cfg: BenchConfig) -> None:
         raise UserError(f"baseline {cfg.baseline!r} is not among the systems {cfg.systems}")
     if cfg.clean_scenario not in cfg.scenarios:
         raise UserError(f"clean scenario {cfg.clean_scenario!r} is not among the scenarios {list(cfg.scenarios)}")
+    if cfg.network is not None:
+        if cfg.clock != "virtual":
+            raise UserError(f"network: a topology with queues is modelled on the virtual clock only (clock is "
+                            f"{cfg.clock!r}; a wall-clock run's links are the real ones)")
+        for name, sc in cfg.scenarios.items():
+            both = sorted({"latency_us", "bandwidth_gbps"} & set(sc or {}))
+            if both:
+                raise UserError(f"scenario {name!r} sets {', '.join(both)}, which `network:` defines (nic_* and "
+                                f"intra_* fields); a scenario with a network sets disturbances only")
     from runtime.core.scheduler import POLICIES, make_policy
     for p in cfg.policies:  # a name or "name:key=value,..." (runtime/scheduler.parse_policy)
         try:

@@ -190,13 +190,20 @@ class LinkSchedule:
         """Seconds from `send` at time `t` until the message is fully at `dst`."""
         if src == dst:
             return 0.0
-        extra, bw = 0.0, self.bandwidth_gbps
-        for e in self.effects:
-            d, cap = e.effect(src, dst, t)
-            extra += d
-            if cap is not None:
-                bw = min(bw, cap)
+        extra, cap = self.disturbance(src, dst, t)
+        bw = min(self.bandwidth_gbps, cap)
         return self.latency_s + extra + (nbytes * 8.0 / (bw * 1e9) if math.isfinite(bw) else 0.0)
+
+    def disturbance(self, src: int, dst: int, t: float) -> tuple[float, float]:
+        """(extra delay in s, bandwidth cap in Gbit/s, inf if none) the effects put on link src -> dst at `t`;
+        lab/network.py lays them over a topology's links."""
+        extra, cap = 0.0, math.inf
+        for e in self.effects:
+            d, c = e.effect(src, dst, t)
+            extra += d
+            if c is not None:
+                cap = min(cap, c)
+        return extra, cap
 
     @property
     def clean(self) -> bool:

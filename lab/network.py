@@ -1,0 +1,73 @@
+"""A cluster's network on the virtual clock: nodes of G GPUs, point-to-point links inside a node, one shared NIC per
+node between nodes, and the queues that make incast cost what it costs.
+
+The scenario's link model (lab/interference.py) is a pure function of (link, time): it prices one message as if it
+had its link to itself. On a real cluster a node's GPUs share one NIC (the paper's testbed: 8 nodes x 2 GPUs, one
+200 Gbit/s NIC each), so every message that leaves a node queues behind the node's earlier ones at its send port,
+and every message into a node queues at that node's receive port. That receive queue is what a barrier's hot rank
+pays: a collective's messages from every peer arrive at one port at once and leave it one after another. Without
+it, many senders into one receiver cost nothing extra, for every system alike.
+
+Per message of `nbytes` from `src` to `dst` sent at `t` (node n = rank // gpus_per_node; extra delay and bandwidth
+caps from the scenario's effects on the (src, dst) link):
+
+    same node:  delay = intra_latency + extra + nbytes / min(intra_bw, cap)             (no shared port)
+    two nodes:  tx    = nbytes / min(nic_bw, cap)
+                start = max(t, send_free[n_src]);           send_free[n_src] = start + tx
+                first = max(start + nic_latency + extra, recv_free[n_dst]);   recv_free[n_dst] = first + tx
+                delay = first + tx - t
+
+(bytes stream through: the receiver's port takes the message while the sender's still sends it, so an idle path
+costs latency + tx once, not twice). Full duplex: a NIC's send and receive queues are separate. A `Network` keeps
+its ports' state, so each run builds its own, and its calls come in time order, as the virtual clock
+makes them. The barrier baselines send their collectives as point-to-point messages through the same function
+(lab/barrier.py), so a collective is priced by its algorithm over this topology.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lab.interference import LinkSchedule
+
+
+@dataclass(frozen=True)
+class Topology:
+    gpus_per_node: int
+    intra_latency_s: float
+    intra_gbps: float
+    nic_latency_s: float
+    nic_gbps: float
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+
+class Network:
+    """One run's network: a topology's ports with their queues, and the scenario's disturbances on top."""
+
+    def __init__(self, topology: Topology, link: LinkSchedule, ranks: int) -> None:
+        self.topology, self.link = topology, link
+        nodes = math.ceil(ranks / topology.gpus_per_node)
+        self.send_free = [0.0] * nodes
+        self.recv_free = [0.0] * nodes
+
+    def delay(self, src: int, dst: int, nbytes: int, t: float) -> float:
+        """Seconds from `send` at time `t` until the message is fully at `dst`; books the ports it crosses."""
+        if src == dst:
+            return 0.0
+        topo = self.topology
+        extra, cap = self.link.disturbance(src, dst, t)
+        ns, nd = topo.node(src), topo.node(dst)
+        if ns == nd:
+            return topo.intra_latency_s + extra + _seconds(nbytes, min(topo.intra_gbps, cap))
+        tx = _seconds(nbytes, min(topo.nic_gbps, cap))
+        start = max(t, self.send_free[ns])
+        self.send_free[ns] = start + tx
+        first = max(start + topo.nic_latency_s + extra, self.recv_free[nd])
+        self.recv_free[nd] = first + tx
+        return first + tx - t
+
+
+def _seconds(nbytes: int, gbps: float) -> float:
+    return nbytes * 8.0 / (gbps * 1e9) if math.isfinite(gbps) else 0.0
