@@ -38,6 +38,8 @@ from lab.decode_only import decode_only
 from runtime.executors.cost_model import CostModel
 from lab.interference import Interference, from_config
 from lab.network import Network
+
+SIM_DEVICE_MEMORY_GIB = 141.0   # an H200: a simulated rank's memory unless the config says otherwise
 from lab.lengths import length_distribution
 from lab.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
 from runtime.core.requests import Request
@@ -390,7 +392,8 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
     """Run the whole matrix and write the report into `out_dir`. Returns the report document."""
     check_config(cfg)
     from lowering.plan import compile_plan
-    plan = compile_plan(spec, cfg.ranks)
+    memory = cfg.device_memory_gib if cfg.device_memory_gib or cfg.executor != "sim" else SIM_DEVICE_MEMORY_GIB
+    plan = compile_plan(spec, cfg.ranks, device_memory_gib=memory)
     router = _router(cfg, spec)  # None: the model's own router
     requests = _requests(cfg, spec, base_dir)
     scenarios = {name: from_config(c or {}, name, base_dir) for name, c in cfg.scenarios.items()}

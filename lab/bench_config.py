@@ -89,6 +89,10 @@ class BenchConfig(_Strict):
     seed: int = 0
     repeats: int = Field(1, gt=0)        # measure the matrix N times (round by round); report medians
     kv_blocks: Optional[int] = Field(None, gt=0)
+    # Memory each rank's plan may use (GiB). None: with executor sim, a simulated H200's 141 GiB (what the
+    # H200-grounded costs model; this host's memory says nothing about a simulated GPU's); with torch, this host's
+    # share per rank (lowering/memory.py default_cpu_memory_gib), as `dataflow compile` plans for the CPU.
+    device_memory_gib: Optional[float] = Field(None, gt=0)
     # Bytes the link model charges per tensor row (None: the tensors' real bytes). Lets a tiny or
     # simulated model (8-byte rows) carry a real model's rows: GPT-OSS hidden 2880 x bf16 = 5760.
     row_bytes: Optional[int] = Field(None, gt=0)
