@@ -35,12 +35,7 @@ def register(app: typer.Typer) -> None:
                                                    help="paper's mode: random prompt KV, no prefill compute"),
     ) -> None:
         """Run the barrier-free engine against barrier EP baselines under stragglers; write a report."""
-        from rich.console import Console
-        from rich.progress import Progress
-        from rich.table import Table
-
         from dataflow.cmd_compile import resolve_model
-        from lab.bench import run_bench
         from lab.bench_config import BenchConfig, load_config
 
         cfg = load_config(config) if config else BenchConfig()
@@ -57,36 +52,47 @@ def register(app: typer.Typer) -> None:
         if upd:
             cfg = BenchConfig.model_validate({**cfg.model_dump(), **upd})
         spec, _ = resolve_model(cfg.model)
-        console = Console()
-        with Progress(console=console, transient=True) as prog:
-            task = prog.add_task("bench", total=None)
+        run_and_print(cfg, spec, out, base_dir=config.parent if config else None)
 
-            def progress(done, total, cell, summary):
-                prog.update(task, total=total, completed=done,
-                            description=f"{cell.system}/{cell.policy} [{cell.scenario}]")
-                if summary is not None:
-                    rnd = f" [round {cell.repeat + 1}/{cfg.repeats}]" if cfg.repeats > 1 else ""
-                    prog.console.print(f"  {summary['label']:<20} {summary['scenario']:<12} "
-                                       f"{summary['tokens_per_s']:10.1f} tok/s{rnd}", markup=False)
 
-            doc = run_bench(cfg, spec, out, base_dir=config.parent if config else None, progress=progress)
-        table = Table(title=f"{cfg.name}: {cfg.ranks} ranks, {cfg.clock} clock, {cfg.executor} executor")
-        for col in ("system", "scenario", "tok/s", f"x {cfg.baseline}", "loss vs clean", "ITL p99 ms",
-                    "mean expert batch"):
-            table.add_column(col)
-        for r in doc["results"]:
-            loss = r.get("loss_vs_clean")
-            ratio = r.get("ratio_vs_baseline")
-            itl = r.get("itl_p99_ms")
-            reps = r.get("tokens_per_s_repeats")
-            table.add_row(r["label"], r["scenario"], f"{r['tokens_per_s']:.1f}"
-                          + (f" ({min(reps):.0f}-{max(reps):.0f})" if reps else ""),
-                          "-" if ratio is None else f"{ratio:.2f}", "-" if loss is None else f"{loss * 100:+.1f}%",
-                          "-" if itl is None else f"{itl:.2f}",
-                          f"{r['batches'].get('expert', {}).get('mean_size', r.get('expert_mean_batch') or 0):.1f}")
-        console.print(table)
-        for t in doc.get("targets", []):
-            v = t["value"]
-            console.print(f"{'MET    ' if t['met'] else 'NOT MET'} {t['target']}: "
-                          f"{f'{v:.3f}' if isinstance(v, float) else v}", markup=False)
-        console.print(f"report: {out / 'report.md'}")
+def run_and_print(cfg, spec, out: Path, base_dir: Optional[Path] = None) -> dict:
+    """Run a bench config with a progress bar, print its table and targets; the report document."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from lab.bench import run_bench
+    console = Console()
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("bench", total=None)
+
+        def progress(done, total, cell, summary):
+            prog.update(task, total=total, completed=done,
+                        description=f"{cell.system}/{cell.policy} [{cell.scenario}]")
+            if summary is not None:
+                rnd = f" [round {cell.repeat + 1}/{cfg.repeats}]" if cfg.repeats > 1 else ""
+                prog.console.print(f"  {summary['label']:<20} {summary['scenario']:<12} "
+                                   f"{summary['tokens_per_s']:10.1f} tok/s{rnd}", markup=False)
+
+        doc = run_bench(cfg, spec, out, base_dir=base_dir, progress=progress)
+    table = Table(title=f"{cfg.name}: {cfg.ranks} ranks, {cfg.clock} clock, {cfg.executor} executor")
+    for col in ("system", "scenario", "tok/s", f"x {cfg.baseline}", "loss vs clean", "ITL p99 ms",
+                "mean expert batch"):
+        table.add_column(col)
+    for r in doc["results"]:
+        loss = r.get("loss_vs_clean")
+        ratio = r.get("ratio_vs_baseline")
+        itl = r.get("itl_p99_ms")
+        reps = r.get("tokens_per_s_repeats")
+        table.add_row(r["label"], r["scenario"], f"{r['tokens_per_s']:.1f}"
+                      + (f" ({min(reps):.0f}-{max(reps):.0f})" if reps else ""),
+                      "-" if ratio is None else f"{ratio:.2f}", "-" if loss is None else f"{loss * 100:+.1f}%",
+                      "-" if itl is None else f"{itl:.2f}",
+                      f"{r['batches'].get('expert', {}).get('mean_size', r.get('expert_mean_batch') or 0):.1f}")
+    console.print(table)
+    for t in doc.get("targets", []):
+        v = t["value"]
+        console.print(f"{'MET    ' if t['met'] else 'NOT MET'} {t['target']}: "
+                      f"{f'{v:.3f}' if isinstance(v, float) else v}", markup=False)
+    console.print(f"report: {out / 'report.md'}")
+    return doc
