@@ -200,3 +200,22 @@ def test_the_runner_runs_an_entry_with_its_vars_options_and_kept_files(tmp_path,
     for bad in (["--list", "--matrix", str(tmp_path / "none.yaml")], [str(out), "nope", "--matrix", str(matrix)]):
         with pytest.raises((SystemExit, FileNotFoundError)):
             run.main(bad)
+
+
+def test_calibrate_costs_fits_the_cost_models_form_and_writes_a_profile_simulate_takes(tmp_path, monkeypatch):
+    import yaml
+
+    import calibrate_costs as cc
+    fixed, per_row, worst = cc.fit_affine([(1, 11e-6), (10, 20e-6), (100, 110e-6)])
+    assert fixed == pytest.approx(10e-6) and per_row == pytest.approx(1e-6) and worst < 1e-9
+    assert cc.fit_affine([(1, 5.0), (8, 4.0)])[1] == 0.0          # never a negative slope
+    out = tmp_path / "cpu.yaml"
+    monkeypatch.setattr(sys, "argv", ["calibrate_costs.py", "--model", "tiny", "--ranks", "4", "--device", "cpu",
+                                      "--iters", "1", "--context", "32", "--out", str(out),
+                                      "--threads", str(torch.get_num_threads())])   # the test process's own
+    cc.main()
+    profile = yaml.safe_load(out.read_text())
+    from lab.bench_config import CostConfig
+    cost = CostConfig.model_validate(profile)                     # what a bench config / simulate --costs takes
+    assert cost.expert_fixed_us + cost.expert_per_row_us > 0 and cost.send_cpu_us == 30   # copied from the base
+    assert "# expert: rows -> us 1:" in out.read_text()
