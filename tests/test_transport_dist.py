@@ -174,7 +174,7 @@ def _rank_exchange(env, seed: int, n: int, inflight_limit: int, receive_on=None,
 
 
 def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
-    """_exchange on cuda:LOCAL_RANK over NCCL (the nccl_p2p option from the launch env), then one tensor
+    """_exchange on cuda:LOCAL_RANK over NCCL (ncclSend/ncclRecv through ctypes), then one tensor
     per dtype each way, including dtypes NCCL has no name for (they travel as bytes)."""
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     torch.cuda.set_device(env.local_rank)
@@ -189,7 +189,6 @@ def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
         return (torch.arange(1000 * (k + 1), device=dev).remainder(97) * (sender + 1)).to(dtypes[k])
 
     with ZmqDistTransport(env.rank, env.world_size, dev) as tr:
-        out["p2p"] = tr.p2p
         for k in range(len(dtypes)):
             tr.send(peer, {"k": k}, tensor(k, env.rank))
         got = []
@@ -325,19 +324,16 @@ def test_bench_link_delay_holds_back_delivery_not_just_the_senders_notice():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("p2p", ["lib", "c10d"])
-def test_cuda_exchange_direct_nccl(p2p, use_options):
+def test_cuda_exchange_direct_nccl():
     """GPU machines only. Two ranks on cuda:0/1 exchange tensors both ways with ncclSend/ncclRecv called
-    through ctypes (nccl_p2p=lib, nccl_lib.py) or through torch.distributed (c10d): values,
-    per-peer order and dtypes, with a small in-flight cap so backlogs are used; and every rank must
-    close cleanly (communicators destroyed, no hang)."""
+    through ctypes (nccl_lib.py): values, per-peer order and dtypes, with a small in-flight cap so backlogs
+    are used; and every rank must close cleanly (communicators destroyed, no hang)."""
     n = 200
-    use_options(nccl_p2p=p2p)
     res = launch_local(2, "test_transport_dist:_rank_cuda_exchange", (17, n, 4), timeout=180, env=CHILD_ENV)
     _check_exchange(res, 2, n)
     for r in res.results:
-        assert r["p2p"] == p2p and r["dtype_count"] == 8, r
-        assert r["teardown"] == ("destroyed" if p2p == "lib" else None), r  # clean close, in time
+        assert r["dtype_count"] == 8, r
+        assert r["teardown"] == "destroyed", r  # clean close, in time
 
 
 @pytest.mark.parametrize("spin", [True, False])

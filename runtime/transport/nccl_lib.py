@@ -3,7 +3,7 @@
 Why: inside a busy rank `dist.isend` costs ~120-130 us of host time per call and `dist.irecv`
 ~100-120 us (c10d's Work object, record_param_comms, its stream bookkeeping), while the NCCL call
 underneath is ~10-20 us. The transport's tensor links (tensor_links.py) already own the streams, events
-and ordering, so they can call ncclSend/ncclRecv themselves (option nccl_p2p: lib, or auto).
+and ordering, so they call ncclSend/ncclRecv themselves: the only path for CUDA ranks.
 
 Loading (`load()`): the library named by the option nccl_library if set (and only it: an explicit
 choice that fails is an error, not a silent fallback); otherwise the copy torch's wheel uses
@@ -185,7 +185,7 @@ def load() -> NcclLib:
         except (OSError, AttributeError, RuntimeError) as err:
             tried.append(f"{path} ({err})")
     raise RuntimeError(f"cannot load the NCCL library ({SONAME}); tried: " + "; ".join(tried) +
-                       ". Set the option nccl_library to its path, or nccl_p2p=c10d to use torch.distributed.")
+                       ". Set the option nccl_library to its path.")
 
 
 class NcclPairComm:

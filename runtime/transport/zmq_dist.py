@@ -7,8 +7,8 @@ buffer of the right size, so
            (metadata_channel.py; the frame: wire.py; a stray or hostile frame is dropped and counted,
            never fatal);
   phase 2: it posts the tensor's send; the receiver, on seeing the header, takes a buffer of that shape
-           from a pool (or the engine's `recv_into` target) and posts the matching receive, over gloo,
-           our own NCCL pair communicators or c10d's (tensor_links.py).
+           from a pool (or the engine's `recv_into` target) and posts the matching receive, over gloo
+           or our own NCCL pair communicators (tensor_links.py).
 Meta-only messages (tensor None) skip phase 2. Sends to self are handed over locally, no copy.
 
 Ordering. The header order is the data order (tensor_links.py says why). Completions go through one
@@ -137,10 +137,6 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         self._pool = BufferPool(self.device, per_key=pool_per_size)
         self._links = TensorLinks(rank, world_size, self.device, store, namespace, timeout_s, self._pool,
                                   self._post_timer, self._recv_timer)
-        self.p2p = self._links.mode
-        if self._nccl:
-            self._post_timer.name += f" ({self.p2p})"  # the step names differ by path
-            self._recv_timer.name += f" ({self.p2p})"
         self._done: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
         Lane = EventLane if self._nccl else WaiterLane
         self._send_lanes = {p: Lane(f"send->{p}", self._done) for p in peers}
