@@ -40,8 +40,7 @@ def _checksum(t) -> float | None:
     return None if t is None else float(t.double().sum())
 
 
-def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", receive_on=None,
-              spin=None) -> dict:
+def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", spin=None) -> dict:
     """Every rank sends n messages to every rank (itself included) in random bursts while polling."""
     from lab.chaos import ChaosDelays
     from runtime.transport.zmq_dist import ZmqDistTransport
@@ -51,8 +50,7 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
     got: dict[int, list[int]] = {s: [] for s in range(world)}
     errors: list[str] = []
     landed: dict[tuple[int, int], torch.Tensor] = {}  # (src, i) -> the buffer recv_into handed out
-    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos, receive_on=receive_on,
-                          spin=spin) as tr:
+    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos, spin=spin) as tr:
         def into(src, meta, shape, dtype):
             """Every third tensor message is received in place: into rows 1.. of a larger buffer."""
             if meta["i"] % 3:
@@ -137,11 +135,11 @@ def _slow_link(env) -> dict:
 
 
 def _rank_post_receives(env) -> dict:
-    """Rank 0 sends one tensor; rank 1 (engine-thread receives) starts its receive with post_receives() before any
+    """Rank 0 sends one tensor; rank 1 starts its receive with post_receives() before any
     poll(): the header is read and the receive posted, nothing is delivered until the poll."""
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
-    with ZmqDistTransport(env.rank, env.world_size, "cpu", receive_on="engine") as tr:
+    with ZmqDistTransport(env.rank, env.world_size, "cpu") as tr:
         if env.rank == 0:
             tr.send(1, {"i": 0}, torch.arange(64, dtype=torch.float32))
             got = []
@@ -167,10 +165,10 @@ def _rank_world3(env, seed: int, n: int) -> dict:
     return {"chaos": _exchange(env, seed, n, chaos_seed=seed + 1, inflight_limit=4), "slow": _slow_link(env)}
 
 
-def _rank_exchange(env, seed: int, n: int, inflight_limit: int, receive_on=None, spin=None) -> dict:
+def _rank_exchange(env, seed: int, n: int, inflight_limit: int, spin=None) -> dict:
     from runtime.transport.zmq_dist import init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
-    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, receive_on=receive_on, spin=spin)
+    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, spin=spin)
 
 
 def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
@@ -256,14 +254,12 @@ def _check_exchange(result, world: int, n: int) -> None:
         assert r["counts"] == {s: n for s in range(world)}, f"rank {rank} lost or duplicated messages"
 
 
-@pytest.mark.parametrize("world,inflight,receive_on,spin", [(2, 16, None, None), (4, 2, "engine", None),
-                                                            (2, 4, "engine", True)])
-def test_exchange_fifo_no_loss(world, inflight, receive_on, spin):
-    """receive_on="engine" (what CUDA ranks do: headers read and receives posted by the engine thread in
-    poll(), no receptor thread) runs here over gloo: same ordering and delivery guarantees; so does the
-    busy-polling idle wait (spin=True; what CUDA ranks do)."""
+@pytest.mark.parametrize("world,inflight,spin", [(2, 16, None), (4, 2, None), (2, 4, True)])
+def test_exchange_fifo_no_loss(world, inflight, spin):
+    """Headers read and receives posted by the engine thread in poll() over gloo: ordering and delivery
+    guarantees; so does the busy-polling idle wait (spin=True; what CUDA ranks do)."""
     n = 60
-    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight, receive_on, spin),
+    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight, spin),
                        timeout=80, env=CHILD_ENV)
     _check_exchange(res, world, n)
     # a small in-flight cap forces the per-peer backlogs to be used

@@ -232,7 +232,7 @@ class ExpertDispatch:
         """The transport's receive-in-place hook (phase 2 of the exchange, header already read): the
         merge-buffer slice an expert-output message can be received into, with the event a receive
         on another stream waits for, or None. Marks the message so `on_message` skips the copy.
-        May run on the transport's receptor thread: it only reads the merge table (a group and its
+        Runs on the engine thread, inside the transport's poll() or post_receives() (a group and its
         buffer exist from open() until all its parts were merged, this one included)."""
         if meta.get("t") != MSG_EXPERT_OUT:
             return None

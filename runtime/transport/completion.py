@@ -128,7 +128,7 @@ class EventLane:
     def submit(self, item: Item) -> None:
         if item.delay_s > 0:
             item.ready_at = time.monotonic() + item.delay_s
-        self._items.append(item)  # deque append/popleft are atomic: submit may run on the receptor thread
+        self._items.append(item)
 
     def busy(self) -> int:
         return len(self._items)

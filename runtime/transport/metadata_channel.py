@@ -5,7 +5,7 @@ authenticated msgpack frame (wire.py: never pickle, bounded, signed with the run
 one connection's frames in order, which is what makes the header order the data order.
 
 Who uses what (ZeroMQ sockets are not thread-safe): the data PUSH sockets belong to the engine thread; the
-PULL socket to whichever thread reads the headers (a receptor thread, or the engine thread inside poll());
+PULL socket to the engine thread too (it reads the headers inside poll());
 the heartbeat thread creates and alone uses its own PUSH sockets and its own codec.
 """
 from __future__ import annotations
@@ -16,17 +16,16 @@ import zmq
 
 from runtime import settings
 from runtime.transport.rendezvous import exchange_endpoints, host_address
-from runtime.transport.wire import ABORT, HEARTBEAT, MAX_REASON_CHARS, Codec
+from runtime.transport.wire import ABORT, DEFAULT_MAX_FRAME_BYTES, HEARTBEAT, MAX_REASON_CHARS, Codec
 
 
 class MetaChannel:
-    def __init__(self, rank: int, world_size: int, store, namespace: str, secret: bytes, max_frame_bytes: int,
-                 timeout_s: float):
+    def __init__(self, rank: int, world_size: int, store, namespace: str, secret: bytes, timeout_s: float):
         self.rank = rank
         self.world_size = world_size
         self.peers = [p for p in range(world_size) if p != rank]
-        self.codec = Codec(secret, rank, world_size, max_frame_bytes)  # the engine thread's
-        self._hb_codec = Codec(secret, rank, world_size, max_frame_bytes)  # the heartbeat thread's own
+        self.codec = Codec(secret, rank, world_size)  # the engine thread's
+        self._hb_codec = Codec(secret, rank, world_size)  # the heartbeat thread's own
         self._secret = secret
         self.ctx = zmq.Context()
         # HWM 0 (unbounded) because data volume is bounded by the transport's in-flight cap and headers are
@@ -34,7 +33,7 @@ class MetaChannel:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         # A frame over the cap never reaches us: ZeroMQ drops it (and that connection) while reading its size.
-        self.pull.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, DEFAULT_MAX_FRAME_BYTES)
         launch = settings.launch_environment()
         addr = host_address(launch.master_addr, launch.master_port)
         port = self.pull.bind_to_random_port(f"tcp://{addr}")
