@@ -320,10 +320,8 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         rec = BatchRecord(self.rank, batch.stage.id, batch.stage.kind, batch.stage.layer, batch.rows,
                           t0, now, t0 - min(it.t_enq for it in batch.items))
         # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.
-        if batch.stage.kind == "attn":
-            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], [it.segments for it in batch.items])
-        else:
-            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], [it.n for it in batch.items])
+        counts = [it.segments if batch.stage.kind == "attn" else it.n for it in batch.items]
+        self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], counts)
         if self.trace is not None:
             self.trace.batch(self.rank, batch.stage.name, batch.t_start, now,
                              {"rows": batch.rows, "items": len(batch.items)})
@@ -334,13 +332,3 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             self._complete_expert(batch)
         else:
             self._complete_sample(batch)
-
-    def step(self) -> bool:
-        """Wall-clock convenience: receive, pick, run, dispatch one batch. False when nothing ran."""
-        self.poll()
-        batch = self.next_batch()
-        if batch is None:
-            return False
-        self.execute(batch)
-        self.complete(batch)
-        return True

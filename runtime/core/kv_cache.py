@@ -130,9 +130,6 @@ class PagedKVStore:
     def tables(self) -> dict[int, list[int]]:
         return dict(self._tables)
 
-    def capacity(self, seq_id: int) -> int:
-        return self._capacity[seq_id]
-
     def preallocate(self, layer: int, k_row: tuple, v_row: tuple, dtype: torch.dtype, device,
                     extra_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate layer `layer`'s whole pool now: [num_blocks + extra_blocks, block, *row].

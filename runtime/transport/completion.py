@@ -21,28 +21,26 @@ import collections
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
+@dataclass(slots=True, eq=False)
 class Item:
     """One message in a lane. `work`: a torch.distributed Work to wait on (gloo) or None; `event`: a
     CUDA event to query (NCCL) or None; `error`: set when the operation failed."""
-    __slots__ = ("is_send", "peer", "seq", "meta", "tensor", "shape", "dtype", "work", "event",
-                 "delay_s", "error", "ready_at")
-
-    def __init__(self, is_send: bool, peer: int, seq: int, meta: Any, tensor=None, shape=None, dtype=None):
-        self.is_send = is_send
-        self.peer = peer
-        self.seq = seq
-        self.meta = meta
-        self.tensor = tensor
-        self.shape = shape
-        self.dtype = dtype
-        self.work = None
-        self.event = None
-        self.delay_s = 0.0
-        self.error: Optional[BaseException] = None
-        self.ready_at = 0.0
+    is_send: bool
+    peer: int
+    seq: int
+    meta: Any
+    tensor: Any = None
+    shape: Optional[tuple] = None
+    dtype: Optional[str] = None
+    work: Any = None
+    event: Any = None
+    delay_s: float = 0.0
+    error: Optional[BaseException] = None
+    ready_at: float = 0.0
 
 
 def summary(meta: Any, limit: int = 160) -> str:

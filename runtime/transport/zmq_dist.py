@@ -208,21 +208,20 @@ class ZmqDistTransport(HeaderReceiver, Transport):
 
     def peer_work(self) -> list[int]:
         """Batches each peer ran as of its last heartbeat (this rank's own: `work`)."""
-        work = list(self._health.work)
-        work[self.rank] = self.work
-        return work
+        return self._with_own(self._health.work, self.work)
 
     def peer_queued(self) -> list[int]:
         """Rows queued on each rank as of its last heartbeat (this rank's own: now)."""
-        queued = list(self._health.queued)
-        queued[self.rank] = self._queued()
-        return queued
+        return self._with_own(self._health.queued, self._queued())
 
     def peer_tokens(self) -> list[int]:
         """Tokens each peer sampled as of its last heartbeat (this rank's own: `tokens`)."""
-        tokens = list(self._health.tokens)
-        tokens[self.rank] = self.tokens
-        return tokens
+        return self._with_own(self._health.tokens, self.tokens)
+
+    def _with_own(self, per_rank: list[int], own: int) -> list[int]:
+        out = list(per_rank)
+        out[self.rank] = own
+        return out
 
     def pending(self) -> int:
         """Messages this rank sent to peers whose delivery has not completed yet (tensor messages in
