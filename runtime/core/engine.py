@@ -286,7 +286,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             self._enqueue_routed(meta["layer"], meta["home"], tensor, meta["rows"][0], meta.get("more", 0.0),
                                  "d" in meta)
         elif t == MSG_EXPERT_OUT:
-            self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))  # array or run form
+            self._merge_rows(meta["rows"], tensor, meta.get("landed", False))  # array or run form
         elif self.on_control is not None:
             self.on_control(src, meta, tensor)
         else:

@@ -69,7 +69,6 @@ class MergeGroup:
     nfilled: int
     missing: np.ndarray  # int64 [S]: parts still missing per segment
     open_segments: int
-    t_open: float
 
     @property
     def rows(self) -> int:
@@ -131,8 +130,8 @@ class MergeTable:
                 for s in np.flatnonzero(g.missing > 0).tolist()]
 
     def open(self, layer: int, rids: list[int], pos0: list[int], first, n: Optional[np.ndarray],
-             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, now: float,
-             plan: Optional[DispatchPlan] = None, holders: int = 0) -> MergeGroup:
+             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, plan: Optional[DispatchPlan] = None,
+             holders: int = 0) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
         start[s] .. start[s]+n[s]-1 (segments back to back, in order; n None: one row each, a decode wave's group,
         whose per-segment arrays are then shared read-only ones; `first`: each segment's first kept position, a list or
@@ -192,7 +191,7 @@ class MergeTable:
             own_ready = None
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
                        y, ready, own_ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0,
-                       n * k, S, now)
+                       n * k, S)
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S

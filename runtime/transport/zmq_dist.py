@@ -97,8 +97,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
-        self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0, "in_place": 0,
-                      "dropped": 0}
+        self.stats = {"sent": 0, "received": 0, "local": 0, "in_place": 0, "dropped": 0}
         self._drop_logged: set[str] = set()
         # Liveness of this rank's serving loop, carried by every heartbeat (health.py): `progress` counts loop
         # iterations (0: not in a serving loop, e.g. loading weights or capturing graphs: not judged), `work`
@@ -305,7 +304,6 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         if self._send_delay is not None:
             item.delay_s = self._send_delay[dst]()
         self.stats["sent"] += 1
-        self.stats["sent_bytes"] += t.numel() * t.element_size()
         self._send_lanes[dst].submit(item)
         tm.lap("submit")
 
@@ -341,10 +339,8 @@ class ZmqDistTransport(HeaderReceiver, Transport):
             item.tensor = None  # the send buffer may be recycled only now
             return
         t = item.tensor
-        if t is not None:
-            if self._nccl:
-                t.record_stream(current_stream(self.device))  # it will be read on the engine's stream
-            self.stats["received_bytes"] += t.numel() * t.element_size()
+        if t is not None and self._nccl:
+            t.record_stream(current_stream(self.device))  # it will be read on the engine's stream
         self.stats["received"] += 1
         out.append(Arrival(item.peer, item.meta, t))
 
