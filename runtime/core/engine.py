@@ -259,14 +259,12 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             self.queues[sid].push(AttnItem(req.rid, start, len(toks), toks, None, now))
         return True
 
-    def cancel(self, rid: int) -> bool:
-        """Its client went away: the request finishes at its next sampled token ("abort"), its KV freed then. False
-        when it is not here (finished already)."""
+    def cancel(self, rid: int) -> None:
+        """Its client went away: the request finishes at its next sampled token ("abort"), its KV freed then.
+        Nothing to do when it is not here (finished already)."""
         req = self.requests.get(rid)
-        if req is None:
-            return False
-        req.cancelled = True
-        return True
+        if req is not None:
+            req.cancelled = True
 
     # ------------------------------------------------------------------ events: messages
     def poll(self) -> int:

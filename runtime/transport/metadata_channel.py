@@ -40,12 +40,15 @@ class MetaChannel:
         self.endpoints = exchange_endpoints(store, namespace, rank, world_size, f"tcp://{addr}:{port}", timeout_s)
         self.push: list[Optional[zmq.Socket]] = [None] * world_size
         for p in self.peers:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 2000)  # let BYE/ABORT reach peers after close()
-            sock.connect(self.endpoints[p])
-            self.push[p] = sock
+            self.push[p] = self._push_socket(p, 0, 2000)  # linger: let BYE/ABORT reach peers after close()
         self._hb_socks: list[zmq.Socket] = []
+
+    def _push_socket(self, peer: int, hwm: int, linger_ms: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        sock.connect(self.endpoints[peer])
+        return sock
 
     def broadcast(self, frame: bytes) -> None:
         """`frame` to every peer without blocking (BYE, ABORT); a peer that cannot take it is not waited for."""
@@ -65,12 +68,8 @@ class MetaChannel:
     def beat(self, progress: dict) -> None:
         """Send one heartbeat carrying `progress` to every peer (heartbeat thread only)."""
         if not self._hb_socks:  # sockets are created on the heartbeat thread, which alone uses them
-            for p in self.peers:
-                sock = self.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDHWM, 16)  # a dead peer must not make beats pile up
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(self.endpoints[p])
-                self._hb_socks.append(sock)
+            # (HWM 16: a dead peer must not make beats pile up)
+            self._hb_socks = [self._push_socket(p, 16, 0) for p in self.peers]
         beat = self._hb_codec.encode(HEARTBEAT, -1, progress)
         for sock in self._hb_socks:
             try:
