@@ -74,13 +74,8 @@ def candidate_paths() -> list[str]:
         if entry:
             paths.append(os.path.join(entry, "nvidia", "nccl", "lib", SONAME))
     paths.append(os.path.join(os.path.dirname(torch.__file__), "lib", SONAME))  # builds that bundle it
-    seen, out = set(), []
-    for p in paths:
-        key = os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-    return out
+    real = [os.path.realpath(p) for p in paths]
+    return [p for i, p in enumerate(paths) if real.index(real[i]) == i]  # each file once, as first named
 
 
 class NcclLib:
