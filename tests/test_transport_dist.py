@@ -358,6 +358,7 @@ def test_engine_wait_notices_event_completion_without_waiting_out_a_slice(spin):
     tr._receive_headers = lambda: 0
     tr._send_lanes = {1: EventLane("send->1", tr._done)}
     tr._recv_lanes = {1: EventLane("recv<-1", tr._done)}
+    tr._lanes = [tr._send_lanes[1], tr._recv_lanes[1]]
     tr._inflight, tr._pending = [0, 0], 0
     tr.stats = {"received": 0}
 

@@ -8,7 +8,6 @@ extra object would only reach through one more attribute lookup per use.
 """
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 
@@ -132,12 +131,11 @@ class HeaderReceiver:
             now = time.monotonic()
             if now >= deadline:
                 return
-            lanes = itertools.chain(self._send_lanes.values(), self._recv_lanes.values())
             if self._spin:
                 continue  # busy-poll: the core never sleeps (see `spin` in __init__)
             if now < spin_until and any(lane.busy() for lane in self._recv_lanes.values()):
                 time.sleep(0)
-            elif any(lane.busy() for lane in lanes):
+            elif any(lane.busy() for lane in self._lanes):
                 time.sleep(min(_SLICE_S, deadline - now))
             else:
                 self._pull.poll(max(1, int((deadline - now) * 1000)))  # ms; returns at the first header

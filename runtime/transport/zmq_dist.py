@@ -125,6 +125,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         Lane = EventLane if self._nccl else WaiterLane
         self._send_lanes = {p: Lane(f"send->{p}", self._done) for p in peers}
         self._recv_lanes = {p: Lane(f"recv<-{p}", self._done) for p in peers}
+        self._lanes = [*self._send_lanes.values(), *self._recv_lanes.values()]
         self._send_delay = {p: chaos.lane("send", rank, p) for p in peers} if chaos else None
         self._recv_delay = {p: chaos.lane("recv", rank, p) for p in peers} if chaos else None
 
@@ -265,9 +266,8 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         join_s = 0.5 if self._failure is None and not self._aborted else 0.01
         # Before the lanes forget their items: a destroy is clean only with nothing still in flight.
         clean = (self._failure is None and not self._aborted and not self._pending
-                 and not any(lane.busy() for lane in itertools.chain(self._send_lanes.values(),
-                                                                     self._recv_lanes.values())))
-        for lane in itertools.chain(self._send_lanes.values(), self._recv_lanes.values()):
+                 and not any(lane.busy() for lane in self._lanes))
+        for lane in self._lanes:
             lane.close(join_s)
         self._links.close(clean, timeout_s)
         self._channel.close(self._aborted, not self._heartbeat._thread.is_alive())
@@ -320,9 +320,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
 
     # ------------------------------------------------------------------ completion (engine thread)
     def _drain_lanes(self) -> None:
-        for lane in self._send_lanes.values():
-            lane.drain()
-        for lane in self._recv_lanes.values():
+        for lane in self._lanes:
             lane.drain()
 
     def _complete(self, item: Item, out: list[Arrival]) -> None:
