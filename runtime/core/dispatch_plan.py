@@ -18,6 +18,7 @@ predicted: the step's remaining cost is its ~12 torch calls, not numpy.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -135,13 +136,8 @@ def unpack_group_inputs(packed: torch.Tensor, R: int, k: int, has_order: bool):
     return packed.as_strided((R * k,), (1,), base), packed.as_strided((R, k), (k, 1), base + R * k), weights
 
 
-_warm = False
-
-
+@functools.cache  # once per process
 def warm_up() -> None:
     """Load (or compile) the kernel for the engine's argument types now, not inside the first timed batch."""
-    global _warm
-    if not _warm:
-        plan_dispatch(np.zeros((2, 2), dtype=np.int64), np.ones((2, 2), dtype=np.float32),
-                      np.array([0, 1], dtype=np.int64), 2)
-        _warm = True
+    plan_dispatch(np.zeros((2, 2), dtype=np.int64), np.ones((2, 2), dtype=np.float32),
+                  np.array([0, 1], dtype=np.int64), 2)

@@ -65,8 +65,7 @@ class InprocHub:
 
     def next_delivery(self) -> Optional[float]:
         """Earliest time any undelivered message becomes deliverable (None when nothing is in flight)."""
-        times = [box[0][0] for box in self._inbox if box]
-        return min(times) if times else None
+        return min((box[0][0] for box in self._inbox if box), default=None)
 
     def next_delivery_per_rank(self) -> list[Optional[float]]:
         return [box[0][0] if box else None for box in self._inbox]

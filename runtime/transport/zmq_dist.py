@@ -106,8 +106,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         self.work = 0
         self.tokens = 0  # tokens this rank sampled (the coordinator's progress display adds them up)
         self.queued_fn: Optional[Callable[[], int]] = None  # rows queued here (read by the heartbeat thread)
-        peers = [p for p in range(world_size) if p != rank]
-        self._peers = peers
+        self._peers = peers = [p for p in range(world_size) if p != rank]
 
         # Phase 1: the ZeroMQ sockets (the hot paths use them directly).
         store, namespace, timeout_s = current_store(), f"zmq{next(_instances)}", DEFAULT_TIMEOUT_S
