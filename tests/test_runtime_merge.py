@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.core.dispatch_plan import pack_group_inputs, unpack_group_inputs
+from runtime.core.dispatch_plan import unpack_group_inputs
 from runtime.core.merge import TAG_SHIFT, MergeTable
-from test_dispatch_plan import plan_from_order
+from test_dispatch_plan import pack_group_inputs, plan_from_order
 
 
 def _group(table, n_per_seg, H, layer=1):

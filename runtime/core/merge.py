@@ -36,7 +36,7 @@ import torch
 
 from runtime.executors.cuda_stream import current_stream
 from runtime.executors.device_index import to_device, to_device_marked
-from runtime.core.dispatch_plan import DispatchPlan, pack_group_inputs, unpack_group_inputs
+from runtime.core.dispatch_plan import DispatchPlan, pack_weights, unpack_group_inputs
 from runtime.core.expert_wire import decode_tags, encode_tags
 
 TAG_SHIFT = 32
@@ -173,7 +173,7 @@ class MergeTable:
         gather = ready = None
         on_host = not holders and (type(weights) is np.ndarray or weights.device.type == "cpu")  # numpy: route_arrays
         if h_res.is_cuda and on_host:  # the routing came to the host
-            packed = plan.packed if plan is not None else pack_group_inputs(None, None, weights)
+            packed = plan.packed if plan is not None else pack_weights(weights)
             dev, ready = to_device_marked(packed, h_res.device)
             gather, row_index, weights = unpack_group_inputs(dev, R, k, order is not None)
         elif not holders:  # weights already where the rows are (a host-side executor: these "uploads" are views)
