@@ -115,9 +115,9 @@ class HeaderReceiver:
     def _wait_engine(self, timeout: float, out: list[Arrival]) -> None:
         """Block up to `timeout` for the first arrival or completion (this thread also reads the
         headers). A ZeroMQ poll of the PULL socket is the blocking wait (it
-        releases the GIL) when nothing is outstanding; while a receive is outstanding its event is
-        re-queried with plain yields for up to _SPIN_S after the last header, then every
-        _SLICE_S; with only sends outstanding, every _SLICE_S."""
+        releases the GIL) when nothing is outstanding; while a receive is outstanding its completion (its
+        event on NCCL, the waiter thread's notice on gloo) is looked for with plain yields for up to _SPIN_S
+        after the last header, then every _SLICE_S; with only sends outstanding, every _SLICE_S."""
         done = self._done
         now = time.monotonic()
         deadline = now + timeout
@@ -137,5 +137,5 @@ class HeaderReceiver:
                 time.sleep(0)
             elif any(lane.busy() for lane in self._lanes):
                 time.sleep(min(_SLICE_S, deadline - now))
-            else:
+            elif done.empty():  # (a waiter thread un-counts an item only after putting it in `done`)
                 self._pull.poll(max(1, int((deadline - now) * 1000)))  # ms; returns at the first header
