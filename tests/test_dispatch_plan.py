@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.core.dispatch_plan import (DispatchPlan, _weights32, pack_group_inputs, plan_dispatch,
+from runtime.core.dispatch_plan import (DispatchPlan, _weights32, pack_weights, plan_dispatch,
                                         unpack_group_inputs)
+
+
+def pack_group_inputs(row_of_pos: Optional[np.ndarray], inv: Optional[np.ndarray], weights) -> np.ndarray:
+    """A merge group's device inputs in numpy: [row_of_pos = order // k, inv] when there is an order, then the
+    weights as pack_weights packs them (the layout plan_dispatch's `packed` must have)."""
+    if row_of_pos is None:
+        return pack_weights(weights)
+    return np.concatenate([row_of_pos, inv.reshape(-1), pack_weights(weights)])
 
 
 def plan_from_order(order: Optional[np.ndarray], weights) -> DispatchPlan:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.core.dispatch_plan import pack_group_inputs, unpack_group_inputs
+from runtime.core.dispatch_plan import unpack_group_inputs
 from runtime.core.merge import TAG_SHIFT, MergeTable
-from test_dispatch_plan import plan_from_order
+from test_dispatch_plan import pack_group_inputs, plan_from_order
 
 
 def _group(table, n_per_seg, H, layer=1):
@@ -18,7 +18,7 @@ def _group(table, n_per_seg, H, layer=1):
     n = np.asarray(n_per_seg, dtype=np.int64)
     R = int(n.sum())
     return table.open(layer, [7 + s for s in range(S)], [10] * S, np.full(S, 10, dtype=np.int64), n,
-                      torch.zeros(R, H), None, torch.ones(R, table.top_k), now=0.0)
+                      torch.zeros(R, H), None, torch.ones(R, table.top_k))
 
 
 def _slots(g, rows=None):
@@ -76,7 +76,7 @@ def test_merge_by_dispatch_position_lands_messages_in_place():
     # (row, slot) pairs by destination: rank 0 gets f = 0, 3, 4, rank 1 gets f = 1, 2, 5
     order = np.array([0, 3, 4, 1, 2, 5])
     w = torch.ones(n, k)
-    g = table.open(1, [7], [10], np.array([10]), np.array([n]), N, None, w, 0.0, plan_from_order(order, w))
+    g = table.open(1, [7], [10], np.array([10]), np.array([n]), N, None, w, plan_from_order(order, w))
     base = g.gid << TAG_SHIFT
     value = {f: torch.full((H,), 10.0 * (f // k) + f % k) for f in range(n * k)}
     # rank 1's message: positions 3..5, received in place
@@ -205,7 +205,7 @@ def test_holder_group_lands_each_holders_rows_in_its_range_and_combines_in_holde
     table = MergeTable(k)
     n = np.array([1, 2])  # two segments, 3 rows
     h_res = torch.randn(3, H)
-    g = table.open(1, [7, 8], [10, 10], np.array([10, 10]), n, h_res, None, None, 0.0, holders=2)
+    g = table.open(1, [7, 8], [10, 10], np.array([10, 10]), n, h_res, None, None, holders=2)
     assert g.k == 2 and g.y.shape == (6, H) and g.weights.tolist() == [[1.0, 1.0]] * 3
     other = _group(table, [1], H)  # a positional group sharing a message with g
     base = g.gid << TAG_SHIFT
@@ -236,7 +236,7 @@ def test_a_closed_groups_y_buffer_is_reused_by_the_next_open_of_its_shape():
 
     def open_holders(R):
         return table.open(1, list(range(R)), [5] * R, [5] * R, np.ones(R, dtype=np.int64), torch.zeros(R, H), None,
-                          None, 0.0, holders=2)
+                          None, holders=2)
 
     def finish(g, value):
         base = g.gid << TAG_SHIFT
@@ -266,7 +266,7 @@ def test_a_decode_group_shares_read_only_per_segment_arrays_and_completes_like_o
     h_res = torch.randn(4, H)
 
     def opened(n):
-        return table.open(1, [7, 8, 9, 10], [5] * 4, [5] * 4, n, h_res, None, None, 0.0, holders=2)
+        return table.open(1, [7, 8, 9, 10], [5] * 4, [5] * 4, n, h_res, None, None, holders=2)
 
     a, b, c = opened(None), opened(None), opened(np.ones(4, dtype=np.int64))
     assert a.n is b.n and a.start is b.start and a.seg_of_row is a.start

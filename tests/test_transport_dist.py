@@ -40,8 +40,7 @@ def _checksum(t) -> float | None:
     return None if t is None else float(t.double().sum())
 
 
-def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", receive_on=None,
-              spin=None) -> dict:
+def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", spin=None) -> dict:
     """Every rank sends n messages to every rank (itself included) in random bursts while polling."""
     from lab.chaos import ChaosDelays
     from runtime.transport.zmq_dist import ZmqDistTransport
@@ -51,8 +50,7 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
     got: dict[int, list[int]] = {s: [] for s in range(world)}
     errors: list[str] = []
     landed: dict[tuple[int, int], torch.Tensor] = {}  # (src, i) -> the buffer recv_into handed out
-    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos, receive_on=receive_on,
-                          spin=spin) as tr:
+    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos, spin=spin) as tr:
         def into(src, meta, shape, dtype):
             """Every third tensor message is received in place: into rows 1.. of a larger buffer."""
             if meta["i"] % 3:
@@ -137,11 +135,11 @@ def _slow_link(env) -> dict:
 
 
 def _rank_post_receives(env) -> dict:
-    """Rank 0 sends one tensor; rank 1 (engine-thread receives) starts its receive with post_receives() before any
+    """Rank 0 sends one tensor; rank 1 starts its receive with post_receives() before any
     poll(): the header is read and the receive posted, nothing is delivered until the poll."""
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
-    with ZmqDistTransport(env.rank, env.world_size, "cpu", receive_on="engine") as tr:
+    with ZmqDistTransport(env.rank, env.world_size, "cpu") as tr:
         if env.rank == 0:
             tr.send(1, {"i": 0}, torch.arange(64, dtype=torch.float32))
             got = []
@@ -167,14 +165,14 @@ def _rank_world3(env, seed: int, n: int) -> dict:
     return {"chaos": _exchange(env, seed, n, chaos_seed=seed + 1, inflight_limit=4), "slow": _slow_link(env)}
 
 
-def _rank_exchange(env, seed: int, n: int, inflight_limit: int, receive_on=None, spin=None) -> dict:
+def _rank_exchange(env, seed: int, n: int, inflight_limit: int, spin=None) -> dict:
     from runtime.transport.zmq_dist import init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
-    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, receive_on=receive_on, spin=spin)
+    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, spin=spin)
 
 
 def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
-    """_exchange on cuda:LOCAL_RANK over NCCL (the nccl_p2p option from the launch env), then one tensor
+    """_exchange on cuda:LOCAL_RANK over NCCL (ncclSend/ncclRecv through ctypes), then one tensor
     per dtype each way, including dtypes NCCL has no name for (they travel as bytes)."""
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     torch.cuda.set_device(env.local_rank)
@@ -189,7 +187,6 @@ def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
         return (torch.arange(1000 * (k + 1), device=dev).remainder(97) * (sender + 1)).to(dtypes[k])
 
     with ZmqDistTransport(env.rank, env.world_size, dev) as tr:
-        out["p2p"] = tr.p2p
         for k in range(len(dtypes)):
             tr.send(peer, {"k": k}, tensor(k, env.rank))
         got = []
@@ -257,14 +254,12 @@ def _check_exchange(result, world: int, n: int) -> None:
         assert r["counts"] == {s: n for s in range(world)}, f"rank {rank} lost or duplicated messages"
 
 
-@pytest.mark.parametrize("world,inflight,receive_on,spin", [(2, 16, None, None), (4, 2, "engine", None),
-                                                            (2, 4, "engine", True)])
-def test_exchange_fifo_no_loss(world, inflight, receive_on, spin):
-    """receive_on="engine" (what CUDA ranks do: headers read and receives posted by the engine thread in
-    poll(), no receptor thread) runs here over gloo: same ordering and delivery guarantees; so does the
-    busy-polling idle wait (spin=True; what CUDA ranks do)."""
+@pytest.mark.parametrize("world,inflight,spin", [(2, 16, None), (4, 2, None), (2, 4, True)])
+def test_exchange_fifo_no_loss(world, inflight, spin):
+    """Headers read and receives posted by the engine thread in poll() over gloo: ordering and delivery
+    guarantees; so does the busy-polling idle wait (spin=True; what CUDA ranks do)."""
     n = 60
-    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight, receive_on, spin),
+    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight, spin),
                        timeout=80, env=CHILD_ENV)
     _check_exchange(res, world, n)
     # a small in-flight cap forces the per-peer backlogs to be used
@@ -325,19 +320,16 @@ def test_bench_link_delay_holds_back_delivery_not_just_the_senders_notice():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("p2p", ["lib", "c10d"])
-def test_cuda_exchange_direct_nccl(p2p, use_options):
+def test_cuda_exchange_direct_nccl():
     """GPU machines only. Two ranks on cuda:0/1 exchange tensors both ways with ncclSend/ncclRecv called
-    through ctypes (nccl_p2p=lib, nccl_lib.py) or through torch.distributed (c10d): values,
-    per-peer order and dtypes, with a small in-flight cap so backlogs are used; and every rank must
-    close cleanly (communicators destroyed, no hang)."""
+    through ctypes (nccl_lib.py): values, per-peer order and dtypes, with a small in-flight cap so backlogs
+    are used; and every rank must close cleanly (communicators destroyed, no hang)."""
     n = 200
-    use_options(nccl_p2p=p2p)
     res = launch_local(2, "test_transport_dist:_rank_cuda_exchange", (17, n, 4), timeout=180, env=CHILD_ENV)
     _check_exchange(res, 2, n)
     for r in res.results:
-        assert r["p2p"] == p2p and r["dtype_count"] == 8, r
-        assert r["teardown"] == ("destroyed" if p2p == "lib" else None), r  # clean close, in time
+        assert r["dtype_count"] == 8, r
+        assert r["teardown"] == "destroyed", r  # clean close, in time
 
 
 @pytest.mark.parametrize("spin", [True, False])
@@ -366,8 +358,9 @@ def test_engine_wait_notices_event_completion_without_waiting_out_a_slice(spin):
     tr._receive_headers = lambda: 0
     tr._send_lanes = {1: EventLane("send->1", tr._done)}
     tr._recv_lanes = {1: EventLane("recv<-1", tr._done)}
+    tr._lanes = [tr._send_lanes[1], tr._recv_lanes[1]]
     tr._inflight, tr._pending = [0, 0], 0
-    tr.stats = {"received": 0, "received_bytes": 0}
+    tr.stats = {"received": 0}
 
     def collect(timeout):
         out: list = []

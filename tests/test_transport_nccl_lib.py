@@ -1,5 +1,5 @@
 """runtime/transport/nccl_lib.py on a machine without NCCL: the loader's search and its error, the
-dtype map, the transport's nccl_p2p choice and communicator teardown, and the ctypes
+dtype map, the refused nccl_p2p=c10d and communicator teardown, and the ctypes
 bindings themselves against a fake libnccl compiled here (same C signatures as nccl.h), so a wrong
 argtype or a struct passed the wrong way shows up without a GPU. The real library is exercised by
 test_transport_dist.py::test_cuda_exchange_direct_nccl (GPU machines only)."""
@@ -40,7 +40,7 @@ def test_loader_error_names_every_path_tried(fresh_loader, monkeypatch, tmp_path
     msg = str(info.value)
     assert f"{not_a_lib} (" in msg and f"{missing} (no such file)" in msg, msg
     assert "libnccl-dataflow-test-missing.so.2 (" in msg, msg  # the plain soname, tried last
-    assert "option nccl_library" in msg and "nccl_p2p=c10d" in msg, msg
+    assert "option nccl_library" in msg, msg
 
 
 def test_explicit_library_that_does_not_load_is_an_error_not_a_fallback(fresh_loader, monkeypatch, tmp_path,
@@ -75,23 +75,11 @@ def test_decode_version_both_encodings():
     assert nccl_lib.decode_version(22105) == (2, 21, 5)  # X*10000+Y*100+Z from 2.9
 
 
-def test_p2p_mode_choice(monkeypatch, use_options):
+def test_c10d_is_refused(use_options):
+    """nccl_p2p=c10d (torch.distributed's isend/irecv on NCCL groups) was deleted: a CUDA rank refuses it."""
     use_options(nccl_p2p="c10d")
-    assert tensor_links.p2p_mode(False) == ("gloo", None)  # CPU ignores nccl_p2p
-    assert tensor_links.p2p_mode(True) == ("c10d", None)
-    with pytest.raises(UserError, match="nccl_p2p"):
-        use_options(nccl_p2p="ctypes")
-
-    def no_library():
-        raise RuntimeError("cannot load the NCCL library (libnccl.so.2); tried: x (no such file)")
-    monkeypatch.setattr(nccl_lib, "load", no_library)
-    use_options(nccl_p2p="lib")
-    with pytest.raises(RuntimeError, match="cannot load"):  # asked for explicitly: no silent fallback
-        tensor_links.p2p_mode(True)
-    use_options(nccl_p2p="auto")
-    assert tensor_links.p2p_mode(True) == ("c10d", None)  # the default falls back (with a note)
-    monkeypatch.setattr(nccl_lib, "load", lambda: "LIB")
-    assert tensor_links.p2p_mode(True) == ("lib", "LIB")
+    with pytest.raises(RuntimeError, match="nccl_p2p=c10d was removed"):
+        tensor_links.TensorLinks(0, 2, torch.device("cuda"), None, "x", 1.0, None, None, None)
 
 
 def test_close_comms_destroys_in_order_aborts_after_failure_and_never_hangs(capsys):

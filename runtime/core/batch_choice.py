@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from runtime.core.queues import AttnItem, MuQueue
-from runtime.core.scheduler import HOLD, Decision, StageView
+from runtime.core.scheduler import HOLD, StageView
 
 if TYPE_CHECKING:
     from runtime.core.engine import StageInfo
@@ -29,7 +29,6 @@ class Batch:
     items: list
     rows: int
     t_start: float
-    decision: Optional[Decision] = None
     out: dict = field(default_factory=dict)  # executor results, filled by execute()
 
 
@@ -116,8 +115,7 @@ class BatchChoice:
         q = self.queues[stage.id]
         if stage.kind != "sample" and self.decode_wait_bound:
             overdue = self._decode_overdue(q, views)
-            if overdue is not None:
-                decision = Decision(overdue, decision.scores)
+            if overdue is not None:  # (the trace shows the policy's scores with the stage that ran)
                 stage, q = self.stages[overdue], self.queues[overdue]
                 self.metrics.prompt_yields += 1
         items = q.take(self._eligibility(stage.id))
@@ -134,7 +132,7 @@ class BatchChoice:
         now = self.clock.now()
         if self.trace is not None:
             self.trace.decision(self.rank, now, self.policy.name, stage.id, stage.name, decision.scores, rows)
-        batch = Batch(stage, items, rows, now, decision)
+        batch = Batch(stage, items, rows, now)
         tm.lap("batch")
         return batch
 

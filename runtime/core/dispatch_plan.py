@@ -8,7 +8,7 @@ needs, derived from them and the layer's expert -> rank table (`owner`):
 - `inv[row, slot]`: the position p of each pair (the combine's row_index), the inverse of `order`;
 - `experts[p]`: the expert id of the pair at position p (the owner's expert queue);
 - `packed`: what the merge group's device side needs, one int64 host array uploaded in one copy:
-  [order // k (the dispatch gather), inv, the fp32 weights two per element] (`pack_group_inputs`' layout).
+  [order // k (the dispatch gather), inv, the fp32 weights two per element] (without an order: `pack_weights`).
 
 The numpy version (`plan_reference`, now in tests/test_dispatch_plan.py as the reference it is compared with) made ~20 numpy calls
 per batch (a bincount, a stable argsort, a scatter for the inverse, a division, the packing); `plan_dispatch`
@@ -18,6 +18,7 @@ predicted: the step's remaining cost is its ~12 torch calls, not numpy.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,20 +106,14 @@ def plan_dispatch(ids: np.ndarray, weights, owner: np.ndarray, world: int) -> Di
     return DispatchPlan(counts, None, None, experts, packed[2 * len(order):])
 
 
-def pack_group_inputs(row_of_pos: Optional[np.ndarray], inv: Optional[np.ndarray], weights) -> np.ndarray:
-    """One int64 host array holding [row_of_pos = order // k, inv] (when there is an order) and then the
-    fp32 weights [R, k] (a numpy array or CPU tensor), two per element: what a merge group's device side
-    needs, uploaded in one copy."""
+def pack_weights(weights) -> np.ndarray:
+    """The fp32 weights [R, k] (a numpy array or CPU tensor) two per int64 element (an odd count's last half
+    zero): a merge group's device inputs without a dispatch order (`packed`'s layout then), uploaded in one copy."""
     R, k = weights.shape
-    nw = (R * k + 1) // 2
-    host = np.empty((2 * R * k if row_of_pos is not None else 0) + nw, dtype=np.int64)
-    if row_of_pos is not None:
-        host[:R * k] = row_of_pos
-        host[R * k:2 * R * k] = inv.reshape(-1)
-    w = _weights32(weights)
-    tail = host[len(host) - nw:].view(np.float32)
-    tail[R * k:] = 0.0
-    tail[:R * k] = w.reshape(-1)
+    host = np.empty((R * k + 1) // 2, dtype=np.int64)
+    w = host.view(np.float32)
+    w[R * k:] = 0.0
+    w[:R * k] = _weights32(weights).reshape(-1)
     return host
 
 
@@ -135,13 +130,8 @@ def unpack_group_inputs(packed: torch.Tensor, R: int, k: int, has_order: bool):
     return packed.as_strided((R * k,), (1,), base), packed.as_strided((R, k), (k, 1), base + R * k), weights
 
 
-_warm = False
-
-
+@functools.cache  # once per process
 def warm_up() -> None:
     """Load (or compile) the kernel for the engine's argument types now, not inside the first timed batch."""
-    global _warm
-    if not _warm:
-        plan_dispatch(np.zeros((2, 2), dtype=np.int64), np.ones((2, 2), dtype=np.float32),
-                      np.array([0, 1], dtype=np.int64), 2)
-        _warm = True
+    plan_dispatch(np.zeros((2, 2), dtype=np.int64), np.ones((2, 2), dtype=np.float32),
+                  np.array([0, 1], dtype=np.int64), 2)

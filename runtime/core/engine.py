@@ -259,14 +259,12 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             self.queues[sid].push(AttnItem(req.rid, start, len(toks), toks, None, now))
         return True
 
-    def cancel(self, rid: int) -> bool:
-        """Its client went away: the request finishes at its next sampled token ("abort"), its KV freed then. False
-        when it is not here (finished already)."""
+    def cancel(self, rid: int) -> None:
+        """Its client went away: the request finishes at its next sampled token ("abort"), its KV freed then.
+        Nothing to do when it is not here (finished already)."""
         req = self.requests.get(rid)
-        if req is None:
-            return False
-        req.cancelled = True
-        return True
+        if req is not None:
+            req.cancelled = True
 
     # ------------------------------------------------------------------ events: messages
     def poll(self) -> int:
@@ -286,7 +284,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             self._enqueue_routed(meta["layer"], meta["home"], tensor, meta["rows"][0], meta.get("more", 0.0),
                                  "d" in meta)
         elif t == MSG_EXPERT_OUT:
-            self._merge_rows(meta["layer"], meta["rows"], tensor, meta.get("landed", False))  # array or run form
+            self._merge_rows(meta["rows"], tensor, meta.get("landed", False))  # array or run form
         elif self.on_control is not None:
             self.on_control(src, meta, tensor)
         else:
@@ -320,10 +318,8 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         rec = BatchRecord(self.rank, batch.stage.id, batch.stage.kind, batch.stage.layer, batch.rows,
                           t0, now, t0 - min(it.t_enq for it in batch.items))
         # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.
-        if batch.stage.kind == "attn":
-            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], [it.segments for it in batch.items])
-        else:
-            self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], [it.n for it in batch.items])
+        counts = [it.segments if batch.stage.kind == "attn" else it.n for it in batch.items]
+        self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], counts)
         if self.trace is not None:
             self.trace.batch(self.rank, batch.stage.name, batch.t_start, now,
                              {"rows": batch.rows, "items": len(batch.items)})
@@ -334,13 +330,3 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             self._complete_expert(batch)
         else:
             self._complete_sample(batch)
-
-    def step(self) -> bool:
-        """Wall-clock convenience: receive, pick, run, dispatch one batch. False when nothing ran."""
-        self.poll()
-        batch = self.next_batch()
-        if batch is None:
-            return False
-        self.execute(batch)
-        self.complete(batch)
-        return True

@@ -72,7 +72,7 @@ class ExpertDispatch:
         # The order, its inverse and the merge's packed device inputs come from one compiled call.
         T, k = ids.shape
         plan = plan_dispatch(ids, weights, self._expert_rank[layer], self.cfg.world_size)
-        g = open_group(weights, batch.t_start, plan=plan)
+        g = open_group(weights, plan=plan)
         tm.lap("order+merge_open")
         x = rows_of(out["x"])
         tag0 = g.gid << TAG_SHIFT  # the tag of dispatch position p is tag0 + p
@@ -118,7 +118,7 @@ class ExpertDispatch:
         payload = rows_of(batch.out["payload"])
         owners = self._owners[layer]
         gid, more = sent if sent is not None else self._send_routed(batch, layer, payload)
-        g = open_group(None, batch.t_start, holders=len(owners))
+        g = open_group(None, holders=len(owners))
         assert g.gid == gid, (g.gid, gid)
         tm = self._dispatch_timer
         tm.lap("routed:merge_open")
@@ -188,7 +188,7 @@ class ExpertDispatch:
                 part = torch.cat([y[a:b] for a, b, _ in parts])
                 rows = encode_tags(np.concatenate([it.tag for _, _, it in parts]))
             if dst == self.rank:
-                self._merge_rows(layer, rows, part, batch.out.get("landed", False))  # (landed: the batch's only part)
+                self._merge_rows(rows, part, batch.out.get("landed", False))  # (landed: the batch's only part)
             else:
                 self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": rows}, part)
 
@@ -224,7 +224,7 @@ class ExpertDispatch:
             owned = self._owned[key] = torch.from_numpy(self._expert_rank[layer] == self.rank).to(device)
         return owned
 
-    def _merge_rows(self, layer: int, tags, y: torch.Tensor, landed: bool = False) -> None:
+    def _merge_rows(self, tags, y: torch.Tensor, landed: bool = False) -> None:
         for group, segs in self.merge.add(tags, y, landed):
             self._merged(group, segs)
 
@@ -232,7 +232,7 @@ class ExpertDispatch:
         """The transport's receive-in-place hook (phase 2 of the exchange, header already read): the
         merge-buffer slice an expert-output message can be received into, with the event a receive
         on another stream waits for, or None. Marks the message so `on_message` skips the copy.
-        May run on the transport's receptor thread: it only reads the merge table (a group and its
+        Runs on the engine thread, inside the transport's poll() or post_receives() (a group and its
         buffer exist from open() until all its parts were merged, this one included)."""
         if meta.get("t") != MSG_EXPERT_OUT:
             return None

@@ -6,7 +6,7 @@ positions in dispatch order), and an owner usually returns one home's rows of an
 range, so tags travel as `(first, count)` when they are a run and as an int64 array otherwise; expert ids
 travel as the bytes of the narrowest unsigned type that holds the model's expert count. Pickling the two
 int64 arrays cost ~10 us per message here and more on the H200 host (benchmarks/host_speed.py); the tuple
-and the bytes cost ~1.5 us. Every decoder accepts the plain arrays too.
+and the bytes cost ~1.5 us. decode_tags accepts both forms.
 """
 from __future__ import annotations
 
@@ -38,8 +38,6 @@ def encode_ids(ids: np.ndarray, dtype: np.dtype) -> bytes:
     return ids.astype(dtype).tobytes()
 
 
-def decode_ids(wire, dtype: np.dtype) -> np.ndarray:
-    """int64 expert ids from bytes (or an array, as before)."""
-    if type(wire) is bytes:
-        return np.frombuffer(wire, dtype=dtype).astype(np.int64)
-    return np.asarray(wire, dtype=np.int64)
+def decode_ids(wire: bytes, dtype: np.dtype) -> np.ndarray:
+    """int64 expert ids from their bytes (wire.MESSAGES requires bytes for "e")."""
+    return np.frombuffer(wire, dtype=dtype).astype(np.int64)

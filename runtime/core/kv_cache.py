@@ -130,9 +130,6 @@ class PagedKVStore:
     def tables(self) -> dict[int, list[int]]:
         return dict(self._tables)
 
-    def capacity(self, seq_id: int) -> int:
-        return self._capacity[seq_id]
-
     def preallocate(self, layer: int, k_row: tuple, v_row: tuple, dtype: torch.dtype, device,
                     extra_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate layer `layer`'s whole pool now: [num_blocks + extra_blocks, block, *row].
@@ -191,9 +188,13 @@ class PagedKVStore:
 
     def write(self, layer: int, seq_id: int, positions, k: torch.Tensor, v: torch.Tensor) -> None:
         blocks, offs = self._slots(seq_id, positions)
-        if blocks.numel() == 0:
-            return
-        top = int(blocks.max())
+        if blocks.numel():
+            self._put(layer, blocks, offs, int(blocks.max()), k, v)
+
+    def _put(self, layer: int, blocks: torch.Tensor, offs: torch.Tensor, top: int, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+        """Rows of k / v to their (page, offset) pairs (CPU int64 tensors; `top`: the highest page), the layer's
+        storage grown to hold them first."""
         kk = self._storage(self._k, layer, k, top)
         vv = self._storage(self._v, layer, v, top)
         blocks, offs = _upload(blocks, offs, kk.device)
@@ -222,12 +223,8 @@ class PagedKVStore:
             if not 0 <= p < caps[s]:
                 raise IndexError(f"sequence {s}: positions {p}..{p} outside its {caps[s]} reserved slots")
             blocks.append(tables[s][p // bs])
-        top = max(blocks)
-        kk = self._storage(self._k, layer, k, top)
-        vv = self._storage(self._v, layer, v, top)
-        b, o = _upload(torch.tensor(blocks, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64) % bs, kk.device)
-        kk[b, o] = k.to(kk.dtype)
-        vv[b, o] = v.to(vv.dtype)
+        self._put(layer, torch.tensor(blocks, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64) % bs,
+                  max(blocks), k, v)
 
     def gather(self, layer: int, seq_ids, lengths) -> tuple[torch.Tensor, torch.Tensor]:
         """K [B, Lmax, nkv, dk], V [B, Lmax, nkv, dv]: positions 0..lengths[i]-1 of seq_ids[i],

@@ -36,7 +36,7 @@ import torch
 
 from runtime.executors.cuda_stream import current_stream
 from runtime.executors.device_index import to_device, to_device_marked
-from runtime.core.dispatch_plan import DispatchPlan, pack_group_inputs, unpack_group_inputs
+from runtime.core.dispatch_plan import DispatchPlan, pack_weights, unpack_group_inputs
 from runtime.core.expert_wire import decode_tags, encode_tags
 
 TAG_SHIFT = 32
@@ -69,7 +69,6 @@ class MergeGroup:
     nfilled: int
     missing: np.ndarray  # int64 [S]: parts still missing per segment
     open_segments: int
-    t_open: float
 
     @property
     def rows(self) -> int:
@@ -131,8 +130,8 @@ class MergeTable:
                 for s in np.flatnonzero(g.missing > 0).tolist()]
 
     def open(self, layer: int, rids: list[int], pos0: list[int], first, n: Optional[np.ndarray],
-             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, now: float,
-             plan: Optional[DispatchPlan] = None, holders: int = 0) -> MergeGroup:
+             h_res: torch.Tensor, shared: Optional[torch.Tensor], weights, plan: Optional[DispatchPlan] = None,
+             holders: int = 0) -> MergeGroup:
         """A group for the kept rows of one attention batch: segment s owns rows
         start[s] .. start[s]+n[s]-1 (segments back to back, in order; n None: one row each, a decode wave's group,
         whose per-segment arrays are then shared read-only ones; `first`: each segment's first kept position, a list or
@@ -174,7 +173,7 @@ class MergeTable:
         gather = ready = None
         on_host = not holders and (type(weights) is np.ndarray or weights.device.type == "cpu")  # numpy: route_arrays
         if h_res.is_cuda and on_host:  # the routing came to the host
-            packed = plan.packed if plan is not None else pack_group_inputs(None, None, weights)
+            packed = plan.packed if plan is not None else pack_weights(weights)
             dev, ready = to_device_marked(packed, h_res.device)
             gather, row_index, weights = unpack_group_inputs(dev, R, k, order is not None)
         elif not holders:  # weights already where the rows are (a host-side executor: these "uploads" are views)
@@ -192,7 +191,7 @@ class MergeTable:
             own_ready = None
         g = MergeGroup(self._next_gid, layer, k, rids, pos0, first, start, n, seg_of_row, h_res, shared, weights,
                        y, ready, own_ready, order, inv, gather, row_index, seg_of_pos, np.zeros(R * k, dtype=bool), 0,
-                       n * k, S, now)
+                       n * k, S)
         self._groups[g.gid] = g
         self._next_gid += 1
         self._open_segments += S

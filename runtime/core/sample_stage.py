@@ -89,17 +89,14 @@ class SampleStage:
             b.out["pending"].wait()
         self.complete_deferred()
 
-    def complete_deferred(self) -> int:
-        """Complete the deferred batches whose tokens arrived; returns how many."""
-        n = 0
+    def complete_deferred(self) -> None:
+        """Complete the deferred batches whose tokens arrived."""
         for _ in range(len(self.deferred)):
             batch = self.deferred.popleft()
             if batch.out["pending"].ready():
                 self.complete(batch)
-                n += 1
             else:
                 self.deferred.append(batch)
-        return n
 
     def wait_deferred(self) -> bool:
         """Block until the oldest deferred batch's tokens are on the host (a driver calls this when nothing else can

@@ -39,7 +39,7 @@ class Transport(Protocol):
     # Receive in place (phase 2 of ZmqDistTransport knows a message's shape and meta before its tensor): called with
     # (src, meta, shape, torch dtype) before a receive is posted; returns (a contiguous tensor of that shape and dtype
     # to receive into, a CUDA event the receive must wait for or None), or None for a buffer of the transport's own.
-    # May run on a receptor thread. Set by the engine (Engine._landing: expert outputs into their merge buffer).
+    # Runs on the engine thread. Set by the engine (Engine._landing: expert outputs into their merge buffer).
     recv_into: Optional[Callable[[int, dict, tuple, torch.dtype], Optional[tuple]]] = None
 
     def send(self, dst: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:

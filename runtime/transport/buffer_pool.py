@@ -9,7 +9,6 @@ forgetting to release costs allocations, never correctness. `per_key` bounds wha
 from __future__ import annotations
 
 import math
-import threading
 from typing import Optional
 
 import torch
@@ -21,23 +20,20 @@ class BufferPool:
         self.per_key = per_key
         # (dtype, numel) -> [(flat tensor, CUDA event marking the end of its last use, or None)]
         self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
-        self._lock = threading.Lock()  # take() runs on the receptor thread, release() on the engine's
         self.hits = 0
 
     def take(self, shape: tuple, dtype: torch.dtype, stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
         """A buffer for a receive that will run on `stream` (default: the current stream). A reused one is
         fenced there behind the engine's last read of it; a new one is allocated on that stream."""
-        key = (dtype, math.prod(shape))
-        with self._lock:
-            free = self._free.get(key)
-            if free:
-                self.hits += 1
-                buf, done_reading = free.pop()
-                if done_reading is not None:
-                    # The new receive must not overwrite the buffer before the engine's last kernel
-                    # reading it finished. No host wait.
-                    (stream or torch.cuda.current_stream(self.device)).wait_event(done_reading)
-                return buf.view(shape)
+        free = self._free.get((dtype, math.prod(shape)))
+        if free:
+            self.hits += 1
+            buf, done_reading = free.pop()
+            if done_reading is not None:
+                # The new receive must not overwrite the buffer before the engine's last kernel
+                # reading it finished. No host wait.
+                (stream or torch.cuda.current_stream(self.device)).wait_event(done_reading)
+            return buf.view(shape)
         if stream is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         with torch.cuda.stream(stream):  # the caching allocator hands out blocks free in that stream's order
@@ -48,12 +44,10 @@ class BufferPool:
         reads already enqueued on the current stream are fenced by an event the next receive waits on)."""
         if tensor.device != self.device or not tensor.is_contiguous() or tensor.storage_offset() != 0:
             return  # a view of something else: not ours to recycle
-        key = (tensor.dtype, tensor.numel())
-        with self._lock:
-            free = self._free.setdefault(key, [])
-            if len(free) < self.per_key:
-                done_reading = None
-                if tensor.is_cuda:
-                    done_reading = torch.cuda.Event()
-                    done_reading.record(torch.cuda.current_stream(self.device))
-                free.append((tensor.view(-1), done_reading))
+        free = self._free.setdefault((tensor.dtype, tensor.numel()), [])
+        if len(free) < self.per_key:
+            done_reading = None
+            if tensor.is_cuda:
+                done_reading = torch.cuda.Event()
+                done_reading.record(torch.cuda.current_stream(self.device))
+            free.append((tensor.view(-1), done_reading))

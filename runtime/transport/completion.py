@@ -21,28 +21,26 @@ import collections
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
+@dataclass(slots=True, eq=False)
 class Item:
     """One message in a lane. `work`: a torch.distributed Work to wait on (gloo) or None; `event`: a
     CUDA event to query (NCCL) or None; `error`: set when the operation failed."""
-    __slots__ = ("is_send", "peer", "seq", "meta", "tensor", "shape", "dtype", "work", "event",
-                 "delay_s", "error", "ready_at")
-
-    def __init__(self, is_send: bool, peer: int, seq: int, meta: Any, tensor=None, shape=None, dtype=None):
-        self.is_send = is_send
-        self.peer = peer
-        self.seq = seq
-        self.meta = meta
-        self.tensor = tensor
-        self.shape = shape
-        self.dtype = dtype
-        self.work = None
-        self.event = None
-        self.delay_s = 0.0
-        self.error: Optional[BaseException] = None
-        self.ready_at = 0.0
+    is_send: bool
+    peer: int
+    seq: int
+    meta: Any
+    tensor: Any = None
+    shape: Optional[tuple] = None
+    dtype: Optional[str] = None
+    work: Any = None
+    event: Any = None
+    delay_s: float = 0.0
+    error: Optional[BaseException] = None
+    ready_at: float = 0.0
 
 
 def summary(meta: Any, limit: int = 160) -> str:
@@ -65,30 +63,40 @@ def describe(item: Item) -> str:
 _STOP = object()
 
 
-class WaiterLane:
+class _Lane:
+    """What both lanes share: the items submitted and not yet forwarded to `done`, in order (deque append,
+    popleft and len are atomic, so the waiter thread and the engine thread need no lock)."""
+
     def __init__(self, name: str, done: "queue.SimpleQueue[Item]"):
+        self.name = name
         self._done = done
-        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._busy = 0  # items submitted and not yet forwarded to `done`
-        self._lock = threading.Lock()
-        self._items: "collections.deque[Item]" = collections.deque()  # for describing what is outstanding
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._items: "collections.deque[Item]" = collections.deque()
 
     def submit(self, item: Item) -> None:
         if item.delay_s > 0:
             item.ready_at = time.monotonic() + item.delay_s
-        with self._lock:
-            self._busy += 1
-            self._items.append(item)
-        self._q.put(item)
+        self._items.append(item)
 
     def busy(self) -> int:
-        return self._busy
+        return len(self._items)
 
     def oldest(self) -> Optional[Item]:
-        with self._lock:
-            return self._items[0] if self._items else None
+        try:
+            return self._items[0]
+        except IndexError:
+            return None
+
+
+class WaiterLane(_Lane):
+    def __init__(self, name: str, done: "queue.SimpleQueue[Item]"):
+        super().__init__(name, done)
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Item) -> None:
+        super().submit(item)
+        self._q.put(item)
 
     def drain(self) -> None:
         """Nothing to do: the waiter thread forwards items itself."""
@@ -109,9 +117,7 @@ class WaiterLane:
             # Forward before un-counting: a fast-path delivery that sees busy()==0 is then known to
             # come after this item in `done` (see ZmqDistTransport receive path).
             self._done.put(item)
-            with self._lock:
-                self._items.popleft()
-                self._busy -= 1
+            self._items.popleft()
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop after the items already submitted. A thread stuck in wait() on a dead peer cannot be
@@ -120,25 +126,7 @@ class WaiterLane:
         self._thread.join(timeout_s)
 
 
-class EventLane:
-    def __init__(self, name: str, done: "queue.SimpleQueue[Item]"):
-        self._done = done
-        self._items: "collections.deque[Item]" = collections.deque()
-
-    def submit(self, item: Item) -> None:
-        if item.delay_s > 0:
-            item.ready_at = time.monotonic() + item.delay_s
-        self._items.append(item)  # deque append/popleft are atomic: submit may run on the receptor thread
-
-    def busy(self) -> int:
-        return len(self._items)
-
-    def oldest(self) -> Optional[Item]:
-        try:
-            return self._items[0]
-        except IndexError:
-            return None
-
+class EventLane(_Lane):
     def drain(self) -> None:
         """Forward the completed head items (engine thread only)."""
         now = None

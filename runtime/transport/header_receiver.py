@@ -1,6 +1,6 @@
 """The receive side of ZmqDistTransport (zmq_dist.py): reading the headers from the PULL socket, checking their
-sequence numbers and posting each tensor's receive, on a receptor thread (gloo) or on the engine thread inside
-poll() and post_receives() (NCCL; CPU tests can ask for it with receive_on="engine").
+sequence numbers and posting each tensor's receive, on the engine thread inside poll() and post_receives()
+(zmq_dist.py's module docstring says why there is no receptor thread).
 
 A mixin rather than an object of its own: these methods run per message on the hot path and share the
 transport's state (its lanes, pool, links, sequence numbers, health and `recv_into` hook), which an
@@ -8,7 +8,6 @@ extra object would only reach through one more attribute lookup per use.
 """
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 
@@ -17,6 +16,7 @@ import zmq
 
 from runtime.transport.base import Arrival
 from runtime.transport.completion import Item, summary
+from runtime.transport.health import PeerFailure
 from runtime.transport.wire import ABORT, BYE, HEARTBEAT, WireError
 
 # pyzmq's option and flag constants are enums: `int & zmq.POLLIN` goes through enum.Flag's Python __and__ (~0.5 us,
@@ -29,30 +29,14 @@ _SPIN_S = 0.001
 _SLICE_S = 0.0002
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype in message header: {name!r}")
-    return dtype
-
-
 class HeaderReceiver:
     """Mixed into ZmqDistTransport, whose __init__ sets every attribute used here."""
 
-    def _receive_loop(self) -> None:
-        try:
-            while not self._closing.is_set() and self._receptor_error is None:
-                if self._pull.poll(50):
-                    self._receive_headers()
-        finally:
-            self._pull.close(linger=0)
-
     def _receive_headers(self) -> int:
-        """Handle every header waiting on the PULL socket (receptor thread, or the engine thread in
-        poll() when receive_on="engine"); returns how many. A frame that is not this run's (bad size,
-        tag or prefix) is dropped and counted; an error in a frame of a peer (its tag verified) is kept
-        for the engine thread's next health check, naming that peer and the message."""
-        if self._receptor_error is not None:
+        """Handle every header waiting on the PULL socket; returns how many. A frame that is not this run's (bad
+        size, tag or prefix) is dropped and counted; an error in a frame of a peer (its tag verified) becomes the
+        transport's failure, naming that peer and the message, for poll() to raise."""
+        if self._failure is not None:
             return 0
         pull, n, decode = self._pull, 0, self._codec.decode
         src, seq, meta = -1, -1, None
@@ -77,13 +61,10 @@ class HeaderReceiver:
                 src, seq, meta = f.src, f.seq, f.meta
                 self._on_header(f.kind, src, seq, meta, f.shape, f.dtype)
                 n += 1
-        except BaseException as err:  # reported by the engine thread's next poll()
-            if isinstance(err, WireError):
-                self._receptor_error = (src, f"a well-formed frame from rank {src}", err)
-                self._next_check = 0.0
-                return n
-            self._receptor_error = (src, f"message #{seq} from rank {src} ({summary(meta)})", err)
-            self._next_check = 0.0
+        except BaseException as err:  # raised by poll()
+            what = (f"a well-formed frame from rank {src}" if isinstance(err, WireError) else
+                    f"message #{seq} from rank {src} ({summary(meta)})")
+            self._failure = PeerFailure(src, what, f"{type(err).__name__}: {err}")
             return n
 
     def _drop(self, why: str) -> None:
@@ -117,7 +98,7 @@ class HeaderReceiver:
         item = Item(False, src, seq, meta, shape=shape, dtype=dtype)
         lane = self._recv_lanes[src]
         if shape is not None:
-            torch_dtype = _dtype_from_name(dtype)
+            torch_dtype = getattr(torch, dtype)  # one of wire.DTYPES (the codec checked it): torch's dtype names
             target = self.recv_into(src, meta, tuple(shape), torch_dtype) if self.recv_into is not None else None
             if target is not None:
                 self.stats["in_place"] += 1
@@ -132,11 +113,11 @@ class HeaderReceiver:
         lane.submit(item)
 
     def _wait_engine(self, timeout: float, out: list[Arrival]) -> None:
-        """Block up to `timeout` for the first arrival or completion when this thread also reads the
-        headers (receive_on="engine"). A ZeroMQ poll of the PULL socket is the blocking wait (it
-        releases the GIL) when nothing is outstanding; while a receive is outstanding its event is
-        re-queried with plain yields for up to _SPIN_S after the last header, then every
-        _SLICE_S; with only sends outstanding, every _SLICE_S."""
+        """Block up to `timeout` for the first arrival or completion (this thread also reads the
+        headers). A ZeroMQ poll of the PULL socket is the blocking wait (it
+        releases the GIL) when nothing is outstanding; while a receive is outstanding its completion (its
+        event on NCCL, the waiter thread's notice on gloo) is looked for with plain yields for up to _SPIN_S
+        after the last header, then every _SLICE_S; with only sends outstanding, every _SLICE_S."""
         done = self._done
         now = time.monotonic()
         deadline = now + timeout
@@ -150,12 +131,11 @@ class HeaderReceiver:
             now = time.monotonic()
             if now >= deadline:
                 return
-            lanes = itertools.chain(self._send_lanes.values(), self._recv_lanes.values())
             if self._spin:
                 continue  # busy-poll: the core never sleeps (see `spin` in __init__)
             if now < spin_until and any(lane.busy() for lane in self._recv_lanes.values()):
                 time.sleep(0)
-            elif any(lane.busy() for lane in lanes):
+            elif any(lane.busy() for lane in self._lanes):
                 time.sleep(min(_SLICE_S, deadline - now))
-            else:
+            elif done.empty():  # (a waiter thread un-counts an item only after putting it in `done`)
                 self._pull.poll(max(1, int((deadline - now) * 1000)))  # ms; returns at the first header

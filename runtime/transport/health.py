@@ -72,8 +72,8 @@ class PeerFailure(RuntimeError):
 
 
 class PeerHealth:
-    """What this rank knows about the liveness of each peer. `saw` is called from the receiving
-    thread for every message (heartbeats included); `check` from the engine thread in poll()."""
+    """What this rank knows about the liveness of each peer. The engine thread feeds it (`saw` for every
+    message, heartbeats included, as poll() reads the headers) and calls `check` in poll()."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
@@ -90,10 +90,9 @@ class PeerHealth:
         self._last_seen = [now] * world_size
         self._closed: set[int] = set()
         self._abort: Optional[tuple[int, Optional[int], str]] = None  # (sender, culprit, reason)
-        self._lock = threading.Lock()
 
     def saw(self, src: int) -> None:
-        self._last_seen[src] = time.monotonic()  # one list store: atomic under the GIL
+        self._last_seen[src] = time.monotonic()
 
     def saw_progress(self, src: int, loop: int, work: int, tokens: int, queued: int = 0) -> None:
         """A heartbeat's progress: `loop` iterations of its serving loop (0: not serving), `work` batches run,
@@ -105,16 +104,14 @@ class PeerHealth:
 
     def closed(self, src: int) -> None:
         """`src` shut down cleanly: its silence from now on is not a failure."""
-        with self._lock:
-            self._closed.add(src)
+        self._closed.add(src)
 
     def is_closed(self, src: int) -> bool:
         return src in self._closed
 
     def aborted(self, src: int, culprit: Optional[int], reason: str) -> None:
-        with self._lock:
-            if self._abort is None:  # the first notice is the closest to the root cause
-                self._abort = (src, culprit, reason)
+        if self._abort is None:  # the first notice is the closest to the root cause
+            self._abort = (src, culprit, reason)
 
     def check(self, waiting_for: Callable[[int], str]) -> None:
         """Raise PeerFailure if a peer aborted or has been silent for longer than the timeout."""

@@ -34,7 +34,6 @@ class InprocHub:
         self._seq = 0
         self._in_flight = [0] * world_size  # per source
         self.messages = 0
-        self.bytes = 0
 
     def transports(self) -> list["InprocTransport"]:
         return [InprocTransport(self, r) for r in range(self.world_size)]
@@ -55,7 +54,6 @@ class InprocHub:
         heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None else None))
         self._in_flight[src] += 1
         self.messages += 1
-        self.bytes += nbytes
 
     def _poll(self, dst: int) -> list[Arrival]:
         box, now, out = self._inbox[dst], self.clock.now(), []
@@ -67,8 +65,7 @@ class InprocHub:
 
     def next_delivery(self) -> Optional[float]:
         """Earliest time any undelivered message becomes deliverable (None when nothing is in flight)."""
-        times = [box[0][0] for box in self._inbox if box]
-        return min(times) if times else None
+        return min((box[0][0] for box in self._inbox if box), default=None)
 
     def next_delivery_per_rank(self) -> list[Optional[float]]:
         return [box[0][0] if box else None for box in self._inbox]

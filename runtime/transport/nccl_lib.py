@@ -3,7 +3,7 @@
 Why: inside a busy rank `dist.isend` costs ~120-130 us of host time per call and `dist.irecv`
 ~100-120 us (c10d's Work object, record_param_comms, its stream bookkeeping), while the NCCL call
 underneath is ~10-20 us. The transport's tensor links (tensor_links.py) already own the streams, events
-and ordering, so they can call ncclSend/ncclRecv themselves (option nccl_p2p: lib, or auto).
+and ordering, so they call ncclSend/ncclRecv themselves: the only path for CUDA ranks.
 
 Loading (`load()`): the library named by the option nccl_library if set (and only it: an explicit
 choice that fails is an error, not a silent fallback); otherwise the copy torch's wheel uses
@@ -74,13 +74,8 @@ def candidate_paths() -> list[str]:
         if entry:
             paths.append(os.path.join(entry, "nvidia", "nccl", "lib", SONAME))
     paths.append(os.path.join(os.path.dirname(torch.__file__), "lib", SONAME))  # builds that bundle it
-    seen, out = set(), []
-    for p in paths:
-        key = os.path.realpath(p)
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-    return out
+    real = [os.path.realpath(p) for p in paths]
+    return [p for i, p in enumerate(paths) if real.index(real[i]) == i]  # each file once, as first named
 
 
 class NcclLib:
@@ -95,20 +90,25 @@ class NcclLib:
         def bind(name, restype, *argtypes):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, list(argtypes)
+            if restype is _result_t:  # a call that does not return ncclSuccess raises (see _errcheck)
+                fn.errcheck = self._errcheck
             return fn
 
         self._get_error_string = bind("ncclGetErrorString", ctypes.c_char_p, _result_t)
         self._get_version = bind("ncclGetVersion", _result_t, P(ctypes.c_int))
         self._get_unique_id = bind("ncclGetUniqueId", _result_t, P(NcclUniqueId))
         self._comm_init_rank = bind("ncclCommInitRank", _result_t, P(_comm_t), ctypes.c_int, NcclUniqueId, ctypes.c_int)
-        self._send = bind("ncclSend", _result_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          _comm_t, _stream_t)
-        self._recv = bind("ncclRecv", _result_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          _comm_t, _stream_t)
-        self._comm_destroy = bind("ncclCommDestroy", _result_t, _comm_t)
-        self._comm_abort = bind("ncclCommAbort", _result_t, _comm_t)
+        # send / recv (ptr, count, ncclDataType_t, peer, comm, stream), comm_destroy / comm_abort (comm)
+        self.send = bind("ncclSend", _result_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                         _comm_t, _stream_t)
+        self.recv = bind("ncclRecv", _result_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                         _comm_t, _stream_t)
+        self.comm_destroy = bind("ncclCommDestroy", _result_t, _comm_t)
+        self.comm_abort = bind("ncclCommAbort", _result_t, _comm_t)
         self._comm_get_async_error = bind("ncclCommGetAsyncError", _result_t, _comm_t, P(_result_t))
-        self.version = decode_version(self._version_code())
+        v = ctypes.c_int()
+        self._get_version(ctypes.byref(v))
+        self.version = decode_version(v.value)
         if self.version < MIN_VERSION:
             raise RuntimeError(f"{path}: NCCL {'.'.join(map(str, self.version))} has no ncclSend/ncclRecv "
                                f"(needs >= {'.'.join(map(str, MIN_VERSION))})")
@@ -117,18 +117,16 @@ class NcclLib:
         text = self._get_error_string(result)
         return text.decode(errors="replace") if text else f"ncclResult_t {result}"
 
-    def check(self, call: str, result: int) -> None:
+    def _errcheck(self, result: int, fn, args) -> int:
+        """ctypes' check after every call of a bound function: RuntimeError naming the call and NCCL's error."""
         if result != 0:
+            call = fn.__name__ + (f"(nranks={args[1]}, rank={args[3]})" if fn.__name__ == "ncclCommInitRank" else "")
             raise RuntimeError(f"{call} failed: {self.error_string(result)} (ncclResult_t {result})")
-
-    def _version_code(self) -> int:
-        v = ctypes.c_int()
-        self.check("ncclGetVersion", self._get_version(ctypes.byref(v)))
-        return v.value
+        return result
 
     def unique_id(self) -> bytes:
         uid = NcclUniqueId()
-        self.check("ncclGetUniqueId", self._get_unique_id(ctypes.byref(uid)))
+        self._get_unique_id(ctypes.byref(uid))
         return bytes(uid.internal)
 
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int) -> ctypes.c_void_p:
@@ -136,26 +134,12 @@ class NcclLib:
         if len(unique_id) != ctypes.sizeof(NcclUniqueId):
             raise ValueError(f"an ncclUniqueId is {ctypes.sizeof(NcclUniqueId)} bytes, got {len(unique_id)}")
         comm = _comm_t()
-        uid = NcclUniqueId.from_buffer_copy(unique_id)
-        self.check(f"ncclCommInitRank(nranks={nranks}, rank={rank})",
-                   self._comm_init_rank(ctypes.byref(comm), nranks, uid, rank))
+        self._comm_init_rank(ctypes.byref(comm), nranks, NcclUniqueId.from_buffer_copy(unique_id), rank)
         return comm
-
-    def send(self, ptr: int, count: int, dtype: int, peer: int, comm, stream: int) -> None:
-        self.check("ncclSend", self._send(ptr, count, dtype, peer, comm, stream))
-
-    def recv(self, ptr: int, count: int, dtype: int, peer: int, comm, stream: int) -> None:
-        self.check("ncclRecv", self._recv(ptr, count, dtype, peer, comm, stream))
-
-    def comm_destroy(self, comm) -> None:
-        self.check("ncclCommDestroy", self._comm_destroy(comm))
-
-    def comm_abort(self, comm) -> None:
-        self.check("ncclCommAbort", self._comm_abort(comm))
 
     def comm_async_error(self, comm) -> int:
         err = _result_t()
-        self.check("ncclCommGetAsyncError", self._comm_get_async_error(comm, ctypes.byref(err)))
+        self._comm_get_async_error(comm, ctypes.byref(err))
         return err.value
 
 
@@ -185,7 +169,7 @@ def load() -> NcclLib:
         except (OSError, AttributeError, RuntimeError) as err:
             tried.append(f"{path} ({err})")
     raise RuntimeError(f"cannot load the NCCL library ({SONAME}); tried: " + "; ".join(tried) +
-                       ". Set the option nccl_library to its path, or nccl_p2p=c10d to use torch.distributed.")
+                       ". Set the option nccl_library to its path.")
 
 
 class NcclPairComm:

@@ -77,12 +77,10 @@ def listening() -> list[str]:
     return list(_listening)
 
 
-def make_store(rank: int, world_size: int, master_addr: Optional[str] = None, master_port: Optional[int] = None,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """Rank 0 hosts the store, the others connect (MASTER_ADDR/MASTER_PORT of the launch environment by default)."""
+def make_store(rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 hosts the store, the others connect (MASTER_ADDR/MASTER_PORT of the launch environment)."""
     launch = settings.launch_environment()
-    addr = master_addr or launch.master_addr
-    port = int(master_port or launch.master_port)
+    addr, port = launch.master_addr, int(launch.master_port)
     sock = _listen_socket(addr, port) if rank == 0 else None
     try:
         kwargs = {"master_listen_fd": sock.fileno()} if sock is not None else {}
@@ -117,15 +115,13 @@ def wait_keys(store: dist.Store, keys: dict[int, str], timeout_s: float, what: s
         delay = min(delay * 2, 0.05)
 
 
-def init_distributed(rank: int, world_size: int, backend: str = "gloo", store: Optional[dist.Store] = None,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Store:
+def init_distributed(rank: int, world_size: int, backend: str = "gloo") -> dist.Store:
     """Join the run: check every rank arrived (naming the missing ones), then init the default process
     group on the same store. Returns the store; transports built later in this process reuse it."""
     global _store
-    if store is None:
-        store = make_store(rank, world_size, timeout_s=timeout_s)
+    store = make_store(rank, world_size, DEFAULT_TIMEOUT_S)
     store.set(f"dataflow/arrived/{rank}", "1")
-    wait_keys(store, {r: f"dataflow/arrived/{r}" for r in range(world_size)}, timeout_s, "arrival")
+    wait_keys(store, {r: f"dataflow/arrived/{r}" for r in range(world_size)}, DEFAULT_TIMEOUT_S, "arrival")
     if not dist.is_initialized():
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=WORK_TIMEOUT)
     _store = store

@@ -119,21 +119,18 @@ _CONTROL_META = {
 MAX_REASON_CHARS = 4000
 
 
-class _Schema:
-    """One message kind's fields, arranged for a check per frame that costs about a microsecond."""
-
-    def __init__(self, fields: dict[str, tuple]) -> None:
-        self.fields = fields
-        self.required = frozenset(k for k, (_, req) in fields.items() if req)
-        self.types = {k: types for k, (types, _) in fields.items()}
+def _schema(fields: dict[str, tuple]) -> tuple[frozenset, dict]:
+    """One message kind's (required keys, key -> types), arranged for a check per frame that costs about a
+    microsecond."""
+    return frozenset(k for k, (_, req) in fields.items() if req), {k: types for k, (types, _) in fields.items()}
 
 
-def _check_fields(meta: Any, schema: _Schema, what: str) -> None:
+def _check_fields(meta: Any, schema: tuple[frozenset, dict], what: str) -> None:
     if type(meta) is not dict:
         raise ValueError(f"{what}: meta is a {type(meta).__name__}, not a map")
-    types = schema.types
-    if not schema.required <= meta.keys() or not meta.keys() <= types.keys():
-        missing, extra = schema.required - meta.keys(), meta.keys() - types.keys()
+    required, types = schema
+    if not required <= meta.keys() or not meta.keys() <= types.keys():
+        missing, extra = required - meta.keys(), meta.keys() - types.keys()
         raise ValueError(f"{what}: meta lacks {sorted(missing)}" if missing else
                          f"{what}: unknown meta key(s) {sorted(map(str, extra))[:4]}")
     for key, value in meta.items():
@@ -143,8 +140,8 @@ def _check_fields(meta: Any, schema: _Schema, what: str) -> None:
                              f"{' or '.join(t.__name__ for t in want)}")
 
 
-_SCHEMAS = {t: _Schema(fields) for t, fields in MESSAGES.items()}
-_CONTROL_SCHEMAS = {kind: _Schema(fields) for kind, fields in _CONTROL_META.items()}
+_SCHEMAS = {t: _schema(fields) for t, fields in MESSAGES.items()}
+_CONTROL_SCHEMAS = {kind: _schema(fields) for kind, fields in _CONTROL_META.items()}
 
 
 def check_meta(kind: int, meta: Any) -> None:
@@ -236,8 +233,7 @@ class Codec:
         magic, version, kind, src, seq = _PREFIX.unpack_from(body)
         if magic != MAGIC or version != VERSION:
             raise WireError(f"frame of wire version {version} (this rank speaks {VERSION})", True)
-        src_ok = 0 <= src < self.world_size and src != self.rank
-        if not src_ok:
+        if not (0 <= src < self.world_size and src != self.rank):
             raise WireError(f"frame claims to come from rank {src} (world {self.world_size}, this is rank "
                             f"{self.rank})", True)
         try:

@@ -7,8 +7,8 @@ buffer of the right size, so
            (metadata_channel.py; the frame: wire.py; a stray or hostile frame is dropped and counted,
            never fatal);
   phase 2: it posts the tensor's send; the receiver, on seeing the header, takes a buffer of that shape
-           from a pool (or the engine's `recv_into` target) and posts the matching receive, over gloo,
-           our own NCCL pair communicators or c10d's (tensor_links.py).
+           from a pool (or the engine's `recv_into` target) and posts the matching receive, over gloo
+           or our own NCCL pair communicators (tensor_links.py).
 Meta-only messages (tensor None) skip phase 2. Sends to self are handed over locally, no copy.
 
 Ordering. The header order is the data order (tensor_links.py says why). Completions go through one
@@ -20,18 +20,21 @@ waits in that destination's backlog (in order, meta-only messages behind queued 
 so one slow peer never holds up sends to the others. A send keeps its tensor alive until the send
 completed. Backlogs are pumped from `poll()`.
 
-Threads. The engine thread calls send/poll/pending/close. Gloo: a receptor thread owns the PULL socket
-and posts receives (header_receiver.py), so transfers progress while the engine computes, and one waiter
-thread per peer direction completes Work objects (they cannot be polled). NCCL: ops record an event the
-engine thread queries; no waiter threads, and no receptor either: the engine thread reads headers and
-posts receives inside poll() and post_receives(), because a second Python thread making CUDA calls costs
-the engine more in GIL waits than the earlier receive posting saves. A heartbeat thread beats every `heartbeat_s`
+Threads. The engine thread calls send/poll/pending/close, and it also reads the headers and posts the
+receives, inside poll() and post_receives() (header_receiver.py): no receptor thread. On NCCL a second
+Python thread making CUDA calls cost the engine more in GIL waits than the earlier receive posting saved
+(profiled on 2 x H200: ~230 us median per send, most of it waiting for the GIL held by the receptor;
+benchmarks/NOTES.md section 13 item 1); on gloo a receptor thread made no difference (NOTES section 18:
+1,361 / 1,608 vs 1,467 / 1,572 tok/s), so it was deleted. Gloo: one waiter thread per peer direction
+completes Work objects (they cannot be polled). NCCL: ops record an event the engine thread queries; no
+waiter threads. A heartbeat thread beats every DEFAULT_HEARTBEAT_S
 (health.py); a peer silent for `peer_timeout_s`, a failed transfer or an abort notice makes `poll()`
 raise PeerFailure naming the rank and what this rank was waiting for.
 
 Receive buffers come from a size-keyed pool; give them back with `release(tensor)` when done.
 
-Cost (`python benchmarks/transport_bench.py --ranks 2 --sizes 0,4K,184K,1M`): gloo on a 2-core VM, 4 KB one-way
+Cost (`python benchmarks/transport_bench.py --ranks 2 --sizes 0,4K,184K,1M`, measured with the receptor thread
+gloo ranks then had): gloo on a 2-core VM, 4 KB one-way
 ~160-220 us p50: ZeroMQ header ~60-80, receptor -> waiter hand-off ~40 (up to 1 ms under load), gloo
 transfer with its rendezvous ~60-100, hand-off to poll() ~20; CPU ~215 us per message sent + received,
 most of it in gloo's loop threads and the engine thread.
@@ -41,7 +44,6 @@ from __future__ import annotations
 import itertools
 import queue
 import sys
-import threading
 import time
 from typing import Callable, Optional
 
@@ -60,7 +62,7 @@ from runtime.transport.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_
 from runtime.transport.metadata_channel import MetaChannel
 from runtime.transport.rendezvous import DEFAULT_TIMEOUT_S, current_store, init_distributed, run_secret
 from runtime.transport.tensor_links import TensorLinks
-from runtime.transport.wire import BYE, DATA, DEFAULT_MAX_FRAME_BYTES
+from runtime.transport.wire import BYE, DATA
 
 __all__ = ["ZmqDistTransport", "init_distributed", "PeerFailure"]
 
@@ -73,12 +75,9 @@ _instances = itertools.count()
 
 
 class ZmqDistTransport(HeaderReceiver, Transport):
-    def __init__(self, rank: int, world_size: int, device="cpu", *, store: Optional[dist.Store] = None,
-                 inflight_limit: int = DEFAULT_INFLIGHT_LIMIT, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, chaos: Optional[LinkDelays] = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, pool_per_size: int = 8, receive_on: Optional[str] = None,
-                 spin: Optional[bool] = None, secret: Optional[bytes] = None,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S):
+    def __init__(self, rank: int, world_size: int, device="cpu", *, inflight_limit: int = DEFAULT_INFLIGHT_LIMIT,
+                 peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                 chaos: Optional[LinkDelays] = None, spin: Optional[bool] = None):
         if not dist.is_initialized():
             raise RuntimeError("call runtime.transport.zmq_dist.init_distributed(rank, world, backend) first")
         self.rank = rank
@@ -86,24 +85,11 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         self.device = torch.device(device)
         self.inflight_limit = inflight_limit
         self._nccl = self.device.type == "cuda"
-        # Who reads headers and posts receives: a receptor thread ("thread"), or the engine thread inside
-        # poll() ("engine"). NCCL: "engine", because there every completion is already an event the engine
-        # thread queries, and a second Python thread making CUDA/NCCL calls only contends for the GIL
-        # (profiled on 2 x H200: ~230 us median per send, most of it waiting for the GIL held by the
-        # receptor). Gloo needs its waiter threads anyway and keeps "thread", so receives are posted while
-        # the engine computes. The parameter lets CPU tests run the engine-receive path.
-        receive_on = receive_on or ("engine" if self._nccl else "thread")
-        if receive_on not in ("engine", "thread"):
-            raise ValueError(f"receive_on must be 'engine' or 'thread', got {receive_on!r}")
-        if self._nccl and receive_on != "engine":
-            raise ValueError("receive_on='thread' is for CPU ranks: a CUDA rank reads its headers on the engine thread")
-        self._engine_receives = receive_on == "engine"
-        # With engine receives an idle poll(timeout) busy-polls the header socket and the lanes' events
-        # instead of sleeping, so the engine thread's core stays awake: on 2 x H200 every torch call of the
-        # loop got ~25% cheaper and streaming +43% tok/s, for one core per rank at 100% (as in other serving
-        # engines' busy loops). CPU ranks sleep: they share their cores with their math. `spin` (None: that
-        # rule) lets CPU tests busy-poll.
-        self._spin = self._engine_receives and (self._nccl if spin is None else spin)
+        # On NCCL an idle poll(timeout) busy-polls the header socket and the lanes' events instead of sleeping,
+        # so the engine thread's core stays awake: on 2 x H200 every torch call of the loop got ~25% cheaper and
+        # streaming +43% tok/s, for one core per rank at 100% (as in other serving engines' busy loops). CPU
+        # ranks sleep: they share their cores with their math. `spin` (None: that rule) lets CPU tests busy-poll.
+        self._spin = self._nccl if spin is None else spin
         # Option profile_steps: wall time of each step of posting a send / receive, printed at close.
         profile = settings.current().profile_steps
         self._post_timer = StepTimer(f"rank {rank} send post", profile)
@@ -111,8 +97,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         # Optional hook set by the engine: peer -> what it is waiting for from that peer, in its own
         # words (stage, layer, request ids). Used only in failure messages.
         self.describe_wait: Optional[Callable[[int], Optional[str]]] = None
-        self.stats = {"sent": 0, "received": 0, "sent_bytes": 0, "received_bytes": 0, "local": 0, "in_place": 0,
-                      "dropped": 0}
+        self.stats = {"sent": 0, "received": 0, "local": 0, "in_place": 0, "dropped": 0}
         self._drop_logged: set[str] = set()
         # Liveness of this rank's serving loop, carried by every heartbeat (health.py): `progress` counts loop
         # iterations (0: not in a serving loop, e.g. loading weights or capturing graphs: not judged), `work`
@@ -121,53 +106,42 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         self.work = 0
         self.tokens = 0  # tokens this rank sampled (the coordinator's progress display adds them up)
         self.queued_fn: Optional[Callable[[], int]] = None  # rows queued here (read by the heartbeat thread)
-        peers = [p for p in range(world_size) if p != rank]
-        self._peers = peers
+        self._peers = peers = [p for p in range(world_size) if p != rank]
 
         # Phase 1: the ZeroMQ sockets (the hot paths use them directly).
-        store = store or current_store()
-        namespace = f"zmq{next(_instances)}"
-        secret = secret or run_secret(store, rank, timeout_s)
-        self.secret = secret  # (the serving front's channel signs with it too: runtime/drivers/front_link.py)
-        self._channel = channel = MetaChannel(rank, world_size, store, namespace, secret, max_frame_bytes, timeout_s)
-        self._codec, self._pull, self._push, self.endpoints = channel.codec, channel.pull, channel.push, channel.endpoints
+        store, namespace, timeout_s = current_store(), f"zmq{next(_instances)}", DEFAULT_TIMEOUT_S
+        # (the serving front's channel signs with the secret too: runtime/drivers/front_link.py)
+        self.secret = run_secret(store, rank, timeout_s)
+        self._channel = channel = MetaChannel(rank, world_size, store, namespace, self.secret, timeout_s)
+        self._codec, self._pull, self._push = channel.codec, channel.pull, channel.push
 
         # Phase 2: the tensor links and the per-direction completion lanes. Every rank must move tensors the
         # same way (the set-up is collective).
-        self._pool = BufferPool(self.device, per_key=pool_per_size)
+        self._pool = BufferPool(self.device)
         self._links = TensorLinks(rank, world_size, self.device, store, namespace, timeout_s, self._pool,
                                   self._post_timer, self._recv_timer)
-        self.p2p = self._links.mode
-        if self._nccl:
-            self._post_timer.name += f" ({self.p2p})"  # the step names differ by path
-            self._recv_timer.name += f" ({self.p2p})"
         self._done: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
         Lane = EventLane if self._nccl else WaiterLane
         self._send_lanes = {p: Lane(f"send->{p}", self._done) for p in peers}
         self._recv_lanes = {p: Lane(f"recv<-{p}", self._done) for p in peers}
+        self._lanes = [*self._send_lanes.values(), *self._recv_lanes.values()]
         self._send_delay = {p: chaos.lane("send", rank, p) for p in peers} if chaos else None
         self._recv_delay = {p: chaos.lane("recv", rank, p) for p in peers} if chaos else None
 
         # Engine-thread state.
         self._send_seq = [0] * world_size
-        self._recv_seq = [0] * world_size  # the header reader's only
+        self._recv_seq = [0] * world_size
         self._inflight = [0] * world_size
         self._backlog: dict[int, list[Item]] = {p: [] for p in peers}
         self._pending = 0
         self._local: list[Arrival] = []
         self._failure: Optional[PeerFailure] = None
-        self._receptor_error: Optional[tuple[int, str, BaseException]] = None
         self._next_check = 0.0
         self._closed = False
         self._aborted = False
 
         self._health = PeerHealth(rank, world_size, peer_timeout_s, stall_timeout_s)
-        self._closing = threading.Event()
-        self._receptor: Optional[threading.Thread] = None
-        if not self._engine_receives:
-            self._receptor = threading.Thread(target=self._receive_loop, name=f"receptor-{rank}", daemon=True)
-            self._receptor.start()
-        self._heartbeat = Heartbeat(heartbeat_s, self._beat, channel.beat_exit, name=f"heartbeat-{rank}")
+        self._heartbeat = Heartbeat(DEFAULT_HEARTBEAT_S, self._beat, channel.beat_exit, name=f"heartbeat-{rank}")
         register_abort_hook(self)
 
     # ------------------------------------------------------------------ engine-facing API
@@ -198,12 +172,13 @@ class ZmqDistTransport(HeaderReceiver, Transport):
 
     def poll(self, timeout: float = 0.0) -> list[Arrival]:
         """Arrivals completed since the last poll, FIFO per source. With `timeout` > 0 and nothing
-        ready, block up to that long for the first one (releases the GIL to the transport's threads,
-        unlike spinning). Raises PeerFailure when a peer died, wedged or aborted."""
+        ready, block up to that long for the first one (header_receiver.py's _wait_engine). Raises PeerFailure
+        when a peer died, wedged or aborted."""
         if self._failure is not None:
             raise self._failure
-        if self._engine_receives:
-            self._receive_headers()  # before the health check: queued heartbeats count
+        self._receive_headers()  # before the health check: queued heartbeats count
+        if self._failure is not None:  # a peer's malformed frame
+            raise self._failure
         now = time.monotonic()
         if now >= self._next_check:
             self._next_check = now + _HEALTH_CHECK_EVERY_S
@@ -214,13 +189,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         self._local = []
         done = self._done
         if not out and timeout > 0 and done.empty():
-            if self._engine_receives:
-                self._wait_engine(timeout, out)
-            else:  # gloo: the waiter threads complete items into `done`
-                try:
-                    self._complete(done.get(timeout=timeout), out)
-                except queue.Empty:
-                    pass
+            self._wait_engine(timeout, out)
         while not done.empty():  # (one consumer: a non-empty queue stays non-empty; no Empty raised per poll)
             self._complete(done.get_nowait(), out)
         if self._failure is not None:
@@ -229,31 +198,29 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         return out
 
     def post_receives(self) -> None:
-        """Start the transfers of the messages whose headers came since the last poll (the engine thread reads them:
-        receive_on="engine"; a receptor thread posts receives as headers come, and this does nothing). A busy rank
-        calls it between a batch's launch and its bookkeeping: each transfer then runs meanwhile and the next poll()
-        delivers it, where a receive first posted by that poll() is delivered by the one after, a batch later.
-        Errors are kept for poll() to raise, as there."""
-        if self._engine_receives and self._failure is None:
+        """Start the transfers of the messages whose headers came since the last poll. A busy rank calls it between a
+        batch's launch and its bookkeeping: each transfer then runs meanwhile and the next poll() delivers it, where
+        a receive first posted by that poll() is delivered by the one after, a batch later. Errors are kept for
+        poll() to raise, as there."""
+        if self._failure is None:
             self._receive_headers()
 
     def peer_work(self) -> list[int]:
         """Batches each peer ran as of its last heartbeat (this rank's own: `work`)."""
-        work = list(self._health.work)
-        work[self.rank] = self.work
-        return work
+        return self._with_own(self._health.work, self.work)
 
     def peer_queued(self) -> list[int]:
         """Rows queued on each rank as of its last heartbeat (this rank's own: now)."""
-        queued = list(self._health.queued)
-        queued[self.rank] = self._queued()
-        return queued
+        return self._with_own(self._health.queued, self._queued())
 
     def peer_tokens(self) -> list[int]:
         """Tokens each peer sampled as of its last heartbeat (this rank's own: `tokens`)."""
-        tokens = list(self._health.tokens)
-        tokens[self.rank] = self.tokens
-        return tokens
+        return self._with_own(self._health.tokens, self.tokens)
+
+    def _with_own(self, per_rank: list[int], own: int) -> list[int]:
+        out = list(per_rank)
+        out[self.rank] = own
+        return out
 
     def pending(self) -> int:
         """Messages this rank sent to peers whose delivery has not completed yet (tensor messages in
@@ -290,25 +257,19 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         if not self._aborted:
             self._channel.broadcast(self._codec.encode(BYE, -1))
         self._heartbeat.stop()
-        self._closing.set()
         if self._post_timer.enabled:
             print(self._post_timer.report(), file=sys.stderr)
             print(self._recv_timer.report(), file=sys.stderr)
-        if self._receptor is not None:
-            self._receptor.join(2.0)
-        else:
-            self._pull.close(linger=0)
+        self._pull.close(linger=0)
         # After a failure a waiter may be stuck in a gloo wait on the dead peer: don't wait for it.
         join_s = 0.5 if self._failure is None and not self._aborted else 0.01
         # Before the lanes forget their items: a destroy is clean only with nothing still in flight.
         clean = (self._failure is None and not self._aborted and not self._pending
-                 and not any(lane.busy() for lane in itertools.chain(self._send_lanes.values(),
-                                                                     self._recv_lanes.values())))
-        for lane in itertools.chain(self._send_lanes.values(), self._recv_lanes.values()):
+                 and not any(lane.busy() for lane in self._lanes))
+        for lane in self._lanes:
             lane.close(join_s)
         self._links.close(clean, timeout_s)
-        self._channel.close(self._aborted, (self._receptor is None or not self._receptor.is_alive())
-                            and not self._heartbeat._thread.is_alive())
+        self._channel.close(self._aborted, not self._heartbeat._thread.is_alive())
 
     def __enter__(self) -> "ZmqDistTransport":
         return self
@@ -342,7 +303,6 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         if self._send_delay is not None:
             item.delay_s = self._send_delay[dst]()
         self.stats["sent"] += 1
-        self.stats["sent_bytes"] += t.numel() * t.element_size()
         self._send_lanes[dst].submit(item)
         tm.lap("submit")
 
@@ -359,9 +319,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
 
     # ------------------------------------------------------------------ completion (engine thread)
     def _drain_lanes(self) -> None:
-        for lane in self._send_lanes.values():
-            lane.drain()
-        for lane in self._recv_lanes.values():
+        for lane in self._lanes:
             lane.drain()
 
     def _complete(self, item: Item, out: list[Arrival]) -> None:
@@ -378,18 +336,12 @@ class ZmqDistTransport(HeaderReceiver, Transport):
             item.tensor = None  # the send buffer may be recycled only now
             return
         t = item.tensor
-        if t is not None:
-            if self._nccl:
-                t.record_stream(current_stream(self.device))  # it will be read on the engine's stream
-            self.stats["received_bytes"] += t.numel() * t.element_size()
+        if t is not None and self._nccl:
+            t.record_stream(current_stream(self.device))  # it will be read on the engine's stream
         self.stats["received"] += 1
         out.append(Arrival(item.peer, item.meta, t))
 
     def _check_health(self) -> None:
-        if self._receptor_error is not None:
-            src, what, err = self._receptor_error
-            self._failure = PeerFailure(src, what, f"{type(err).__name__}: {err}")
-            raise self._failure
         try:
             self._health.check(self._waiting_for)
         except PeerFailure as failure:
