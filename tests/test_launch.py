@@ -66,7 +66,11 @@ def test_timeout_terminates_the_run_and_says_so(tmp_path):
     res = launch_local(2, "test_launch:_sleep_forever", (str(tmp_path),), timeout=1.0, env=CHILD_ENV)
     assert not res.ok
     assert res.first_error.startswith("timed out after 1 s; rank(s) [0, 1] still running")
-    assert res.exit_codes == [143, 143]  # SIGTERM became SystemExit(143) inside the ranks
+    # Terminated: SIGTERM becomes SystemExit(143) inside a rank that got as far as its handler; on a loaded machine a
+    # rank may still be starting (the default action: -15) or slower to exit than the 2 s before SIGKILL (-9).
+    assert all(code in (143, -signal.SIGTERM, -signal.SIGKILL) for code in res.exit_codes), res.exit_codes
+    pids = [int(p.read_text()) for p in tmp_path.iterdir() if p.read_text()]
+    assert not any(_alive(pid) for pid in pids)   # none outlives the run
 
 
 def test_from_torchrun_env():
