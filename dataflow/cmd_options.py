@@ -10,13 +10,12 @@ def register(app: typer.Typer) -> None:
     def options() -> None:
         """List the runtime options `run` and `serve` take (--options FILE, --set FIELD=VALUE, DATAFLOW_OPTIONS)."""
         from rich.console import Console
-        from rich.table import Table
 
+        from dataflow.cmd_inspect import new_table
         from runtime import settings
 
-        t = Table(title="runtime options (set: --options FILE, --set FIELD=VALUE, or DATAFLOW_OPTIONS='{...}')")
-        for col in ("option", "default", "meaning"):
-            t.add_column(col)
+        t = new_table("option", "default", "meaning", show_edge=True,
+                      title="runtime options (set: --options FILE, --set FIELD=VALUE, or DATAFLOW_OPTIONS='{...}')")
         for name, default, meaning in settings.describe():
             t.add_row(name, default, meaning)
         Console().print(t)

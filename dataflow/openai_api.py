@@ -294,15 +294,14 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
                     "token_ids": tokens}
 
         if body.stream:
-            first = await _first(gen)  # errors before the first token are plain HTTP errors, not a broken stream
+            first = await anext(gen, None)  # errors before the first token are plain HTTP errors, not a broken stream
 
             async def events():
-                sent_prefix = False
+                echo = prefix  # (with the first chunk)
                 async for text, tokens, reason in _chain(first, gen):
-                    if not sent_prefix and prefix:
-                        text, sent_prefix = prefix + text, True
                     yield _sse({"id": cid, "object": "text_completion", "created": created, "model": server.model,
-                                "choices": [choice(text, tokens, reason)]})
+                                "choices": [choice(echo + text, tokens, reason)]})
+                    echo = ""
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         text, tokens, reason = await _collect(gen)
@@ -318,7 +317,7 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         gen = server.generate(ids, n, params, stop, stop_ids, body.ignore_eos)
         if body.stream:
-            first = await _first(gen)
+            first = await anext(gen, None)
 
             async def events():
                 yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": server.model,
@@ -338,14 +337,6 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
                 "usage": _usage(ids, tokens)}
 
     return app
-
-
-async def _first(gen):
-    """The generator's first item (so a 400/503 from submitting is raised before a stream starts), or None."""
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 async def _chain(first, gen):
