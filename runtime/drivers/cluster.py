@@ -179,11 +179,9 @@ class Cluster:
             # Items still queued when a run stops (an `until` horizon) count with their wait so far:
             # a starved item must show up in the max queueing delay, not vanish from it.
             e.metrics.max_queue_delay = max(e.metrics.max_queue_delay, e.oldest_wait())
-        metrics = summarize(requests, [e.metrics for e in self.engines], elapsed)
-        metrics["messages"] = self.hub.messages if self.hub else None
-        metrics["policy"] = self.options.policy
-        metrics["ranks"] = self.world_size
-        metrics["dispatch"] = self.engines[0].dispatch_name if self.engines else None
+        metrics = summarize(requests, [e.metrics for e in self.engines], elapsed, policy=self.options.policy,
+                            ranks=self.world_size, dispatch=self.engines[0].dispatch_name if self.engines else None,
+                            messages=self.hub.messages if self.hub else None)
         return RunResult(list(requests), metrics, self.trace, self.world_size)
 
     def _run_wall(self, pending: list[Request], done: list[Request], total: int) -> None:
