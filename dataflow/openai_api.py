@@ -75,14 +75,17 @@ class ChatBody(_Sampling):
 
 
 class Server:
-    """What the endpoints share: the front, the model's name and limits, its tokenizer and generation defaults."""
+    """What the endpoints share: the front, the model's (a graph_ir ModelSpec) name and limits, its tokenizer (None:
+    token ids only) and its checkpoint's generation defaults."""
 
-    def __init__(self, front: Front, *, model: str, max_position: int, vocab_size: int, tokenizer=None,
-                 defaults=None, eos_token_ids: tuple = ()) -> None:
+    def __init__(self, front: Front, spec, tokenizer=None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-        self.front, self.model, self.max_position, self.vocab_size = front, model, max_position, vocab_size
-        self.tokenizer, self.defaults = tokenizer, defaults
-        self.stop_ids = tuple(eos_token_ids) + tuple((defaults.eos_token_ids or []) if defaults else [])
+
+        from models.generation_config import read_generation_config
+        self.front, self.tokenizer, self.model = front, tokenizer, spec.name
+        self.max_position, self.vocab_size = spec.max_position, spec.vocab_size
+        self.defaults = read_generation_config(spec.weights.path) if spec.weights.source == "checkpoint" else None
+        self.stop_ids = tuple(spec.eos_token_ids) + tuple((self.defaults.eos_token_ids or []) if self.defaults else [])
         self.created = int(time.time())
         r = self.registry = CollectorRegistry()
         buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -239,18 +242,16 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
-    """The FastAPI app; with start_front the app's lifespan starts the ranks and shuts them down."""
+def create_app(server: Server) -> FastAPI:
+    """The FastAPI app; its lifespan starts the ranks and shuts them down."""
 
     @asynccontextmanager
     async def lifespan(_app):
-        if start_front:
-            await server.front.start()
+        await server.front.start()
         try:
             yield
         finally:
-            if start_front:
-                await server.front.close()
+            await server.front.close()
 
     app = FastAPI(title="dataflow", lifespan=lifespan)
 

@@ -142,13 +142,12 @@ _current_env: Optional[str] = None
 
 
 def _from_environment() -> RuntimeOptions:
+    from graph_ir.files import parse_json  # (a key given twice or NaN refused, as in an options file)
+
     raw = os.environ.get(ENV_OPTIONS, "").strip()
     if not raw:
         return RuntimeOptions()
-    try:
-        values = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{ENV_OPTIONS}: not a JSON object ({err.msg} at character {err.pos})") from None
+    values = parse_json(raw, ENV_OPTIONS, "a JSON object")
     if not isinstance(values, dict):
         raise UserError(f"{ENV_OPTIONS}: expected a JSON object of fields, got {type(values).__name__}")
     return options_from(values, ENV_OPTIONS)
