@@ -349,11 +349,9 @@ def register(app: typer.Typer) -> None:
             requests = load_prompts(prompts, spec, max_new_tokens, sampling, ignore_eos, tokenizer,
                                     tuple(stop_token_id), tuple(stop))
         else:
+            # (request i samples with the seed seed + i)
             requests = default_workload(spec, num_requests, max_new_tokens, seed, sampling, ignore_eos,
                                         stop_token_ids=tuple(stop_token_id), tokenizer=tokenizer)
-            # One seed per request, so two requests with the same prompt do not sample the same tokens.
-            for r in requests:
-                r.params = sampling.model_copy(update={"seed": seed + r.rid})
 
         note = None
         if plan.cluster.device == "cuda":

@@ -186,20 +186,22 @@ def load_prompts(path: str | Path, spec, max_new_tokens: int, params=None, ignor
 
 
 def default_workload(spec, n: int = 8, max_new_tokens: int = 16, seed: int = 0, params=None,
-                     ignore_eos: bool = False, max_prompt: int = 48, stop_token_ids: tuple = (),
-                     tokenizer=None) -> list[Request]:
-    """`n` seeded random prompts of mixed lengths (short chat turns and a few longer ones). `tokenizer`: their
-    output lines get "text" (models/tokenizer.py)."""
+                     ignore_eos: bool = False, stop_token_ids: tuple = (), tokenizer=None) -> list[Request]:
+    """`n` seeded random prompts of mixed lengths (short chat turns and a few longer ones, up to 48 tokens).
+    `params` (models.sampling.SamplingParams): request i gets them with the seed params.seed + i, so two requests
+    with the same prompt do not sample the same tokens. `tokenizer`: their output lines get "text"
+    (models/tokenizer.py)."""
     rng = random.Random(seed)
     reserved = set(spec.eos_token_ids)
     vocab = [t for t in range(spec.vocab_size) if t not in reserved]
-    max_prompt = max(1, min(max_prompt, spec.max_position - max_new_tokens + 1))
+    max_prompt = max(1, min(48, spec.max_position - max_new_tokens + 1))
     out = []
     for i in range(n):
         length = rng.choice([rng.randint(1, 8), rng.randint(8, max_prompt), max_prompt])
         prompt = [rng.choice(vocab) for _ in range(length)]
         _check_request(f"default workload request {i}", prompt, max_new_tokens, spec)
-        out.append(Request(i, f"req-{i}", prompt, max_new_tokens, params=params, ignore_eos=ignore_eos,
+        own = None if params is None else params.model_copy(update={"seed": params.seed + i})
+        out.append(Request(i, f"req-{i}", prompt, max_new_tokens, params=own, ignore_eos=ignore_eos,
                            stop_token_ids=tuple(stop_token_ids), tokenizer=tokenizer))
     return out
 
