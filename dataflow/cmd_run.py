@@ -2,7 +2,7 @@
 
 With no arguments it runs the plan `dataflow compile` wrote last (./dataflow-plan) on a small seeded
 workload, so `dataflow compile tiny && dataflow run` works as written. All run logic lives in
-`runtime.drivers.cluster.run_workload(plan, requests, options, transport_factory)`; this module only turns
+`runtime.drivers.cluster.run_workload(plan, requests, options)`; this module only turns
 flags into those arguments and results into files and tables.
 
 By default every rank is its own process (runtime/drivers/multiproc.py: `run_workload_multiprocess`, same
@@ -193,7 +193,7 @@ def _summary_table(metrics: dict, plan, policy: str):
             ("time per output token p50 / p99", f"{ms('p50_tpot_s')} / {ms('p99_tpot_s')} ms"),
             ("inter-token latency p50 / p99 / max", f"{ms('p50_itl_s')} / {ms('p99_itl_s')} / {ms('max_itl_s')} ms"),
             ("prompt batches yielded to decode", m.get("prompt_yields") and str(m["prompt_yields"])),  # decode_wait_ms
-            ("messages between ranks", None if m.get("messages") is None else str(m["messages"])),
+            ("messages between ranks", str(m["messages"])),
             # the multi-process runner's: each rank's start-up by phase (runtime/drivers/startup.py), what accepted
             # connections during the run, frames not signed with the run's secret (runtime/transport/wire.py)
             ("rank start-up (slowest rank)", m.get("startup_s") and _startup_line(m["startup_s"])),

@@ -53,7 +53,6 @@ class Coordinator:
                     for r in range(node.world)]
         self.admission = Admission(node.plan.kv.block_size, capacity, options.home_policy or node.plan.placement.home_policy)
         self.free = list(capacity)  # mirror of every rank's free KV blocks
-        self.reported_free: list[Optional[int]] = [None] * node.world
         self.rank_tokens = [0] * node.world
         self.finished = 0
         self.dones: dict[int, dict] = {}
@@ -191,7 +190,6 @@ class Coordinator:
             req.t_finish = meta["t_finish"] - self.t_begin
             req.token_times = [x - self.t_begin for x in meta["token_times"]]
             self.free[src] += self.admission.blocks_needed(req)
-            self.reported_free[src] = meta["free"]
             self.rank_tokens[src] = meta["tokens"]
             self.finished += 1
             self._keep(req)
