@@ -20,8 +20,7 @@ from runtime.core.requests import Request
 
 def _check_request(where: str, prompt: Any, max_new: Any, spec, max_new_from: str = "max_new_tokens",
                    field: str = "prompt_token_ids") -> None:
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in prompt):
+    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
         shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
         what = "must be a non-empty list of integers" if field == "prompt_token_ids" else "gives no tokens"
         raise UserError(f"{where}: field '{field}' {what}, got {shown}")
@@ -29,7 +28,7 @@ def _check_request(where: str, prompt: Any, max_new: Any, spec, max_new_from: st
     if bad:
         raise UserError(f"{where}: field '{field}': ids {bad[:5]} outside the vocabulary "
                         f"0..{spec.vocab_size - 1} of {spec.name}")
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+    if not _is_int(max_new) or max_new < 1:
         raise UserError(f"{where}: field 'max_new_tokens' must be a positive integer, got {max_new!r}")
     if len(prompt) + max_new - 1 > spec.max_position:
         room = spec.max_position - len(prompt) + 1
