@@ -14,7 +14,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Optional
 
-from runtime.drivers.admission import request_from_wire, request_to_wire
+from runtime.drivers.admission import Admission, request_from_wire, request_to_wire
 from runtime.drivers.control import COORDINATOR, CTRL_ADMIT, CTRL_CANCEL, CTRL_DONE, CTRL_FIN, CTRL_STOP
 from runtime.drivers.startup import write_atomically as _write_atomically
 
@@ -37,7 +37,6 @@ class Coordinator:
     the front said goodbye (fbye) and nothing is outstanding."""
 
     def __init__(self, node: RankNode, w: int, requests: list, options) -> None:
-        from runtime.drivers.admission import Admission
         from runtime.core.engine import config_from_plan
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):

@@ -34,6 +34,7 @@ def _device_and_backend(plan, local_rank: int):
             return torch.device("cpu"), "gloo"
         settings.configure_nccl()
         torch.cuda.set_device(local_rank)
+        torch.cuda.init()  # the context now, not inside the first allocation of the weights
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
 
@@ -71,9 +72,6 @@ def rank_main(env: RankEnv, job: RankJob):
         raise ValueError(f"the plan is compiled for {plan.cluster.ranks} ranks but {env.world_size} processes were "
                          f"started (WORLD_SIZE)")
     device, backend = _device_and_backend(plan, env.local_rank)
-    if device.type == "cuda":
-        import torch
-        torch.cuda.init()  # the context now, not inside the first allocation of the weights
     startup.lap("device_init")
     init_distributed(env.rank, env.world_size, backend)
     clock = SyncedClock()
