@@ -34,14 +34,7 @@ def resolve_model(model: str) -> tuple[ModelSpec, str]:
         if not (path / "config.json").is_file():
             raise UserError(f"{path}: a directory without config.json; MODEL must be a model YAML, a shipped "
                             f"model name ({', '.join(shipped_models())}) or a Hugging Face checkpoint directory")
-        try:
-            # Lazy: checkpoint import pulls in safetensors/torch and lives in the model-math layer.
-            from models.checkpoint import import_spec
-        except ModuleNotFoundError as err:
-            if err.name != "models.checkpoint":
-                raise
-            raise UserError(f"{path}: importing Hugging Face checkpoints is not available in this build "
-                            f"(models/checkpoint.py missing)") from None
+        from models.checkpoint import import_spec  # (lazy: it pulls in safetensors and torch)
         return import_spec(path), f"checkpoint {path}"
     if path.exists() and not path.is_file():
         raise UserError(f"{path}: not a regular file; MODEL must be a model YAML, a shipped model name or a Hugging "
