@@ -204,12 +204,7 @@ def _finished_so_far(path: str, workloads: list) -> tuple[list, list]:
     the caller's Request objects, in finish order; and the caller's others, in submission order."""
     by_key = {(w, r.rid): r for w, (reqs, _) in enumerate(workloads) for r in reqs}
     finished = []
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
+    for line in (_read_text(path) or "").splitlines():  # (none when the coordinator never started it)
         try:
             rec = json.loads(line)
         except ValueError:  # a line cut by the coordinator's death mid-write
