@@ -238,8 +238,13 @@ def _usage(ids: list[int], tokens: list[int]) -> dict:
     return {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def _sse_response(chunks) -> StreamingResponse:
+    """Server-sent events: each JSON object of the async iterator `chunks`, then [DONE]."""
+    async def events():
+        async for obj in chunks:
+            yield f"data: {json.dumps(obj)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def create_app(server: Server) -> FastAPI:
@@ -286,7 +291,8 @@ def create_app(server: Server) -> FastAPI:
         server.check_model(body)
         ids = server.prompt_ids(body.prompt)
         n, params, stop, stop_ids = server.sampling(body, len(ids), body.max_tokens, 16)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": server.model}
         gen = server.generate(ids, n, params, stop, stop_ids, body.ignore_eos)
         prefix = server._text(ids) if body.echo else ""
 
@@ -297,17 +303,14 @@ def create_app(server: Server) -> FastAPI:
         if body.stream:
             first = await anext(gen, None)  # errors before the first token are plain HTTP errors, not a broken stream
 
-            async def events():
+            async def chunks():
                 echo = prefix  # (with the first chunk)
                 async for text, tokens, reason in _chain(first, gen):
-                    yield _sse({"id": cid, "object": "text_completion", "created": created, "model": server.model,
-                                "choices": [choice(echo + text, tokens, reason)]})
+                    yield {**head, "choices": [choice(echo + text, tokens, reason)]}
                     echo = ""
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _sse_response(chunks())
         text, tokens, reason = await _collect(gen)
-        return {"id": cid, "object": "text_completion", "created": created, "model": server.model,
-                "choices": [choice(prefix + text, tokens, reason)], "usage": _usage(ids, tokens)}
+        return {**head, "choices": [choice(prefix + text, tokens, reason)], "usage": _usage(ids, tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
@@ -315,26 +318,24 @@ def create_app(server: Server) -> FastAPI:
         ids = server.chat_ids(body.messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n, params, stop, stop_ids = server.sampling(body, len(ids), limit, server.max_position)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": server.model}
         gen = server.generate(ids, n, params, stop, stop_ids, body.ignore_eos)
         if body.stream:
             first = await anext(gen, None)
+            head["object"] = "chat.completion.chunk"
 
-            async def events():
-                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": server.model,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
+            async def chunks():
+                yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]}
                 async for text, tokens, reason in _chain(first, gen):
                     delta = {"content": text} if text or reason is None else {}
-                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                "model": server.model, "choices": [{"index": 0, "delta": delta, "token_ids": tokens,
-                                                                    "finish_reason": OPENAI_FINISH.get(reason, reason)}]})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+                    yield {**head, "choices": [{"index": 0, "delta": delta, "token_ids": tokens,
+                                                "finish_reason": OPENAI_FINISH.get(reason, reason)}]}
+            return _sse_response(chunks())
         text, tokens, reason = await _collect(gen)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": server.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": OPENAI_FINISH.get(reason, reason), "token_ids": tokens}],
+        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                     "finish_reason": OPENAI_FINISH.get(reason, reason), "token_ids": tokens}],
                 "usage": _usage(ids, tokens)}
 
     return app
