@@ -43,7 +43,8 @@ def stage_name(plan, stage_id: int) -> str:
 
 
 def _section_data(plan, section: str, rank: Optional[int]) -> Any:
-    """The JSON-able content of one section (filtered to `rank` where that makes sense)."""
+    """The JSON-able content of one section (one of SECTIONS: the command checked it), filtered to `rank` where that
+    makes sense."""
     ranks = [rank] if rank is not None else list(range(plan.cluster.ranks))
     if section == "placement":
         data = plan.placement.model_dump(mode="json")
@@ -62,10 +63,8 @@ def _section_data(plan, section: str, rank: Optional[int]) -> Any:
             d["pairs"] = [list(p) for p in route.pairs() if rank is None or rank in p]
             out.append(d)
         return out
-    if section == "memory":
-        return {"kv": plan.kv.model_dump(mode="json"),
-                "ranks": [plan.memory[r].model_dump(mode="json") for r in ranks]}
-    raise UserError(f"option '--section': got {section!r}; valid: {', '.join(SECTIONS)}")
+    return {"kv": plan.kv.model_dump(mode="json"),  # memory
+            "ranks": [plan.memory[r].model_dump(mode="json") for r in ranks]}
 
 
 def _group_layers(plan) -> list[tuple[list[int], list[int]]]:

@@ -28,7 +28,7 @@ ENV_OPTIONS = "DATAFLOW_OPTIONS"
 
 
 class RuntimeOptions(BaseModel):
-    """The knobs that survive. Each field's description is what `dataflow run --help-options` prints."""
+    """The knobs that survive. Each field's default and description are what `dataflow options` prints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -130,11 +130,6 @@ def from_flags(options_file: Optional[str], sets: list[str]) -> RuntimeOptions:
     if sets:
         opts = options_from(parse_set(sets), "--set", opts)
     return configure(opts)
-
-
-def describe() -> list[tuple[str, str, str]]:
-    """(field, default, meaning) for every option: what `dataflow options` prints."""
-    return [(name, json.dumps(f.default), f.description or "") for name, f in RuntimeOptions.model_fields.items()]
 
 
 _current: Optional[RuntimeOptions] = None
