@@ -48,8 +48,6 @@ def run_app(typer_app: typer.Typer) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    except SystemExit:
-        raise
     except typer.Exit as err:
         sys.exit(err.exit_code)
     except typer.Abort:

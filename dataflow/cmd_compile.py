@@ -34,14 +34,7 @@ def resolve_model(model: str) -> tuple[ModelSpec, str]:
         if not (path / "config.json").is_file():
             raise UserError(f"{path}: a directory without config.json; MODEL must be a model YAML, a shipped "
                             f"model name ({', '.join(shipped_models())}) or a Hugging Face checkpoint directory")
-        try:
-            # Lazy: checkpoint import pulls in safetensors/torch and lives in the model-math layer.
-            from models.checkpoint import import_spec
-        except ModuleNotFoundError as err:
-            if err.name != "models.checkpoint":
-                raise
-            raise UserError(f"{path}: importing Hugging Face checkpoints is not available in this build "
-                            f"(models/checkpoint.py missing)") from None
+        from models.checkpoint import import_spec  # (lazy: it pulls in safetensors and torch)
         return import_spec(path), f"checkpoint {path}"
     if path.exists() and not path.is_file():
         raise UserError(f"{path}: not a regular file; MODEL must be a model YAML, a shipped model name or a Hugging "
@@ -131,16 +124,15 @@ def register(app: typer.Typer) -> None:
 
 def _print_summary(plan, path: Path) -> None:
     from rich.console import Console
-    from rich.table import Table
 
+    from dataflow.cmd_inspect import new_table
     s, c = plan.spec, plan.cluster
     console = Console()
     console.print(f"[bold]{s.name}[/] ({s.family}): {s.num_layers} layers, {s.experts.num_experts} experts "
                   f"top-{s.experts.top_k}, {s.dtype} -> {c.ranks} x {c.device} ({c.device_memory_gib:g} GiB), "
                   f"{len(plan.stages)} stages, placement {plan.placement.policy}, {c.dispatch}-routed dispatch")
-    table = Table(show_edge=False)
-    for col in ("rank", "experts/layer", "weights GiB", "KV tokens", "KV blocks", "graphs GiB"):
-        table.add_column(col, justify="right" if col != "experts/layer" else "left")
+    table = new_table("rank", "experts/layer", "weights GiB", "KV tokens", "KV blocks", "graphs GiB",
+                      right=("rank", "weights GiB", "KV tokens", "KV blocks", "graphs GiB"))
     first = s.moe_layers[0]
     shown = plan.memory if c.ranks <= 16 else plan.memory[:8] + plan.memory[-4:]
     for m in shown:

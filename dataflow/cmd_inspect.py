@@ -28,13 +28,23 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def new_table(*columns: str, right=(), no_wrap: bool = False, **kw):
+    """A rich Table (no outer edge unless `kw` says otherwise) with these columns, those in `right` (every one for
+    right=True) right-justified."""
+    from rich.table import Column, Table
+
+    cols = [Column(c, justify="right" if right is True or c in right else "left", no_wrap=no_wrap) for c in columns]
+    return Table(*cols, **{"show_edge": False, **kw})
+
+
 def stage_name(plan, stage_id: int) -> str:
     s = plan.stages[stage_id]
     return "sample" if s.kind == "sample" else f"{s.kind}({s.layer})"
 
 
 def _section_data(plan, section: str, rank: Optional[int]) -> Any:
-    """The JSON-able content of one section (filtered to `rank` where that makes sense)."""
+    """The JSON-able content of one section (one of SECTIONS: the command checked it), filtered to `rank` where that
+    makes sense."""
     ranks = [rank] if rank is not None else list(range(plan.cluster.ranks))
     if section == "placement":
         data = plan.placement.model_dump(mode="json")
@@ -53,10 +63,8 @@ def _section_data(plan, section: str, rank: Optional[int]) -> Any:
             d["pairs"] = [list(p) for p in route.pairs() if rank is None or rank in p]
             out.append(d)
         return out
-    if section == "memory":
-        return {"kv": plan.kv.model_dump(mode="json"),
-                "ranks": [plan.memory[r].model_dump(mode="json") for r in ranks]}
-    raise UserError(f"option '--section': got {section!r}; valid: {', '.join(SECTIONS)}")
+    return {"kv": plan.kv.model_dump(mode="json"),  # memory
+            "ranks": [plan.memory[r].model_dump(mode="json") for r in ranks]}
 
 
 def _group_layers(plan) -> list[tuple[list[int], list[int]]]:
@@ -68,18 +76,12 @@ def _group_layers(plan) -> list[tuple[list[int], list[int]]]:
 
 
 def _print_placement(console, plan, rank: Optional[int]) -> None:
-    from rich.table import Table
-
     p = plan.placement
     console.print(f"[bold]placement[/]: {p.policy}; home-rank policy {p.home_policy}; "
                   f"dense layers {plan.spec.dense_layers or 'none'}")
     for layers, row in _group_layers(plan):
-        table = Table(title=f"MoE layers {compress_ids(layers)}", show_edge=False)
-        table.add_column("rank", justify="right")
-        table.add_column("experts")
-        table.add_column("count", justify="right")
-        if p.load is not None:
-            table.add_column("load", justify="right")
+        cols = ("rank", "experts", "count") + (("load",) if p.load is not None else ())
+        table = new_table(*cols, right=("rank", "count", "load"), title=f"MoE layers {compress_ids(layers)}")
         for r in ([rank] if rank is not None else range(plan.cluster.ranks)):
             held = [e for e, owner in enumerate(row) if owner == r]
             cells = [str(r), compress_ids(held), str(len(held))]
@@ -90,15 +92,12 @@ def _print_placement(console, plan, rank: Optional[int]) -> None:
 
 
 def _print_queues(console, plan, rank: Optional[int]) -> None:
-    from rich.table import Table
-
     r = 0 if rank is None else rank
     chain = " -> ".join(stage_name(plan, s.id) for s in plan.stages) + " -> (wraps to attn(0))"
     console.print(f"[bold]stage chain[/] ({len(plan.stages)} stages, same ids on every rank): {chain}")
-    table = Table(title=f"mu-queues of rank {r}" + ("" if rank is not None else " (use --rank R for others)"),
-                  show_edge=False)
-    for col in ("stage", "name", "kind", "layer", "next", "batch cap", "experts held"):
-        table.add_column(col, justify="left" if col in ("name", "kind", "next", "experts held") else "right")
+    table = new_table("stage", "name", "kind", "layer", "next", "batch cap", "experts held",
+                      right=("stage", "layer", "batch cap"),
+                      title=f"mu-queues of rank {r}" + ("" if rank is not None else " (use --rank R for others)"))
     for q in plan.ranks[r].queues:
         unit = "rows" if q.kind == "expert" else "tokens"
         held = compress_ids(q.experts) if q.kind == "expert" else ""
@@ -108,32 +107,24 @@ def _print_queues(console, plan, rank: Optional[int]) -> None:
 
 
 def _print_graphs(console, plan, rank: Optional[int]) -> None:
-    from rich.table import Table
-
     c = plan.capture
     state = "captured" if c.enabled else "planned only (CUDA graphs are captured on cuda)"
     console.print(f"[bold]CUDA graph capture[/]: {state}")
     for kind, bks in c.buckets.items():
         console.print(f"  {kind} buckets: {bks}")
-    table = Table(title="memory pools (all listed layers share one pool and static buffers per bucket)",
-                  show_edge=False)
-    for col in ("kind", "bucket", "layers sharing", "static buffers"):
-        table.add_column(col, justify="right" if col in ("bucket", "static buffers") else "left")
+    table = new_table("kind", "bucket", "layers sharing", "static buffers", right=("bucket", "static buffers"),
+                      title="memory pools (all listed layers share one pool and static buffers per bucket)")
     for p in c.pools:
         table.add_row(p.kind, str(p.bucket), compress_ids(p.layers), _bytes(p.static_buffer_bytes))
     console.print(table)
     ranks = [rank] if rank is not None else range(plan.cluster.ranks)
-    per_rank = Table(show_edge=False)
-    for col in ("rank", "graphs", "graph memory"):
-        per_rank.add_column(col, justify="right")
+    per_rank = new_table("rank", "graphs", "graph memory", right=True)
     for r in ranks:
         per_rank.add_row(str(r), str(c.graphs_per_rank[r]), _bytes(c.graph_memory_bytes[r]))
     console.print(per_rank)
 
 
 def _print_routes(console, plan, rank: Optional[int]) -> None:
-    from rich.table import Table
-
     if plan.cluster.dispatch == "device":
         console.print("[bold]routes[/] (device-routed dispatch): dispatch = home ranks send each attention batch "
                       "whole, a normed hidden row per token with its top-k expert ids and weights, to every expert "
@@ -144,11 +135,9 @@ def _print_routes(console, plan, rank: Optional[int]) -> None:
         console.print("[bold]routes[/]: dispatch = home ranks send normed hidden rows, one per (token, expert), "
                       "to the expert holders; combine = expert outputs go back to the home rank's top-k merge; "
                       "local = stays on the home rank. Metadata (ids, weights, positions) travels separately.")
-    table = Table(title="per stage edge" + (f" (pairs involving rank {rank})" if rank is not None else ""),
-                  show_edge=False)
-    for col in ("edge", "kind", "from", "to", "remote pairs", "max rows", "max message"):
-        table.add_column(col, justify="right" if col in ("remote pairs", "max rows", "max message") else "left",
-                         no_wrap=True)
+    table = new_table("edge", "kind", "from", "to", "remote pairs", "max rows", "max message", no_wrap=True,
+                      right=("remote pairs", "max rows", "max message"),
+                      title="per stage edge" + (f" (pairs involving rank {rank})" if rank is not None else ""))
     for route in plan.routes:
         pairs = [p for p in route.pairs() if p[0] != p[1] and (rank is None or rank in p)]
         src, dst = route.src_ranks, route.dst_ranks
@@ -163,15 +152,12 @@ def _print_routes(console, plan, rank: Optional[int]) -> None:
 
 
 def _print_memory(console, plan, rank: Optional[int]) -> None:
-    from rich.table import Table
-
     kv = plan.kv
     console.print(f"[bold]memory[/]: {plan.cluster.ranks} x {plan.cluster.device} "
                   f"{plan.cluster.device_memory_gib:g} GiB; KV {kv.bytes_per_token} bytes/token "
                   f"({kv.bytes_per_token_per_layer[0]} per layer, {kv.dtype}), pages of {kv.block_size} tokens")
-    table = Table(show_edge=False)
-    for col in ("rank", "replicated", "experts", "graphs", "workspace", "KV", "KV tokens", "KV blocks", "free"):
-        table.add_column(col, justify="right", no_wrap=True)
+    table = new_table("rank", "replicated", "experts", "graphs", "workspace", "KV", "KV tokens", "KV blocks", "free",
+                      right=True, no_wrap=True)
     for m in (plan.memory if rank is None else [plan.memory[rank]]):
         table.add_row(str(m.rank), _bytes(m.replicated_weight_bytes), _bytes(m.expert_weight_bytes),
                       _bytes(m.graph_bytes), _bytes(m.workspace_bytes), _bytes(m.kv_bytes),

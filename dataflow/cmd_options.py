@@ -9,14 +9,15 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def options() -> None:
         """List the runtime options `run` and `serve` take (--options FILE, --set FIELD=VALUE, DATAFLOW_OPTIONS)."""
+        import json
+
         from rich.console import Console
-        from rich.table import Table
 
-        from runtime import settings
+        from dataflow.cmd_inspect import new_table
+        from runtime.settings import RuntimeOptions
 
-        t = Table(title="runtime options (set: --options FILE, --set FIELD=VALUE, or DATAFLOW_OPTIONS='{...}')")
-        for col in ("option", "default", "meaning"):
-            t.add_column(col)
-        for name, default, meaning in settings.describe():
-            t.add_row(name, default, meaning)
+        t = new_table("option", "default", "meaning", show_edge=True,
+                      title="runtime options (set: --options FILE, --set FIELD=VALUE, or DATAFLOW_OPTIONS='{...}')")
+        for name, field in RuntimeOptions.model_fields.items():  # (each field's default and description)
+            t.add_row(name, json.dumps(field.default), field.description or "")
         Console().print(t)

@@ -2,7 +2,7 @@
 
 With no arguments it runs the plan `dataflow compile` wrote last (./dataflow-plan) on a small seeded
 workload, so `dataflow compile tiny && dataflow run` works as written. All run logic lives in
-`runtime.drivers.cluster.run_workload(plan, requests, options, transport_factory)`; this module only turns
+`runtime.drivers.cluster.run_workload(plan, requests, options)`; this module only turns
 flags into those arguments and results into files and tables.
 
 By default every rank is its own process (runtime/drivers/multiproc.py: `run_workload_multiprocess`, same
@@ -167,41 +167,42 @@ def _startup_line(startup: dict) -> str:
 def _summary_table(metrics: dict, plan, policy: str):
     from rich.table import Table
 
-    t = Table(title=f"{plan.spec.name} on {metrics['ranks']} rank(s), policy {policy}", show_header=False)
+    from runtime import settings
+    m = metrics
+    t = Table(title=f"{plan.spec.name} on {m['ranks']} rank(s), policy {policy}", show_header=False)
     t.add_column("metric", style="bold")
     t.add_column("value", justify="right")
-    t.add_row("requests finished", f"{metrics['finished']} / {metrics['requests']}")
-    procs = metrics.get("processes")  # set by the multi-process runner only
-    t.add_row("processes", f"{procs} (one per rank)" if procs else "1 (all ranks in-process)")
-    from runtime import settings
-    changed = settings.changed()
-    if changed:  # the options this run was given (runtime/settings.py), so a report says what it measured
-        t.add_row("options", ", ".join(f"{k}={v}" for k, v in changed.items()))
-    if metrics.get("dispatch"):  # the plan's or the dispatch option: device-routed on a GPU, host-routed on the CPU
-        t.add_row("dispatch", metrics["dispatch"])
-    t.add_row("tokens generated", str(metrics["tokens"]))
-    t.add_row("elapsed", f"{metrics['elapsed_s']:.3f} s")
-    t.add_row("tokens/s", f"{metrics['tokens_per_s']:.1f}")
+    ms = lambda key: f"{m[key] * 1e3:.2f}"  # noqa: E731
+    procs = m.get("processes")  # set by the multi-process runner only
+    changed = settings.changed()  # the options this run was given (runtime/settings.py): what a report measured
     # a device-routed expert batch counts every slot of its tokens, this rank's experts or not
-    rows = "slots" if metrics.get("dispatch") == "device-routed" else "routed rows"
-    for kind, unit in (("attn", "tokens"), ("expert", rows), ("sample", "tokens")):
-        t.add_row(f"mean {kind} batch", f"{metrics[f'{kind}_mean_batch']:.1f} {unit} ({metrics[f'{kind}_batches']} batches)")
-    t.add_row("max queueing delay", f"{metrics['max_queue_delay_s'] * 1e3:.2f} ms")
-    ms = lambda key: f"{metrics[key] * 1e3:.2f}"  # noqa: E731
-    t.add_row("time to first token p50 / p99", f"{ms('p50_ttft_s')} / {ms('p99_ttft_s')} ms")
-    t.add_row("time per output token p50 / p99", f"{ms('p50_tpot_s')} / {ms('p99_tpot_s')} ms")
-    t.add_row("inter-token latency p50 / p99 / max", f"{ms('p50_itl_s')} / {ms('p99_itl_s')} / {ms('max_itl_s')} ms")
-    if metrics.get("prompt_yields"):  # the decode_wait_ms option
-        t.add_row("prompt batches yielded to decode", str(metrics["prompt_yields"]))
-    if metrics.get("messages") is not None:
-        t.add_row("messages between ranks", str(metrics["messages"]))
-    if metrics.get("startup_s"):  # the multi-process runner: each rank's start-up, by phase (runtime/drivers/startup.py)
-        t.add_row("rank start-up (slowest rank)", _startup_line(metrics["startup_s"]))
-    if metrics.get("listening"):  # the multi-process runner: what accepted connections during the run
-        t.add_row("listening (loopback unless MASTER_ADDR is not)",
-                  ", ".join(sorted({a.replace("tcp://", "") for a in metrics["listening"]})))
-    if metrics.get("dropped_frames"):  # frames not signed with the run's secret (runtime/transport/wire.py)
-        t.add_row("frames dropped (not this run's)", str(metrics["dropped_frames"]))
+    units = {"attn": "tokens", "expert": "slots" if m.get("dispatch") == "device-routed" else "routed rows",
+             "sample": "tokens"}
+    # (label, value): a row when the value is not empty (None, "" or 0: not this run's)
+    rows = [("requests finished", f"{m['finished']} / {m['requests']}"),
+            ("processes", f"{procs} (one per rank)" if procs else "1 (all ranks in-process)"),
+            ("options", ", ".join(f"{k}={v}" for k, v in changed.items())),
+            ("dispatch", m.get("dispatch")),  # the plan's or the option's: device-routed on a GPU, host on the CPU
+            ("tokens generated", str(m["tokens"])),
+            ("elapsed", f"{m['elapsed_s']:.3f} s"),
+            ("tokens/s", f"{m['tokens_per_s']:.1f}"),
+            *((f"mean {k} batch", f"{m[f'{k}_mean_batch']:.1f} {unit} ({m[f'{k}_batches']} batches)")
+              for k, unit in units.items()),
+            ("max queueing delay", f"{ms('max_queue_delay_s')} ms"),
+            ("time to first token p50 / p99", f"{ms('p50_ttft_s')} / {ms('p99_ttft_s')} ms"),
+            ("time per output token p50 / p99", f"{ms('p50_tpot_s')} / {ms('p99_tpot_s')} ms"),
+            ("inter-token latency p50 / p99 / max", f"{ms('p50_itl_s')} / {ms('p99_itl_s')} / {ms('max_itl_s')} ms"),
+            ("prompt batches yielded to decode", m.get("prompt_yields") and str(m["prompt_yields"])),  # decode_wait_ms
+            ("messages between ranks", str(m["messages"])),
+            # the multi-process runner's: each rank's start-up by phase (runtime/drivers/startup.py), what accepted
+            # connections during the run, frames not signed with the run's secret (runtime/transport/wire.py)
+            ("rank start-up (slowest rank)", m.get("startup_s") and _startup_line(m["startup_s"])),
+            ("listening (loopback unless MASTER_ADDR is not)",
+             ", ".join(sorted({a.replace("tcp://", "") for a in m.get("listening") or ()}))),
+            ("frames dropped (not this run's)", m.get("dropped_frames") and str(m["dropped_frames"]))]
+    for label, value in rows:
+        if value:
+            t.add_row(label, value)
     return t
 
 
@@ -348,11 +349,9 @@ def register(app: typer.Typer) -> None:
             requests = load_prompts(prompts, spec, max_new_tokens, sampling, ignore_eos, tokenizer,
                                     tuple(stop_token_id), tuple(stop))
         else:
+            # (request i samples with the seed seed + i)
             requests = default_workload(spec, num_requests, max_new_tokens, seed, sampling, ignore_eos,
                                         stop_token_ids=tuple(stop_token_id), tokenizer=tokenizer)
-            # One seed per request, so two requests with the same prompt do not sample the same tokens.
-            for r in requests:
-                r.params = sampling.model_copy(update={"seed": seed + r.rid})
 
         note = None
         if plan.cluster.device == "cuda":

@@ -25,16 +25,10 @@ def build_server(plan_dir: Path, *, policy: str = "defrag", kv_blocks: Optional[
     from runtime.drivers.cluster import RunOptions
     from runtime.drivers.front import Front
     plan = load_plan(plan_dir)
-    spec = plan.spec
     check_policy(policy, {})
-    tokenizer, defaults = _tokenizer_of(spec), None
-    if spec.weights.source == "checkpoint":
-        from models.generation_config import read_generation_config
-        defaults = read_generation_config(spec.weights.path)
     options = RunOptions(policy=policy, kv_blocks=kv_blocks, stall_timeout_s=stall_timeout)
     front = Front(plan, options, peer_timeout_s=peer_timeout, max_outstanding=max_outstanding)
-    return Server(front, model=spec.name, max_position=spec.max_position, vocab_size=spec.vocab_size,
-                  tokenizer=tokenizer, defaults=defaults, eos_token_ids=tuple(spec.eos_token_ids)), plan
+    return Server(front, plan.spec, _tokenizer_of(plan.spec)), plan
 
 
 def register(app: typer.Typer) -> None:

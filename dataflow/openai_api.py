@@ -75,14 +75,17 @@ class ChatBody(_Sampling):
 
 
 class Server:
-    """What the endpoints share: the front, the model's name and limits, its tokenizer and generation defaults."""
+    """What the endpoints share: the front, the model's (a graph_ir ModelSpec) name and limits, its tokenizer (None:
+    token ids only) and its checkpoint's generation defaults."""
 
-    def __init__(self, front: Front, *, model: str, max_position: int, vocab_size: int, tokenizer=None,
-                 defaults=None, eos_token_ids: tuple = ()) -> None:
+    def __init__(self, front: Front, spec, tokenizer=None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-        self.front, self.model, self.max_position, self.vocab_size = front, model, max_position, vocab_size
-        self.tokenizer, self.defaults = tokenizer, defaults
-        self.stop_ids = tuple(eos_token_ids) + tuple((defaults.eos_token_ids or []) if defaults else [])
+
+        from models.generation_config import read_generation_config
+        self.front, self.tokenizer, self.model = front, tokenizer, spec.name
+        self.max_position, self.vocab_size = spec.max_position, spec.vocab_size
+        self.defaults = read_generation_config(spec.weights.path) if spec.weights.source == "checkpoint" else None
+        self.stop_ids = tuple(spec.eos_token_ids) + tuple((self.defaults.eos_token_ids or []) if self.defaults else [])
         self.created = int(time.time())
         r = self.registry = CollectorRegistry()
         buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -235,22 +238,25 @@ def _usage(ids: list[int], tokens: list[int]) -> dict:
     return {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def _sse_response(chunks) -> StreamingResponse:
+    """Server-sent events: each JSON object of the async iterator `chunks`, then [DONE]."""
+    async def events():
+        async for obj in chunks:
+            yield f"data: {json.dumps(obj)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
-    """The FastAPI app; with start_front the app's lifespan starts the ranks and shuts them down."""
+def create_app(server: Server) -> FastAPI:
+    """The FastAPI app; its lifespan starts the ranks and shuts them down."""
 
     @asynccontextmanager
     async def lifespan(_app):
-        if start_front:
-            await server.front.start()
+        await server.front.start()
         try:
             yield
         finally:
-            if start_front:
-                await server.front.close()
+            await server.front.close()
 
     app = FastAPI(title="dataflow", lifespan=lifespan)
 
@@ -285,7 +291,8 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
         server.check_model(body)
         ids = server.prompt_ids(body.prompt)
         n, params, stop, stop_ids = server.sampling(body, len(ids), body.max_tokens, 16)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": server.model}
         gen = server.generate(ids, n, params, stop, stop_ids, body.ignore_eos)
         prefix = server._text(ids) if body.echo else ""
 
@@ -294,20 +301,16 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
                     "token_ids": tokens}
 
         if body.stream:
-            first = await _first(gen)  # errors before the first token are plain HTTP errors, not a broken stream
+            first = await anext(gen, None)  # errors before the first token are plain HTTP errors, not a broken stream
 
-            async def events():
-                sent_prefix = False
+            async def chunks():
+                echo = prefix  # (with the first chunk)
                 async for text, tokens, reason in _chain(first, gen):
-                    if not sent_prefix and prefix:
-                        text, sent_prefix = prefix + text, True
-                    yield _sse({"id": cid, "object": "text_completion", "created": created, "model": server.model,
-                                "choices": [choice(text, tokens, reason)]})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+                    yield {**head, "choices": [choice(echo + text, tokens, reason)]}
+                    echo = ""
+            return _sse_response(chunks())
         text, tokens, reason = await _collect(gen)
-        return {"id": cid, "object": "text_completion", "created": created, "model": server.model,
-                "choices": [choice(prefix + text, tokens, reason)], "usage": _usage(ids, tokens)}
+        return {**head, "choices": [choice(prefix + text, tokens, reason)], "usage": _usage(ids, tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
@@ -315,37 +318,27 @@ def create_app(server: Server, *, start_front: bool = True) -> FastAPI:
         ids = server.chat_ids(body.messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n, params, stop, stop_ids = server.sampling(body, len(ids), limit, server.max_position)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": server.model}
         gen = server.generate(ids, n, params, stop, stop_ids, body.ignore_eos)
         if body.stream:
-            first = await _first(gen)
+            first = await anext(gen, None)
+            head["object"] = "chat.completion.chunk"
 
-            async def events():
-                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": server.model,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
+            async def chunks():
+                yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]}
                 async for text, tokens, reason in _chain(first, gen):
                     delta = {"content": text} if text or reason is None else {}
-                    yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                "model": server.model, "choices": [{"index": 0, "delta": delta, "token_ids": tokens,
-                                                                    "finish_reason": OPENAI_FINISH.get(reason, reason)}]})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+                    yield {**head, "choices": [{"index": 0, "delta": delta, "token_ids": tokens,
+                                                "finish_reason": OPENAI_FINISH.get(reason, reason)}]}
+            return _sse_response(chunks())
         text, tokens, reason = await _collect(gen)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": server.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": OPENAI_FINISH.get(reason, reason), "token_ids": tokens}],
+        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                     "finish_reason": OPENAI_FINISH.get(reason, reason), "token_ids": tokens}],
                 "usage": _usage(ids, tokens)}
 
     return app
-
-
-async def _first(gen):
-    """The generator's first item (so a 400/503 from submitting is raised before a stream starts), or None."""
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 async def _chain(first, gen):

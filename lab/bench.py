@@ -133,31 +133,27 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
 
     if cell.system == STREAMING:
         from runtime.drivers.cluster import Cluster, RunOptions
-        from runtime.transport.inproc import InprocHub
 
         host_free = [0.0] * cfg.ranks     # when each rank's host is done issuing its previous sends
 
-        def factory(world_size, clock):
-            probe.clock = clock
-
-            def delay(src, dst, meta, nbytes, rng):
-                if cfg.row_bytes is not None:
-                    nbytes = len(meta.get("rows", ())) * cfg.row_bytes
-                count(src, dst, nbytes)
-                now = clock.now()
-                # A batch's messages leave one after the other, send_cpu apart (the cluster charges
-                # the same host time to the sender's rank; runtime/executors/cost_model.py).
-                depart = now
-                if cost.send_cpu and not wall:
-                    depart = max(now, host_free[src])
-                    host_free[src] = depart + cost.send_cpu
-                return (depart - now) + link_delay(src, dst, nbytes, depart)
-            return InprocHub(world_size, clock, delay).transports()
+        def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock)
+            if cfg.row_bytes is not None:
+                nbytes = len(meta.get("rows", ())) * cfg.row_bytes
+            count(src, dst, nbytes)
+            now = cluster.clock.now()
+            # A batch's messages leave one after the other, send_cpu apart (the cluster charges
+            # the same host time to the sender's rank; runtime/executors/cost_model.py).
+            depart = now
+            if cost.send_cpu and not wall:
+                depart = max(now, host_free[src])
+                host_free[src] = depart + cost.send_cpu
+            return (depart - now) + link_delay(src, dst, nbytes, depart)
 
         scaled = _ScaledCost(cost, inter)
-        opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks,
+        opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks, delay=delay,
                           engine_setup=decode_only if cfg.workload.decode_only else None, batch_log=None)  # the report reads every batch
-        cluster = Cluster(plan, executor, opts, factory)
+        cluster = Cluster(plan, executor, opts)
+        probe.clock = cluster.clock
         for e in cluster.engines:
             e.policy = _DepthRecorder(e.policy, e.rank, probe)
             _slow_rank(e, scaled, inter, wall)

@@ -28,7 +28,7 @@ ENV_OPTIONS = "DATAFLOW_OPTIONS"
 
 
 class RuntimeOptions(BaseModel):
-    """The knobs that survive. Each field's description is what `dataflow run --help-options` prints."""
+    """The knobs that survive. Each field's default and description are what `dataflow options` prints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -132,23 +132,17 @@ def from_flags(options_file: Optional[str], sets: list[str]) -> RuntimeOptions:
     return configure(opts)
 
 
-def describe() -> list[tuple[str, str, str]]:
-    """(field, default, meaning) for every option: what `dataflow options` prints."""
-    return [(name, json.dumps(f.default), f.description or "") for name, f in RuntimeOptions.model_fields.items()]
-
-
 _current: Optional[RuntimeOptions] = None
 _current_env: Optional[str] = None
 
 
 def _from_environment() -> RuntimeOptions:
+    from graph_ir.files import parse_json  # (a key given twice or NaN refused, as in an options file)
+
     raw = os.environ.get(ENV_OPTIONS, "").strip()
     if not raw:
         return RuntimeOptions()
-    try:
-        values = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{ENV_OPTIONS}: not a JSON object ({err.msg} at character {err.pos})") from None
+    values = parse_json(raw, ENV_OPTIONS, "a JSON object")
     if not isinstance(values, dict):
         raise UserError(f"{ENV_OPTIONS}: expected a JSON object of fields, got {type(values).__name__}")
     return options_from(values, ENV_OPTIONS)

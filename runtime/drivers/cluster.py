@@ -8,8 +8,7 @@ Two loops over the same engines:
   transport's (seeded) link delay. Deterministic to the bit, so scheduler studies and the failure
   mode tests are reproducible, and exactness tests can stress message orders.
 
-`run_workload(plan, requests, options, transport_factory)` is the one entry point the CLI (and the
-multi-process launcher, for its own ranks) calls.
+`run_workload(plan, requests, options)` is the one entry point the CLI calls.
 """
 from __future__ import annotations
 
@@ -26,9 +25,6 @@ from runtime.drivers.admission import Admission
 from runtime.core.scheduler import make_policy
 from runtime.observability.trace import TRACE_BATCHES, TraceRecorder
 from runtime.transport.inproc import DelayFn, InprocHub
-
-# transport_factory(world_size, clock) -> one transport per rank
-TransportFactory = Callable[[int, object], list]
 
 
 @dataclass
@@ -76,25 +72,16 @@ class RunResult:
     world_size: int
 
 
-def inproc_factory(delay: Optional[DelayFn] = None, seed: int = 0) -> TransportFactory:
-    def make(world_size: int, clock) -> list:
-        return InprocHub(world_size, clock, delay, seed).transports()
-    return make
-
-
 class Cluster:
-    def __init__(self, plan, executor, options: RunOptions, transport_factory: Optional[TransportFactory] = None):
+    def __init__(self, plan, executor, options: RunOptions):
         self.plan = plan
         self.options = options
         self.world_size = plan.cluster.ranks
         self.clock = VirtualClock() if options.clock == "virtual" else WallClock()
         if options.clock not in ("wall", "virtual"):
             raise ValueError(f"clock {options.clock!r}; valid: wall, virtual")
-        factory = transport_factory or inproc_factory(options.delay, options.delay_seed)
-        self.transports = factory(self.world_size, self.clock)
-        self.hub = getattr(self.transports[0], "hub", None)  # in-process: knows delivery times
-        if options.clock == "virtual" and self.hub is None:
-            raise ValueError("the virtual clock needs the in-process transport (it must know delivery times)")
+        self.hub = InprocHub(self.world_size, self.clock, options.delay, options.delay_seed)  # knows delivery times
+        self.transports = self.hub.transports()
         self.trace = TraceRecorder(TRACE_BATCHES * self.world_size) if options.trace else None
         cfgs = [config_from_plan(plan, r, options.kv_blocks) for r in range(self.world_size)]
         # All ranks share the executor's device here: their pools together must fit its free memory.
@@ -180,11 +167,9 @@ class Cluster:
             # Items still queued when a run stops (an `until` horizon) count with their wait so far:
             # a starved item must show up in the max queueing delay, not vanish from it.
             e.metrics.max_queue_delay = max(e.metrics.max_queue_delay, e.oldest_wait())
-        metrics = summarize(requests, [e.metrics for e in self.engines], elapsed)
-        metrics["messages"] = self.hub.messages if self.hub else None
-        metrics["policy"] = self.options.policy
-        metrics["ranks"] = self.world_size
-        metrics["dispatch"] = self.engines[0].dispatch_name if self.engines else None
+        metrics = summarize(requests, [e.metrics for e in self.engines], elapsed, policy=self.options.policy,
+                            ranks=self.world_size, dispatch=self.engines[0].dispatch_name if self.engines else None,
+                            messages=self.hub.messages)
         return RunResult(list(requests), metrics, self.trace, self.world_size)
 
     def _run_wall(self, pending: list[Request], done: list[Request], total: int) -> None:
@@ -210,14 +195,13 @@ class Cluster:
                 continue
             if clock.now() - last_progress > self.options.stall_timeout_s:
                 raise self._stalled(f"no progress for {self.options.stall_timeout_s} s")
-            # Nothing runnable: wait for the next arrival or delivery, in bounded slices, so a
-            # message from an out-of-process peer is never waited on past 1 ms.
+            # Nothing runnable: wait for the next arrival or delivery, in slices of at most 1 ms.
             wake = [pending[-1].arrival] if pending else []
-            if self.hub is not None and self.hub.next_delivery() is not None:
+            if self.hub.next_delivery() is not None:
                 wake.append(self.hub.next_delivery())
             wake += [now + e.hold_s for e in engines if e.hold_s > 0]  # wave holds expire
             wake += [now + 0.0002 for e in engines if e.deferred]  # sample tokens or routing on their way to the host
-            if not wake and self.hub is not None and not self.admission.waiting:
+            if not wake and not self.admission.waiting:
                 raise self._stalled("nothing queued, nothing in flight, requests unfinished")
             gap = min(wake) - clock.now() if wake else 0.001
             time.sleep(min(max(gap, 0.0), 0.001))
@@ -298,9 +282,7 @@ def _build_executor(plan, options: RunOptions, weights=None):
     return TorchExecutor(plan.spec, w)
 
 
-def run_workload(plan, requests: list[Request], options: Optional[RunOptions] = None,
-                 transport_factory: Optional[TransportFactory] = None, weights=None) -> RunResult:
+def run_workload(plan, requests: list[Request], options: Optional[RunOptions] = None, weights=None) -> RunResult:
     """Serve `requests` on `plan` with all ranks in this process and return outputs + metrics."""
     options = options or RunOptions()
-    cluster = Cluster(plan, build_executor(plan, options, weights), options, transport_factory)
-    return cluster.run(requests)
+    return Cluster(plan, build_executor(plan, options, weights), options).run(requests)

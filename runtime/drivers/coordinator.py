@@ -14,13 +14,16 @@ import json
 import time
 from typing import TYPE_CHECKING, Optional
 
-from runtime.drivers.admission import request_from_wire, request_to_wire
+from runtime.drivers.admission import Admission, request_from_wire, request_to_wire
 from runtime.drivers.control import COORDINATOR, CTRL_ADMIT, CTRL_CANCEL, CTRL_DONE, CTRL_FIN, CTRL_STOP
 from runtime.drivers.startup import write_atomically as _write_atomically
 
 if TYPE_CHECKING:
     from runtime.drivers.rank_node import RankNode
 
+# What a finished request's results are (copied into the caller's Request objects by the launcher); its journal line
+# has the first four, and the last two unless the coordinator keeps the outputs itself
+RESULT_FIELDS = ("home", "finish_reason", "t_admit", "t_finish", "output", "token_times")
 _PROGRESS_EVERY_S = 0.1  # how often the progress callback and the launcher's file are refreshed
 _STALL_CHECK_EVERY_S = 0.05  # a stall bound is seconds: building every rank's counts on each tick would be waste
 
@@ -34,7 +37,6 @@ class Coordinator:
     the front said goodbye (fbye) and nothing is outstanding."""
 
     def __init__(self, node: RankNode, w: int, requests: list, options) -> None:
-        from runtime.drivers.admission import Admission
         from runtime.core.engine import config_from_plan
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
@@ -50,7 +52,6 @@ class Coordinator:
                     for r in range(node.world)]
         self.admission = Admission(node.plan.kv.block_size, capacity, options.home_policy or node.plan.placement.home_policy)
         self.free = list(capacity)  # mirror of every rank's free KV blocks
-        self.reported_free: list[Optional[int]] = [None] * node.world
         self.rank_tokens = [0] * node.world
         self.finished = 0
         self.dones: dict[int, dict] = {}
@@ -188,7 +189,6 @@ class Coordinator:
             req.t_finish = meta["t_finish"] - self.t_begin
             req.token_times = [x - self.t_begin for x in meta["token_times"]]
             self.free[src] += self.admission.blocks_needed(req)
-            self.reported_free[src] = meta["free"]
             self.rank_tokens[src] = meta["tokens"]
             self.finished += 1
             self._keep(req)
@@ -220,10 +220,8 @@ class Coordinator:
         if self.out is not None:
             self.out.write(req)
         if self.journal is not None:
-            rec = {"w": self.w, "rid": req.rid, "home": req.home, "reason": req.finish_reason,
-                   "t_admit": req.t_admit, "t_finish": req.t_finish}
-            if self.stats is None:
-                rec.update(output=req.output, token_times=req.token_times)
+            fields = RESULT_FIELDS if self.stats is None else RESULT_FIELDS[:4]
+            rec = {"w": self.w, "rid": req.rid, **{f: getattr(req, f) for f in fields}}
             self.journal.write(json.dumps(rec) + "\n")
             self.journal.flush()
         if self.stats is not None:
@@ -270,31 +268,29 @@ class Coordinator:
     def result(self) -> dict:
         """Outputs and metrics of this workload, shaped like runtime.drivers.cluster.RunResult's."""
         from runtime.observability.metrics import summarize
-        ranks = [_metrics_from_wire(self.dones[r]["metrics"]) for r in range(self.node.world)]
+        world = self.node.world
+        dones = [self.dones[r] for r in range(world)]
         reqs = self.requests
         elapsed = 0.0
         if reqs:
             ends = [r.t_finish for r in reqs if r.done]
             elapsed = max(ends) - min(r.arrival for r in reqs)
-        metrics = summarize(reqs, ranks, elapsed, self.stats)
-        metrics["messages"] = sum(self.dones[r]["data_messages"] for r in range(self.node.world))
-        metrics["policy"] = self.options.policy
-        metrics["ranks"] = self.node.world
-        metrics["processes"] = self.node.world
-        metrics["dispatch"] = self.dones[COORDINATOR].get("dispatch")
-        metrics["listening"] = [a for r in range(self.node.world) for a in self.dones[r].get("listening") or ()]
-        metrics["dropped_frames"] = sum(self.dones[r].get("dropped", 0) for r in range(self.node.world))
         # Start-up phases of this workload (STARTUP_PHASES + other and total, seconds): the slowest rank's per phase
         # (the barrier holds every rank until the slowest is ready), and each rank's own
-        by_rank = [dict(self.dones[r].get("startup") or {}) for r in range(self.node.world)]
-        metrics["startup_s"] = {k: max(d.get(k, 0.0) for d in by_rank) for k in by_rank[0]} if by_rank else {}
-        metrics["startup_s_by_rank"] = by_rank
+        by_rank = [dict(d.get("startup") or {}) for d in dones]
+        metrics = summarize(reqs, [_metrics_from_wire(d["metrics"]) for d in dones], elapsed, self.stats,
+                            messages=sum(d["data_messages"] for d in dones), policy=self.options.policy, ranks=world,
+                            processes=world, dispatch=dones[COORDINATOR].get("dispatch"),
+                            listening=[a for d in dones for a in d.get("listening") or ()],
+                            dropped_frames=sum(d.get("dropped", 0) for d in dones),
+                            startup_s={k: max(d.get(k, 0.0) for d in by_rank) for k in by_rank[0]},
+                            startup_s_by_rank=by_rank)
         trace = None
         if self.options.trace:
             shift = self.t_begin
             events, decisions = [], []
-            for r in range(self.node.world):
-                ev, dec = self.dones[r]["trace"]
+            for d in dones:
+                ev, dec = d["trace"]
                 for x in ev:
                     x = dict(x, ts=x["ts"] - shift * 1e6)
                     if "t" in x.get("args", {}):

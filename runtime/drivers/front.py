@@ -64,7 +64,7 @@ class Stream:
 
 class Front:
     def __init__(self, plan, options, *, peer_timeout_s: float = 10.0, max_outstanding: int = 1024,
-                 startup_timeout_s: float = 600.0, env: Optional[dict] = None) -> None:
+                 startup_timeout_s: float = 600.0) -> None:
         import dataclasses
         self.plan = plan
         self.world = plan.cluster.ranks
@@ -73,7 +73,6 @@ class Front:
         self.peer_timeout_s = peer_timeout_s
         self.max_outstanding = max_outstanding
         self.startup_timeout_s = startup_timeout_s
-        self.env = dict(env or {})
         self.secret = secrets.token_bytes(32)
         self._codec = Codec(self.secret, self.world, self.world + 1)  # the front is rank `world` on its channel
         self._seq = itertools.count()
@@ -98,7 +97,7 @@ class Front:
         ev_port = self._events.bind_to_random_port("tcp://127.0.0.1")
         self.endpoints = (f"tcp://127.0.0.1:{cmd_port}", f"tcp://127.0.0.1:{ev_port}")
         job = RankJob(self.plan, [([], _picklable(self.options))], self.peer_timeout_s, front=self.endpoints)
-        env = dict(self.env, DATAFLOW_RUN_SECRET=self.secret.hex())
+        env = {"DATAFLOW_RUN_SECRET": self.secret.hex()}
         self._reader = asyncio.create_task(self._read_events())
         self._launch = threading.Thread(target=self._run_ranks, args=(job, env), name="front-ranks", daemon=True)
         self._launch.start()

@@ -231,8 +231,7 @@ def _launch_local(run_dir: str, world_size: int, target: Union[str, Callable], a
     # This process's environment carries the run's options (DATAFLOW_OPTIONS, exported by settings.configure): the
     # ranks serve with the same ones.
     inherited = settings.environment_copy()
-    base = dict(inherited)
-    base.update(env or {})
+    base = {**inherited, **(env or {})}
     # The repository first, then a PYTHONPATH the caller adds, then the inherited one (where installed
     # dependencies may live, e.g. wheels unpacked on a machine without pip access): adding a path for
     # the ranks must not hide the packages the parent imports.

@@ -24,7 +24,8 @@ from typing import Optional
 
 from runtime import settings
 from runtime.drivers.control import COORDINATOR
-from runtime.drivers.launch import from_torchrun_env, launch_local, make_run_dir, remove_run_dir, run_rank
+from runtime.drivers.coordinator import RESULT_FIELDS
+from runtime.drivers.launch import _read_text, from_torchrun_env, launch_local, make_run_dir, remove_run_dir, run_rank
 from runtime.drivers.rank_process import rank_main
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0  # loading a real checkpoint can take minutes; liveness is the heartbeat's job
@@ -52,7 +53,9 @@ class RankJob:
     # (rank, tokens): that rank's serving loop stops for good once it sampled that many tokens, its heartbeat thread
     # alive (a wedged main thread, for the failure-detection tests).
     wedge: Optional[tuple[int, int]] = None
-    progress_path: Optional[str] = None  # the coordinator writes "done total tokens" here for the launcher
+    # the coordinator writes "w done total tokens" here for the launcher's display, rank 0 its start-up phase to
+    # this + ".phase"
+    progress_path: Optional[str] = None
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     finished_path: Optional[str] = None  # the coordinator appends a JSON line per finished request (_journal)
     # (commands, events) endpoints of a serving front (runtime/drivers/front.py, front_link.py): the one workload
@@ -87,7 +90,7 @@ def _to_result(raw: dict, original: list, world: int):
     from runtime.observability.trace import TraceRecorder
     # Results go back into the caller's Request objects, as with the in-process driver.
     for mine, theirs in zip(original, raw["requests"]):
-        for f in ("home", "output", "finish_reason", "t_admit", "t_finish", "token_times"):
+        for f in RESULT_FIELDS:
             setattr(mine, f, getattr(theirs, f))
     trace = None
     if raw["trace"] is not None:
@@ -157,13 +160,12 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
                     raise RunFailed(f"rank {renv.rank}: {err}", finished, unfinished) from None
                 err.finished, err.unfinished = finished, unfinished  # what it did before, as with RunFailed
                 raise
-            return [_to_result(raw, reqs, world) for raw, (reqs, _) in zip(raws, workloads)]
-        res = _launch(plan, job, tmpdir, progress, timeout, peer_timeout_s, env)
-        if not res.ok:
-            raise RunFailed(_failure_message(res), *_finished_so_far(job.finished_path, workloads))
-        raws = res.results[COORDINATOR]
-        if raws is None:
-            raise RunFailed("rank 0 exited 0 but returned no results", *_finished_so_far(job.finished_path, workloads))
+        else:
+            res = _launch(plan, job, tmpdir, progress, timeout, peer_timeout_s, env)
+            raws = res.results[COORDINATOR]
+            if not res.ok or raws is None:
+                raise RunFailed(_failure_message(res) if not res.ok else "rank 0 exited 0 but returned no results",
+                                *_finished_so_far(job.finished_path, workloads))
         return [_to_result(raw, reqs, world) for raw, (reqs, _) in zip(raws, workloads)]
     finally:
         remove_run_dir(tmpdir)
@@ -172,23 +174,18 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
 def _launch(plan, job: RankJob, tmpdir: str, progress, timeout: Optional[float], peer_timeout_s: float,
             env: Optional[dict]):
     job.progress_path = os.path.join(tmpdir, "progress")
-    last = [None, None]
+    last = {}
 
     def on_tick() -> None:
-        if progress is None:
-            return
-        for path, i, parse in ((job.progress_path + ".phase", 1, str), (job.progress_path, 0, None)):
-            try:
-                with open(path) as f:
-                    text = f.read()
-            except OSError:
-                continue
-            if text and text != last[i]:
-                last[i] = text
-                if parse is str:  # rank 0's start-up phase (StartupTimes.NEXT): the display's label, when the
-                    phase = getattr(progress, "phase", None)  # progress callable has one (dataflow run's does)
-                    if phase is not None:
-                        phase(text)
+        # rank 0's start-up phase (StartupTimes.NEXT: the display's label, when the progress callable has one, as
+        # dataflow run's does), and the coordinator's counts
+        for path in (job.progress_path + ".phase", job.progress_path) if progress is not None else ():
+            text = _read_text(path)
+            if text and text != last.get(path):
+                last[path] = text
+                if path != job.progress_path:
+                    if getattr(progress, "phase", None) is not None:
+                        progress.phase(text)
                 else:
                     _w, done, total, tokens = (int(x) for x in text.split())
                     progress(done, total, tokens)
@@ -205,12 +202,7 @@ def _finished_so_far(path: str, workloads: list) -> tuple[list, list]:
     the caller's Request objects, in finish order; and the caller's others, in submission order."""
     by_key = {(w, r.rid): r for w, (reqs, _) in enumerate(workloads) for r in reqs}
     finished = []
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
+    for line in (_read_text(path) or "").splitlines():  # (none when the coordinator never started it)
         try:
             rec = json.loads(line)
         except ValueError:  # a line cut by the coordinator's death mid-write
@@ -218,10 +210,9 @@ def _finished_so_far(path: str, workloads: list) -> tuple[list, list]:
         req = by_key.pop((rec["w"], rec["rid"]), None)
         if req is None:
             continue
-        req.home, req.finish_reason = rec["home"], rec["reason"]
-        req.t_admit, req.t_finish = rec["t_admit"], rec["t_finish"]
-        if "output" in rec:
-            req.output, req.token_times = rec["output"], rec["token_times"]
+        for f in RESULT_FIELDS:
+            if f in rec:
+                setattr(req, f, rec[f])
         finished.append(req)
     return finished, list(by_key.values())
 

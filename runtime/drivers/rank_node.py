@@ -52,7 +52,6 @@ class RankNode:
 
     def __init__(self, env: RankEnv, plan, executor, transport, clock: SyncedClock, job: RankJob,
                  startup: Optional[StartupTimes] = None) -> None:
-        self.env = env
         self.rank = env.rank
         self.world = env.world_size
         self.plan = plan

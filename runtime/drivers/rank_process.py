@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from importlib import import_module
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from runtime import settings
 from runtime.drivers.control import COORDINATOR
@@ -34,6 +34,7 @@ def _device_and_backend(plan, local_rank: int):
             return torch.device("cpu"), "gloo"
         settings.configure_nccl()
         torch.cuda.set_device(local_rank)
+        torch.cuda.init()  # the context now, not inside the first allocation of the weights
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
 
@@ -71,9 +72,6 @@ def rank_main(env: RankEnv, job: RankJob):
         raise ValueError(f"the plan is compiled for {plan.cluster.ranks} ranks but {env.world_size} processes were "
                          f"started (WORLD_SIZE)")
     device, backend = _device_and_backend(plan, env.local_rank)
-    if device.type == "cuda":
-        import torch
-        torch.cuda.init()  # the context now, not inside the first allocation of the weights
     startup.lap("device_init")
     init_distributed(env.rank, env.world_size, backend)
     clock = SyncedClock()
@@ -100,7 +98,7 @@ def serve_rank(node: RankNode) -> list:
         raise _peer_failure_behind(node.transport, err, node.job.peer_timeout_s + 1.0) from None
 
 
-def _rank_executor(plan, options, rank: int, device, startup: Optional[StartupTimes] = None):
+def _rank_executor(plan, options, rank: int, device, startup: StartupTimes):
     """This rank's executor, over weights holding only the experts the plan places on `rank`: the
     engine never runs another rank's expert, and a big model's experts do not fit on every rank.
     The weights are built (random) or put (checkpoint) straight on `device`, where the executor keeps them
@@ -113,15 +111,13 @@ def _rank_executor(plan, options, rank: int, device, startup: Optional[StartupTi
     if device.type == "cuda":
         import torch
         torch.cuda.synchronize(device)  # (the draws are queued: their time belongs here)
-    if startup is not None:
-        startup.lap("weights")
+    startup.lap("weights")
     if settings.current().verbose:
         held = [weights.layers[l]["experts.gate"].shape[0] for l in plan.spec.moe_layers]
         print(f"rank {rank}: weights {weights.num_bytes()} bytes, experts held per MoE layer {held}",
               file=sys.stderr, flush=True)
     executor = build_executor(plan, options, weights)
-    if startup is not None:
-        startup.lap("executor")
+    startup.lap("executor")
     return executor
 
 

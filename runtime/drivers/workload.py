@@ -20,8 +20,7 @@ from runtime.core.requests import Request
 
 def _check_request(where: str, prompt: Any, max_new: Any, spec, max_new_from: str = "max_new_tokens",
                    field: str = "prompt_token_ids") -> None:
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in prompt):
+    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
         shown = repr(prompt) if len(repr(prompt)) <= 60 else repr(prompt)[:57] + "..."
         what = "must be a non-empty list of integers" if field == "prompt_token_ids" else "gives no tokens"
         raise UserError(f"{where}: field '{field}' {what}, got {shown}")
@@ -29,7 +28,7 @@ def _check_request(where: str, prompt: Any, max_new: Any, spec, max_new_from: st
     if bad:
         raise UserError(f"{where}: field '{field}': ids {bad[:5]} outside the vocabulary "
                         f"0..{spec.vocab_size - 1} of {spec.name}")
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+    if not _is_int(max_new) or max_new < 1:
         raise UserError(f"{where}: field 'max_new_tokens' must be a positive integer, got {max_new!r}")
     if len(prompt) + max_new - 1 > spec.max_position:
         room = spec.max_position - len(prompt) + 1
@@ -186,20 +185,22 @@ def load_prompts(path: str | Path, spec, max_new_tokens: int, params=None, ignor
 
 
 def default_workload(spec, n: int = 8, max_new_tokens: int = 16, seed: int = 0, params=None,
-                     ignore_eos: bool = False, max_prompt: int = 48, stop_token_ids: tuple = (),
-                     tokenizer=None) -> list[Request]:
-    """`n` seeded random prompts of mixed lengths (short chat turns and a few longer ones). `tokenizer`: their
-    output lines get "text" (models/tokenizer.py)."""
+                     ignore_eos: bool = False, stop_token_ids: tuple = (), tokenizer=None) -> list[Request]:
+    """`n` seeded random prompts of mixed lengths (short chat turns and a few longer ones, up to 48 tokens).
+    `params` (models.sampling.SamplingParams): request i gets them with the seed params.seed + i, so two requests
+    with the same prompt do not sample the same tokens. `tokenizer`: their output lines get "text"
+    (models/tokenizer.py)."""
     rng = random.Random(seed)
     reserved = set(spec.eos_token_ids)
     vocab = [t for t in range(spec.vocab_size) if t not in reserved]
-    max_prompt = max(1, min(max_prompt, spec.max_position - max_new_tokens + 1))
+    max_prompt = max(1, min(48, spec.max_position - max_new_tokens + 1))
     out = []
     for i in range(n):
         length = rng.choice([rng.randint(1, 8), rng.randint(8, max_prompt), max_prompt])
         prompt = [rng.choice(vocab) for _ in range(length)]
         _check_request(f"default workload request {i}", prompt, max_new_tokens, spec)
-        out.append(Request(i, f"req-{i}", prompt, max_new_tokens, params=params, ignore_eos=ignore_eos,
+        own = None if params is None else params.model_copy(update={"seed": params.seed + i})
+        out.append(Request(i, f"req-{i}", prompt, max_new_tokens, params=own, ignore_eos=ignore_eos,
                            stop_token_ids=tuple(stop_token_ids), tokenizer=tokenizer))
     return out
 

@@ -53,10 +53,6 @@ class RankMetrics:
     kinds: dict = field(default_factory=dict)
     batch_log: Optional[int] = None  # None: keep every record (finite studies); an engine passes BATCH_LOG
 
-    def __post_init__(self) -> None:
-        for b in self.batches if not self.kinds else ():  # records given at construction count in the totals
-            self._count(b)
-
     def _count(self, rec: BatchRecord) -> None:
         k = self.kinds.get(rec.kind)
         if k is None:
@@ -69,21 +65,15 @@ class RankMetrics:
     def batch_count(self) -> int:
         return sum(k[0] for k in self.kinds.values())
 
-    def on_batch(self, rec: BatchRecord, waits: Iterable[float], counts: Optional[Iterable[int]] = None) -> None:
-        """`waits[i]`: queueing delay of item i; `counts[i]`: how many rows it stands for (1 each when
-        None; a block of expert or sample rows counts every row, as if queued one by one)."""
-        if counts is None:
-            for w in waits:
-                self.queue_delay_sum += w
-                self.queued_items += 1
-                if w > self.max_queue_delay:
-                    self.max_queue_delay = w
-        else:
-            for w, c in zip(waits, counts):
-                self.queue_delay_sum += w * c
-                self.queued_items += c
-                if w > self.max_queue_delay:
-                    self.max_queue_delay = w
+    def on_batch(self, rec: BatchRecord, waits: Iterable[float], counts: Iterable[int] = ()) -> None:
+        """`waits[i]`: queueing delay of item i; `counts[i]`: how many rows it stands for (a block of expert or
+        sample rows counts every row, as if queued one by one). A batch without queued items (the lab's barrier
+        baselines) passes neither."""
+        for w, c in zip(waits, counts):
+            self.queue_delay_sum += w * c
+            self.queued_items += c
+            if w > self.max_queue_delay:
+                self.max_queue_delay = w
         self.batches.append(rec)
         self._count(rec)
         if self.batch_log is not None and len(self.batches) > 2 * self.batch_log:
@@ -184,33 +174,33 @@ class RequestStats:
             self.tpot.add((tt[-1] - tt[0]) / (len(tt) - 1))
 
 
-def summarize(requests: list, ranks: list[RankMetrics], elapsed: float, stats: Optional[RequestStats] = None) -> dict:
+def summarize(requests: list, per_rank: list[RankMetrics], elapsed: float, stats: Optional[RequestStats] = None,
+              **run) -> dict:
     """One flat dict: what `dataflow run` prints and tests assert on. `stats`: the finished requests' totals when
-    the caller kept them as it went (default: computed from `requests`, exact)."""
+    the caller kept them as it went (default: computed from `requests`, exact). `run`: the driver's own entries
+    (policy, ranks, dispatch, messages, ...), added as they are."""
     st = stats if stats is not None else RequestStats.of(requests)
     tokens = st.tokens
     out = {"requests": len(requests), "finished": st.finished,
            "tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
     for kind in ("attn", "expert", "sample"):
-        n = sum(m.kinds.get(kind, (0, 0, 0.0))[0] for m in ranks)
-        rows = sum(m.kinds.get(kind, (0, 0, 0.0))[1] for m in ranks)
+        n = sum(m.kinds.get(kind, (0, 0, 0.0))[0] for m in per_rank)
+        rows = sum(m.kinds.get(kind, (0, 0, 0.0))[1] for m in per_rank)
         out[f"{kind}_batches"] = n
         out[f"{kind}_mean_batch"] = rows / n if n else 0.0
-    out["batches"] = sum(m.batch_count for m in ranks)
-    out["attn_small_remainders"] = sum(m.attn_small_remainders for m in ranks)
-    out["attn_capped_decode"] = sum(m.attn_capped_decode for m in ranks)
-    out["prompt_yields"] = sum(m.prompt_yields for m in ranks)
-    items = sum(m.queued_items for m in ranks)
-    out["max_queue_delay_s"] = max((m.max_queue_delay for m in ranks), default=0.0)
-    out["mean_queue_delay_s"] = sum(m.queue_delay_sum for m in ranks) / items if items else 0.0
-    out["mean_itl_s"] = st.itl.mean
-    out["p50_itl_s"] = st.itl.pct(50)
-    out["p99_itl_s"] = st.itl.pct(99)
+    out["batches"] = sum(m.batch_count for m in per_rank)
+    out["attn_small_remainders"] = sum(m.attn_small_remainders for m in per_rank)
+    out["attn_capped_decode"] = sum(m.attn_capped_decode for m in per_rank)
+    out["prompt_yields"] = sum(m.prompt_yields for m in per_rank)
+    items = sum(m.queued_items for m in per_rank)
+    out["max_queue_delay_s"] = max((m.max_queue_delay for m in per_rank), default=0.0)
+    out["mean_queue_delay_s"] = sum(m.queue_delay_sum for m in per_rank) / items if items else 0.0
     out["max_itl_s"] = st.itl.max
-    for name, dist in (("ttft", st.ttft), ("tpot", st.tpot)):
+    for name, dist in (("itl", st.itl), ("ttft", st.ttft), ("tpot", st.tpot)):
         out[f"mean_{name}_s"] = dist.mean
         out[f"p50_{name}_s"] = dist.pct(50)
         out[f"p99_{name}_s"] = dist.pct(99)
-    busy = [sum(k[2] for k in m.kinds.values()) for m in ranks]
+    busy = [sum(k[2] for k in m.kinds.values()) for m in per_rank]
     out["busy_fraction"] = [x / elapsed if elapsed > 0 else 0.0 for x in busy]
+    out.update(run)
     return out

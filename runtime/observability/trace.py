@@ -8,19 +8,18 @@ candidate scores, the chosen stage and the batch size. Times are microseconds of
 Bounded: a recorder keeps the latest `keep_batches` batches (TRACE_BATCHES per rank by default; their events and
 decisions), a ring in memory, so tracing a long run costs flat memory and a bounded end-of-run report; the trace
 file covers the run's last stretch and says so (`otherData`). Older records are dropped in one go whenever a list
-reaches twice its bound (so between 1x and 2x are held). keep_batches=None keeps everything.
+reaches twice its bound (so between 1x and 2x are held).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 TRACE_BATCHES = 4096  # batches (and decisions) a rank's trace keeps, the latest
 
 
 class TraceRecorder:
-    def __init__(self, keep_batches: Optional[int] = TRACE_BATCHES) -> None:
+    def __init__(self, keep_batches: int = TRACE_BATCHES) -> None:
         self.keep_batches = keep_batches
         self.events: list[dict] = []
         self.decisions: list[dict] = []  # the same decisions, as plain records for tests/inspection
@@ -28,9 +27,8 @@ class TraceRecorder:
 
     def _add_event(self, ev: dict) -> None:
         self.events.append(ev)
-        keep = self.keep_batches
-        if keep is not None and len(self.events) > 4 * keep:  # a batch and a decision per batch: 2 events
-            drop = len(self.events) - 2 * keep
+        if len(self.events) > 4 * self.keep_batches:  # a batch and a decision per batch: 2 events
+            drop = len(self.events) - 2 * self.keep_batches
             del self.events[:drop]
             self.dropped_events += drop
 
@@ -43,7 +41,7 @@ class TraceRecorder:
         rec = {"t": t, "rank": rank, "policy": policy, "stage": stage, "stage_name": name,
                "scores": {str(s): round(v, 6) for s, v in scores.items()}, "batch_rows": rows}
         self.decisions.append(rec)
-        if self.keep_batches is not None and len(self.decisions) > 2 * self.keep_batches:
+        if len(self.decisions) > 2 * self.keep_batches:
             del self.decisions[:len(self.decisions) - self.keep_batches]
         self._add_event({"name": f"pick {name}", "ph": "i", "s": "t", "pid": rank, "tid": 1, "ts": t * 1e6,
                          "args": rec})
@@ -55,9 +53,8 @@ class TraceRecorder:
             meta.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "batches"}})
             meta.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1, "args": {"name": "scheduler"}})
         keep = self.keep_batches
-        other = {"ring": "every batch" if keep is None else
-                 f"the latest batches only: {keep} to {2 * keep} per recorder (one per rank process; one for all "
-                 f"ranks of an in-process run) (runtime/observability/trace.py)"}
+        other = {"ring": f"the latest batches only: {keep} to {2 * keep} per recorder (one per rank process; one for "
+                         f"all ranks of an in-process run) (runtime/observability/trace.py)"}
         if self.dropped_events:
             other["dropped_events"] = self.dropped_events
         return {"traceEvents": meta + list(self.events), "displayTimeUnit": "ms", "otherData": other}
