@@ -6,7 +6,7 @@ under interference, in one command.
     python benchmarks/gpu_ep_bench.py --out DIR --model gpt-oss-120b            # cut to 18 layers
     ... --systems streaming-defrag,ag-ep --scenarios clean,delay --concurrency 64 --layers 4
     ... --scenarios clean,delay-1ms,delay-5ms,delay-10ms       # sweep the burst size in one launch
-    ... --rounds 3 --variants "lib:nccl_p2p=lib;c10d:nccl_p2p=c10d"   # an A/B of a RuntimeOptions field, medians of 3
+    ... --rounds 3 --variants "wait0:decode_wait_ms=0;wait2:decode_wait_ms=2"   # an A/B of a RuntimeOptions field, medians of 3
 
 Every system gets the same weights (seeded, drawn on each rank's device), placement (the plan's),
 kernels (runtime/executor_cuda.CudaExecutor), KV cache, requests and routing (Zipf, keyed by
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=None,
                    help="A/B of the streaming launches' settings: 'NAME:KEY=VALUE,...;NAME:...', KEY a RuntimeOptions "
                         "field (runtime/settings.py) or an environment variable of a library the ranks load (NCCL_ALGO) "
-                        "(e.g. 'lib:nccl_p2p=lib;c10d:nccl_p2p=c10d'); rows read streaming-<policy>@NAME")
+                        "(e.g. 'wait0:decode_wait_ms=0;wait2:decode_wait_ms=2'); rows read streaming-<policy>@NAME")
     p.add_argument("--timeline", action="store_true",
                    help="the streaming ranks also record every batch and data message: DIR/timeline_<row>.json, "
                         "read by benchmarks/wave_timeline.py")
@@ -330,7 +330,7 @@ def parse_links(text, ranks: int):
 
 
 def parse_variants(text) -> list:
-    """'lib:nccl_p2p=lib;c10d:nccl_p2p=c10d' -> [(name, {var: value}), ...], the environment of each variant's
+    """'wait0:decode_wait_ms=0;wait2:decode_wait_ms=2' -> [(name, {var: value}), ...], the environment of each variant's
     launch: RuntimeOptions fields go into DATAFLOW_OPTIONS (over this process's options), other keys are environment
     variables as given. None -> one unnamed variant with no environment."""
     from runtime import settings

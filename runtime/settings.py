@@ -46,9 +46,6 @@ class RuntimeOptions(BaseModel):
     device_wait_s: float = Field(
         300.0, gt=0, description="bound of every host wait for a device copy (routing, tokens, a staging slot); "
         "past it the rank fails naming the copy")
-    nccl_p2p: Literal["auto", "lib", "c10d"] = Field(
-        "auto", description="how CUDA ranks move tensors: lib = ncclSend/ncclRecv through our ctypes pair "
-        "communicators; c10d = torch.distributed isend/irecv; auto = lib when libnccl loads, else c10d")
     nccl_library: Optional[str] = Field(
         None, description="path of the libnccl to load (default: torch's own copy)")
     rank_threads: Optional[int] = Field(

@@ -18,11 +18,11 @@ def test_variants_parse_and_fail_clearly():
     """A RuntimeOptions field goes to the launch as DATAFLOW_OPTIONS (the rank processes' one override), any other
     key as the environment variable it names (a library's, such as NCCL_ALGO)."""
     assert bench.parse_variants(None) == [(None, {})]
-    assert bench.parse_variants("lib:nccl_p2p=lib;c10d:nccl_p2p=c10d,decode_wait_ms=0,X=1") == [
-        ("lib", {"DATAFLOW_OPTIONS": '{"nccl_p2p":"lib"}'}),
-        ("c10d", {"X": "1", "DATAFLOW_OPTIONS": '{"decode_wait_ms":0.0,"nccl_p2p":"c10d"}'})]
+    assert bench.parse_variants("host:dispatch=host;dev:dispatch=device,decode_wait_ms=0,X=1") == [
+        ("host", {"DATAFLOW_OPTIONS": '{"dispatch":"host"}'}),
+        ("dev", {"X": "1", "DATAFLOW_OPTIONS": '{"dispatch":"device","decode_wait_ms":0.0}'})]
     assert bench.parse_variants("ring:NCCL_ALGO=Ring") == [("ring", {"NCCL_ALGO": "Ring"})]
-    for bad in ("lib", "lib:X", "a/b:X=1", ":X=1", "x:nccl_p2p=both"):
+    for bad in ("lib", "lib:X", "a/b:X=1", ":X=1", "x:dispatch=both"):
         with pytest.raises(ValueError, match="--variants"):
             bench.parse_variants(bad)
 

@@ -1,5 +1,5 @@
 """runtime/transport/nccl_lib.py on a machine without NCCL: the loader's search and its error, the
-dtype map, the refused nccl_p2p=c10d and communicator teardown, and the ctypes
+dtype map and communicator teardown, and the ctypes
 bindings themselves against a fake libnccl compiled here (same C signatures as nccl.h), so a wrong
 argtype or a struct passed the wrong way shows up without a GPU. The real library is exercised by
 test_transport_dist.py::test_cuda_exchange_direct_nccl (GPU machines only)."""
@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 
-from graph_ir.errors import UserError
 from runtime.transport import nccl_lib, tensor_links
 
 
@@ -73,13 +72,6 @@ def test_dtype_map_matches_nccl_h():
 def test_decode_version_both_encodings():
     assert nccl_lib.decode_version(2708) == (2, 7, 8)  # X*1000+Y*100+Z up to 2.8
     assert nccl_lib.decode_version(22105) == (2, 21, 5)  # X*10000+Y*100+Z from 2.9
-
-
-def test_c10d_is_refused(use_options):
-    """nccl_p2p=c10d (torch.distributed's isend/irecv on NCCL groups) was deleted: a CUDA rank refuses it."""
-    use_options(nccl_p2p="c10d")
-    with pytest.raises(RuntimeError, match="nccl_p2p=c10d was removed"):
-        tensor_links.TensorLinks(0, 2, torch.device("cuda"), None, "x", 1.0, None, None, None)
 
 
 def test_close_comms_destroys_in_order_aborts_after_failure_and_never_hangs(capsys):

@@ -26,7 +26,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from runtime import settings
 from runtime.executors.cuda_stream import current_stream
 from runtime.observability.step_timer import StepTimer
 from runtime.transport.buffer_pool import BufferPool
@@ -72,9 +71,6 @@ class TensorLinks:
             self._send_group = {p: groups[(rank, p)] for p in peers}
             self._recv_group = {p: groups[(p, rank)] for p in peers}
             return
-        if settings.current().nccl_p2p == "c10d":  # (runtime/settings.py still accepts the value)
-            raise RuntimeError("nccl_p2p=c10d was removed: CUDA ranks move tensors with ncclSend/ncclRecv through "
-                               "libnccl (the option nccl_library names its path)")
         self._send_streams = {p: torch.cuda.Stream(device) for p in peers}
         self._recv_streams = {p: torch.cuda.Stream(device) for p in peers}
         self._produced = {p: torch.cuda.Event() for p in peers}  # post_send: compute stream -> send stream
