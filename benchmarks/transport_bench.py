@@ -115,8 +115,6 @@ def bench_rank(env, sizes: list[int], messages: int, latency_messages: int, devi
                 for _ in range(latency_messages):
                     a = wait(1, "lat")[0]
                     lat.append((time.monotonic_ns() - a.meta["t"]) / 1000)
-                    if a.tensor is not None:
-                        tr.release(a.tensor)
                     tr.send(0, {"kind": "ack"}, None)
                 row["latency_us"] = lat
             barrier(f"tput{size}")
@@ -132,10 +130,8 @@ def bench_rank(env, sizes: list[int], messages: int, latency_messages: int, devi
                     tr.send(nxt, {"kind": "tput"}, payload)
                     send_ns += time.perf_counter_ns() - s0
                     sent += 1
-                for a in take("tput", messages - received, 0.0005 if received < messages else 0):
+                for _ in take("tput", messages - received, 0.0005 if received < messages else 0):
                     received += 1
-                    if a.tensor is not None:
-                        tr.release(a.tensor)
             while tr.pending():
                 stash.extend(tr.poll(timeout=0.001))  # a faster peer's next-phase messages: keep them
             wall = time.monotonic() - t0

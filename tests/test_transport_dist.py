@@ -81,8 +81,6 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
                 if big is not None and (a.tensor.data_ptr() != big[1].data_ptr() or big[0].ne(7).any()
                                         or big[-1].ne(7).any()):
                     errors.append(f"from {a.src} #{i}: not received in place, or outside its slice")
-                if a.tensor is not None and a.src != rank:
-                    tr.release(a.tensor)
 
         order = [(d, i) for i in range(n) for d in range(world)]
         sent = 0
@@ -100,8 +98,7 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank} still missing messages: { {s: n - len(v) for s, v in got.items()} }")
             absorb(tr.poll(timeout=0.01))
-        return {"counts": {s: len(v) for s, v in got.items()}, "errors": errors[:10], "stats": dict(tr.stats),
-                "pool_hits": tr._pool.hits}
+        return {"counts": {s: len(v) for s, v in got.items()}, "errors": errors[:10], "stats": dict(tr.stats)}
 
 
 def _slow_link(env) -> dict:
@@ -264,7 +261,6 @@ def test_exchange_fifo_no_loss(world, inflight, spin):
     _check_exchange(res, world, n)
     # a small in-flight cap forces the per-peer backlogs to be used
     assert all(r["stats"]["local"] == n for r in res.results)
-    assert sum(r["pool_hits"] for r in res.results) > 0, "receive buffers were never reused"
     assert all(r["stats"]["in_place"] > 0 for r in res.results), "recv_into was never used"
 
 

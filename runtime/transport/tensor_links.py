@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from runtime.executors.cuda_stream import current_stream
 from runtime.observability.step_timer import StepTimer
-from runtime.transport.buffer_pool import BufferPool
 from runtime.transport.completion import Item
 from runtime.transport.nccl_lib import NcclPairComm
 from runtime.transport.nccl_lib import load as load_nccl
@@ -50,12 +49,11 @@ class TensorLinks:
     in the same order."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, store, namespace: str, timeout_s: float,
-                 pool: BufferPool, post_timer: StepTimer, recv_timer: StepTimer):
+                 post_timer: StepTimer, recv_timer: StepTimer):
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.nccl = device.type == "cuda"
-        self._pool = pool
         self._post_timer = post_timer
         self._recv_timer = recv_timer
         peers = [p for p in range(world_size) if p != rank]
@@ -177,23 +175,24 @@ class TensorLinks:
 
     def post_recv(self, item: Item, shape: tuple, dtype: torch.dtype, target: Optional[tuple]) -> torch.Tensor:
         """Start receiving the tensor of `item` from `item.peer` into `target` (a (tensor, CUDA event to wait
-        for or None) pair from the transport's recv_into) or a pool buffer; returns the buffer and sets the
+        for or None) pair from the transport's recv_into) or a new buffer; returns the buffer and sets the
         item's event or Work. Engine thread, inside poll() / post_receives()."""
         src = item.peer
         if not self.nccl:
-            buf = self._pool.take(shape, dtype) if target is None else target[0]
+            buf = torch.empty(shape, dtype=dtype) if target is None else target[0]
             item.work = dist.irecv(buf, src, group=self._recv_group[src])
             return buf
         tm = self._recv_timer
         tm.start()
         stream = self._recv_streams[src]
-        if target is None:  # fenced behind its last read / allocated on the receive stream
-            buf = self._pool.take(shape, dtype, stream)
+        if target is None:  # allocated on the receive stream: the caching allocator hands out blocks free in its order
+            with torch.cuda.stream(stream):
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
         else:  # in place: after the work that allocated the target on its own stream
             buf, ready = target
             if ready is not None:
                 stream.wait_event(ready)
-        tm.lap("pool")
+        tm.lap("alloc")
         self._recv_comm[src].recv(buf, stream)  # the stream is an argument: no stream context (~15 us a message)
         tm.lap("ncclRecv")
         item.event = stream_event(stream, tm)

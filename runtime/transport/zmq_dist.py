@@ -31,7 +31,9 @@ waiter threads. A heartbeat thread beats every DEFAULT_HEARTBEAT_S
 (health.py); a peer silent for `peer_timeout_s`, a failed transfer or an abort notice makes `poll()`
 raise PeerFailure naming the rank and what this rank was waiting for.
 
-Receive buffers come from a size-keyed pool; give them back with `release(tensor)` when done.
+A received tensor is a new buffer (or the engine's `recv_into` target), the engine's to keep: a pool that reused
+buffers the engine handed back was deleted, as the engine never handed one back (it cannot know when the last
+kernel reading a row block is done without an event per block).
 
 Cost (`python benchmarks/transport_bench.py --ranks 2 --sizes 0,4K,184K,1M`, measured with the receptor thread
 gloo ranks then had): gloo on a 2-core VM, 4 KB one-way
@@ -54,7 +56,6 @@ from runtime import settings
 from runtime.executors.cuda_stream import current_stream
 from runtime.observability.step_timer import StepTimer
 from runtime.transport.base import Arrival, LinkDelays, Transport
-from runtime.transport.buffer_pool import BufferPool
 from runtime.transport.completion import EventLane, Item, WaiterLane, describe, summary
 from runtime.transport.header_receiver import HeaderReceiver
 from runtime.transport.health import (DEFAULT_HEARTBEAT_S, DEFAULT_PEER_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, Heartbeat,
@@ -117,9 +118,8 @@ class ZmqDistTransport(HeaderReceiver, Transport):
 
         # Phase 2: the tensor links and the per-direction completion lanes. Every rank must move tensors the
         # same way (the set-up is collective).
-        self._pool = BufferPool(self.device)
-        self._links = TensorLinks(rank, world_size, self.device, store, namespace, timeout_s, self._pool,
-                                  self._post_timer, self._recv_timer)
+        self._links = TensorLinks(rank, world_size, self.device, store, namespace, timeout_s, self._post_timer,
+                                  self._recv_timer)
         self._done: "queue.SimpleQueue[Item]" = queue.SimpleQueue()
         Lane = EventLane if self._nccl else WaiterLane
         self._send_lanes = {p: Lane(f"send->{p}", self._done) for p in peers}
@@ -226,10 +226,6 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         """Messages this rank sent to peers whose delivery has not completed yet (tensor messages in
         flight or queued; meta-only messages count until handed to ZeroMQ)."""
         return self._pending
-
-    def release(self, tensor: torch.Tensor) -> None:
-        """Return a received tensor's buffer to the receive pool (optional; see buffer_pool.py)."""
-        self._pool.release(tensor)
 
     def abort(self, reason: str, culprit: Optional[int] = None) -> None:
         """Tell every peer this run is over because of `reason` (culprit: the rank at fault, if known)
