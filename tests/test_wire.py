@@ -42,7 +42,7 @@ EXAMPLES = [
                                         "max_new_tokens": 4, "ignore_eos": False, "arrival": 0.0, "home": 1,
                                         "params": None}}, None, None),
     (DATA, {"t": "fin", "w": 0, "rid": 3, "output": (1, 2, 3), "reason": "length", "t_admit": 0.5, "t_finish": 0.9,
-            "token_times": (0.6, 0.7, 0.8), "free": 12, "tokens": 3}, None, None),
+            "token_times": (0.6, 0.7, 0.8), "tokens": 3}, None, None),
     (HEARTBEAT, {"p": 17, "w": 5, "k": 40, "q": 3}, None, None),
     (ABORT, {"reason": "boom", "culprit": 1}, None, None),
     (BYE, None, None, None),

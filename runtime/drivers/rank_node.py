@@ -326,8 +326,7 @@ class RankNode:
                 self.front.finished(req)
             self._send(COORDINATOR, {"t": CTRL_FIN, "w": self.workload, "rid": req.rid, "output": list(req.output),
                                      "reason": req.finish_reason, "t_admit": req.t_admit, "t_finish": req.t_finish,
-                                     "token_times": list(req.token_times), "free": e.free_blocks(),
-                                     "tokens": e.metrics.tokens})
+                                     "token_times": list(req.token_times), "tokens": e.metrics.tokens})
 
     def _describe_wait(self, peer: int) -> str:
         """What this rank still expects from `peer`, in the engine's words (for failure messages)."""

@@ -94,7 +94,7 @@ MESSAGES: dict[str, dict[str, tuple]] = {
     "synced": {"t": (_STR, True), "w": (_INT, True)},
     "adm": {"t": (_STR, True), "w": (_INT, True), "req": (_MAP, True)},
     "fin": {"t": (_STR, True), "w": (_INT, True), "rid": (_INT, True), "output": (_SEQ, True), "reason": (_STR, True),
-            "t_admit": (_NUM, True), "t_finish": (_NUM, True), "token_times": (_SEQ, True), "free": (_INT, True),
+            "t_admit": (_NUM, True), "t_finish": (_NUM, True), "token_times": (_SEQ, True),
             "tokens": (_INT, True)},
     "stop": {"t": (_STR, True), "w": (_INT, True)},
     # the serving front's channel (runtime/drivers/front_link.py)
