@@ -11,7 +11,7 @@
 `gptoss_glu` is transformers' GptOssExperts._apply_gate (after de-interleaving its fused
 gate_up projection into w_gate / w_up, which models/checkpoint.py does).
 
-Two implementations, same signature:
+Two implementations, same signature (the CUDA executor picks one: its `ffn_impl`):
 - torch reference: a loop over the non-empty experts, op for op `models.moe.experts_rows` with its
   activation (`models.moe.glu`), so equal to it bit for bit; the loop needs the offsets on the host,
   i.e. one synchronization.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, cdiv, interpreting, kernel_store_dtype, next_power_of_2
 from models.moe import glu  # the reference's activation is the model's own
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
@@ -227,22 +227,3 @@ def grouped_ffn_triton(
         h, offsets, w_down, b_down if has_bias else x, y, E, H, I, HAS_BIAS=has_bias, **common,
     )
     return y.to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# dispatch
-
-
-def grouped_ffn(
-    x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None,
-    activation: str = "silu_glu", alpha: float = 1.702, limit: float = 7.0,
-) -> torch.Tensor:
-    """y [N, H] for rows x_sorted [N, H] sorted by expert (see the module docstring).
-
-    expert_offsets [E+1] int64; weights [E, I, H] / [E, H, I]; biases [E, I] / [E, H] or None.
-    `dataflow_kernels.dispatch.backend_for` picks Triton or torch.
-    """
-    args = (x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit)
-    if backend_for(x_sorted, w_gate, w_up, w_down) == "triton":
-        return grouped_ffn_triton(*args)
-    return grouped_ffn_torch(*args)

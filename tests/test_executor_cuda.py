@@ -200,7 +200,7 @@ def test_sample_bucket_argmax_and_lazy_logits_equal_the_eager_head():
         pending = ex.sample_batch_start(lg, [None] * T, [0] * T)
         assert pending.tokens() == torch.argmax(eager, dim=-1).tolist()
         assert torch.equal(lg.tensor, eager) and lg.shape == eager.shape
-    assert ex.graphs.buffers("sample", 4)._t["ids"].shape == (4,)
+    assert ex._sample_bufs(4)["ids"].shape == (4,)
     assert ("sample", -1, 4) in ex.graphs._graphs  # graph keys are (kind, layer, bucket, ...): GraphCache.drop reads them
 
 

@@ -123,7 +123,7 @@ def test_experts_routed_equals_the_torch_executors_host_side_selection(use_optio
         b, static = ce._expert_bucket((T + 2) * k)
         if static:  # the bucket's rows past this batch hold padding tails (the next graph replay computes none of them),
             # written again only after a longer batch (7 -> 2 tokens here)
-            tails = ce._routed_bufs(b, True)._t["payload"][T + 2:, H:]
+            tails = ce._routed_bufs(b, True)["payload"][T + 2:, H:]
             assert torch.equal(tails, ce._padding_tail().expand_as(tails))
 
 

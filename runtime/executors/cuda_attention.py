@@ -31,7 +31,7 @@ from models import layers
 from models.attention import latent_cache, rms_norm
 from models.rope import rotation
 from runtime.core.routed_rows import pack as pack_routed, pack_tail, payload_columns
-from runtime.executors.capture import StaticBuffers, bucket_for
+from runtime.executors.capture import bucket_for
 from runtime.executors.cuda_buffers import Pending, same_list
 from runtime.executors.kv_cache_paged_gpu import DeviceBlockTables
 
@@ -172,34 +172,30 @@ class AttentionMixin:
             t = self._rope_tables[positions] = rope_table(self._inv_freq, self._rope_scaling, positions)
         return t
 
-    def _attn_bufs(self, b: int, static: bool) -> StaticBuffers:
-        if static:  # the static buffers of a bucket never change once made: one dict hit per batch
-            bufs = self._bufs_cache.get(("attn", b))
-            if bufs is not None:
-                return bufs
-        bufs = self.graphs.buffers("attn", b) if static else StaticBuffers()
-        H, dev = self.spec.hidden_size, self.device
-        nout = 3 if self.spec.experts.shared_intermediate_size else 2
-        bufs.get("h", (b, H), self.dtype, dev)
-        # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row counts and the
-        # decode kernel's context of its other rows (dataflow_kernels.paged_attention.paged_row_block_attention_triton)
-        bufs.get("meta", (5, b), torch.int32, dev)
-        bufs.get("out", (nout, b, H), self.dtype, dev)
-        bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
-        if self.spec.moe_layers:  # the device-routed payload: x's rows, ids and weights (runtime/core/routed_rows.py)
-            bufs.get("payload", (b, H + payload_columns(self.top_k, self.dtype)), self.dtype, dev)
-        if static:
-            self._bufs_cache[("attn", b)] = bufs
-        return bufs
+    def _attn_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
+        def make() -> dict[str, Tensor]:
+            H, dt, dev = self.spec.hidden_size, self.dtype, self.device
+            nout = 3 if self.spec.experts.shared_intermediate_size else 2
+            bufs = {"h": torch.zeros((b, H), dtype=dt, device=dev),
+                    # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row
+                    # counts and the decode kernel's context of its other rows
+                    # (dataflow_kernels.paged_attention.paged_row_block_attention_triton)
+                    "meta": torch.zeros((5, b), dtype=torch.int32, device=dev),
+                    "out": torch.zeros((nout, b, H), dtype=dt, device=dev),
+                    "route": torch.zeros((b, 2 * self.top_k), dtype=torch.float32, device=dev)}
+            if self.spec.moe_layers:  # the device-routed payload: x's rows, ids and weights (runtime/core/routed_rows.py)
+                bufs["payload"] = torch.zeros((b, H + payload_columns(self.top_k, dt)), dtype=dt, device=dev)
+            return bufs
+        return self._kept(("attn", b), static, make)
 
-    def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv, blocked: bool = False):
+    def _attn_body(self, layer: int, bufs: dict[str, Tensor], dv: DeviceBlockTables, kv, blocked: bool = False):
         """The attention stage of a bucket's rows: the stage function with its paged attend step (`PagedStep`), then
         the router and the shared expert. `blocked`: the attention by row blocks (meta rows 2-4; a batch with prompt
         chunks on the Triton kernels: dataflow_kernels.paged_attention.paged_row_block_attention_triton), the same result as
         the decode kernel's with each K/V tile read once per block of a chunk's rows."""
         spec, w = self.spec, self.w
-        h_in, meta, out, route_out = bufs._t["h"], bufs._t["meta"], bufs._t["out"], bufs._t["route"]
-        payload = bufs._t.get("payload")
+        h_in, meta, out, route_out = bufs["h"], bufs["meta"], bufs["out"], bufs["route"]
+        payload = bufs.get("payload")
         H = spec.hidden_size
         kc, vc = kv.storage(layer)
         table, bs = dv.table, kv.block_size
@@ -263,13 +259,13 @@ class AttentionMixin:
         # replay reads it in stream order). Comparing two lists is a few us; the upload ~50-80 us on the H200 host.
         last = self._meta_last.get(b) if static else None
         if last is None or last[0] != trash or not same_list(last[1], positions) or not same_list(last[2], rows) or blocks:
-            self.staging.h2d_array(bufs._t["meta"], fill)
+            self.staging.h2d_array(bufs["meta"], fill)
             if static:
                 self._meta_last[b] = (trash, positions, rows) if blocks is None else None
         tm.lap("meta_h2d")
-        h_in, out_T, route_T, payload_T = self._first_rows(("attn", b, T), static, lambda: (
-            bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T],
-            bufs._t["payload"][:T] if "payload" in bufs._t else None))
+        h_in, out_T, route_T, payload_T = self._kept(("attn", b, T), static, lambda: (
+            bufs["h"][:T], bufs["out"][:, :T], bufs["route"][:T],
+            bufs["payload"][:T] if "payload" in bufs else None))
         h = self._attn_input(b, h) if static else h
         if h is not None:
             h_in.copy_(h)

@@ -76,16 +76,17 @@ def same_list(a: list, b: list) -> bool:
 class StaticInputs:
     """CudaExecutor's claims on its static buffers (module docstring)."""
 
-    def _first_rows(self, key: tuple, static: bool, make) -> tuple:
-        """The views `make()` returns of a batch's first rows of its bucket's static buffers, made once per
-        (kind, bucket, rows) when static (a slice is a torch call, ~10-25 us on the H200 host; the static buffers
-        never change once made); made each time for an eager batch's own buffers."""
+    def _kept(self, key: tuple, static: bool, make):
+        """What `make()` returns for `key`, made once and kept when static: a bucket's static buffers (a dict of
+        tensors, key (kind, bucket): every graph of the bucket reads and writes them), or the views of a batch's first
+        rows of them (key (kind, bucket, rows): a slice is a torch call, ~10-25 us on the H200 host; the static buffers
+        never change once made). Made each time for an eager batch (its own buffers)."""
         if not static:
             return make()
-        views = self._row_views.get(key)
-        if views is None:
-            views = self._row_views[key] = make()
-        return views
+        got = self._kept_views.get(key)
+        if got is None:
+            got = self._kept_views[key] = make()
+        return got
 
     def _claim_attn_input(self, T: int) -> Optional[Tensor]:
         """Rows 0..T-1 of the static input of the attention bucket T fits, as a new view that is the claim (never a
@@ -100,7 +101,7 @@ class StaticInputs:
         if skip:
             self._claim_skip[b] = skip - 1
             return None
-        view = self._attn_bufs(b, True)._t["h"][:T]
+        view = self._attn_bufs(b, True)["h"][:T]
         self._claims[b] = weakref.ref(view)
         return view
 

@@ -40,7 +40,7 @@ from models.weights import ModelWeights, stack_qkv
 from runtime import settings
 from runtime.core.routed_rows import pack as pack_routed, unpack as unpack_routed, use_device_routing
 from runtime.executors.base import ExecutorBase
-from runtime.executors.capture import GraphCache, StaticBuffers
+from runtime.executors.capture import GraphCache
 from runtime.executors.cuda_attention import PROMPT_PATHS, ROW_BLOCK_MIN_WINDOW, AttentionMixin
 from runtime.executors.cuda_buffers import _CLAIM_BACKOFF, ExecStats, Pending, StaticInputs
 from runtime.executors.cuda_experts import ExpertsMixin
@@ -153,7 +153,8 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         # A router keyed by (request, position, layer) that runs inside the attention graph instead of
         # the model's (use_keyed_router); None: the model's router.
         self.keyed_router = None
-        self._row_views: dict = {}  # (kind, bucket, rows) -> views of that bucket's static buffers (_first_rows)
+        # (kind, bucket) -> that bucket's static buffers; (kind, bucket, rows) -> views of its first rows (_kept)
+        self._kept_views: dict[tuple, object] = {}
         # attention bucket -> the combine output written straight into that bucket's static input (a weak reference
         # to it): the next attention batch of the bucket skips its input copy when that output is its input
         # (combine(feeds_attention=True), _attn_input)
@@ -184,7 +185,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         self.profile: Optional[list] = None
         self._timing_events: list = []  # made before a timed run (reserve_timing_events), used by _mark
         self._index_cache: dict[tuple[int, int], Tensor] = {}
-        self._bufs_cache: dict[tuple[str, int], StaticBuffers] = {}  # (kind, bucket) -> its static buffers
         ex = spec.experts
         self.num_experts = ex.num_experts
         self.top_k = ex.top_k
@@ -291,7 +291,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         if self._embed_ids is None or self._embed_ids.numel() < T:
             self._embed_ids = torch.empty(max(T, 256), dtype=torch.int64, device=self.device)
         buf = self._embed_ids
-        return self._first_rows(("embed_ids", buf.numel(), T), True, lambda: (buf[:T],))[0]
+        return self._kept(("embed_ids", buf.numel(), T), True, lambda: (buf[:T],))[0]
 
     def _mark(self) -> Optional[torch.cuda.Event]:
         if self.profile is None or self.device.type != "cuda":
@@ -357,7 +357,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                 a[0, :] = -1
                 a[1, :] = dv.trash_row
                 a[2:, :] = 0  # no row blocks
-            self.staging.h2d_array(bufs._t["meta"], fill)
+            self.staging.h2d_array(bufs["meta"], fill)
             self._meta_last.pop(b, None)
             for layer in lays:
                 if self.attn_graphs:
@@ -368,7 +368,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         for b in self.buckets["expert"] if host_experts else ():
             bufs = self._expert_bufs(b, True)
             pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
-            self.staging.h2d_array(bufs._t["ids"], lambda a: a.fill(pad))
+            self.staging.h2d_array(bufs["ids"], lambda a: a.fill(pad))
             for layer in lays:
                 # A layer of which this shard holds no expert never gets a row: nothing to capture.
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
@@ -376,7 +376,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         if self.route_on_device and owned is not None and self.expert_graphs:
             for b in self.buckets["expert"]:
                 bufs = self._routed_bufs(b, True)
-                bufs._t["payload"][:, self.spec.hidden_size:].copy_(self._padding_tail())  # padding tokens only
+                bufs["payload"][:, self.spec.hidden_size:].copy_(self._padding_tail())  # padding tokens only
                 self._routed_padded[b] = 0
                 for layer in lays:
                     mine = owned(layer, self.device) if self.spec.is_moe_layer(layer) else None

@@ -20,30 +20,21 @@ import torch
 from torch import Tensor
 
 from dataflow_kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton
-from dataflow_kernels.permute import permute_to_experts_triton
+from dataflow_kernels.permute import permute_to_experts_torch, permute_to_experts_triton
 from dataflow_kernels.topk_merge import topk_merge
 from runtime.core.routed_rows import pack_tail, payload_columns, unpack as unpack_routed
-from runtime.executors.capture import StaticBuffers, bucket_for
+from runtime.executors.capture import bucket_for
 
 
 class ExpertsMixin:
     """CudaExecutor's expert and merge methods (runtime/executors/cuda_executor.py composes it)."""
 
-    def _expert_bufs(self, b: int, static: bool) -> StaticBuffers:
-        if static:
-            bufs = self._bufs_cache.get(("expert", b))
-            if bufs is not None:
-                return bufs
-        bufs = self.graphs.buffers("expert", b) if static else StaticBuffers()
-        H, dev = self.spec.hidden_size, self.device
-        bufs.get("x", (b, H), self.dtype, dev)
-        bufs.get("ids", (b,), torch.int32, dev)
-        bufs.get("y", (b, H), self.dtype, dev)
-        if "arange" not in bufs._t:  # filled once, outside any capture
-            bufs.get("arange", (b,), torch.int64, dev).copy_(torch.arange(b, device=dev))
-        if static:
-            self._bufs_cache[("expert", b)] = bufs
-        return bufs
+    def _expert_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
+        def make() -> dict[str, Tensor]:  # (outside any capture)
+            H, dt, dev = self.spec.hidden_size, self.dtype, self.device
+            return {"x": torch.zeros((b, H), dtype=dt, device=dev), "ids": torch.zeros(b, dtype=torch.int32, device=dev),
+                    "y": torch.zeros((b, H), dtype=dt, device=dev), "arange": torch.arange(b, device=dev)}
+        return self._kept(("expert", b), static, make)
 
     def _expert_bucket(self, N: int) -> tuple[int, bool]:
         """(bucket, static) for an expert batch of N rows (slots, device-routed): the smallest captured bucket
@@ -73,19 +64,11 @@ class ExpertsMixin:
     def _permute(self, ids: Tensor, E: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """(order, offsets) of ids [b] int64 in [0, E] (E: padding sentinel; default num_experts,
         a shard's layer passes its held count). Capturable both ways."""
-        E = self.num_experts if E is None else E
-        if self.permute_impl == "triton":
-            return permute_to_experts_triton(ids[:, None], E)
-        # Torch, no host sync: stable argsort puts sentinel rows last; counts by scatter_add into
-        # E+1 bins (bincount would read the max on the host).
-        order = torch.argsort(ids, stable=True)
-        counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
-        offsets = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
-        offsets[1:] = torch.cumsum(counts[:E], dim=0)
-        return order, offsets
+        permute = permute_to_experts_triton if self.permute_impl == "triton" else permute_to_experts_torch
+        return permute(ids, self.num_experts if E is None else E)
 
-    def _expert_body(self, layer: int, bufs: StaticBuffers):
-        x_in, ids_buf, y_out, ar = bufs._t["x"], bufs._t["ids"], bufs._t["y"], bufs._t["arange"]
+    def _expert_body(self, layer: int, bufs: dict[str, Tensor]):
+        x_in, ids_buf, y_out, ar = bufs["x"], bufs["ids"], bufs["y"], bufs["arange"]
         ffn = self._ffn_rows(layer)
 
         def body() -> None:
@@ -157,9 +140,9 @@ class ExpertsMixin:
             a[:N] = ids
             a[N:] = pad
         tm.lap("ids_prep")
-        self.staging.h2d_array(bufs._t["ids"], fill)
+        self.staging.h2d_array(bufs["ids"], fill)
         tm.lap("ids_h2d")
-        x_in, y_out = self._first_rows(("expert", b, N), static, lambda: (bufs._t["x"][:N], bufs._t["y"][:N]))
+        x_in, y_out = self._kept(("expert", b, N), static, lambda: (bufs["x"][:N], bufs["y"][:N]))
         if len(blocks) == 1:
             x_in.copy_(blocks[0])
         else:
@@ -210,8 +193,8 @@ class ExpertsMixin:
         b, static = self._expert_bucket(T * k)
         bufs = self._routed_bufs(b, static)
         H = self.spec.hidden_size
-        payload_T, tail_pad, y_T = self._first_rows(("routed", b, T), static, lambda: (
-            bufs._t["payload"][:T], bufs._t["payload"][T:, H:], bufs._t["y"][:T]))
+        payload_T, tail_pad, y_T = self._kept(("routed", b, T), static, lambda: (
+            bufs["payload"][:T], bufs["payload"][T:, H:], bufs["y"][:T]))
         if len(payloads) == 1:
             payload_T.copy_(payloads[0])
         else:
@@ -239,30 +222,22 @@ class ExpertsMixin:
             self._pad_tail = pack_tail(ids, torch.zeros((1, k), device=self.device), self.dtype)
         return self._pad_tail
 
-    def _routed_bufs(self, b: int, static: bool) -> StaticBuffers:
+    def _routed_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
         """Static buffers of a routed expert bucket of b slots: the payloads of b // k tokens in, their b // k * k
         slot rows (inside), b // k partial sums out, and the fixed slot -> token row index."""
-        key = ("expert_routed", b)
-        if static and key in self._bufs_cache:
-            return self._bufs_cache[key]
-        bufs = self.graphs.buffers(*key) if static else StaticBuffers()
-        H, dev, k = self.spec.hidden_size, self.device, self.top_k
-        bt = b // k
-        bufs.get("payload", (bt, H + payload_columns(k, self.dtype)), self.dtype, dev)
-        bufs.get("slots", (bt * k, H), self.dtype, dev)
-        bufs.get("zero", (bt, H), self.dtype, dev)  # topk_merge's residual: the partial sums start from zero
-        bufs.get("y", (bt, H), self.dtype, dev)
-        if "slot_row" not in bufs._t:  # filled once, outside any capture
-            bufs.get("slot_row", (bt * k,), torch.int64, dev).copy_(
-                torch.div(torch.arange(bt * k, device=dev), k, rounding_mode="floor"))
-            bufs.get("arange", (bt * k,), torch.int64, dev).copy_(torch.arange(bt * k, device=dev))
-        if static:
-            self._bufs_cache[key] = bufs
-        return bufs
+        def make() -> dict[str, Tensor]:  # (outside any capture)
+            H, dt, dev, k = self.spec.hidden_size, self.dtype, self.device, self.top_k
+            bt = b // k
+            return {"payload": torch.zeros((bt, H + payload_columns(k, dt)), dtype=dt, device=dev),
+                    "slots": torch.zeros((bt * k, H), dtype=dt, device=dev),
+                    "zero": torch.zeros((bt, H), dtype=dt, device=dev),  # topk_merge's residual: sums start from 0
+                    "y": torch.zeros((bt, H), dtype=dt, device=dev),
+                    "slot_row": torch.arange(bt * k, device=dev) // k, "arange": torch.arange(bt * k, device=dev)}
+        return self._kept(("expert_routed", b), static, make)
 
-    def _routed_body(self, layer: int, bufs: StaticBuffers, select: tuple[Tensor, Tensor]):
+    def _routed_body(self, layer: int, bufs: dict[str, Tensor], select: tuple[Tensor, Tensor]):
         row, mine_of = select
-        payload, slots, zero, y_out, slot_row, ar = (bufs._t[n] for n in ("payload", "slots", "zero", "y", "slot_row",
+        payload, slots, zero, y_out, slot_row, ar = (bufs[n] for n in ("payload", "slots", "zero", "y", "slot_row",
                                                                            "arange"))
         H, k = self.spec.hidden_size, self.top_k
         slot_of = ar.view(-1, k)  # [b / k, k]: token t's slot j is row t*k + j of `slots`
