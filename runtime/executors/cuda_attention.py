@@ -32,7 +32,7 @@ from models.attention import latent_cache, rms_norm
 from models.rope import rotation
 from runtime.core.routed_rows import pack as pack_routed, pack_tail, payload_columns
 from runtime.executors.capture import bucket_for
-from runtime.executors.cuda_buffers import Pending, same_list
+from runtime.executors.cuda_buffers import Pending, same_list, timed
 from runtime.executors.kv_cache_paged_gpu import DeviceBlockTables
 
 PROMPT_PATHS = ("paged", "eager")  # CudaExecutor(prompts=...)
@@ -86,15 +86,9 @@ class AttentionMixin:
     """CudaExecutor's attention methods (runtime/executors/cuda_executor.py composes it)."""
 
     @torch.no_grad()
+    @timed("attn")
     def attention(self, layer: int, h: Tensor, positions: list[int], segments: list[tuple[int, int, int]],
                   kv) -> tuple[Tensor, Tensor]:
-        start = self._mark()
-        try:
-            return self._attention(layer, h, positions, segments, kv)
-        finally:
-            self._marked("attn", start)
-
-    def _attention(self, layer, h, positions, segments, kv):
         tm = self._attn_timer
         tm.start()
         self._pending = None

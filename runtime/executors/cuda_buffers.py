@@ -14,6 +14,7 @@ moves when ranks sharing the executor take turns at one bucket).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,6 +66,22 @@ class ExecStats:
 
     def note(self, why: str) -> None:
         self.eager_reasons[why] = self.eager_reasons.get(why, 0) + 1
+
+
+def timed(kind: str):
+    """An executor call between two CUDA events when the executor's `profile` is a list: (kind, start, end) appended
+    to it (CudaExecutor._mark; benchmarks/gpu_bench.py derives GPU time per batch from them)."""
+    def wrap(call):
+        @functools.wraps(call)
+        def timed_call(self, *args, **kwargs):
+            start = self._mark()
+            try:
+                return call(self, *args, **kwargs)
+            finally:
+                if start is not None:
+                    self.profile.append((kind, start, self._mark()))
+        return timed_call
+    return wrap
 
 
 def same_list(a: list, b: list) -> bool:

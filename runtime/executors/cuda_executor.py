@@ -34,6 +34,7 @@ from torch import Tensor
 
 from graph_ir.spec import ModelSpec
 from dataflow_kernels.paged_attention import block_rows_for
+from lowering.plan import PUBLISHED_ATTN_BUCKETS, PUBLISHED_EXPERT_BUCKETS
 from models import layers
 from models.rope import rope_parameters, rotary_dim
 from models.weights import ModelWeights, stack_qkv
@@ -53,11 +54,10 @@ from runtime.observability.step_timer import StepTimer
 __all__ = ["CudaExecutor", "DeviceLogits", "LogitsRow", "ExecStats", "HostStaging", "PendingHost", "PROMPT_PATHS",
            "ROW_BLOCK_MIN_WINDOW", "KERNELS", "_CLAIM_BACKOFF"]
 
-# Published StreamEP buckets, used when no plan is given (lowering/plan.py has the same lists).
-_DEFAULT_BUCKETS = {"attn": [1, 8, 40, 72, 104, 128, 192, 256], "expert": [128, 256, 512, 1024],
-                    "sample": [1, 8, 40, 72, 104, 128, 192, 256]}
+# Published StreamEP buckets, used when no plan is given.
+_DEFAULT_BUCKETS = {"attn": PUBLISHED_ATTN_BUCKETS, "expert": PUBLISHED_EXPERT_BUCKETS, "sample": PUBLISHED_ATTN_BUCKETS}
 
-KERNELS = ("triton", "torch")  # CudaExecutor(attn_impl=, ffn_impl=, permute_impl=)
+KERNELS = ("triton", "torch")  # CudaExecutor(attn_impl=, ffn_impl=)
 
 
 def _kernel(given: Optional[str], on_cuda: bool, name: str) -> str:
@@ -78,13 +78,12 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
                  graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
-                 permute_impl: Optional[str] = None, max_context: Optional[int] = None,
-                 table_rows: int = 4096, buckets: Optional[dict] = None,
+                 max_context: Optional[int] = None, table_rows: int = 4096, buckets: Optional[dict] = None,
                  route_on_device: Optional[bool] = None, prompts: str = "paged") -> None:
         """`plan`: its capture buckets are used (else the published ones); `device`: default the
-        weights' device. Kernels (`attn_impl`, `ffn_impl`, `permute_impl`: KERNELS) follow the `kernels` option
-        (runtime/settings.py: Triton on CUDA and the torch references elsewhere by default); an argument overrides it
-        (tests). `max_context`: tokens a sequence may have for the graph path
+        weights' device. Kernels (`attn_impl`, `ffn_impl`: KERNELS; the expert permute's is the option's) follow the
+        `kernels` option (runtime/settings.py: Triton on CUDA and the torch references elsewhere by default); an
+        argument overrides it (tests). `max_context`: tokens a sequence may have for the graph path
         (device page-table width); longer ones run eagerly. `route_on_device`: keep each attention batch's
         routing on the device for the device-routed dispatch (default: the plan's dispatch, or by device without
         one; the `dispatch` option overrides: runtime/core/routed_rows.py; the barrier baselines, which read the
@@ -101,7 +100,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         on_cuda = self.device.type == "cuda"
         self.attn_impl = _kernel(attn_impl, on_cuda, "attn_impl")
         self.ffn_impl = _kernel(ffn_impl, on_cuda, "ffn_impl")
-        self.permute_impl = _kernel(permute_impl, on_cuda, "permute_impl")
+        self.permute_impl = _kernel(None, on_cuda, "permute_impl")
         src = buckets or (plan.capture.buckets if plan is not None else _DEFAULT_BUCKETS)
         self.buckets = {k: sorted(v) for k, v in src.items()}
         graphs = on_cuda if graphs is None else (graphs and on_cuda)
@@ -312,12 +311,8 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
             ev.record(stream)
             self._timing_events.append(ev)
 
-    def _marked(self, kind: str, start) -> None:
-        if start is not None:
-            self.profile.append((kind, start, self._mark()))
-
     @torch.no_grad()
-    def prepare(self, kv, layers_: Optional[list[int]] = None, owned=None, *, host_experts: bool = True) -> int:
+    def prepare(self, kv, owned=None, *, host_experts: bool = True) -> int:
         """Capture every (layer, bucket) graph for this KV store now (attention) and for the
         executor (experts), so a timed run never captures. The warm-up pass of each capture runs
         on padding only (positions -1, trash page; sentinel experts). `owned`: the engine's
@@ -349,7 +344,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                 k = kinds.setdefault(key[0] + ("_blocks" if key[-1] == "blocks" else ""), [0, 0.0, 0.0])
                 k[0], k[1], k[2] = k[0] + 1, k[1] + dt, max(k[2], dt)
 
-        lays = list(range(self.spec.num_layers)) if layers_ is None else layers_
+        lays = range(self.spec.num_layers)
         for b in self.buckets["attn"]:
             bufs = self._attn_bufs(b, True)
 
@@ -367,8 +362,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                         capture(key + ("blocks",), lambda: self._attn_body(layer, bufs, dv, kv, True))
         for b in self.buckets["expert"] if host_experts else ():
             bufs = self._expert_bufs(b, True)
-            pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
-            self.staging.h2d_array(bufs["ids"], lambda a: a.fill(pad))
+            self.staging.h2d_array(bufs["ids"], lambda a: a.fill(self.num_experts))
             for layer in lays:
                 # A layer of which this shard holds no expert never gets a row: nothing to capture.
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):

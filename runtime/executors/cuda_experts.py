@@ -24,6 +24,7 @@ from dataflow_kernels.permute import permute_to_experts_torch, permute_to_expert
 from dataflow_kernels.topk_merge import topk_merge
 from runtime.core.routed_rows import pack_tail, payload_columns, unpack as unpack_routed
 from runtime.executors.capture import bucket_for
+from runtime.executors.cuda_buffers import timed
 
 
 class ExpertsMixin:
@@ -107,14 +108,8 @@ class ExpertsMixin:
         return run
 
     @torch.no_grad()
-    def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
-        start = self._mark()
-        try:
-            return self._experts(layer, x, expert_ids)
-        finally:
-            self._marked("expert", start)
-
-    def _experts(self, layer: int, x, expert_ids: list[int]) -> Tensor:
+    @timed("expert")
+    def experts(self, layer: int, x, expert_ids: list[int]) -> Tensor:
         tm = self._expert_timer
         tm.start()
         # x: [N, H], or its row blocks (runtime/executor.row_blocks), concatenated below straight into
@@ -171,6 +166,7 @@ class ExpertsMixin:
         return t[1:]
 
     @torch.no_grad()
+    @timed("expert")
     def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync. Its own
         graph kind ("expert_routed", bucketed in slots): the host copies the items' payloads (token rows, expert ids
@@ -179,13 +175,6 @@ class ExpertsMixin:
         padding id), the expert FFN runs, the slots it does not own are zeroed, and topk_merge sums each token's
         slots with their weights (from zero, slot order, fp32): one row per token out, copied into `out` when given
         (the merge group's buffer: runtime/merge.MergeTable.rows_at), else into a tensor of its own."""
-        start = self._mark()
-        try:
-            return self._experts_routed(layer, payloads, owned, out)
-        finally:
-            self._marked("expert", start)
-
-    def _experts_routed(self, layer, payloads, owned, out):
         tm = self._expert_timer
         tm.start()
         k = self.top_k
