@@ -40,15 +40,6 @@ def _check(q: Tensor, cache: Tensor, rank: int) -> None:
                          f"query {tuple(q.shape)}: expected [pages, block, 1, {q.shape[2]}]")
 
 
-def latent_write_torch(c: Tensor, posc: Tensor, rows: Tensor, table: Tensor, block_size: int, cache: Tensor) -> None:
-    """Row i of c [b, 1, R + P] into the cache at position posc[i] (int64, >= 0) of table row rows[i]: slot =
-    table[rows, posc // bs] * bs + posc % bs of the flattened [pages * bs, 1, R + P] cache (dataflow_kernels.rope_kv_write's
-    slot arithmetic, K only: the latent cache has no V)."""
-    page = table[rows.to(torch.int64), torch.div(posc, block_size, rounding_mode="floor")].to(torch.int64)
-    slot = page * block_size + posc % block_size
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot, c.to(cache.dtype))
-
-
 def paged_mla_attention_torch(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor,
                               scale: float, sinks: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
     """Reference: [B, nh, rank] (module docstring)."""

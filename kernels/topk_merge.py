@@ -5,8 +5,9 @@ receive buffer filled in arrival order). The merge reads them through `row_index
 first copying them into a [T, k, H] tensor: that copy would read and write every row once more
 (the "fuse gather with top-k merge" trick of the StreamEP design).
 
-Semantics (equal to `models.layers.moe_combine(h_res, shared, rows[row_index], weights)`), in
-this exact order, because the distributed runtime must reproduce the reference bit for bit:
+Semantics (`models.layers.moe_combine(h_res, shared, rows[row_index], weights)`, which the torch reference calls:
+its gather is the copy the Triton kernel avoids), in this exact order, because the distributed runtime must reproduce
+the reference bit for bit (products and sums commute in IEEE arithmetic, so w * y and y * w round alike):
 
     acc = 0 (fp32)
     for j in 0..k-1:              slot order, the order `route` returned
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, kernel_store_dtype, next_power_of_2
+from models.moe import combine  # the reference (models.layers.moe_combine)
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
@@ -36,16 +38,10 @@ def topk_merge_torch(
     weights: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference: see the module docstring for the exact operation order."""
+    """Reference: the model's own combine over the gathered rows (module docstring: the exact operation order)."""
     _check(h_res, shared, rows, row_index, weights, out)
-    acc = torch.zeros(h_res.shape, dtype=torch.float32, device=h_res.device)
-    for j in range(row_index.shape[1]):
-        y = rows[row_index[:, j]].float()
-        acc = acc + weights[:, j, None].float() * y
-    if shared is not None:
-        acc = acc + shared.float()
-    acc = acc + h_res.float()
-    return acc.to(h_res.dtype) if out is None else out.copy_(acc)
+    h_next = combine(h_res, shared, rows[row_index], weights)
+    return h_next if out is None else out.copy_(h_next)
 
 
 def _topk_merge_kernel(

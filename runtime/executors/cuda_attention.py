@@ -24,9 +24,9 @@ from torch import Tensor
 
 from dataflow_kernels.paged_attention import (clear_block_rows, paged_decode_attention_torch, paged_decode_attention_triton,
                                      paged_row_block_attention_triton, row_blocks)
-from dataflow_kernels.mla_attention import latent_write_torch, paged_mla_attention
+from dataflow_kernels.mla_attention import paged_mla_attention
 from dataflow_kernels.rms_norm import rms_norm_fused
-from dataflow_kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
+from dataflow_kernels.rope_kv_write import cache_write, rope_kv_write, rope_kv_write_torch, rope_table
 from models import layers
 from models.attention import latent_cache, rms_norm
 from models.rope import rotation
@@ -69,7 +69,7 @@ class PagedStep:
         if self.fuses_rope:
             q, ctx = self.rope_kv(q, k, v, meta[0], meta[1], table, bs, self.cos_tab, self.sin_tab, kc, vc)
         else:
-            kv_write_torch(k, v, self._posc, meta[1], table, bs, kc, vc)
+            cache_write(self._posc, meta[1], table, bs, (k, kc), (v, vc))
             ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
         return self.kernel(q, kc, vc, bt, ctx, scale, sinks, window)
 
@@ -77,7 +77,7 @@ class PagedStep:
                       sinks: Optional[Tensor]) -> Tensor:
         meta, table, bs = self.meta, self.table, self.bs
         bt = table.index_select(0, meta[1])
-        latent_write_torch(c, self._posc, meta[1], table, bs, self.kc)
+        cache_write(self._posc, meta[1], table, bs, (c, self.kc))
         ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
         return paged_mla_attention(q, self.kc, kv_lora_rank, bt, ctx, scale, sinks, window, impl=self.latent_impl)
 

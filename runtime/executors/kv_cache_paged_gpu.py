@@ -18,7 +18,7 @@ a busy rank's host on the H200s (~5 admissions per decode step at 512 requests: 
 Row `rows` (the last) is the trash row: every entry is the trash page. Padded batch rows point
 at it with position -1, i.e. context length 0: the kernel reads nothing and yields zeros.
 A sequence longer than `width` pages or arriving when all rows are taken gets no row; batches
-containing it take the eager path (`row_of` returns None), which reads the host tables.
+containing it take the eager path (`rows_of` gives None), which reads the host tables.
 """
 from __future__ import annotations
 
@@ -125,9 +125,6 @@ class DeviceBlockTables:
         self._rows_memo = (segments, self.releases, rows, positions, fits)
         return rows, fits
 
-    def row_of(self, seq_id: int) -> Optional[int]:
-        return self._row.get(seq_id)
-
     def rows_of(self, seq_ids) -> list:
-        """row_of of every id (None where a sequence has no row), one C-level map over the dict."""
+        """The device table row of every id (None where a sequence has no row), one C-level map over the dict."""
         return list(map(self._row.get, seq_ids))
