@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dataflow_kernels.dispatch import triton_available  # noqa: E402
 from dataflow_kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton  # noqa: E402
 from dataflow_kernels.mla_attention import (  # noqa: E402
-    paged_mla_attention_gather, paged_mla_attention_torch, paged_mla_attention_triton, triton_fits,
+    paged_mla_attention, paged_mla_attention_gather, triton_fits,
 )
 from dataflow_kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
 from dataflow_kernels.permute import permute_to_experts_torch, permute_to_experts_triton  # noqa: E402
@@ -283,10 +283,10 @@ def bench_mla_attention(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bo
                 cache = torch.randn(B * max_blocks, bs, 1, R + P, device=dev, dtype=dtype)
                 q = torch.randn(B, nh, R + P, device=dev, dtype=dtype)
                 args = (q, cache, R, table, lens, scale)
-                impls = {"torch": lambda: paged_mla_attention_torch(*args),
+                impls = {"torch": lambda: paged_mla_attention(*args),
                          "gather": lambda: paged_mla_attention_gather(*args)}
                 if use_triton and triton_fits(nh, R, dtype):
-                    impls["triton"] = lambda: paged_mla_attention_triton(*args)
+                    impls["triton"] = lambda: paged_mla_attention(*args, impl="triton")
                 r.run("mla_latent", shape, impls, ctx * (R + P) * es + B * nh * (2 * R + P) * es + table.numel() * 4,
                       2 * ctx * nh * (2 * R + P), close(2e-2 if dtype != torch.float32 else 1e-4))
                 del cache

@@ -8,13 +8,13 @@ This is the paged decode attention of kernels/paged_attention.py with one kv hea
 cache, and the same context, window and sink semantics. Row i sits at position context_lens[i] - 1 and sees keys
 0..context_lens[i]-1 of its page-table row.
 
-Three forms, one result:
-- `paged_mla_attention_torch`: the reference (paged_decode_attention_torch: a host loop, not capturable);
+Three forms, one result (`paged_mla_attention` picks one):
+- the reference (impl="torch": paged_decode_attention_torch over the cache: a host loop, not capturable);
 - `paged_mla_attention_gather`: torch ops without a host sync (capturable in a CUDA graph): every row gathers its
   table row's pages (the table's full width) and masks past its context; the GPU's fallback where the Triton kernel's
   tiles do not fit (`triton_fits`: fp32 caches, more than 16 heads);
-- `paged_mla_attention_triton`: the Triton flash-decoding kernel of kernels/paged_attention.py over the same views
-  (all query heads of a sequence in one program: their head group is nh).
+- the Triton flash-decoding kernel of kernels/paged_attention.py over the same views (impl="triton" where it fits;
+  all query heads of a sequence in one program: their head group is nh).
 """
 from __future__ import annotations
 
@@ -38,13 +38,6 @@ def _check(q: Tensor, cache: Tensor, rank: int) -> None:
     if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != q.shape[2] or not 0 < rank < cache.shape[3]:
         raise ValueError(f"latent cache {tuple(cache.shape)} with kv_lora_rank {rank} does not match the absorbed "
                          f"query {tuple(q.shape)}: expected [pages, block, 1, {q.shape[2]}]")
-
-
-def paged_mla_attention_torch(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor,
-                              scale: float, sinks: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
-    """Reference: [B, nh, rank] (module docstring)."""
-    _check(q, cache, rank)
-    return paged_decode_attention_torch(q, cache, cache[..., :rank], block_table, context_lens, scale, sinks, window)
 
 
 def paged_mla_attention_gather(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor,
@@ -77,19 +70,13 @@ def triton_fits(num_heads: int, rank: int, dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and max(16, next_power_of_2(num_heads)) * next_power_of_2(rank) <= TRITON_MAX_TILE
 
 
-def paged_mla_attention_triton(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor,
-                               scale: float, sinks: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
-    """The Triton flash-decoding kernel over the latent cache: [B, nh, rank]."""
-    _check(q, cache, rank)
-    return paged_decode_attention_triton(q, cache, cache[..., :rank], block_table, context_lens, scale, sinks, window)
-
-
 def paged_mla_attention(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor, scale: float,
                         sinks: Optional[Tensor] = None, window: Optional[int] = None, *, impl: str = "torch") -> Tensor:
     """[B, nh, rank] by `impl`: "torch" (the reference), or "triton" (the GPU's choice): the Triton kernel where
-    `triton_fits`, else the capturable gather form."""
-    if impl == "torch":
-        return paged_mla_attention_torch(q, cache, rank, block_table, context_lens, scale, sinks, window)
-    if triton_fits(q.shape[1], rank, cache.dtype):
-        return paged_mla_attention_triton(q, cache, rank, block_table, context_lens, scale, sinks, window)
-    return paged_mla_attention_gather(q, cache, rank, block_table, context_lens, scale, sinks, window)
+    `triton_fits`, else the capturable gather form. The reference and the kernel are kernels/paged_attention.py's
+    over the cache, with V its first `rank` channels (a view)."""
+    if impl == "triton" and not triton_fits(q.shape[1], rank, cache.dtype):
+        return paged_mla_attention_gather(q, cache, rank, block_table, context_lens, scale, sinks, window)
+    _check(q, cache, rank)
+    attend = paged_decode_attention_triton if impl == "triton" else paged_decode_attention_torch
+    return attend(q, cache, cache[..., :rank], block_table, context_lens, scale, sinks, window)

@@ -21,7 +21,8 @@ from models.sampling import SamplingParams, sample
 from models.weights import random_weights
 from runtime.executors.capture import bucket_for
 from runtime.executors.torch_executor import TorchExecutor
-from runtime.executors.cuda_executor import CudaExecutor, HostStaging
+from runtime.executors.cuda_executor import CudaExecutor
+from runtime.executors.host_staging import HostStaging
 from runtime.core.requests import Request
 
 torch.set_num_threads(1)

@@ -29,7 +29,7 @@ def test_a_combine_for_attention_writes_that_batchs_input_and_other_batches_move
     from the waiting ones, or another wave) moves the waiting rows out, so every input keeps its values, and the
     bucket's next _CLAIM_BACKOFF combines do not write in place. Outputs equal an executor that never writes in
     place, call for call."""
-    from runtime.executors.cuda_executor import _CLAIM_BACKOFF
+    from runtime.executors.cuda_buffers import _CLAIM_BACKOFF
     lens = [5, 2, 7]
     spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=4)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
@@ -100,7 +100,7 @@ def test_attention_outputs_are_views_until_the_bucket_replays_and_held_ones_move
     while some are still held (another wave's merge group not combined yet), they move to tensors of their own first
     and keep their values, and the bucket clones its outputs for the next _CLAIM_BACKOFF batches; outputs dropped
     before the next replay move nowhere."""
-    from runtime.executors.cuda_executor import _CLAIM_BACKOFF
+    from runtime.executors.cuda_buffers import _CLAIM_BACKOFF
     lens = [5, 2, 7]
     spec, w, kv_a, _, h, seg = _decode_pair(lens, seed=7)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})

@@ -171,7 +171,7 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
     from collections import Counter
 
     from runtime.core.engine import Engine
-    from runtime.executors.cuda_executor import DeviceLogits
+    from runtime.executors.cuda_sampling import DeviceLogits
     engines, queued, drained = [], [], []
     real_init, real_ahead, real_finish = Engine.__init__, Engine._step_ahead, Engine._finish
 

@@ -101,8 +101,8 @@ class AttentionMixin:
         dv = self._view(kv)
         tm.lap("view")
         rows, fits = dv.batch_rows(segments, positions, T)  # every row's table row, and whether all have one
+        b = bucket_for(T, self.buckets["attn"])
         if fits and (self.prompts == "paged" or len(rows) == len(segments)):
-            b = bucket_for(T, self.buckets["attn"])
             if b is None:
                 self.stats.note("attn: batch above the largest bucket")
             blocks = None
@@ -111,7 +111,6 @@ class AttentionMixin:
                 if self._row_blocked(layer):
                     blocks = row_blocks(segments, self.block_rows)
             return self._attn_paged(layer, h, positions, rows, dv, kv, b, blocks)
-        b = bucket_for(T, self.buckets["attn"])
         held = self._claims.get(b)
         if held is not None and held() is h:  # read where it is: the claim is spent (kept, a later batch would move it)
             del self._claims[b]

@@ -42,17 +42,14 @@ from runtime import settings
 from runtime.core.routed_rows import pack as pack_routed, unpack as unpack_routed, use_device_routing
 from runtime.executors.base import ExecutorBase
 from runtime.executors.capture import GraphCache
-from runtime.executors.cuda_attention import PROMPT_PATHS, ROW_BLOCK_MIN_WINDOW, AttentionMixin
-from runtime.executors.cuda_buffers import _CLAIM_BACKOFF, ExecStats, Pending, StaticInputs
+from runtime.executors.cuda_attention import PROMPT_PATHS, AttentionMixin
+from runtime.executors.cuda_buffers import ExecStats, Pending, StaticInputs
 from runtime.executors.cuda_experts import ExpertsMixin
-from runtime.executors.cuda_sampling import DeviceLogits, LogitsRow, SamplingMixin
+from runtime.executors.cuda_sampling import SamplingMixin
 from runtime.executors.cuda_stream import current_stream
-from runtime.executors.host_staging import HostStaging, PendingHost
+from runtime.executors.host_staging import HostStaging
 from runtime.executors.kv_cache_paged_gpu import DeviceBlockTables
 from runtime.observability.step_timer import StepTimer
-
-__all__ = ["CudaExecutor", "DeviceLogits", "LogitsRow", "ExecStats", "HostStaging", "PendingHost", "PROMPT_PATHS",
-           "ROW_BLOCK_MIN_WINDOW", "KERNELS", "_CLAIM_BACKOFF"]
 
 # Published StreamEP buckets, used when no plan is given.
 _DEFAULT_BUCKETS = {"attn": PUBLISHED_ATTN_BUCKETS, "expert": PUBLISHED_EXPERT_BUCKETS, "sample": PUBLISHED_ATTN_BUCKETS}

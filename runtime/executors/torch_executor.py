@@ -82,10 +82,7 @@ class TorchExecutor(ExecutorBase):
         in slot order in fp32 from zero (models.moe.combine's order), zero when it holds none of them; written into
         `out` [sum T_i, H] (and returned) when given. Here the held slots are selected on the host (data-dependent
         shapes) and run through experts()."""
-        parts = [unpack_routed(p, self.spec.hidden_size) for p in payloads]
-        x = row_blocks([xp for xp, _, _ in parts])
-        ids = row_blocks([ip for _, ip, _ in parts])
-        weights = row_blocks([wp for _, _, wp in parts])
+        x, ids, weights = unpack_routed(row_blocks(payloads), self.spec.hidden_size)
         flat = ids.to(torch.long).reshape(-1)
         k = ids.shape[1]
         held = owned[flat]
