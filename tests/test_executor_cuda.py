@@ -109,7 +109,7 @@ def test_experts_new_split_reuses_the_same_bucket_body():
         x = torch.randn(11, spec.hidden_size, generator=g)
         ids = torch.randint(0, spec.experts.num_experts, (11,), generator=g).tolist()
         torch.testing.assert_close(ex.experts(0, x, ids), ref.experts(0, x, ids), rtol=1e-5, atol=1e-5)
-    assert len(ex.graphs) == 1
+    assert len(ex.graphs._graphs) == 1
 
 
 def test_experts_above_largest_bucket_runs_eagerly():
@@ -200,7 +200,7 @@ def test_sample_bucket_argmax_and_lazy_logits_equal_the_eager_head():
         assert (lg._tensor is None) == (T <= 8)  # bucketed: no logits unless read
         pending = ex.sample_batch_start(lg, [None] * T, [0] * T)
         assert pending.tokens() == torch.argmax(eager, dim=-1).tolist()
-        assert torch.equal(lg.tensor, eager) and lg.shape == eager.shape
+        assert torch.equal(lg.tensor, eager)
     assert ex._sample_bufs(4)["ids"].shape == (4,)
     assert ("sample", -1, 4) in ex.graphs._graphs  # graph keys are (kind, layer, bucket, ...): GraphCache.drop reads them
 
@@ -215,7 +215,7 @@ def test_graph_keys_name_kind_layer_and_bucket():
         gc.get(("sample", 4), lambda: (lambda: None))
     gc.get(("sample", -1, 4), lambda: (lambda: None)).run()
     gc.drop(lambda k: k[0] == "attn")
-    assert len(gc) == 1
+    assert len(gc._graphs) == 1
 
 
 def test_host_staging_typed_views_cached_per_slot_and_dropped_on_growth():

@@ -78,12 +78,6 @@ class GraphCache:
         self._pools: dict[tuple, object] = {}
         self.captures = 0
 
-    def pool(self, kind: str, bucket: int):
-        key = (kind, bucket)
-        if key not in self._pools:
-            self._pools[key] = torch.cuda.graph_pool_handle() if self.capture else None
-        return self._pools[key]
-
     def get(self, key: tuple, make_body: Callable[[], Callable[[], None]], capture: bool = True) -> StepGraph:
         """The graph under `key` = (kind, layer, bucket, ...) (a kind without layers, e.g. sample, uses layer -1), made
         from `make_body()` at its first use; captured into the (kind, bucket) pool when `capture` and on CUDA."""
@@ -92,7 +86,10 @@ class GraphCache:
             if len(key) < 3 or type(key[0]) is not str or type(key[2]) is not int:
                 raise ValueError(f"graph key {key!r}: expected (kind, layer, bucket, ...)")
             cap = self.capture and capture
-            g = StepGraph(make_body(), cap, self.pool(key[0], key[2]) if cap else None, self.device)
+            pool = (key[0], key[2])
+            if cap and pool not in self._pools:
+                self._pools[pool] = torch.cuda.graph_pool_handle()
+            g = StepGraph(make_body(), cap, self._pools[pool] if cap else None, self.device)
             self._graphs[key] = g
             self.captures += int(cap)
         return g
@@ -107,6 +104,3 @@ class GraphCache:
         live = {(k[0], k[2]) for k, g in self._graphs.items() if g.capture}
         for pk in [pk for pk in self._pools if pk not in live]:
             del self._pools[pk]
-
-    def __len__(self) -> int:
-        return len(self._graphs)

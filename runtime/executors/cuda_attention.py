@@ -120,7 +120,7 @@ class AttentionMixin:
         return self._attn_eager(layer, h, positions, segments, kv)
 
     def _attn_eager(self, layer, h, positions, segments, kv):
-        pos = self._positions(positions)
+        pos = self.staging.upload(np.array(positions, dtype=np.int64))[0]
         h_res, x = layers.attention_stage(self.spec, self.w, layer, h, pos, segments, kv, positions)
         if self.spec.is_moe_layer(layer):
             if self.keyed_router is None:

@@ -242,11 +242,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
 
 
     # ------------------------------------------------------------------ small pieces
-    def _positions(self, positions: list[int]) -> Tensor:
-        out = torch.empty(len(positions), dtype=torch.int64, device=self.device)
-        self.staging.h2d(out, torch.tensor(positions, dtype=torch.int64))
-        return out
-
     def _to_dev(self, t: Optional[Tensor], dtype=None) -> Optional[Tensor]:
         if t is None:
             return None
@@ -341,7 +336,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                 k = kinds.setdefault(key[0] + ("_blocks" if key[-1] == "blocks" else ""), [0, 0.0, 0.0])
                 k[0], k[1], k[2] = k[0] + 1, k[1] + dt, max(k[2], dt)
 
-        lays = range(self.spec.num_layers)
         for b in self.buckets["attn"]:
             bufs = self._attn_bufs(b, True)
 
@@ -351,7 +345,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                 a[2:, :] = 0  # no row blocks
             self.staging.h2d_array(bufs["meta"], fill)
             self._meta_last.pop(b, None)
-            for layer in lays:
+            for layer in range(self.spec.num_layers):
                 if self.attn_graphs:
                     key = ("attn", layer, b, kv._cuda_exec_serial)
                     capture(key, lambda: self._attn_body(layer, bufs, dv, kv))
@@ -360,7 +354,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         for b in self.buckets["expert"] if host_experts else ():
             bufs = self._expert_bufs(b, True)
             self.staging.h2d_array(bufs["ids"], lambda a: a.fill(self.num_experts))
-            for layer in lays:
+            for layer in range(self.spec.num_layers):
                 # A layer of which this shard holds no expert never gets a row: nothing to capture.
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
                     capture(("expert", layer, b), lambda: self._expert_body(layer, bufs))
@@ -369,7 +363,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                 bufs = self._routed_bufs(b, True)
                 bufs["payload"][:, self.spec.hidden_size:].copy_(self._padding_tail())  # padding tokens only
                 self._routed_padded[b] = 0
-                for layer in lays:
+                for layer in range(self.spec.num_layers):
                     mine = owned(layer, self.device) if self.spec.is_moe_layer(layer) else None
                     if mine is None or not bool(mine.any()):
                         continue

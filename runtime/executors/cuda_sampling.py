@@ -59,10 +59,6 @@ class DeviceLogits:
     def __len__(self) -> int:
         return self._n
 
-    @property
-    def shape(self):
-        return self.tensor.shape
-
     def greedy(self, i: int) -> int:
         if self._host is None:
             self._host = self._argmax.wait().tolist()
