@@ -132,21 +132,19 @@ class AttentionMixin:
                 base0 = self._to_dev(torch.tensor(base, dtype=torch.int64))
                 ids, wts = self.keyed_router.route_torch(layer, base0, pos)
             shared = layers.shared_expert(self.spec, self.w, layer, x)
-            if self.route_on_device:
-                self._set_pending(x, shared, None, pack_routed(x, ids, wts), own=True)
-            else:
-                self._set_pending(x, shared, torch.cat([ids.to(torch.float32), wts], dim=1), None, own=True)
+            routing = pack_routed(x, ids, wts) if self.route_on_device else torch.cat([ids.to(torch.float32), wts], 1)
+            self._set_pending(x, shared, routing, own=True)
         return h_res, x
 
-    def _set_pending(self, x: Tensor, shared: Optional[Tensor], route: Optional[Tensor], payload: Optional[Tensor],
-                     own: bool) -> None:
-        """What an attention call leaves beyond (h_res, x): the routing on its way to the host (`route`, [T, 2k] fp32:
-        ids as values, then weights), or kept on the device (`payload`). `own`: the payload is the batch's own tensor,
-        not a view of a static buffer (which the next batch of the bucket rewrites: cloned here)."""
-        if payload is not None:
-            self._pending = Pending(x, None, shared, self.top_k, payload if own else payload.clone())
+    def _set_pending(self, x: Tensor, shared: Optional[Tensor], routing: Tensor, own: bool) -> None:
+        """What an attention call leaves beyond (h_res, x): the routing kept on the device with route_on_device (the
+        payload, runtime/core/routed_rows.py), else on its way to the host ([T, 2k] fp32: ids as values, then
+        weights). `own`: the payload is the batch's own tensor, not a view of a static buffer (which the next batch of
+        the bucket rewrites: cloned here)."""
+        if self.route_on_device:
+            self._pending = Pending(x, None, shared, self.top_k, routing if own else routing.clone())
         else:
-            self._pending = Pending(x, self.staging.d2h(route), shared, self.top_k)
+            self._pending = Pending(x, self.staging.d2h(routing), shared, self.top_k)
 
     def _row_blocked(self, layer: int) -> bool:
         """Whether `layer` runs a batch with prompt chunks by row blocks (see ROW_BLOCK_MIN_WINDOW)."""
@@ -289,7 +287,6 @@ class AttentionMixin:
         if self.spec.is_moe_layer(layer):
             shared = out[2] if len(out) > 2 else None
             # (a payload from the static buffer is cloned: the next batch of the bucket rewrites it)
-            self._set_pending(x, shared, None if self.route_on_device else route_T,
-                              payload_T if self.route_on_device else None, own=not static)
+            self._set_pending(x, shared, payload_T if self.route_on_device else route_T, own=not static)
         tm.lap("route_d2h")
         return h_res, x

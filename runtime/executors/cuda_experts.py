@@ -129,11 +129,10 @@ class ExpertsMixin:
             ids = rows_of[gids]
             if (ids < 0).any():
                 raise self.w.unheld_error(layer, gids[ids < 0].tolist())
-        pad = self.num_experts
 
         def fill(a: np.ndarray) -> None:
             a[:N] = ids
-            a[N:] = pad
+            a[N:] = self.num_experts  # padding
         tm.lap("ids_prep")
         self.staging.h2d_array(bufs["ids"], fill)
         tm.lap("ids_h2d")

@@ -175,22 +175,15 @@ class HostStaging:
         return ev
 
     def h2d(self, dst: Tensor, src: Tensor) -> None:
-        """dst (device) <- src (host), through a pinned slot, non-blocking."""
-        if not self.cuda:
-            dst.copy_(src)
-            return
+        """dst (device) <- src (host), through a pinned slot, non-blocking (on CPU: a plain slot, a plain copy)."""
         i, view, _ = self._acquire_typed(tuple(src.shape), src.dtype)
         view.copy_(src)
         dst.copy_(view, non_blocking=True)
         self.mark(i)
 
     def h2d_array(self, dst: Tensor, fill) -> None:
-        """dst (device, int32/int64/float32) <- an array `fill(np_view)` writes in place."""
-        if not self.cuda:
-            host = torch.empty(dst.shape, dtype=dst.dtype)
-            fill(host.numpy())
-            dst.copy_(host)
-            return
+        """dst (device, int32/int64/float32) <- an array `fill(np_view)` writes in place (on CPU too through a slot,
+        with no event)."""
         i, view, arr = self._acquire_typed(tuple(dst.shape), dst.dtype)
         fill(arr)
         dst.copy_(view, non_blocking=True)

@@ -84,15 +84,14 @@ class DeviceBlockTables:
         if self.keys is not None:
             self.keys.index_copy_(0, idx, dev[:, 1])
 
-    def track_keys(self, key_of: Callable[[int], int]) -> torch.Tensor:
-        """Keep `keys[row] = key_of(sequence)` for every row from now on (the trash row's key is 0);
-        returns the device tensor, whose address never changes (graphs may bake it)."""
+    def track_keys(self, key_of: Callable[[int], int]) -> None:
+        """Keep `keys[row] = key_of(sequence)` for every row from now on (the trash row's key is 0) in the device
+        tensor `keys`, whose address never changes (graphs may bake it)."""
         if self.keys is None:
             self.keys = torch.zeros(self.rows + 1, dtype=torch.int64, device=self.device)
         self._key_of = key_of
         for seq_id, r in self._row.items():  # rows written before: again, with their keys, at the next flush
             self._unsent[r] = (seq_id, self.kv.table(seq_id))
-        return self.keys
 
     def on_release(self, seq_id: int) -> None:
         r = self._row.pop(seq_id, None)
