@@ -180,12 +180,6 @@ _GATE_UP = LazyJit(_gate_up_kernel, helpers=(_expert_tile,))
 _DOWN = LazyJit(_down_kernel, helpers=(_expert_tile,))
 
 
-def default_block_m(num_rows: int, num_experts: int) -> int:
-    """Row tile: small when experts get few rows (decode), so padding rows waste little."""
-    avg = num_rows / max(num_experts, 1)
-    return 16 if avg <= 16 else 32 if avg <= 32 else 64
-
-
 def grouped_ffn_triton(
     x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None,
     activation: str = "silu_glu", alpha: float = 1.702, limit: float = 7.0,
@@ -205,7 +199,8 @@ def grouped_ffn_triton(
     y = torch.empty((N, H), dtype=store_dtype, device=x.device)
     if N == 0:
         return y.to(x.dtype)
-    bm = block_m or default_block_m(N, E)
+    avg = N / max(E, 1)  # row tile: small when experts get few rows (decode), so padding rows waste little
+    bm = block_m or (16 if avg <= 16 else 32 if avg <= 32 else 64)
     # Upper bound on row tiles: each expert adds at most one partial tile. Depends only on N and
     # E, never on the routing, so the launch is CUDA-graph safe; surplus programs exit at once.
     grid_m = min(cdiv(N, bm) + E, N)

@@ -5,8 +5,8 @@ batch of n rows runs padded to the smallest bucket >= n, by replaying the graph 
 (kind, layer, bucket); above the largest bucket it runs eagerly (same code, no graph).
 
 Memory: every graph of one (kind, bucket) reads its inputs from and writes its outputs to the same
-static buffers (a dict of tensors the executor makes once per (kind, bucket)), and all of them are captured into one private memory pool
-(`torch.cuda.graph(pool=...)`). Graphs of one rank never run concurrently (one stream), and
+static buffers (a dict of tensors the executor makes once per (kind, bucket)), and all of them are captured
+into one private memory pool (`torch.cuda.graph(pool=...)`). Graphs of one rank never run concurrently (one stream), and
 nothing inside a pool outlives a replay: the executor copies the outputs out of the static
 buffers right after each replay. So sharing is safe in any replay order and graph memory grows
 with the number of buckets, not layers x buckets.

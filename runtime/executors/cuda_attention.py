@@ -142,19 +142,15 @@ class AttentionMixin:
         weights). `own`: the payload is the batch's own tensor, not a view of a static buffer (which the next batch of
         the bucket rewrites: cloned here)."""
         if self.route_on_device:
-            self._pending = Pending(x, None, shared, self.top_k, routing if own else routing.clone())
+            self._pending = Pending(x, None, shared, routing if own else routing.clone())
         else:
-            self._pending = Pending(x, self.staging.d2h(routing), shared, self.top_k)
+            self._pending = Pending(x, self.staging.d2h(routing), shared)
 
     def _row_blocked(self, layer: int) -> bool:
         """Whether `layer` runs a batch with prompt chunks by row blocks (see ROW_BLOCK_MIN_WINDOW)."""
         # (MLA's latent rows are one kv head for all query heads: a block's tile, rows x heads, would not fit)
         window = self.spec.attention.window(layer)
         return self.block_rows > 0 and not self._mla and (window is None or window >= ROW_BLOCK_MIN_WINDOW)
-
-    def _rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """models.rope.cos_sin of `pos`, with inv_freq already on the device (no H2D copy in a graph)."""
-        return rotation(self._inv_freq, self._rope_scaling, pos)
 
     def _rope_table(self, positions: int) -> tuple[Tensor, Tensor]:
         """cos, sin [positions, r/2] on the device (dataflow_kernels.rope_kv_write.rope_table), made once per length."""
@@ -174,7 +170,7 @@ class AttentionMixin:
                     "meta": torch.zeros((5, b), dtype=torch.int32, device=dev),
                     "out": torch.zeros((nout, b, H), dtype=dt, device=dev),
                     "route": torch.zeros((b, 2 * self.top_k), dtype=torch.float32, device=dev)}
-            if self.spec.moe_layers:  # the device-routed payload: x's rows, ids and weights (runtime/core/routed_rows.py)
+            if self.spec.moe_layers:  # the device-routed payload: x's rows, ids, weights (runtime/core/routed_rows.py)
                 bufs["payload"] = torch.zeros((b, H + payload_columns(self.top_k, dt)), dtype=dt, device=dev)
             return bufs
         return self._kept(("attn", b), static, make)
@@ -201,7 +197,8 @@ class AttentionMixin:
         norm = rms_norm_fused if triton else rms_norm
         cos_t, sin_t = self._rope_table(table.shape[1] * bs) if self._rope_kv_fused else (None, None)
         step = PagedStep(meta, table, bs, kc, vc, kernel, rope_kv_write if triton else rope_kv_write_torch,
-                         cos_t, sin_t, self._rope, self.attn_impl)
+                         # models.rope.cos_sin of the positions, inv_freq already on the device (no H2D copy in a graph)
+                         cos_t, sin_t, functools.partial(rotation, self._inv_freq, self._rope_scaling), self.attn_impl)
         router, keys = self.keyed_router, dv.keys
 
         def body() -> None:

@@ -35,7 +35,6 @@ class Pending:
     x: Tensor
     route: Optional[PendingHost]  # the routing on its way to the host ([T, 2k] fp32: ids as values, then weights)
     shared: Optional[Tensor]
-    k: int
     # kept on the device (device-routed dispatch): the payload [T, H + c], rows, int32 ids and fp32 weights in
     # routed_rows.pack's layout
     on_device: Optional[Tensor] = None
@@ -45,7 +44,7 @@ class Pending:
         reuses it) and the slot released. numpy, not torch: one torch call (the view) instead of four slices and
         copies, and none later for the engine's .numpy() and the merge's weight packing (torch calls are what costs
         on a fast GPU's host)."""
-        a, k = v.numpy(), self.k
+        a, k = v.numpy(), v.shape[1] // 2
         out = a[:, :k].astype(np.int64), a[:, k:].copy()
         self.route.release()
         return out

@@ -52,7 +52,8 @@ from runtime.executors.kv_cache_paged_gpu import DeviceBlockTables
 from runtime.observability.step_timer import StepTimer
 
 # Published StreamEP buckets, used when no plan is given.
-_DEFAULT_BUCKETS = {"attn": PUBLISHED_ATTN_BUCKETS, "expert": PUBLISHED_EXPERT_BUCKETS, "sample": PUBLISHED_ATTN_BUCKETS}
+_DEFAULT_BUCKETS = {"attn": PUBLISHED_ATTN_BUCKETS, "expert": PUBLISHED_EXPERT_BUCKETS,
+                    "sample": PUBLISHED_ATTN_BUCKETS}
 
 KERNELS = ("triton", "torch")  # CudaExecutor(attn_impl=, ffn_impl=)
 

@@ -33,8 +33,8 @@ class ExpertsMixin:
     def _expert_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
         def make() -> dict[str, Tensor]:  # (outside any capture)
             H, dt, dev = self.spec.hidden_size, self.dtype, self.device
-            return {"x": torch.zeros((b, H), dtype=dt, device=dev), "ids": torch.zeros(b, dtype=torch.int32, device=dev),
-                    "y": torch.zeros((b, H), dtype=dt, device=dev), "arange": torch.arange(b, device=dev)}
+            return {"x": torch.zeros((b, H), dtype=dt, device=dev), "y": torch.zeros((b, H), dtype=dt, device=dev),
+                    "ids": torch.zeros(b, dtype=torch.int32, device=dev), "arange": torch.arange(b, device=dev)}
         return self._kept(("expert", b), static, make)
 
     def _expert_bucket(self, N: int) -> tuple[int, bool]:
