@@ -62,12 +62,6 @@ class ExpertsMixin:
         """Experts whose weights layer `layer` holds here (rows of its stacked tensors)."""
         return self.w.layers[layer]["experts.gate"].shape[0]
 
-    def _permute(self, ids: Tensor, E: Optional[int] = None) -> tuple[Tensor, Tensor]:
-        """(order, offsets) of ids [b] int64 in [0, E] (E: padding sentinel; default num_experts,
-        a shard's layer passes its held count). Capturable both ways."""
-        permute = permute_to_experts_triton if self.permute_impl == "triton" else permute_to_experts_torch
-        return permute(ids, self.num_experts if E is None else E)
-
     def _expert_body(self, layer: int, bufs: dict[str, Tensor]):
         x_in, ids_buf, y_out, ar = bufs["x"], bufs["ids"], bufs["y"], bufs["arange"]
         ffn = self._ffn_rows(layer)
@@ -89,11 +83,13 @@ class ExpertsMixin:
         wg, wu, wd = lw["experts.gate"], lw["experts.up"], lw["experts.down"]
         bg, bu, bd = (lw["experts.gate_b"], lw["experts.up_b"], lw["experts.down_b"]) if ex.bias else (None,) * 3
         ffn = grouped_ffn_triton if self.ffn_impl == "triton" else grouped_ffn_torch
+        # (order, offsets) of the ids in [0, E] (E: the padding sentinel), without a host sync either way
+        permute = permute_to_experts_triton if self.permute_impl == "triton" else permute_to_experts_torch
 
         def run(x_in: Tensor, ids: Tensor, ar: Tensor, y_out: Tensor, sentinels_anywhere: bool) -> None:
             if clamp:
                 ids = ids.clamp(max=E)
-            order, offsets = self._permute(ids, E)
+            order, offsets = permute(ids, E)
             # Rows of the sentinel expert (padding) are not real: clip every expert range to
             # the real rows and give the padded positions of `order` the padded rows
             # themselves (the Triton sort leaves them unwritten), so order is a permutation.
