@@ -182,17 +182,14 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         self.profile: Optional[list] = None
         self._timing_events: list = []  # made before a timed run (reserve_timing_events), used by _mark
         self._index_cache: dict[tuple[int, int], Tensor] = {}
-        ex = spec.experts
-        self.num_experts = ex.num_experts
-        self.top_k = ex.top_k
-        for l in spec.moe_layers:
-            for n in ("experts.gate", "experts.up", "experts.down"):
-                if not self.w.layers[l][n].is_contiguous():
-                    self.w.layers[l][n] = self.w.layers[l][n].contiguous()
+        self.num_experts, self.top_k = spec.experts.num_experts, spec.experts.top_k
         # Per MoE layer: global id -> row of the held experts (-1: not held), as numpy for the
         # host-side fill; None where the layer holds every expert (ids are rows already).
         self._rows_of: dict[int, Optional[np.ndarray]] = {}
         for l in spec.moe_layers:
+            for n in ("experts.gate", "experts.up", "experts.down"):  # (the grouped FFN kernel reads them in place)
+                if not self.w.layers[l][n].is_contiguous():
+                    self.w.layers[l][n] = self.w.layers[l][n].contiguous()
             lut = self.w.expert_lookup(l)
             self._rows_of[l] = None if lut is None else lut.numpy()
 

@@ -38,8 +38,6 @@ class DeviceBlockTables:
             kv = kv.inner
         self.kv = kv
         self.width = width
-        self.rows = rows
-        self.device = device
         self.trash_page = kv.allocator.num_blocks
         self.trash_row = rows
         self._upload = upload
@@ -88,7 +86,7 @@ class DeviceBlockTables:
         """Keep `keys[row] = key_of(sequence)` for every row from now on (the trash row's key is 0) in the device
         tensor `keys`, whose address never changes (graphs may bake it)."""
         if self.keys is None:
-            self.keys = torch.zeros(self.rows + 1, dtype=torch.int64, device=self.device)
+            self.keys = torch.zeros(self.table.shape[0], dtype=torch.int64, device=self.table.device)  # per table row
         self._key_of = key_of
         for seq_id, r in self._row.items():  # rows written before: again, with their keys, at the next flush
             self._unsent[r] = (seq_id, self.kv.table(seq_id))

@@ -43,8 +43,7 @@ def host_mem_get_info(_device=None) -> tuple[int, int]:
 
 def kv_bytes_per_block(num_layers: int, block_size: int, k_row: tuple, v_row: tuple, dtype: torch.dtype) -> int:
     """Bytes one page takes over all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return num_layers * block_size * (math.prod(k_row) + math.prod(v_row)) * elem
+    return num_layers * block_size * (math.prod(k_row) + math.prod(v_row)) * dtype.itemsize
 
 
 def blocks_that_fit(free_bytes: int, reserve_bytes: int, bytes_per_block: int, pools: int = 1,
