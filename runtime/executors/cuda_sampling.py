@@ -18,7 +18,6 @@ from torch import Tensor
 from models import layers
 from models.sampling import SamplingParams, sample, sample_tokens
 from runtime.executors.capture import bucket_for
-from runtime.executors.device_index import to_device
 from runtime.executors.host_staging import HostStaging
 
 _GREEDY = SamplingParams()
@@ -86,7 +85,7 @@ class DeviceLogits:
         self._argmax  # the ids exist (and are on their way to the host)
         if rows is None:
             return self._ids.clone()
-        return self._ids.index_select(0, to_device(np.asarray(rows, dtype=np.int64), self._ids.device))
+        return self._ids.index_select(0, self._staging.upload(np.asarray(rows, dtype=np.int64))[0])
 
     def __getitem__(self, i: int) -> "LogitsRow":
         return LogitsRow(self, i)
