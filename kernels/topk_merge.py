@@ -30,14 +30,8 @@ from models.moe import combine  # the reference (models.layers.moe_combine)
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
 
-def topk_merge_torch(
-    h_res: torch.Tensor,
-    shared: torch.Tensor | None,
-    rows: torch.Tensor,
-    row_index: torch.Tensor,
-    weights: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def topk_merge_torch(h_res: torch.Tensor, shared: torch.Tensor | None, rows: torch.Tensor, row_index: torch.Tensor,
+                     weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: the model's own combine over the gathered rows (module docstring: the exact operation order)."""
     _check(h_res, shared, rows, row_index, weights, out)
     h_next = combine(h_res, shared, rows[row_index], weights)
@@ -69,14 +63,8 @@ def _topk_merge_kernel(
 _TOPK_MERGE = LazyJit(_topk_merge_kernel)
 
 
-def topk_merge_triton(
-    h_res: torch.Tensor,
-    shared: torch.Tensor | None,
-    rows: torch.Tensor,
-    row_index: torch.Tensor,
-    weights: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def topk_merge_triton(h_res: torch.Tensor, shared: torch.Tensor | None, rows: torch.Tensor, row_index: torch.Tensor,
+                      weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version: one pass over the k gathered rows, shared and residual."""
     _check(h_res, shared, rows, row_index, weights, out)
     T, H = h_res.shape
@@ -107,14 +95,8 @@ def topk_merge_triton(
     return dest if out is dest else dest.copy_(out)
 
 
-def topk_merge(
-    h_res: torch.Tensor,
-    shared: torch.Tensor | None,
-    rows: torch.Tensor,
-    row_index: torch.Tensor,
-    weights: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def topk_merge(h_res: torch.Tensor, shared: torch.Tensor | None, rows: torch.Tensor, row_index: torch.Tensor,
+               weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """h_next[T,H] from the residual, optional shared-expert output and k scattered expert rows.
 
     h_res [T,H]; shared [T,H] or None; rows [N,H] (any order); row_index [T,k] int64 (row of slot
