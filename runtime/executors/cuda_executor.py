@@ -200,8 +200,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         return self._k_row, self._v_row, self.dtype
 
     def _view(self, kv) -> DeviceBlockTables:
-        serial = getattr(kv, "_cuda_exec_serial", None)
-        dv = self._views.get(serial) if serial is not None else None
+        dv = self._views.get(getattr(kv, "_cuda_exec_serial", None))  # (None: a store not seen yet)
         if dv is None:
             for layer in range(self.spec.num_layers):
                 kv.preallocate(layer, self._k_row, self._v_row, self.dtype, self.device)
@@ -220,9 +219,8 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         serial = getattr(kv, "_cuda_exec_serial", None)
         if serial is None:
             return
-        dv = self._views.pop(serial, None)
-        if dv is not None:
-            kv.device_view = None
+        self._views.pop(serial, None)
+        kv.device_view = None
         self.graphs.drop(lambda k: k[0] == "attn" and k[3] == serial)
         kv._cuda_exec_serial = None
 

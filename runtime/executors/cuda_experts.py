@@ -172,13 +172,11 @@ class ExpertsMixin:
         (the merge group's buffer: runtime/merge.MergeTable.rows_at), else into a tensor of its own."""
         tm = self._expert_timer
         tm.start()
-        k = self.top_k
         T = sum(p.shape[0] for p in payloads)
-        b, static = self._expert_bucket(T * k)
+        b, static = self._expert_bucket(T * self.top_k)
         bufs = self._routed_bufs(b, static)
-        H = self.spec.hidden_size
         payload_T, tail_pad, y_T = self._kept(("routed", b, T), static, lambda: (
-            bufs["payload"][:T], bufs["payload"][T:, H:], bufs["y"][:T]))
+            bufs["payload"][:T], bufs["payload"][T:, self.spec.hidden_size:], bufs["y"][:T]))
         if len(payloads) == 1:
             payload_T.copy_(payloads[0])
         else:
