@@ -85,8 +85,7 @@ class TorchExecutor(ExecutorBase):
         x, ids, weights = unpack_routed(row_blocks(payloads), self.spec.hidden_size)
         flat = ids.to(torch.long).reshape(-1)
         k = ids.shape[1]
-        held = owned[flat]
-        rows = torch.nonzero(held).squeeze(1)
+        rows = torch.nonzero(owned[flat]).squeeze(1)  # the slots of experts held here
         slots = torch.zeros((flat.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         if rows.numel():
             slots[rows] = self.experts(layer, x.index_select(0, rows // k), flat[rows])
