@@ -93,6 +93,19 @@ def _expert_tile(offsets_ptr, E, pid, BLOCK_M: tl.constexpr, BLOCK_E: tl.constex
     return e, row_start, row_end
 
 
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # acc + a @ b. UPCAST: the interpreter's bf16 dot is wrong, fp32 is exact enough to compare; IEEE: fp32 inputs
+    # take no TF32, so fp32 runs match the fp32 reference closely.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 def _gate_up_kernel(
     x_ptr, offsets_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr,
     E, H, I, alpha, limit,
@@ -119,16 +132,8 @@ def _gate_up_kernel(
         wmask = kmask[:, None] & cmask[None, :]
         bg = tl.load(wg_ptr + w_off + cols[None, :] * H + ks[:, None], mask=wmask, other=0.0)
         bu = tl.load(wu_ptr + w_off + cols[None, :] * H + ks[:, None], mask=wmask, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 is exact enough to compare
-            a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-            bu = bu.to(tl.float32)
-        if IEEE:  # fp32 inputs: no TF32, so fp32 runs match the fp32 reference closely
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+        acc_g = _dot(a, bg, acc_g, UPCAST, IEEE)
+        acc_u = _dot(a, bu, acc_u, UPCAST, IEEE)
     if HAS_BIAS:
         acc_g += tl.load(bg_ptr + e.to(tl.int64) * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bu_ptr + e.to(tl.int64) * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -163,21 +168,15 @@ def _down_kernel(
         kmask = ks < I
         a = tl.load(h_ptr + rows[:, None] * I + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(wd_ptr + w_off + cols[None, :] * I + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, UPCAST, IEEE)
     if HAS_BIAS:
         acc += tl.load(bd_ptr + e.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
 
-_GATE_UP = LazyJit(_gate_up_kernel, helpers=(_expert_tile,))
-_DOWN = LazyJit(_down_kernel, helpers=(_expert_tile,))
+_GATE_UP = LazyJit(_gate_up_kernel, helpers=(_expert_tile, _dot))
+_DOWN = LazyJit(_down_kernel, helpers=(_expert_tile, _dot))
 
 
 def grouped_ffn_triton(
