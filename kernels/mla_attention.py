@@ -46,8 +46,7 @@ def paged_mla_attention_gather(q: Tensor, cache: Tensor, rank: int, block_table:
     per row (B x width x block rows of R + P values: the CUDA executor's width is max_context)."""
     _check(q, cache, rank)
     B, nh, _ = q.shape
-    bs = cache.shape[1]
-    L = block_table.shape[1] * bs
+    L = block_table.shape[1] * cache.shape[1]  # pages x page size
     # in the cache's dtype (the products accumulate in fp32): a float copy of the gathered rows would double them
     rows = cache[block_table.to(torch.int64)].view(B, L, cache.shape[3])  # [B, L, R + P]
     scores = torch.bmm(q.to(rows.dtype), rows.transpose(1, 2)).float() * scale  # [B, nh, L]

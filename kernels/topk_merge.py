@@ -81,8 +81,7 @@ def topk_merge_triton(h_res: torch.Tensor, shared: torch.Tensor | None, rows: to
     row_index = row_index.contiguous()
     weights = weights.contiguous()
     block_h = min(1024, next_power_of_2(H))
-    grid = (T, cdiv(H, block_h))
-    _TOPK_MERGE[grid](
+    _TOPK_MERGE[(T, cdiv(H, block_h))](
         h_res, shared if shared is not None else h_res, rows, row_index, weights, out,
         H, h_res.stride(0), shared.stride(0) if shared is not None else 0, rows.stride(0), out.stride(0),
         K=row_index.shape[1], HAS_SHARED=shared is not None, BLOCK_H=block_h,

@@ -154,10 +154,7 @@ class AttentionMixin:
 
     def _rope_table(self, positions: int) -> tuple[Tensor, Tensor]:
         """cos, sin [positions, r/2] on the device (dataflow_kernels.rope_kv_write.rope_table), made once per length."""
-        t = self._rope_tables.get(positions)
-        if t is None:
-            t = self._rope_tables[positions] = rope_table(self._inv_freq, self._rope_scaling, positions)
-        return t
+        return self._kept(("rope", positions), True, lambda: rope_table(self._inv_freq, self._rope_scaling, positions))
 
     def _attn_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
         def make() -> dict[str, Tensor]:

@@ -94,9 +94,10 @@ class StaticInputs:
 
     def _kept(self, key: tuple, static: bool, make):
         """What `make()` returns for `key`, made once and kept when static: a bucket's static buffers (a dict of
-        tensors, key (kind, bucket): every graph of the bucket reads and writes them), or the views of a batch's first
+        tensors, key (kind, bucket): every graph of the bucket reads and writes them), the views of a batch's first
         rows of them (key (kind, bucket, rows): a slice is a torch call, ~10-25 us on the H200 host; the static buffers
-        never change once made). Made each time for an eager batch (its own buffers)."""
+        never change once made), or a device table (the RoPE cos/sin: ("rope", positions)). Made each time for an
+        eager batch (its own buffers)."""
         if not static:
             return make()
         got = self._kept_views.get(key)
@@ -127,10 +128,7 @@ class StaticInputs:
         tensors of their own (Tensor.set_ repoints them where they are held), and the bucket clones its outputs for
         its next _CLAIM_BACKOFF batches. In one wave's steady decode they are gone by then: the group's combine read
         h_res before the wave's next attention batch was made, and x lived in the batch that is done."""
-        held = self._out_claims.pop(b, None)
-        if held is None:
-            return
-        live = [t for t in (r() for r in held) if t is not None]
+        live = [t for t in (r() for r in self._out_claims.pop(b, ())) if t is not None]
         if not live:
             return
         for t in live:

@@ -125,7 +125,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
         self.stats = ExecStats()
-        self.last_prepare: Optional[dict] = None  # where the last prepare() spent its time (prepare's doc)
         self._mla = a.kind == "mla"
         if not self._mla:  # q, k and v in one GEMM (three GEMMs took 30 us at B=256, k's and v's latency-bound)
             self.w = stack_qkv(self.w)
@@ -136,7 +135,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         # from a cos/sin table per position; MLA (interleaved pairs, latent K) and a q/k norm applied after RoPE
         # (Hunyuan) keep the torch ops
         self._rope_kv_fused = not self._mla and not a.rope.interleaved and not a.qk_norm_after_rope
-        self._rope_tables: dict[int, tuple[Tensor, Tensor]] = {}  # positions -> (cos, sin) tables (_rope_table)
         if self._mla:
             # the latent cache (models.attention): K = [latent, roped key] of one kv head shared by all heads, no V
             self._k_row, self._v_row = (1, a.kv_lora_rank + a.qk_rope_head_dim), (1, 0)
@@ -277,8 +275,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         kept per T. One buffer serves every batch: each upload into it is queued after the previous batch's gather."""
         if self._embed_ids is None or self._embed_ids.numel() < T:
             self._embed_ids = torch.empty(max(T, 256), dtype=torch.int64, device=self.device)
-        buf = self._embed_ids
-        return self._kept(("embed_ids", buf.numel(), T), True, lambda: (buf[:T],))[0]
+        return self._kept(("embed_ids", self._embed_ids.numel(), T), True, lambda: (self._embed_ids[:T],))[0]
 
     def _mark(self) -> Optional[torch.cuda.Event]:
         if self.profile is None or self.device.type != "cuda":
