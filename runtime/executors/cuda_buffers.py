@@ -55,7 +55,7 @@ class ExecStats:
     attn_graph: int = 0
     attn_paged_eager: int = 0  # through the paged kernels without a graph (over the largest bucket, or graphs off)
     attn_paged_prompt: int = 0  # batches holding a prompt's chunk that went through the paged kernels
-    attn_eager: int = 0  # by models.attention (a sequence without a table row; prompts='split' / 'eager')
+    attn_eager: int = 0  # by models.attention (a sequence without a table row; prompts='eager')
     attn_claims_used: int = 0  # decode batches whose input a combine had written in place (no input copy)
     attn_claims_moved: int = 0  # another output's rows moved out of a bucket's input first (_attn_input)
     attn_outputs_moved: int = 0  # a bucket's last outputs still held when it replayed again: moved out first

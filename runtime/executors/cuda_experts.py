@@ -108,7 +108,7 @@ class ExpertsMixin:
     def experts(self, layer: int, x, expert_ids: list[int]) -> Tensor:
         tm = self._expert_timer
         tm.start()
-        # x: [N, H], or its row blocks (runtime/executor.row_blocks), concatenated below straight into
+        # x: [N, H], or its row blocks (runtime/executors/torch_executor.row_blocks), concatenated below straight into
         # the static input (one copy, not a cat and then a copy).
         blocks = [self._to_dev(x)] if isinstance(x, Tensor) else [self._to_dev(b) for b in x]
         N = sum(b.shape[0] for b in blocks)
@@ -169,7 +169,7 @@ class ExpertsMixin:
         token row goes to its k slots, the ids map to held rows (slots of experts this rank does not own -> the
         padding id), the expert FFN runs, the slots it does not own are zeroed, and topk_merge sums each token's
         slots with their weights (from zero, slot order, fp32): one row per token out, copied into `out` when given
-        (the merge group's buffer: runtime/merge.MergeTable.rows_at), else into a tensor of its own."""
+        (the merge group's buffer: runtime/core/merge.py MergeTable.rows_at), else into a tensor of its own."""
         tm = self._expert_timer
         tm.start()
         T = sum(p.shape[0] for p in payloads)
