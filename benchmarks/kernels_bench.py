@@ -45,12 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dataflow_kernels.dispatch import triton_available  # noqa: E402
 from dataflow_kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton  # noqa: E402
 from dataflow_kernels.mla_attention import (  # noqa: E402
-    paged_mla_attention_gather, paged_mla_attention_torch, paged_mla_attention_triton, triton_fits,
+    paged_mla_attention, paged_mla_attention_gather, triton_fits,
 )
 from dataflow_kernels.paged_attention import paged_decode_attention_torch, paged_decode_attention_triton  # noqa: E402
-from dataflow_kernels.permute import (  # noqa: E402
-    gather_rows_torch, gather_rows_triton, permute_to_experts_torch, permute_to_experts_triton,
-)
+from dataflow_kernels.permute import permute_to_experts_torch, permute_to_experts_triton  # noqa: E402
 from dataflow_kernels.topk_merge import topk_merge_torch, topk_merge_triton  # noqa: E402
 from lab.floors import measure_copy_bps  # noqa: E402
 
@@ -200,7 +198,7 @@ def bench_topk_merge(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bool)
 
 
 def bench_permute(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bool) -> None:
-    H, k, dev, es = S["H"], S["k"], r.device, torch.finfo(dtype).bits // 8
+    k, dev = S["k"], r.device
     for E in S["experts"]:
         for N in S["ffn_rows"]:
             T = max(1, N // k)
@@ -210,15 +208,6 @@ def bench_permute(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bool) ->
             if use_triton:
                 impls["triton"] = lambda: permute_to_experts_triton(ids, E)
             r.run("permute", dict(T=T, k=k, E=E), impls, 16 * T * k + 8 * (E + 1), 0, exact)
-    for N in S["ffn_rows"]:
-        T = max(1, N // k)
-        x = torch.randn(T, H, device=dev, dtype=dtype)
-        src = torch.randint(0, T, (N,), device=dev)
-        # bytes: N rows read and written, plus the int64 source index
-        impls = {"torch": lambda: gather_rows_torch(x, src)}
-        if use_triton:
-            impls["triton"] = lambda: gather_rows_triton(x, src)
-        r.run("gather_rows", dict(N=N, H=H), impls, 2 * N * H * es + 8 * N, 0, exact)
 
 
 def bench_grouped_ffn(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bool) -> None:
@@ -294,10 +283,10 @@ def bench_mla_attention(r: Recorder, S: dict, dtype: torch.dtype, use_triton: bo
                 cache = torch.randn(B * max_blocks, bs, 1, R + P, device=dev, dtype=dtype)
                 q = torch.randn(B, nh, R + P, device=dev, dtype=dtype)
                 args = (q, cache, R, table, lens, scale)
-                impls = {"torch": lambda: paged_mla_attention_torch(*args),
+                impls = {"torch": lambda: paged_mla_attention(*args),
                          "gather": lambda: paged_mla_attention_gather(*args)}
                 if use_triton and triton_fits(nh, R, dtype):
-                    impls["triton"] = lambda: paged_mla_attention_triton(*args)
+                    impls["triton"] = lambda: paged_mla_attention(*args, impl="triton")
                 r.run("mla_latent", shape, impls, ctx * (R + P) * es + B * nh * (2 * R + P) * es + table.numel() * 4,
                       2 * ctx * nh * (2 * R + P), close(2e-2 if dtype != torch.float32 else 1e-4))
                 del cache

@@ -6,9 +6,9 @@ is the hardware-free half of a host-path change's cost: a served run of the tiny
 ranks, 16 one-token requests, 8 new tokens each), with the calls made inside CudaExecutor.route /
 route_arrays (reading the routing), CudaExecutor._attn_decode (the executor's host side of a decode attention
 batch: staging, copies, the graph launch counted as one call, not the body the CPU twin runs eagerly) and
-Engine._complete_attn (the dispatch) counted per attention batch, and CudaExecutor._experts (the host side of an
+Engine._complete_attn (the dispatch) counted per attention batch, and CudaExecutor.experts (the host side of an
 expert batch) per expert batch. With DATAFLOW_DISPATCH=device the device-routed path instead: routed_payload,
-_complete_attn's routed dispatch and _experts_routed. Per sample batch: CudaExecutor.logits (the sample graph's
+_complete_attn's routed dispatch and experts_routed. Per sample batch: CudaExecutor.logits (the sample graph's
 host side since session 11) and sample_batch_start.
 The twin's dispatch takes the CPU branch of the merge (no packed upload), so the CUDA path's count differs
 by the upload's calls; the routing read is the same code.
@@ -68,19 +68,19 @@ def main() -> None:
             count.where = where
     StepGraph.run = run
     for cls, name in ((Engine, "_complete_attn"), (CudaExecutor, "route"), (CudaExecutor, "route_arrays"),
-                      (CudaExecutor, "routed_payload"), (CudaExecutor, "_attn_decode"), (CudaExecutor, "_experts"),
-                      (CudaExecutor, "_experts_routed"), (CudaExecutor, "logits"),
+                      (CudaExecutor, "routed_payload"), (CudaExecutor, "_attn_decode"), (CudaExecutor, "experts"),
+                      (CudaExecutor, "experts_routed"), (CudaExecutor, "logits"),
                       (CudaExecutor, "sample_batch_start")):
         real = getattr(cls, name, None)
         if real is None:
             continue
 
-        def wrapped(self, *a, real=real, name=name):
+        def wrapped(self, *a, real=real, name=name, **kw):
             if name == "logits":
                 count.samples += 1
             outer, count.where = count.where, count.where or name  # the outermost counted call owns its calls
             try:
-                return real(self, *a)
+                return real(self, *a, **kw)
             finally:
                 count.where = outer
         setattr(cls, name, wrapped)
@@ -92,7 +92,7 @@ def main() -> None:
                            weights=random_weights(spec))
     n, ne = res.metrics["attn_batches"], res.metrics["expert_batches"]
     print(f"{n} attention batches, {ne} expert batches; torch calls per batch: "
-          + ", ".join(f"{k} {v / (ne if k.startswith('_experts') else count.samples if k in ('logits', 'sample_batch_start') else n):.1f}"
+          + ", ".join(f"{k} {v / (ne if k.startswith('experts') else count.samples if k in ('logits', 'sample_batch_start') else n):.1f}"
                       for k, v in sorted(count.n.items()))
           + f" (logits and sample_batch_start: per sample batch, {count.samples} of them)")
 

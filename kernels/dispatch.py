@@ -78,14 +78,9 @@ def use_backend(choice: str) -> None:
     _backend = choice
 
 
-def requested() -> str:
-    """The backend set by `use_backend` ("auto" unless set)."""
-    return _backend
-
-
 def backend_for(*tensors: torch.Tensor | None) -> str:
     """"triton" or "torch" for a call over these tensors (None entries are ignored)."""
-    choice = requested()
+    choice = _backend
     present = [t for t in tensors if t is not None]
     if choice == "torch":
         return "torch"

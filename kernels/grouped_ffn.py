@@ -11,7 +11,7 @@
 `gptoss_glu` is transformers' GptOssExperts._apply_gate (after de-interleaving its fused
 gate_up projection into w_gate / w_up, which models/checkpoint.py does).
 
-Two implementations, same signature:
+Two implementations, same signature (the CUDA executor picks one: its `ffn_impl`):
 - torch reference: a loop over the non-empty experts, op for op `models.moe.experts_rows` with its
   activation (`models.moe.glu`), so equal to it bit for bit; the loop needs the offsets on the host,
   i.e. one synchronization.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, interpreting, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, cdiv, interpreting, kernel_store_dtype, next_power_of_2
 from models.moe import glu  # the reference's activation is the model's own
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
@@ -93,6 +93,19 @@ def _expert_tile(offsets_ptr, E, pid, BLOCK_M: tl.constexpr, BLOCK_E: tl.constex
     return e, row_start, row_end
 
 
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # acc + a @ b. UPCAST: the interpreter's bf16 dot is wrong, fp32 is exact enough to compare; IEEE: fp32 inputs
+    # take no TF32, so fp32 runs match the fp32 reference closely.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 def _gate_up_kernel(
     x_ptr, offsets_ptr, wg_ptr, wu_ptr, bg_ptr, bu_ptr, h_ptr,
     E, H, I, alpha, limit,
@@ -119,16 +132,8 @@ def _gate_up_kernel(
         wmask = kmask[:, None] & cmask[None, :]
         bg = tl.load(wg_ptr + w_off + cols[None, :] * H + ks[:, None], mask=wmask, other=0.0)
         bu = tl.load(wu_ptr + w_off + cols[None, :] * H + ks[:, None], mask=wmask, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 is exact enough to compare
-            a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-            bu = bu.to(tl.float32)
-        if IEEE:  # fp32 inputs: no TF32, so fp32 runs match the fp32 reference closely
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+        acc_g = _dot(a, bg, acc_g, UPCAST, IEEE)
+        acc_u = _dot(a, bu, acc_u, UPCAST, IEEE)
     if HAS_BIAS:
         acc_g += tl.load(bg_ptr + e.to(tl.int64) * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(bu_ptr + e.to(tl.int64) * I + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -163,27 +168,15 @@ def _down_kernel(
         kmask = ks < I
         a = tl.load(h_ptr + rows[:, None] * I + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(wd_ptr + w_off + cols[None, :] * I + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, UPCAST, IEEE)
     if HAS_BIAS:
         acc += tl.load(bd_ptr + e.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
 
-_GATE_UP = LazyJit(_gate_up_kernel, helpers=(_expert_tile,))
-_DOWN = LazyJit(_down_kernel, helpers=(_expert_tile,))
-
-
-def default_block_m(num_rows: int, num_experts: int) -> int:
-    """Row tile: small when experts get few rows (decode), so padding rows waste little."""
-    avg = num_rows / max(num_experts, 1)
-    return 16 if avg <= 16 else 32 if avg <= 32 else 64
+_GATE_UP = LazyJit(_gate_up_kernel, helpers=(_expert_tile, _dot))
+_DOWN = LazyJit(_down_kernel, helpers=(_expert_tile, _dot))
 
 
 def grouped_ffn_triton(
@@ -205,7 +198,8 @@ def grouped_ffn_triton(
     y = torch.empty((N, H), dtype=store_dtype, device=x.device)
     if N == 0:
         return y.to(x.dtype)
-    bm = block_m or default_block_m(N, E)
+    avg = N / max(E, 1)  # row tile: small when experts get few rows (decode), so padding rows waste little
+    bm = block_m or (16 if avg <= 16 else 32 if avg <= 32 else 64)
     # Upper bound on row tiles: each expert adds at most one partial tile. Depends only on N and
     # E, never on the routing, so the launch is CUDA-graph safe; surplus programs exit at once.
     grid_m = min(cdiv(N, bm) + E, N)
@@ -227,22 +221,3 @@ def grouped_ffn_triton(
         h, offsets, w_down, b_down if has_bias else x, y, E, H, I, HAS_BIAS=has_bias, **common,
     )
     return y.to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# dispatch
-
-
-def grouped_ffn(
-    x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None,
-    activation: str = "silu_glu", alpha: float = 1.702, limit: float = 7.0,
-) -> torch.Tensor:
-    """y [N, H] for rows x_sorted [N, H] sorted by expert (see the module docstring).
-
-    expert_offsets [E+1] int64; weights [E, I, H] / [E, H, I]; biases [E, I] / [E, H] or None.
-    `dataflow_kernels.dispatch.backend_for` picks Triton or torch.
-    """
-    args = (x_sorted, expert_offsets, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, alpha, limit)
-    if backend_for(x_sorted, w_gate, w_up, w_down) == "triton":
-        return grouped_ffn_triton(*args)
-    return grouped_ffn_torch(*args)

@@ -8,13 +8,13 @@ This is the paged decode attention of kernels/paged_attention.py with one kv hea
 cache, and the same context, window and sink semantics. Row i sits at position context_lens[i] - 1 and sees keys
 0..context_lens[i]-1 of its page-table row.
 
-Three forms, one result:
-- `paged_mla_attention_torch`: the reference (paged_decode_attention_torch: a host loop, not capturable);
+Three forms, one result (`paged_mla_attention` picks one):
+- the reference (impl="torch": paged_decode_attention_torch over the cache: a host loop, not capturable);
 - `paged_mla_attention_gather`: torch ops without a host sync (capturable in a CUDA graph): every row gathers its
   table row's pages (the table's full width) and masks past its context; the GPU's fallback where the Triton kernel's
   tiles do not fit (`triton_fits`: fp32 caches, more than 16 heads);
-- `paged_mla_attention_triton`: the Triton flash-decoding kernel of kernels/paged_attention.py over the same views
-  (all query heads of a sequence in one program: their head group is nh).
+- the Triton flash-decoding kernel of kernels/paged_attention.py over the same views (impl="triton" where it fits;
+  all query heads of a sequence in one program: their head group is nh).
 """
 from __future__ import annotations
 
@@ -40,30 +40,13 @@ def _check(q: Tensor, cache: Tensor, rank: int) -> None:
                          f"query {tuple(q.shape)}: expected [pages, block, 1, {q.shape[2]}]")
 
 
-def latent_write_torch(c: Tensor, posc: Tensor, rows: Tensor, table: Tensor, block_size: int, cache: Tensor) -> None:
-    """Row i of c [b, 1, R + P] into the cache at position posc[i] (int64, >= 0) of table row rows[i]: slot =
-    table[rows, posc // bs] * bs + posc % bs of the flattened [pages * bs, 1, R + P] cache (dataflow_kernels.rope_kv_write's
-    slot arithmetic, K only: the latent cache has no V)."""
-    page = table[rows.to(torch.int64), torch.div(posc, block_size, rounding_mode="floor")].to(torch.int64)
-    slot = page * block_size + posc % block_size
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot, c.to(cache.dtype))
-
-
-def paged_mla_attention_torch(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor,
-                              scale: float, sinks: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
-    """Reference: [B, nh, rank] (module docstring)."""
-    _check(q, cache, rank)
-    return paged_decode_attention_torch(q, cache, cache[..., :rank], block_table, context_lens, scale, sinks, window)
-
-
 def paged_mla_attention_gather(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor,
                                scale: float, sinks: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
     """Capturable torch form: [B, nh, rank], fp32 softmax like the reference. Reads block_table's full width of pages
     per row (B x width x block rows of R + P values: the CUDA executor's width is max_context)."""
     _check(q, cache, rank)
     B, nh, _ = q.shape
-    bs = cache.shape[1]
-    L = block_table.shape[1] * bs
+    L = block_table.shape[1] * cache.shape[1]  # pages x page size
     # in the cache's dtype (the products accumulate in fp32): a float copy of the gathered rows would double them
     rows = cache[block_table.to(torch.int64)].view(B, L, cache.shape[3])  # [B, L, R + P]
     scores = torch.bmm(q.to(rows.dtype), rows.transpose(1, 2)).float() * scale  # [B, nh, L]
@@ -86,19 +69,13 @@ def triton_fits(num_heads: int, rank: int, dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and max(16, next_power_of_2(num_heads)) * next_power_of_2(rank) <= TRITON_MAX_TILE
 
 
-def paged_mla_attention_triton(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor,
-                               scale: float, sinks: Optional[Tensor] = None, window: Optional[int] = None) -> Tensor:
-    """The Triton flash-decoding kernel over the latent cache: [B, nh, rank]."""
-    _check(q, cache, rank)
-    return paged_decode_attention_triton(q, cache, cache[..., :rank], block_table, context_lens, scale, sinks, window)
-
-
 def paged_mla_attention(q: Tensor, cache: Tensor, rank: int, block_table: Tensor, context_lens: Tensor, scale: float,
                         sinks: Optional[Tensor] = None, window: Optional[int] = None, *, impl: str = "torch") -> Tensor:
     """[B, nh, rank] by `impl`: "torch" (the reference), or "triton" (the GPU's choice): the Triton kernel where
-    `triton_fits`, else the capturable gather form."""
-    if impl == "torch":
-        return paged_mla_attention_torch(q, cache, rank, block_table, context_lens, scale, sinks, window)
-    if triton_fits(q.shape[1], rank, cache.dtype):
-        return paged_mla_attention_triton(q, cache, rank, block_table, context_lens, scale, sinks, window)
-    return paged_mla_attention_gather(q, cache, rank, block_table, context_lens, scale, sinks, window)
+    `triton_fits`, else the capturable gather form. The reference and the kernel are kernels/paged_attention.py's
+    over the cache, with V its first `rank` channels (a view)."""
+    if impl == "triton" and not triton_fits(q.shape[1], rank, cache.dtype):
+        return paged_mla_attention_gather(q, cache, rank, block_table, context_lens, scale, sinks, window)
+    _check(q, cache, rank)
+    attend = paged_decode_attention_triton if impl == "triton" else paged_decode_attention_torch
+    return attend(q, cache, cache[..., :rank], block_table, context_lens, scale, sinks, window)

@@ -264,8 +264,7 @@ def _sm_count(device: torch.device) -> int:
 def default_num_splits(batch: int, nkv: int, max_context: int, device: torch.device) -> int:
     """Context splits per (sequence, kv head): enough programs for ~2 waves over the SMs, but each
     split at least 256 positions long. Uses shapes only (no host sync, CUDA-graph safe)."""
-    sms = _sm_count(device)
-    want = cdiv(2 * sms, max(batch * nkv, 1))
+    want = cdiv(2 * _sm_count(device), max(batch * nkv, 1))
     return max(1, min(want, cdiv(max_context, 256), 64))
 
 

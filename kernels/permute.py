@@ -1,21 +1,22 @@
-"""Permute: put the (token, slot) rows of a routed batch into expert order, and gather them.
+"""Permute: the order that puts the (token, slot) rows of a routed batch into expert order.
 
 The grouped expert FFN wants the rows of one expert contiguous. `permute_to_experts` computes the
-order (a stable counting sort by expert id) and the per-expert offsets; `gather_rows` then copies
-token rows into that order (`x_sorted = gather_rows(x, order // k)`).
+order (a stable counting sort by expert id) and the per-expert offsets; the caller then gathers the
+token rows into that order (`x_sorted = x[order // k]`).
 
 Row numbering: the flat row `r = t * k + j` is slot j of token t. `order[i]` is the flat row that
 lands at sorted position i. Stability (equal experts keep flat order, i.e. by token then slot) is
 part of the contract: it makes the sorted batch, hence its floating point results, deterministic.
-Expert ids must lie in [0, num_experts); the kernels do not check (a check would need a host
-synchronization), out-of-range rows are simply not placed.
+Expert ids must lie in [0, num_experts]; the kernels do not check (a check would need a host
+synchronization). Rows of id num_experts (the CUDA executor's padding sentinel) are in no expert's range: the
+reference sorts them last, the Triton kernel does not place them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dataflow_kernels.dispatch import LazyJit, cdiv, kernel_store_dtype, next_power_of_2
+from dataflow_kernels.dispatch import LazyJit, cdiv, next_power_of_2
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
@@ -25,12 +26,14 @@ tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/
 
 
 def permute_to_experts_torch(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: stable argsort of the flat expert ids + bincount offsets."""
+    """Reference: stable argsort of the flat expert ids + offsets from counts by scatter_add into num_experts + 1
+    bins (the sentinel's the last), with no host sync (bincount would read the max on the host): capturable."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, dim=0)
+    offsets[1:] = torch.cumsum(counts[:num_experts], dim=0)
     return order, offsets
 
 
@@ -85,42 +88,3 @@ def permute_to_experts_triton(expert_ids: torch.Tensor, num_experts: int) -> tup
     _PERMUTE[(max(1, cdiv(n, block_n)),)](flat, order, offsets, n, num_experts, BLOCK_N=block_n, BLOCK_E=block_e,
                                           num_warps=4)
     return order, offsets
-
-
-# ---------------------------------------------------------------------------------------------
-# gather_rows
-
-
-def gather_rows_torch(x: torch.Tensor, src_token: torch.Tensor) -> torch.Tensor:
-    """Reference: out[i] = x[src_token[i]]."""
-    return x[src_token]
-
-
-def _gather_kernel(x_ptr, src_ptr, out_ptr, H, stride_x, stride_out, BLOCK_H: tl.constexpr):
-    # One program per (output row, block of columns): a pure copy, bandwidth bound.
-    i = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    src = tl.load(src_ptr + i).to(tl.int64)
-    row = tl.load(x_ptr + src * stride_x + cols, mask=mask)
-    tl.store(out_ptr + i * stride_out + cols, row.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_GATHER = LazyJit(_gather_kernel)
-
-
-def gather_rows_triton(x: torch.Tensor, src_token: torch.Tensor) -> torch.Tensor:
-    """Triton version of `x[src_token]`."""
-    n, H = src_token.shape[0], x.shape[1]
-    # A copy never rounds, so the interpreter's broken downcast does not matter here; the store
-    # dtype helper is used anyway so that every kernel follows the same rule.
-    out = torch.empty((n, H), dtype=kernel_store_dtype(x.dtype), device=x.device)
-    if n == 0 or H == 0:
-        return out.to(x.dtype)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    block_h = min(1024, next_power_of_2(H))
-    _GATHER[(n, cdiv(H, block_h))](x, src_token.contiguous(), out, H, x.stride(0), out.stride(0),
-                                   BLOCK_H=block_h, num_warps=4)
-    return out.to(x.dtype)
-

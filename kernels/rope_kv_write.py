@@ -26,8 +26,6 @@ Only the rotate-half form of GQA families (not DeepSeek's interleaved pairs, whi
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -44,14 +42,14 @@ def rope_table(inv_freq: Tensor, scaling: float, positions: int) -> tuple[Tensor
     return cos.contiguous(), sin.contiguous()
 
 
-def kv_write_torch(k: Tensor, v: Tensor, posc: Tensor, rows: Tensor, table: Tensor, block_size: int,
-                   kc: Tensor, vc: Tensor) -> None:
-    """Row i's K/V into the paged cache at position posc[i] (int64, >= 0) of table row rows[i]: slot = table[rows,
-    posc // bs] * bs + posc % bs of the flattened [pages * bs, heads, dim] cache (the reference's write; MLA's too)."""
+def cache_write(posc: Tensor, rows: Tensor, table: Tensor, block_size: int, *writes: tuple[Tensor, Tensor]) -> None:
+    """For each (x, cache) of `writes`: row i of x into the paged cache at position posc[i] (int64, >= 0) of table row
+    rows[i]: slot = table[rows, posc // bs] * bs + posc % bs of the flattened [pages * bs, heads, dim] cache (the
+    reference's K and V writes; MLA's latent rows, which have no V)."""
     page = table[rows.to(torch.int64), torch.div(posc, block_size, rounding_mode="floor")].to(torch.int64)
     slot = page * block_size + posc % block_size
-    kc.view(-1, *kc.shape[2:]).index_copy_(0, slot, k.to(kc.dtype))
-    vc.view(-1, *vc.shape[2:]).index_copy_(0, slot, v.to(vc.dtype))
+    for x, cache in writes:
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot, x.to(cache.dtype))
 
 
 def rope_kv_write_torch(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, rows: Tensor, table: Tensor, block_size: int,
@@ -62,7 +60,7 @@ def rope_kv_write_torch(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, rows: Tens
     posc = pos.to(torch.int64).clamp(min=0)
     cos, sin = cos_tab.index_select(0, posc), sin_tab.index_select(0, posc)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv_write_torch(k, v, posc, rows, table, block_size, kc, vc)
+    cache_write(posc, rows, table, block_size, (k, kc), (v, vc))
     return q, (pos.to(torch.int64) + 1).to(torch.int32)
 
 
@@ -148,10 +146,9 @@ def rope_kv_write_triton(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, rows: Ten
 
 
 def rope_kv_write(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, rows: Tensor, table: Tensor, block_size: int,
-                  cos_tab: Tensor, sin_tab: Tensor, kc: Tensor, vc: Tensor,
-                  backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+                  cos_tab: Tensor, sin_tab: Tensor, kc: Tensor, vc: Tensor) -> tuple[Tensor, Tensor]:
     """RoPE on q and k, K/V into the paged cache, the context lengths (module docstring); Triton or torch via
-    `dataflow_kernels.dispatch.backend_for` unless `backend` names one."""
-    if (backend or backend_for(q, k, v, kc)) == "triton":
+    `dataflow_kernels.dispatch.backend_for`."""
+    if backend_for(q, k, v, kc) == "triton":
         return rope_kv_write_triton(q, k, v, pos, rows, table, block_size, cos_tab, sin_tab, kc, vc)
     return rope_kv_write_torch(q, k, v, pos, rows, table, block_size, cos_tab, sin_tab, kc, vc)

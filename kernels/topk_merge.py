@@ -5,8 +5,9 @@ receive buffer filled in arrival order). The merge reads them through `row_index
 first copying them into a [T, k, H] tensor: that copy would read and write every row once more
 (the "fuse gather with top-k merge" trick of the StreamEP design).
 
-Semantics (equal to `models.layers.moe_combine(h_res, shared, rows[row_index], weights)`), in
-this exact order, because the distributed runtime must reproduce the reference bit for bit:
+Semantics (`models.layers.moe_combine(h_res, shared, rows[row_index], weights)`, which the torch reference calls:
+its gather is the copy the Triton kernel avoids), in this exact order, because the distributed runtime must reproduce
+the reference bit for bit (products and sums commute in IEEE arithmetic, so w * y and y * w round alike):
 
     acc = 0 (fp32)
     for j in 0..k-1:              slot order, the order `route` returned
@@ -24,28 +25,17 @@ from __future__ import annotations
 import torch
 
 from dataflow_kernels.dispatch import LazyJit, backend_for, cdiv, kernel_store_dtype, next_power_of_2
+from models.moe import combine  # the reference (models.layers.moe_combine)
 
 tl = None  # triton.language, bound by LazyJit at the first launch (see kernels/dispatch.py)
 
 
-def topk_merge_torch(
-    h_res: torch.Tensor,
-    shared: torch.Tensor | None,
-    rows: torch.Tensor,
-    row_index: torch.Tensor,
-    weights: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference: see the module docstring for the exact operation order."""
+def topk_merge_torch(h_res: torch.Tensor, shared: torch.Tensor | None, rows: torch.Tensor, row_index: torch.Tensor,
+                     weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: the model's own combine over the gathered rows (module docstring: the exact operation order)."""
     _check(h_res, shared, rows, row_index, weights, out)
-    acc = torch.zeros(h_res.shape, dtype=torch.float32, device=h_res.device)
-    for j in range(row_index.shape[1]):
-        y = rows[row_index[:, j]].float()
-        acc = acc + weights[:, j, None].float() * y
-    if shared is not None:
-        acc = acc + shared.float()
-    acc = acc + h_res.float()
-    return acc.to(h_res.dtype) if out is None else out.copy_(acc)
+    h_next = combine(h_res, shared, rows[row_index], weights)
+    return h_next if out is None else out.copy_(h_next)
 
 
 def _topk_merge_kernel(
@@ -73,14 +63,8 @@ def _topk_merge_kernel(
 _TOPK_MERGE = LazyJit(_topk_merge_kernel)
 
 
-def topk_merge_triton(
-    h_res: torch.Tensor,
-    shared: torch.Tensor | None,
-    rows: torch.Tensor,
-    row_index: torch.Tensor,
-    weights: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def topk_merge_triton(h_res: torch.Tensor, shared: torch.Tensor | None, rows: torch.Tensor, row_index: torch.Tensor,
+                      weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version: one pass over the k gathered rows, shared and residual."""
     _check(h_res, shared, rows, row_index, weights, out)
     T, H = h_res.shape
@@ -97,8 +81,7 @@ def topk_merge_triton(
     row_index = row_index.contiguous()
     weights = weights.contiguous()
     block_h = min(1024, next_power_of_2(H))
-    grid = (T, cdiv(H, block_h))
-    _TOPK_MERGE[grid](
+    _TOPK_MERGE[(T, cdiv(H, block_h))](
         h_res, shared if shared is not None else h_res, rows, row_index, weights, out,
         H, h_res.stride(0), shared.stride(0) if shared is not None else 0, rows.stride(0), out.stride(0),
         K=row_index.shape[1], HAS_SHARED=shared is not None, BLOCK_H=block_h,
@@ -111,14 +94,8 @@ def topk_merge_triton(
     return dest if out is dest else dest.copy_(out)
 
 
-def topk_merge(
-    h_res: torch.Tensor,
-    shared: torch.Tensor | None,
-    rows: torch.Tensor,
-    row_index: torch.Tensor,
-    weights: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def topk_merge(h_res: torch.Tensor, shared: torch.Tensor | None, rows: torch.Tensor, row_index: torch.Tensor,
+               weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """h_next[T,H] from the residual, optional shared-expert output and k scattered expert rows.
 
     h_res [T,H]; shared [T,H] or None; rows [N,H] (any order); row_index [T,k] int64 (row of slot

@@ -223,18 +223,18 @@ def test_device_tables_follow_reserve_and_release():
     kv.reserve(7, 10)  # before attachment
     ex = CudaExecutor(spec, w, device="cpu", max_context=16, table_rows=2)
     dv = ex._view(kv)
-    r7 = dv.row_of(7)
+    r7 = dv.rows_of([7])[0]
     assert dv.table[r7, :3].tolist() == kv.table(7)
     kv.reserve(8, 4)
-    assert dv.table[dv.row_of(8), :1].tolist() != kv.table(8)  # noted, written by the next batch's flush ...
+    assert dv.table[dv.rows_of([8])[0], :1].tolist() != kv.table(8)  # noted, written by the next batch's flush ...
     assert ex._view(kv) is dv  # (the executor flushes before every attention batch)
-    assert dv.table[dv.row_of(8)].tolist() == kv.table(8) + [16] * 3  # ... the whole row: its pages, then trash
+    assert dv.table[dv.rows_of([8])[0]].tolist() == kv.table(8) + [16] * 3  # ... the whole row: its pages, then trash
     kv.reserve(9, 4)  # no row left: eager path for it
-    assert dv.row_of(9) is None and dv.overflow == 1
+    assert dv.rows_of([9])[0] is None and dv.overflow == 1
     kv.release(7)
-    assert dv.row_of(7) is None
+    assert dv.rows_of([7])[0] is None
     kv.reserve(10, 20)  # 5 pages > width 4: no row
-    assert dv.row_of(10) is None
+    assert dv.rows_of([10])[0] is None
     assert dv.table[dv.trash_row].tolist() == [16] * 4  # trash row -> trash page (num_blocks)
     ex.detach(kv)
     assert kv.device_view is None
@@ -260,7 +260,7 @@ def test_device_table_rows_and_keys_are_written_together_at_the_next_flush():
     ex._view(kv)  # nothing new: no upload
     assert uploads == [(3, 2 + dv.width)]  # rows of 1 (its key), 3 and 4 (2's row, now 4's): one upload
     for seq in (1, 3, 4):
-        r = dv.row_of(seq)
+        r = dv.rows_of([seq])[0]
         pages = kv.table(seq)
         assert dv.table[r].tolist() == pages + [dv.trash_page] * (dv.width - len(pages))
         assert int(dv.keys[r]) == 100 + seq

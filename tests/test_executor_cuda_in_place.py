@@ -29,7 +29,7 @@ def test_a_combine_for_attention_writes_that_batchs_input_and_other_batches_move
     from the waiting ones, or another wave) moves the waiting rows out, so every input keeps its values, and the
     bucket's next _CLAIM_BACKOFF combines do not write in place. Outputs equal an executor that never writes in
     place, call for call."""
-    from runtime.executors.cuda_executor import _CLAIM_BACKOFF
+    from runtime.executors.cuda_buffers import _CLAIM_BACKOFF
     lens = [5, 2, 7]
     spec, w, kv_a, kv_b, h, seg = _decode_pair(lens, seed=4)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
@@ -37,7 +37,7 @@ def test_a_combine_for_attention_writes_that_batchs_input_and_other_batches_move
     T, H = 3, spec.hidden_size
     g = torch.Generator().manual_seed(5)
     h_res, y, wts = torch.randn(T, H, generator=g), torch.randn(T, 2, H, generator=g), torch.rand(T, 2, generator=g)
-    static_h = ex._attn_bufs(8, True)._t["h"]
+    static_h = ex._attn_bufs(8, True)["h"]
 
     def both(h_ex, h_plain, rows=(0, 1, 2)):
         pos, segs = [lens[i] for i in rows], [(i, j, 1) for j, i in enumerate(rows)]
@@ -80,7 +80,7 @@ def test_embedding_rows_go_into_the_attention_input_and_an_eager_batch_spends_th
     lens = [5, 2, 7]
     spec, w, kv_a, _, _, seg = _decode_pair(lens, seed=6)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]}, prompts="eager")
-    static_h = ex._attn_bufs(8, True)._t["h"]
+    static_h = ex._attn_bufs(8, True)["h"]
     toks = [11, 12, 13]
     e = ex.embed(toks)
     assert torch.equal(e, layers.embed(w, torch.tensor(toks))) and e.data_ptr() == static_h.data_ptr()
@@ -100,11 +100,11 @@ def test_attention_outputs_are_views_until_the_bucket_replays_and_held_ones_move
     while some are still held (another wave's merge group not combined yet), they move to tensors of their own first
     and keep their values, and the bucket clones its outputs for the next _CLAIM_BACKOFF batches; outputs dropped
     before the next replay move nowhere."""
-    from runtime.executors.cuda_executor import _CLAIM_BACKOFF
+    from runtime.executors.cuda_buffers import _CLAIM_BACKOFF
     lens = [5, 2, 7]
     spec, w, kv_a, _, h, seg = _decode_pair(lens, seed=7)
     ex = CudaExecutor(spec, w, device="cpu", buckets={"attn": [8], "expert": [16]})
-    static_out = ex._attn_bufs(8, True)._t["out"]
+    static_out = ex._attn_bufs(8, True)["out"]
 
     def attend(rows):
         return ex.attention(1, rows, list(lens), list(seg), kv_a)

@@ -123,7 +123,7 @@ def test_experts_routed_equals_the_torch_executors_host_side_selection(use_optio
         b, static = ce._expert_bucket((T + 2) * k)
         if static:  # the bucket's rows past this batch hold padding tails (the next graph replay computes none of them),
             # written again only after a longer batch (7 -> 2 tokens here)
-            tails = ce._routed_bufs(b, True)._t["payload"][T + 2:, H:]
+            tails = ce._routed_bufs(b, True)["payload"][T + 2:, H:]
             assert torch.equal(tails, ce._padding_tail().expand_as(tails))
 
 
@@ -171,7 +171,7 @@ def test_step_ahead_keeps_tokens_and_lets_eos_requests_drain(monkeypatch, ranks,
     from collections import Counter
 
     from runtime.core.engine import Engine
-    from runtime.executors.cuda_executor import DeviceLogits
+    from runtime.executors.cuda_sampling import DeviceLogits
     engines, queued, drained = [], [], []
     real_init, real_ahead, real_finish = Engine.__init__, Engine._step_ahead, Engine._finish
 

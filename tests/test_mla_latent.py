@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graph_ir.spec import ModelSpec, load_spec
-from dataflow_kernels.mla_attention import paged_mla_attention_gather, paged_mla_attention_torch
+from dataflow_kernels.mla_attention import paged_mla_attention, paged_mla_attention_gather
 from lowering import sizes
 from lowering.plan import compile_plan
 from models import attention as attn
@@ -181,7 +181,7 @@ def test_paged_latent_gather_form_equals_the_reference(window, sinks):
     ctx = torch.tensor([1, BLOCK, 2 * BLOCK + 1, 0, width * BLOCK, 7], dtype=torch.int32)
     q = torch.randn(B, nh, R + P, generator=gen)
     s = torch.randn(nh, generator=gen) if sinks else None
-    want = paged_mla_attention_torch(q, cache, R, table, ctx, 0.3, s, window)
+    want = paged_mla_attention(q, cache, R, table, ctx, 0.3, s, window)
     got = paged_mla_attention_gather(q, cache, R, table, ctx, 0.3, s, window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got[3].abs().max() == 0 and got.shape == (B, nh, R)
@@ -209,7 +209,7 @@ def test_gpu_path_choice():
     """Which form the CUDA executor's Triton setting takes (dataflow_kernels.mla_attention.paged_mla_attention): the Triton
     kernel where its tiles fit on an H200 (bf16, up to 16 heads x 512 latent channels), else the gather form; on
     this CPU an fp32 cache takes the gather form and equals the reference."""
-    from dataflow_kernels.mla_attention import paged_mla_attention, triton_fits
+    from dataflow_kernels.mla_attention import triton_fits
     assert triton_fits(16, 512, torch.bfloat16) and not triton_fits(16, 512, torch.float32)
     assert not triton_fits(128, 512, torch.bfloat16)
     gen = torch.Generator().manual_seed(2)

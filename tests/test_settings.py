@@ -59,7 +59,7 @@ def test_the_kernels_option_reaches_the_kernel_dispatch(use_options):
     import torch
 
     use_options(kernels="torch")
-    assert dispatch.requested() == "torch" and dispatch.backend_for(torch.zeros(1)) == "torch"
+    assert dispatch._backend == "torch" and dispatch.backend_for(torch.zeros(1)) == "torch"
 
 
 def test_a_run_echoes_its_options_and_refuses_a_bad_one_with_exit_2(tmp_path, monkeypatch):

@@ -113,7 +113,7 @@ class ExecutorBase:
     def sample_batch_start(self, logits, params: list, steps: list[int]) -> Optional[PendingTokens]:
         return None
 
-    def prepare(self, kv, layers_: Optional[list[int]] = None, owned=None, *, host_experts: bool = True) -> int:
+    def prepare(self, kv, owned=None, *, host_experts: bool = True) -> int:
         """Graphs captured for this KV store (none: nothing is captured)."""
         return 0
 

@@ -1,12 +1,12 @@
-"""CUDA-graph capture per plan bucket: bucket choice, static buffers, one memory pool per bucket.
+"""CUDA-graph capture per plan bucket: bucket choice, one memory pool per bucket.
 
 The plan's capture pass (lowering/capture.py) lists, per stage kind, the batch-size buckets. A
 batch of n rows runs padded to the smallest bucket >= n, by replaying the graph captured for
 (kind, layer, bucket); above the largest bucket it runs eagerly (same code, no graph).
 
 Memory: every graph of one (kind, bucket) reads its inputs from and writes its outputs to the same
-static buffers (`StaticBuffers`), and all of them are captured into one private memory pool
-(`torch.cuda.graph(pool=...)`). Graphs of one rank never run concurrently (one stream), and
+static buffers (a dict of tensors the executor makes once per (kind, bucket)), and all of them are captured
+into one private memory pool (`torch.cuda.graph(pool=...)`). Graphs of one rank never run concurrently (one stream), and
 nothing inside a pool outlives a replay: the executor copies the outputs out of the static
 buffers right after each replay. So sharing is safe in any replay order and graph memory grows
 with the number of buckets, not layers x buckets.
@@ -29,25 +29,6 @@ def bucket_for(n: int, buckets: list[int]) -> Optional[int]:
     return buckets[i] if i < len(buckets) else None
 
 
-class StaticBuffers:
-    """Named tensors of one (kind, bucket), allocated once, shared by all layers' graphs."""
-
-    def __init__(self) -> None:
-        self._t: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple, dtype: torch.dtype, device, fill: float | int = 0) -> torch.Tensor:
-        t = self._t.get(name)
-        if t is None:
-            t = torch.full(shape, fill, dtype=dtype, device=device)
-            self._t[name] = t
-        elif tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"static buffer {name}: {tuple(t.shape)} {t.dtype} requested as {shape} {dtype}")
-        return t
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._t.values())
-
-
 class StepGraph:
     """One captured body (a function of static buffers only), or the body itself when not capturing.
 
@@ -61,7 +42,6 @@ class StepGraph:
         self.pool = pool
         self.device = device
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
-        self.replays = 0
 
     def _capture(self) -> None:
         stream = torch.cuda.Stream(self.device)
@@ -86,31 +66,17 @@ class StepGraph:
         if self.graph is None:
             self._capture()  # the capture does not execute the work: replay below does
         self.graph.replay()
-        self.replays += 1
 
 
 class GraphCache:
-    """Graphs keyed by (kind, layer, bucket, extra key), one pool and one StaticBuffers per (kind, bucket)."""
+    """Graphs keyed by (kind, layer, bucket, extra key), one pool per (kind, bucket)."""
 
     def __init__(self, device: torch.device, capture: bool) -> None:
         self.device = device
         self.capture = capture and device.type == "cuda"
         self._graphs: dict[tuple, StepGraph] = {}
         self._pools: dict[tuple, object] = {}
-        self._buffers: dict[tuple, StaticBuffers] = {}
         self.captures = 0
-
-    def buffers(self, kind: str, bucket: int) -> StaticBuffers:
-        key = (kind, bucket)
-        if key not in self._buffers:
-            self._buffers[key] = StaticBuffers()
-        return self._buffers[key]
-
-    def pool(self, kind: str, bucket: int):
-        key = (kind, bucket)
-        if key not in self._pools:
-            self._pools[key] = torch.cuda.graph_pool_handle() if self.capture else None
-        return self._pools[key]
 
     def get(self, key: tuple, make_body: Callable[[], Callable[[], None]], capture: bool = True) -> StepGraph:
         """The graph under `key` = (kind, layer, bucket, ...) (a kind without layers, e.g. sample, uses layer -1), made
@@ -120,7 +86,10 @@ class GraphCache:
             if len(key) < 3 or type(key[0]) is not str or type(key[2]) is not int:
                 raise ValueError(f"graph key {key!r}: expected (kind, layer, bucket, ...)")
             cap = self.capture and capture
-            g = StepGraph(make_body(), cap, self.pool(key[0], key[2]) if cap else None, self.device)
+            pool = (key[0], key[2])
+            if cap and pool not in self._pools:
+                self._pools[pool] = torch.cuda.graph_pool_handle()
+            g = StepGraph(make_body(), cap, self._pools[pool] if cap else None, self.device)
             self._graphs[key] = g
             self.captures += int(cap)
         return g
@@ -135,6 +104,3 @@ class GraphCache:
         live = {(k[0], k[2]) for k, g in self._graphs.items() if g.capture}
         for pk in [pk for pk in self._pools if pk not in live]:
             del self._pools[pk]
-
-    def __len__(self) -> int:
-        return len(self._graphs)

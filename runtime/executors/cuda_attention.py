@@ -24,15 +24,15 @@ from torch import Tensor
 
 from dataflow_kernels.paged_attention import (clear_block_rows, paged_decode_attention_torch, paged_decode_attention_triton,
                                      paged_row_block_attention_triton, row_blocks)
-from dataflow_kernels.mla_attention import latent_write_torch, paged_mla_attention
+from dataflow_kernels.mla_attention import paged_mla_attention
 from dataflow_kernels.rms_norm import rms_norm_fused
-from dataflow_kernels.rope_kv_write import kv_write_torch, rope_kv_write, rope_kv_write_torch, rope_table
+from dataflow_kernels.rope_kv_write import cache_write, rope_kv_write, rope_kv_write_torch, rope_table
 from models import layers
 from models.attention import latent_cache, rms_norm
 from models.rope import rotation
 from runtime.core.routed_rows import pack as pack_routed, pack_tail, payload_columns
-from runtime.executors.capture import StaticBuffers, bucket_for
-from runtime.executors.cuda_buffers import Pending, same_list
+from runtime.executors.capture import bucket_for
+from runtime.executors.cuda_buffers import Pending, same_list, timed
 from runtime.executors.kv_cache_paged_gpu import DeviceBlockTables
 
 PROMPT_PATHS = ("paged", "eager")  # CudaExecutor(prompts=...)
@@ -69,7 +69,7 @@ class PagedStep:
         if self.fuses_rope:
             q, ctx = self.rope_kv(q, k, v, meta[0], meta[1], table, bs, self.cos_tab, self.sin_tab, kc, vc)
         else:
-            kv_write_torch(k, v, self._posc, meta[1], table, bs, kc, vc)
+            cache_write(self._posc, meta[1], table, bs, (k, kc), (v, vc))
             ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
         return self.kernel(q, kc, vc, bt, ctx, scale, sinks, window)
 
@@ -77,7 +77,7 @@ class PagedStep:
                       sinks: Optional[Tensor]) -> Tensor:
         meta, table, bs = self.meta, self.table, self.bs
         bt = table.index_select(0, meta[1])
-        latent_write_torch(c, self._posc, meta[1], table, bs, self.kc)
+        cache_write(self._posc, meta[1], table, bs, (c, self.kc))
         ctx = (meta[0].to(torch.int64) + 1).to(torch.int32)
         return paged_mla_attention(q, self.kc, kv_lora_rank, bt, ctx, scale, sinks, window, impl=self.latent_impl)
 
@@ -86,15 +86,9 @@ class AttentionMixin:
     """CudaExecutor's attention methods (runtime/executors/cuda_executor.py composes it)."""
 
     @torch.no_grad()
+    @timed("attn")
     def attention(self, layer: int, h: Tensor, positions: list[int], segments: list[tuple[int, int, int]],
                   kv) -> tuple[Tensor, Tensor]:
-        start = self._mark()
-        try:
-            return self._attention(layer, h, positions, segments, kv)
-        finally:
-            self._marked("attn", start)
-
-    def _attention(self, layer, h, positions, segments, kv):
         tm = self._attn_timer
         tm.start()
         self._pending = None
@@ -107,8 +101,8 @@ class AttentionMixin:
         dv = self._view(kv)
         tm.lap("view")
         rows, fits = dv.batch_rows(segments, positions, T)  # every row's table row, and whether all have one
+        b = bucket_for(T, self.buckets["attn"])
         if fits and (self.prompts == "paged" or len(rows) == len(segments)):
-            b = bucket_for(T, self.buckets["attn"])
             if b is None:
                 self.stats.note("attn: batch above the largest bucket")
             blocks = None
@@ -117,7 +111,6 @@ class AttentionMixin:
                 if self._row_blocked(layer):
                     blocks = row_blocks(segments, self.block_rows)
             return self._attn_paged(layer, h, positions, rows, dv, kv, b, blocks)
-        b = bucket_for(T, self.buckets["attn"])
         held = self._claims.get(b)
         if held is not None and held() is h:  # read where it is: the claim is spent (kept, a later batch would move it)
             del self._claims[b]
@@ -127,7 +120,7 @@ class AttentionMixin:
         return self._attn_eager(layer, h, positions, segments, kv)
 
     def _attn_eager(self, layer, h, positions, segments, kv):
-        pos = self._positions(positions)
+        pos = self.staging.upload(np.array(positions, dtype=np.int64))[0]
         h_res, x = layers.attention_stage(self.spec, self.w, layer, h, pos, segments, kv, positions)
         if self.spec.is_moe_layer(layer):
             if self.keyed_router is None:
@@ -139,21 +132,19 @@ class AttentionMixin:
                 base0 = self._to_dev(torch.tensor(base, dtype=torch.int64))
                 ids, wts = self.keyed_router.route_torch(layer, base0, pos)
             shared = layers.shared_expert(self.spec, self.w, layer, x)
-            if self.route_on_device:
-                self._set_pending(x, shared, None, pack_routed(x, ids, wts), own=True)
-            else:
-                self._set_pending(x, shared, torch.cat([ids.to(torch.float32), wts], dim=1), None, own=True)
+            routing = pack_routed(x, ids, wts) if self.route_on_device else torch.cat([ids.to(torch.float32), wts], 1)
+            self._set_pending(x, shared, routing, own=True)
         return h_res, x
 
-    def _set_pending(self, x: Tensor, shared: Optional[Tensor], route: Optional[Tensor], payload: Optional[Tensor],
-                     own: bool) -> None:
-        """What an attention call leaves beyond (h_res, x): the routing on its way to the host (`route`, [T, 2k] fp32:
-        ids as values, then weights), or kept on the device (`payload`). `own`: the payload is the batch's own tensor,
-        not a view of a static buffer (which the next batch of the bucket rewrites: cloned here)."""
-        if payload is not None:
-            self._pending = Pending(x, None, shared, self.top_k, payload if own else payload.clone())
+    def _set_pending(self, x: Tensor, shared: Optional[Tensor], routing: Tensor, own: bool) -> None:
+        """What an attention call leaves beyond (h_res, x): the routing kept on the device with route_on_device (the
+        payload, runtime/core/routed_rows.py), else on its way to the host ([T, 2k] fp32: ids as values, then
+        weights). `own`: the payload is the batch's own tensor, not a view of a static buffer (which the next batch of
+        the bucket rewrites: cloned here)."""
+        if self.route_on_device:
+            self._pending = Pending(x, None, shared, routing if own else routing.clone())
         else:
-            self._pending = Pending(x, self.staging.d2h(route), shared, self.top_k)
+            self._pending = Pending(x, self.staging.d2h(routing), shared)
 
     def _row_blocked(self, layer: int) -> bool:
         """Whether `layer` runs a batch with prompt chunks by row blocks (see ROW_BLOCK_MIN_WINDOW)."""
@@ -161,45 +152,34 @@ class AttentionMixin:
         window = self.spec.attention.window(layer)
         return self.block_rows > 0 and not self._mla and (window is None or window >= ROW_BLOCK_MIN_WINDOW)
 
-    def _rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """models.rope.cos_sin of `pos`, with inv_freq already on the device (no H2D copy in a graph)."""
-        return rotation(self._inv_freq, self._rope_scaling, pos)
-
     def _rope_table(self, positions: int) -> tuple[Tensor, Tensor]:
         """cos, sin [positions, r/2] on the device (dataflow_kernels.rope_kv_write.rope_table), made once per length."""
-        t = self._rope_tables.get(positions)
-        if t is None:
-            t = self._rope_tables[positions] = rope_table(self._inv_freq, self._rope_scaling, positions)
-        return t
+        return self._kept(("rope", positions), True, lambda: rope_table(self._inv_freq, self._rope_scaling, positions))
 
-    def _attn_bufs(self, b: int, static: bool) -> StaticBuffers:
-        if static:  # the static buffers of a bucket never change once made: one dict hit per batch
-            bufs = self._bufs_cache.get(("attn", b))
-            if bufs is not None:
-                return bufs
-        bufs = self.graphs.buffers("attn", b) if static else StaticBuffers()
-        H, dev = self.spec.hidden_size, self.device
-        nout = 3 if self.spec.experts.shared_intermediate_size else 2
-        bufs.get("h", (b, H), self.dtype, dev)
-        # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row counts and the
-        # decode kernel's context of its other rows (dataflow_kernels.paged_attention.paged_row_block_attention_triton)
-        bufs.get("meta", (5, b), torch.int32, dev)
-        bufs.get("out", (nout, b, H), self.dtype, dev)
-        bufs.get("route", (b, 2 * self.top_k), torch.float32, dev)
-        if self.spec.moe_layers:  # the device-routed payload: x's rows, ids and weights (runtime/core/routed_rows.py)
-            bufs.get("payload", (b, H + payload_columns(self.top_k, self.dtype)), self.dtype, dev)
-        if static:
-            self._bufs_cache[("attn", b)] = bufs
-        return bufs
+    def _attn_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
+        def make() -> dict[str, Tensor]:
+            H, dt, dev = self.spec.hidden_size, self.dtype, self.device
+            nout = 3 if self.spec.experts.shared_intermediate_size else 2
+            bufs = {"h": torch.zeros((b, H), dtype=dt, device=dev),
+                    # positions, table rows; and for a batch with prompt chunks its row blocks' first rows and row
+                    # counts and the decode kernel's context of its other rows
+                    # (dataflow_kernels.paged_attention.paged_row_block_attention_triton)
+                    "meta": torch.zeros((5, b), dtype=torch.int32, device=dev),
+                    "out": torch.zeros((nout, b, H), dtype=dt, device=dev),
+                    "route": torch.zeros((b, 2 * self.top_k), dtype=torch.float32, device=dev)}
+            if self.spec.moe_layers:  # the device-routed payload: x's rows, ids, weights (runtime/core/routed_rows.py)
+                bufs["payload"] = torch.zeros((b, H + payload_columns(self.top_k, dt)), dtype=dt, device=dev)
+            return bufs
+        return self._kept(("attn", b), static, make)
 
-    def _attn_body(self, layer: int, bufs: StaticBuffers, dv: DeviceBlockTables, kv, blocked: bool = False):
+    def _attn_body(self, layer: int, bufs: dict[str, Tensor], dv: DeviceBlockTables, kv, blocked: bool = False):
         """The attention stage of a bucket's rows: the stage function with its paged attend step (`PagedStep`), then
         the router and the shared expert. `blocked`: the attention by row blocks (meta rows 2-4; a batch with prompt
         chunks on the Triton kernels: dataflow_kernels.paged_attention.paged_row_block_attention_triton), the same result as
         the decode kernel's with each K/V tile read once per block of a chunk's rows."""
         spec, w = self.spec, self.w
-        h_in, meta, out, route_out = bufs._t["h"], bufs._t["meta"], bufs._t["out"], bufs._t["route"]
-        payload = bufs._t.get("payload")
+        h_in, meta, out, route_out = bufs["h"], bufs["meta"], bufs["out"], bufs["route"]
+        payload = bufs.get("payload")
         H = spec.hidden_size
         kc, vc = kv.storage(layer)
         table, bs = dv.table, kv.block_size
@@ -214,7 +194,8 @@ class AttentionMixin:
         norm = rms_norm_fused if triton else rms_norm
         cos_t, sin_t = self._rope_table(table.shape[1] * bs) if self._rope_kv_fused else (None, None)
         step = PagedStep(meta, table, bs, kc, vc, kernel, rope_kv_write if triton else rope_kv_write_torch,
-                         cos_t, sin_t, self._rope, self.attn_impl)
+                         # models.rope.cos_sin of the positions, inv_freq already on the device (no H2D copy in a graph)
+                         cos_t, sin_t, functools.partial(rotation, self._inv_freq, self._rope_scaling), self.attn_impl)
         router, keys = self.keyed_router, dv.keys
 
         def body() -> None:
@@ -263,13 +244,13 @@ class AttentionMixin:
         # replay reads it in stream order). Comparing two lists is a few us; the upload ~50-80 us on the H200 host.
         last = self._meta_last.get(b) if static else None
         if last is None or last[0] != trash or not same_list(last[1], positions) or not same_list(last[2], rows) or blocks:
-            self.staging.h2d_array(bufs._t["meta"], fill)
+            self.staging.h2d_array(bufs["meta"], fill)
             if static:
                 self._meta_last[b] = (trash, positions, rows) if blocks is None else None
         tm.lap("meta_h2d")
-        h_in, out_T, route_T, payload_T = self._first_rows(("attn", b, T), static, lambda: (
-            bufs._t["h"][:T], bufs._t["out"][:, :T], bufs._t["route"][:T],
-            bufs._t["payload"][:T] if "payload" in bufs._t else None))
+        h_in, out_T, route_T, payload_T = self._kept(("attn", b, T), static, lambda: (
+            bufs["h"][:T], bufs["out"][:, :T], bufs["route"][:T],
+            bufs["payload"][:T] if "payload" in bufs else None))
         h = self._attn_input(b, h) if static else h
         if h is not None:
             h_in.copy_(h)
@@ -300,7 +281,6 @@ class AttentionMixin:
         if self.spec.is_moe_layer(layer):
             shared = out[2] if len(out) > 2 else None
             # (a payload from the static buffer is cloned: the next batch of the bucket rewrites it)
-            self._set_pending(x, shared, None if self.route_on_device else route_T,
-                              payload_T if self.route_on_device else None, own=not static)
+            self._set_pending(x, shared, payload_T if self.route_on_device else route_T, own=not static)
         tm.lap("route_d2h")
         return h_res, x

@@ -14,6 +14,7 @@ moves when ranks sharing the executor take turns at one bucket).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -34,7 +35,6 @@ class Pending:
     x: Tensor
     route: Optional[PendingHost]  # the routing on its way to the host ([T, 2k] fp32: ids as values, then weights)
     shared: Optional[Tensor]
-    k: int
     # kept on the device (device-routed dispatch): the payload [T, H + c], rows, int32 ids and fp32 weights in
     # routed_rows.pack's layout
     on_device: Optional[Tensor] = None
@@ -44,7 +44,7 @@ class Pending:
         reuses it) and the slot released. numpy, not torch: one torch call (the view) instead of four slices and
         copies, and none later for the engine's .numpy() and the merge's weight packing (torch calls are what costs
         on a fast GPU's host)."""
-        a, k = v.numpy(), self.k
+        a, k = v.numpy(), v.shape[1] // 2
         out = a[:, :k].astype(np.int64), a[:, k:].copy()
         self.route.release()
         return out
@@ -55,7 +55,7 @@ class ExecStats:
     attn_graph: int = 0
     attn_paged_eager: int = 0  # through the paged kernels without a graph (over the largest bucket, or graphs off)
     attn_paged_prompt: int = 0  # batches holding a prompt's chunk that went through the paged kernels
-    attn_eager: int = 0  # by models.attention (a sequence without a table row; prompts='split' / 'eager')
+    attn_eager: int = 0  # by models.attention (a sequence without a table row; prompts='eager')
     attn_claims_used: int = 0  # decode batches whose input a combine had written in place (no input copy)
     attn_claims_moved: int = 0  # another output's rows moved out of a bucket's input first (_attn_input)
     attn_outputs_moved: int = 0  # a bucket's last outputs still held when it replayed again: moved out first
@@ -67,6 +67,22 @@ class ExecStats:
         self.eager_reasons[why] = self.eager_reasons.get(why, 0) + 1
 
 
+def timed(kind: str):
+    """An executor call between two CUDA events when the executor's `profile` is a list: (kind, start, end) appended
+    to it (CudaExecutor._mark; benchmarks/gpu_bench.py derives GPU time per batch from them)."""
+    def wrap(call):
+        @functools.wraps(call)
+        def timed_call(self, *args, **kwargs):
+            start = self._mark()
+            try:
+                return call(self, *args, **kwargs)
+            finally:
+                if start is not None:
+                    self.profile.append((kind, start, self._mark()))
+        return timed_call
+    return wrap
+
+
 def same_list(a: list, b: list) -> bool:
     """Equal lists, by identity first: a decode wave hands every layer the same position and table-row lists, where
     comparing 256-512 items costs a few us per batch."""
@@ -76,16 +92,18 @@ def same_list(a: list, b: list) -> bool:
 class StaticInputs:
     """CudaExecutor's claims on its static buffers (module docstring)."""
 
-    def _first_rows(self, key: tuple, static: bool, make) -> tuple:
-        """The views `make()` returns of a batch's first rows of its bucket's static buffers, made once per
-        (kind, bucket, rows) when static (a slice is a torch call, ~10-25 us on the H200 host; the static buffers
-        never change once made); made each time for an eager batch's own buffers."""
+    def _kept(self, key: tuple, static: bool, make):
+        """What `make()` returns for `key`, made once and kept when static: a bucket's static buffers (a dict of
+        tensors, key (kind, bucket): every graph of the bucket reads and writes them), the views of a batch's first
+        rows of them (key (kind, bucket, rows): a slice is a torch call, ~10-25 us on the H200 host; the static buffers
+        never change once made), or a device table (the RoPE cos/sin: ("rope", positions)). Made each time for an
+        eager batch (its own buffers)."""
         if not static:
             return make()
-        views = self._row_views.get(key)
-        if views is None:
-            views = self._row_views[key] = make()
-        return views
+        got = self._kept_views.get(key)
+        if got is None:
+            got = self._kept_views[key] = make()
+        return got
 
     def _claim_attn_input(self, T: int) -> Optional[Tensor]:
         """Rows 0..T-1 of the static input of the attention bucket T fits, as a new view that is the claim (never a
@@ -100,7 +118,7 @@ class StaticInputs:
         if skip:
             self._claim_skip[b] = skip - 1
             return None
-        view = self._attn_bufs(b, True)._t["h"][:T]
+        view = self._attn_bufs(b, True)["h"][:T]
         self._claims[b] = weakref.ref(view)
         return view
 
@@ -110,10 +128,7 @@ class StaticInputs:
         tensors of their own (Tensor.set_ repoints them where they are held), and the bucket clones its outputs for
         its next _CLAIM_BACKOFF batches. In one wave's steady decode they are gone by then: the group's combine read
         h_res before the wave's next attention batch was made, and x lived in the batch that is done."""
-        held = self._out_claims.pop(b, None)
-        if held is None:
-            return
-        live = [t for t in (r() for r in held) if t is not None]
+        live = [t for t in (r() for r in self._out_claims.pop(b, ())) if t is not None]
         if not live:
             return
         for t in live:

@@ -34,30 +34,28 @@ from torch import Tensor
 
 from graph_ir.spec import ModelSpec
 from dataflow_kernels.paged_attention import block_rows_for
+from lowering.plan import PUBLISHED_ATTN_BUCKETS, PUBLISHED_EXPERT_BUCKETS
 from models import layers
 from models.rope import rope_parameters, rotary_dim
 from models.weights import ModelWeights, stack_qkv
 from runtime import settings
 from runtime.core.routed_rows import pack as pack_routed, unpack as unpack_routed, use_device_routing
 from runtime.executors.base import ExecutorBase
-from runtime.executors.capture import GraphCache, StaticBuffers
-from runtime.executors.cuda_attention import PROMPT_PATHS, ROW_BLOCK_MIN_WINDOW, AttentionMixin
-from runtime.executors.cuda_buffers import _CLAIM_BACKOFF, ExecStats, Pending, StaticInputs
+from runtime.executors.capture import GraphCache
+from runtime.executors.cuda_attention import PROMPT_PATHS, AttentionMixin
+from runtime.executors.cuda_buffers import ExecStats, Pending, StaticInputs
 from runtime.executors.cuda_experts import ExpertsMixin
-from runtime.executors.cuda_sampling import DeviceLogits, LogitsRow, SamplingMixin
+from runtime.executors.cuda_sampling import SamplingMixin
 from runtime.executors.cuda_stream import current_stream
-from runtime.executors.host_staging import HostStaging, PendingHost
+from runtime.executors.host_staging import HostStaging
 from runtime.executors.kv_cache_paged_gpu import DeviceBlockTables
 from runtime.observability.step_timer import StepTimer
 
-__all__ = ["CudaExecutor", "DeviceLogits", "LogitsRow", "ExecStats", "HostStaging", "PendingHost", "PROMPT_PATHS",
-           "ROW_BLOCK_MIN_WINDOW", "KERNELS", "_CLAIM_BACKOFF"]
+# Published StreamEP buckets, used when no plan is given.
+_DEFAULT_BUCKETS = {"attn": PUBLISHED_ATTN_BUCKETS, "expert": PUBLISHED_EXPERT_BUCKETS,
+                    "sample": PUBLISHED_ATTN_BUCKETS}
 
-# Published StreamEP buckets, used when no plan is given (lowering/plan.py has the same lists).
-_DEFAULT_BUCKETS = {"attn": [1, 8, 40, 72, 104, 128, 192, 256], "expert": [128, 256, 512, 1024],
-                    "sample": [1, 8, 40, 72, 104, 128, 192, 256]}
-
-KERNELS = ("triton", "torch")  # CudaExecutor(attn_impl=, ffn_impl=, permute_impl=)
+KERNELS = ("triton", "torch")  # CudaExecutor(attn_impl=, ffn_impl=)
 
 
 def _kernel(given: Optional[str], on_cuda: bool, name: str) -> str:
@@ -78,13 +76,12 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, plan=None, device=None, *,
                  graphs: Optional[bool] = None, attn_impl: Optional[str] = None, ffn_impl: Optional[str] = None,
-                 permute_impl: Optional[str] = None, max_context: Optional[int] = None,
-                 table_rows: int = 4096, buckets: Optional[dict] = None,
+                 max_context: Optional[int] = None, table_rows: int = 4096, buckets: Optional[dict] = None,
                  route_on_device: Optional[bool] = None, prompts: str = "paged") -> None:
         """`plan`: its capture buckets are used (else the published ones); `device`: default the
-        weights' device. Kernels (`attn_impl`, `ffn_impl`, `permute_impl`: KERNELS) follow the `kernels` option
-        (runtime/settings.py: Triton on CUDA and the torch references elsewhere by default); an argument overrides it
-        (tests). `max_context`: tokens a sequence may have for the graph path
+        weights' device. Kernels (`attn_impl`, `ffn_impl`: KERNELS; the expert permute's is the option's) follow the
+        `kernels` option (runtime/settings.py: Triton on CUDA and the torch references elsewhere by default); an
+        argument overrides it (tests). `max_context`: tokens a sequence may have for the graph path
         (device page-table width); longer ones run eagerly. `route_on_device`: keep each attention batch's
         routing on the device for the device-routed dispatch (default: the plan's dispatch, or by device without
         one; the `dispatch` option overrides: runtime/core/routed_rows.py; the barrier baselines, which read the
@@ -101,7 +98,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         on_cuda = self.device.type == "cuda"
         self.attn_impl = _kernel(attn_impl, on_cuda, "attn_impl")
         self.ffn_impl = _kernel(ffn_impl, on_cuda, "ffn_impl")
-        self.permute_impl = _kernel(permute_impl, on_cuda, "permute_impl")
+        self.permute_impl = _kernel(None, on_cuda, "permute_impl")
         src = buckets or (plan.capture.buckets if plan is not None else _DEFAULT_BUCKETS)
         self.buckets = {k: sorted(v) for k, v in src.items()}
         graphs = on_cuda if graphs is None else (graphs and on_cuda)
@@ -128,7 +125,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         self._pad_tail: Optional[Tensor] = None  # _padding_tail()
         self._meta_last: dict[int, tuple] = {}  # attention bucket -> (trash row, positions, rows) its meta buffer holds
         self.stats = ExecStats()
-        self.last_prepare: Optional[dict] = None  # where the last prepare() spent its time (prepare's doc)
         self._mla = a.kind == "mla"
         if not self._mla:  # q, k and v in one GEMM (three GEMMs took 30 us at B=256, k's and v's latency-bound)
             self.w = stack_qkv(self.w)
@@ -139,7 +135,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         # from a cos/sin table per position; MLA (interleaved pairs, latent K) and a q/k norm applied after RoPE
         # (Hunyuan) keep the torch ops
         self._rope_kv_fused = not self._mla and not a.rope.interleaved and not a.qk_norm_after_rope
-        self._rope_tables: dict[int, tuple[Tensor, Tensor]] = {}  # positions -> (cos, sin) tables (_rope_table)
         if self._mla:
             # the latent cache (models.attention): K = [latent, roped key] of one kv head shared by all heads, no V
             self._k_row, self._v_row = (1, a.kv_lora_rank + a.qk_rope_head_dim), (1, 0)
@@ -153,7 +148,8 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         # A router keyed by (request, position, layer) that runs inside the attention graph instead of
         # the model's (use_keyed_router); None: the model's router.
         self.keyed_router = None
-        self._row_views: dict = {}  # (kind, bucket, rows) -> views of that bucket's static buffers (_first_rows)
+        # (kind, bucket) -> that bucket's static buffers; (kind, bucket, rows) -> views of its first rows (_kept)
+        self._kept_views: dict[tuple, object] = {}
         # attention bucket -> the combine output written straight into that bucket's static input (a weak reference
         # to it): the next attention batch of the bucket skips its input copy when that output is its input
         # (combine(feeds_attention=True), _attn_input)
@@ -184,18 +180,14 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         self.profile: Optional[list] = None
         self._timing_events: list = []  # made before a timed run (reserve_timing_events), used by _mark
         self._index_cache: dict[tuple[int, int], Tensor] = {}
-        self._bufs_cache: dict[tuple[str, int], StaticBuffers] = {}  # (kind, bucket) -> its static buffers
-        ex = spec.experts
-        self.num_experts = ex.num_experts
-        self.top_k = ex.top_k
-        for l in spec.moe_layers:
-            for n in ("experts.gate", "experts.up", "experts.down"):
-                if not self.w.layers[l][n].is_contiguous():
-                    self.w.layers[l][n] = self.w.layers[l][n].contiguous()
+        self.num_experts, self.top_k = spec.experts.num_experts, spec.experts.top_k
         # Per MoE layer: global id -> row of the held experts (-1: not held), as numpy for the
         # host-side fill; None where the layer holds every expert (ids are rows already).
         self._rows_of: dict[int, Optional[np.ndarray]] = {}
         for l in spec.moe_layers:
+            for n in ("experts.gate", "experts.up", "experts.down"):  # (the grouped FFN kernel reads them in place)
+                if not self.w.layers[l][n].is_contiguous():
+                    self.w.layers[l][n] = self.w.layers[l][n].contiguous()
             lut = self.w.expert_lookup(l)
             self._rows_of[l] = None if lut is None else lut.numpy()
 
@@ -206,8 +198,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         return self._k_row, self._v_row, self.dtype
 
     def _view(self, kv) -> DeviceBlockTables:
-        serial = getattr(kv, "_cuda_exec_serial", None)
-        dv = self._views.get(serial) if serial is not None else None
+        dv = self._views.get(getattr(kv, "_cuda_exec_serial", None))  # (None: a store not seen yet)
         if dv is None:
             for layer in range(self.spec.num_layers):
                 kv.preallocate(layer, self._k_row, self._v_row, self.dtype, self.device)
@@ -226,9 +217,8 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         serial = getattr(kv, "_cuda_exec_serial", None)
         if serial is None:
             return
-        dv = self._views.pop(serial, None)
-        if dv is not None:
-            kv.device_view = None
+        self._views.pop(serial, None)
+        kv.device_view = None
         self.graphs.drop(lambda k: k[0] == "attn" and k[3] == serial)
         kv._cuda_exec_serial = None
 
@@ -246,11 +236,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
 
 
     # ------------------------------------------------------------------ small pieces
-    def _positions(self, positions: list[int]) -> Tensor:
-        out = torch.empty(len(positions), dtype=torch.int64, device=self.device)
-        self.staging.h2d(out, torch.tensor(positions, dtype=torch.int64))
-        return out
-
     def _to_dev(self, t: Optional[Tensor], dtype=None) -> Optional[Tensor]:
         if t is None:
             return None
@@ -290,8 +275,7 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
         kept per T. One buffer serves every batch: each upload into it is queued after the previous batch's gather."""
         if self._embed_ids is None or self._embed_ids.numel() < T:
             self._embed_ids = torch.empty(max(T, 256), dtype=torch.int64, device=self.device)
-        buf = self._embed_ids
-        return self._first_rows(("embed_ids", buf.numel(), T), True, lambda: (buf[:T],))[0]
+        return self._kept(("embed_ids", self._embed_ids.numel(), T), True, lambda: (self._embed_ids[:T],))[0]
 
     def _mark(self) -> Optional[torch.cuda.Event]:
         if self.profile is None or self.device.type != "cuda":
@@ -312,12 +296,8 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
             ev.record(stream)
             self._timing_events.append(ev)
 
-    def _marked(self, kind: str, start) -> None:
-        if start is not None:
-            self.profile.append((kind, start, self._mark()))
-
     @torch.no_grad()
-    def prepare(self, kv, layers_: Optional[list[int]] = None, owned=None, *, host_experts: bool = True) -> int:
+    def prepare(self, kv, owned=None, *, host_experts: bool = True) -> int:
         """Capture every (layer, bucket) graph for this KV store now (attention) and for the
         executor (experts), so a timed run never captures. The warm-up pass of each capture runs
         on padding only (positions -1, trash page; sentinel experts). `owned`: the engine's
@@ -349,7 +329,6 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                 k = kinds.setdefault(key[0] + ("_blocks" if key[-1] == "blocks" else ""), [0, 0.0, 0.0])
                 k[0], k[1], k[2] = k[0] + 1, k[1] + dt, max(k[2], dt)
 
-        lays = list(range(self.spec.num_layers)) if layers_ is None else layers_
         for b in self.buckets["attn"]:
             bufs = self._attn_bufs(b, True)
 
@@ -357,9 +336,9 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                 a[0, :] = -1
                 a[1, :] = dv.trash_row
                 a[2:, :] = 0  # no row blocks
-            self.staging.h2d_array(bufs._t["meta"], fill)
+            self.staging.h2d_array(bufs["meta"], fill)
             self._meta_last.pop(b, None)
-            for layer in lays:
+            for layer in range(self.spec.num_layers):
                 if self.attn_graphs:
                     key = ("attn", layer, b, kv._cuda_exec_serial)
                     capture(key, lambda: self._attn_body(layer, bufs, dv, kv))
@@ -367,18 +346,17 @@ class CudaExecutor(AttentionMixin, ExpertsMixin, SamplingMixin, StaticInputs, Ex
                         capture(key + ("blocks",), lambda: self._attn_body(layer, bufs, dv, kv, True))
         for b in self.buckets["expert"] if host_experts else ():
             bufs = self._expert_bufs(b, True)
-            pad = self.num_experts if self.ffn_impl != "grouped_mm" else 0
-            self.staging.h2d_array(bufs._t["ids"], lambda a: a.fill(pad))
-            for layer in lays:
+            self.staging.h2d_array(bufs["ids"], lambda a: a.fill(self.num_experts))
+            for layer in range(self.spec.num_layers):
                 # A layer of which this shard holds no expert never gets a row: nothing to capture.
                 if self.expert_graphs and self.spec.is_moe_layer(layer) and self._held_count(layer):
                     capture(("expert", layer, b), lambda: self._expert_body(layer, bufs))
         if self.route_on_device and owned is not None and self.expert_graphs:
             for b in self.buckets["expert"]:
                 bufs = self._routed_bufs(b, True)
-                bufs._t["payload"][:, self.spec.hidden_size:].copy_(self._padding_tail())  # padding tokens only
+                bufs["payload"][:, self.spec.hidden_size:].copy_(self._padding_tail())  # padding tokens only
                 self._routed_padded[b] = 0
-                for layer in lays:
+                for layer in range(self.spec.num_layers):
                     mine = owned(layer, self.device) if self.spec.is_moe_layer(layer) else None
                     if mine is None or not bool(mine.any()):
                         continue

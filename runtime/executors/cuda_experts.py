@@ -20,30 +20,22 @@ import torch
 from torch import Tensor
 
 from dataflow_kernels.grouped_ffn import grouped_ffn_torch, grouped_ffn_triton
-from dataflow_kernels.permute import permute_to_experts_triton
+from dataflow_kernels.permute import permute_to_experts_torch, permute_to_experts_triton
 from dataflow_kernels.topk_merge import topk_merge
 from runtime.core.routed_rows import pack_tail, payload_columns, unpack as unpack_routed
-from runtime.executors.capture import StaticBuffers, bucket_for
+from runtime.executors.capture import bucket_for
+from runtime.executors.cuda_buffers import timed
 
 
 class ExpertsMixin:
     """CudaExecutor's expert and merge methods (runtime/executors/cuda_executor.py composes it)."""
 
-    def _expert_bufs(self, b: int, static: bool) -> StaticBuffers:
-        if static:
-            bufs = self._bufs_cache.get(("expert", b))
-            if bufs is not None:
-                return bufs
-        bufs = self.graphs.buffers("expert", b) if static else StaticBuffers()
-        H, dev = self.spec.hidden_size, self.device
-        bufs.get("x", (b, H), self.dtype, dev)
-        bufs.get("ids", (b,), torch.int32, dev)
-        bufs.get("y", (b, H), self.dtype, dev)
-        if "arange" not in bufs._t:  # filled once, outside any capture
-            bufs.get("arange", (b,), torch.int64, dev).copy_(torch.arange(b, device=dev))
-        if static:
-            self._bufs_cache[("expert", b)] = bufs
-        return bufs
+    def _expert_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
+        def make() -> dict[str, Tensor]:  # (outside any capture)
+            H, dt, dev = self.spec.hidden_size, self.dtype, self.device
+            return {"x": torch.zeros((b, H), dtype=dt, device=dev), "y": torch.zeros((b, H), dtype=dt, device=dev),
+                    "ids": torch.zeros(b, dtype=torch.int32, device=dev), "arange": torch.arange(b, device=dev)}
+        return self._kept(("expert", b), static, make)
 
     def _expert_bucket(self, N: int) -> tuple[int, bool]:
         """(bucket, static) for an expert batch of N rows (slots, device-routed): the smallest captured bucket
@@ -70,22 +62,8 @@ class ExpertsMixin:
         """Experts whose weights layer `layer` holds here (rows of its stacked tensors)."""
         return self.w.layers[layer]["experts.gate"].shape[0]
 
-    def _permute(self, ids: Tensor, E: Optional[int] = None) -> tuple[Tensor, Tensor]:
-        """(order, offsets) of ids [b] int64 in [0, E] (E: padding sentinel; default num_experts,
-        a shard's layer passes its held count). Capturable both ways."""
-        E = self.num_experts if E is None else E
-        if self.permute_impl == "triton":
-            return permute_to_experts_triton(ids[:, None], E)
-        # Torch, no host sync: stable argsort puts sentinel rows last; counts by scatter_add into
-        # E+1 bins (bincount would read the max on the host).
-        order = torch.argsort(ids, stable=True)
-        counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
-        offsets = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
-        offsets[1:] = torch.cumsum(counts[:E], dim=0)
-        return order, offsets
-
-    def _expert_body(self, layer: int, bufs: StaticBuffers):
-        x_in, ids_buf, y_out, ar = bufs._t["x"], bufs._t["ids"], bufs._t["y"], bufs._t["arange"]
+    def _expert_body(self, layer: int, bufs: dict[str, Tensor]):
+        x_in, ids_buf, y_out, ar = bufs["x"], bufs["ids"], bufs["y"], bufs["arange"]
         ffn = self._ffn_rows(layer)
 
         def body() -> None:
@@ -105,11 +83,13 @@ class ExpertsMixin:
         wg, wu, wd = lw["experts.gate"], lw["experts.up"], lw["experts.down"]
         bg, bu, bd = (lw["experts.gate_b"], lw["experts.up_b"], lw["experts.down_b"]) if ex.bias else (None,) * 3
         ffn = grouped_ffn_triton if self.ffn_impl == "triton" else grouped_ffn_torch
+        # (order, offsets) of the ids in [0, E] (E: the padding sentinel), without a host sync either way
+        permute = permute_to_experts_triton if self.permute_impl == "triton" else permute_to_experts_torch
 
         def run(x_in: Tensor, ids: Tensor, ar: Tensor, y_out: Tensor, sentinels_anywhere: bool) -> None:
             if clamp:
                 ids = ids.clamp(max=E)
-            order, offsets = self._permute(ids, E)
+            order, offsets = permute(ids, E)
             # Rows of the sentinel expert (padding) are not real: clip every expert range to
             # the real rows and give the padded positions of `order` the padded rows
             # themselves (the Triton sort leaves them unwritten), so order is a permutation.
@@ -124,17 +104,11 @@ class ExpertsMixin:
         return run
 
     @torch.no_grad()
-    def experts(self, layer: int, x: Tensor, expert_ids: list[int]) -> Tensor:
-        start = self._mark()
-        try:
-            return self._experts(layer, x, expert_ids)
-        finally:
-            self._marked("expert", start)
-
-    def _experts(self, layer: int, x, expert_ids: list[int]) -> Tensor:
+    @timed("expert")
+    def experts(self, layer: int, x, expert_ids: list[int]) -> Tensor:
         tm = self._expert_timer
         tm.start()
-        # x: [N, H], or its row blocks (runtime/executor.row_blocks), concatenated below straight into
+        # x: [N, H], or its row blocks (runtime/executors/torch_executor.row_blocks), concatenated below straight into
         # the static input (one copy, not a cat and then a copy).
         blocks = [self._to_dev(x)] if isinstance(x, Tensor) else [self._to_dev(b) for b in x]
         N = sum(b.shape[0] for b in blocks)
@@ -151,15 +125,14 @@ class ExpertsMixin:
             ids = rows_of[gids]
             if (ids < 0).any():
                 raise self.w.unheld_error(layer, gids[ids < 0].tolist())
-        pad = self.num_experts
 
         def fill(a: np.ndarray) -> None:
             a[:N] = ids
-            a[N:] = pad
+            a[N:] = self.num_experts  # padding
         tm.lap("ids_prep")
-        self.staging.h2d_array(bufs._t["ids"], fill)
+        self.staging.h2d_array(bufs["ids"], fill)
         tm.lap("ids_h2d")
-        x_in, y_out = self._first_rows(("expert", b, N), static, lambda: (bufs._t["x"][:N], bufs._t["y"][:N]))
+        x_in, y_out = self._kept(("expert", b, N), static, lambda: (bufs["x"][:N], bufs["y"][:N]))
         if len(blocks) == 1:
             x_in.copy_(blocks[0])
         else:
@@ -188,6 +161,7 @@ class ExpertsMixin:
         return t[1:]
 
     @torch.no_grad()
+    @timed("expert")
     def experts_routed(self, layer: int, payloads: list[Tensor], owned: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """The device-routed expert batch (TorchExecutor.experts_routed's contract) without a host sync. Its own
         graph kind ("expert_routed", bucketed in slots): the host copies the items' payloads (token rows, expert ids
@@ -195,23 +169,14 @@ class ExpertsMixin:
         token row goes to its k slots, the ids map to held rows (slots of experts this rank does not own -> the
         padding id), the expert FFN runs, the slots it does not own are zeroed, and topk_merge sums each token's
         slots with their weights (from zero, slot order, fp32): one row per token out, copied into `out` when given
-        (the merge group's buffer: runtime/merge.MergeTable.rows_at), else into a tensor of its own."""
-        start = self._mark()
-        try:
-            return self._experts_routed(layer, payloads, owned, out)
-        finally:
-            self._marked("expert", start)
-
-    def _experts_routed(self, layer, payloads, owned, out):
+        (the merge group's buffer: runtime/core/merge.py MergeTable.rows_at), else into a tensor of its own."""
         tm = self._expert_timer
         tm.start()
-        k = self.top_k
         T = sum(p.shape[0] for p in payloads)
-        b, static = self._expert_bucket(T * k)
+        b, static = self._expert_bucket(T * self.top_k)
         bufs = self._routed_bufs(b, static)
-        H = self.spec.hidden_size
-        payload_T, tail_pad, y_T = self._first_rows(("routed", b, T), static, lambda: (
-            bufs._t["payload"][:T], bufs._t["payload"][T:, H:], bufs._t["y"][:T]))
+        payload_T, tail_pad, y_T = self._kept(("routed", b, T), static, lambda: (
+            bufs["payload"][:T], bufs["payload"][T:, self.spec.hidden_size:], bufs["y"][:T]))
         if len(payloads) == 1:
             payload_T.copy_(payloads[0])
         else:
@@ -239,30 +204,22 @@ class ExpertsMixin:
             self._pad_tail = pack_tail(ids, torch.zeros((1, k), device=self.device), self.dtype)
         return self._pad_tail
 
-    def _routed_bufs(self, b: int, static: bool) -> StaticBuffers:
+    def _routed_bufs(self, b: int, static: bool) -> dict[str, Tensor]:
         """Static buffers of a routed expert bucket of b slots: the payloads of b // k tokens in, their b // k * k
         slot rows (inside), b // k partial sums out, and the fixed slot -> token row index."""
-        key = ("expert_routed", b)
-        if static and key in self._bufs_cache:
-            return self._bufs_cache[key]
-        bufs = self.graphs.buffers(*key) if static else StaticBuffers()
-        H, dev, k = self.spec.hidden_size, self.device, self.top_k
-        bt = b // k
-        bufs.get("payload", (bt, H + payload_columns(k, self.dtype)), self.dtype, dev)
-        bufs.get("slots", (bt * k, H), self.dtype, dev)
-        bufs.get("zero", (bt, H), self.dtype, dev)  # topk_merge's residual: the partial sums start from zero
-        bufs.get("y", (bt, H), self.dtype, dev)
-        if "slot_row" not in bufs._t:  # filled once, outside any capture
-            bufs.get("slot_row", (bt * k,), torch.int64, dev).copy_(
-                torch.div(torch.arange(bt * k, device=dev), k, rounding_mode="floor"))
-            bufs.get("arange", (bt * k,), torch.int64, dev).copy_(torch.arange(bt * k, device=dev))
-        if static:
-            self._bufs_cache[key] = bufs
-        return bufs
+        def make() -> dict[str, Tensor]:  # (outside any capture)
+            H, dt, dev, k = self.spec.hidden_size, self.dtype, self.device, self.top_k
+            bt = b // k
+            return {"payload": torch.zeros((bt, H + payload_columns(k, dt)), dtype=dt, device=dev),
+                    "slots": torch.zeros((bt * k, H), dtype=dt, device=dev),
+                    "zero": torch.zeros((bt, H), dtype=dt, device=dev),  # topk_merge's residual: sums start from 0
+                    "y": torch.zeros((bt, H), dtype=dt, device=dev),
+                    "slot_row": torch.arange(bt * k, device=dev) // k, "arange": torch.arange(bt * k, device=dev)}
+        return self._kept(("expert_routed", b), static, make)
 
-    def _routed_body(self, layer: int, bufs: StaticBuffers, select: tuple[Tensor, Tensor]):
+    def _routed_body(self, layer: int, bufs: dict[str, Tensor], select: tuple[Tensor, Tensor]):
         row, mine_of = select
-        payload, slots, zero, y_out, slot_row, ar = (bufs._t[n] for n in ("payload", "slots", "zero", "y", "slot_row",
+        payload, slots, zero, y_out, slot_row, ar = (bufs[n] for n in ("payload", "slots", "zero", "y", "slot_row",
                                                                            "arange"))
         H, k = self.spec.hidden_size, self.top_k
         slot_of = ar.view(-1, k)  # [b / k, k]: token t's slot j is row t*k + j of `slots`

@@ -17,8 +17,7 @@ from torch import Tensor
 
 from models import layers
 from models.sampling import SamplingParams, sample, sample_tokens
-from runtime.executors.capture import StaticBuffers, bucket_for
-from runtime.executors.device_index import to_device
+from runtime.executors.capture import bucket_for
 from runtime.executors.host_staging import HostStaging
 
 _GREEDY = SamplingParams()
@@ -59,10 +58,6 @@ class DeviceLogits:
     def __len__(self) -> int:
         return self._n
 
-    @property
-    def shape(self):
-        return self.tensor.shape
-
     def greedy(self, i: int) -> int:
         if self._host is None:
             self._host = self._argmax.wait().tolist()
@@ -90,7 +85,7 @@ class DeviceLogits:
         self._argmax  # the ids exist (and are on their way to the host)
         if rows is None:
             return self._ids.clone()
-        return self._ids.index_select(0, to_device(np.asarray(rows, dtype=np.int64), self._ids.device))
+        return self._ids.index_select(0, self._staging.upload(np.asarray(rows, dtype=np.int64))[0])
 
     def __getitem__(self, i: int) -> "LogitsRow":
         return LogitsRow(self, i)
@@ -125,22 +120,19 @@ class SamplingMixin:
         bufs = self._sample_bufs(b)
 
         def replay() -> Tensor:
-            h_in, ids = self._first_rows(("sample", b, T), True, lambda: (bufs._t["h"][:T], bufs._t["ids"][:T]))
+            h_in, ids = self._kept(("sample", b, T), True, lambda: (bufs["h"][:T], bufs["ids"][:T]))
             h_in.copy_(h)
             self.graphs.get(("sample", -1, b), lambda: self._sample_body(bufs)).run()
             return ids
         return DeviceLogits(None, self.staging, argmax=replay, eager=head, n=T)
 
-    def _sample_bufs(self, b: int) -> StaticBuffers:
-        bufs = self._bufs_cache.get(("sample", b))
-        if bufs is None:
-            bufs = self._bufs_cache[("sample", b)] = self.graphs.buffers("sample", b)
-            bufs.get("h", (b, self.spec.hidden_size), self.dtype, self.device)
-            bufs.get("ids", (b,), torch.int64, self.device)
-        return bufs
+    def _sample_bufs(self, b: int) -> dict[str, Tensor]:
+        return self._kept(("sample", b), True, lambda: {
+            "h": torch.zeros((b, self.spec.hidden_size), dtype=self.dtype, device=self.device),
+            "ids": torch.zeros(b, dtype=torch.int64, device=self.device)})
 
-    def _sample_body(self, bufs: StaticBuffers):
-        h_in, ids = bufs._t["h"], bufs._t["ids"]
+    def _sample_body(self, bufs: dict[str, Tensor]):
+        h_in, ids = bufs["h"], bufs["ids"]
         spec, w = self.spec, self.w
 
         def body() -> None:

@@ -2,7 +2,7 @@
 copies of the hot path (batch metadata in the CUDA executor, index arrays in the engine).
 
 A non-blocking copy from pinned memory returns before the DMA ran, so a buffer may only be refilled once
-the copy that read it finished: each slot carries the event recorded after its copy, and `acquire`
+the copy that read it finished: each slot carries the event recorded after its copy, and `_next`
 waits on it (normally long complete: ~2 us query). On CPU there is no DMA and no event: plain tensors.
 
 Every wait for the device is bounded (`wait_event`): a copy that has not completed after the device_wait_s
@@ -116,10 +116,6 @@ class HostStaging:
                 STREAM_ORDER.seen(key, seq)
         return i
 
-    def acquire(self, nbytes: int) -> tuple[int, Tensor]:
-        i = self._slot(nbytes)
-        return i, self._bufs[i][:nbytes]
-
     def _slot(self, nbytes: int) -> int:
         """The next free slot, grown to `nbytes` if smaller (no view made: a slice is a torch call)."""
         i = self._next()
@@ -129,15 +125,16 @@ class HostStaging:
         return i
 
     def _acquire_typed(self, shape: tuple, dtype: torch.dtype) -> tuple[int, Tensor, np.ndarray]:
-        """acquire() of a slot viewed as a [shape] dtype tensor (+ its numpy view), the views cached
+        """The next free slot viewed as a [shape] dtype tensor (+ its numpy view), the views cached
         per slot: the hot path's few (shape, dtype) pairs cost no view creation per batch."""
         key = (shape, dtype)
         i = self._i
         hit = self._typed[i].get(key) if not self._held[i] else None
         if hit is not None:  # the slot is large enough: the cache is cleared when a slot grows
             return self._next(), hit[0], hit[1]
-        i, buf = self.acquire(math.prod(shape) * dtype.itemsize)
-        view = buf.view(dtype).view(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        i = self._slot(nbytes)
+        view = self._bufs[i][:nbytes].view(dtype).view(shape)
         arr = view.numpy() if dtype != torch.bfloat16 else None
         if len(self._typed[i]) < 16:
             self._typed[i][key] = (view, arr)
@@ -178,24 +175,15 @@ class HostStaging:
         return ev
 
     def h2d(self, dst: Tensor, src: Tensor) -> None:
-        """dst (device) <- src (host), through a pinned slot, non-blocking."""
-        if not self.cuda:
-            dst.copy_(src)
-            return
-        src = src.contiguous()
-        i, buf = self.acquire(src.numel() * src.element_size())
-        view = buf.view(src.dtype).view(src.shape)
+        """dst (device) <- src (host), through a pinned slot, non-blocking (on CPU: a plain slot, a plain copy)."""
+        i, view, _ = self._acquire_typed(tuple(src.shape), src.dtype)
         view.copy_(src)
         dst.copy_(view, non_blocking=True)
         self.mark(i)
 
     def h2d_array(self, dst: Tensor, fill) -> None:
-        """dst (device, int32/int64/float32) <- an array `fill(np_view)` writes in place."""
-        if not self.cuda:
-            host = torch.empty(dst.shape, dtype=dst.dtype)
-            fill(host.numpy())
-            dst.copy_(host)
-            return
+        """dst (device, int32/int64/float32) <- an array `fill(np_view)` writes in place (on CPU too through a slot,
+        with no event)."""
         i, view, arr = self._acquire_typed(tuple(dst.shape), dst.dtype)
         fill(arr)
         dst.copy_(view, non_blocking=True)

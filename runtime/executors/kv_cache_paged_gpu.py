@@ -18,7 +18,7 @@ a busy rank's host on the H200s (~5 admissions per decode step at 512 requests: 
 Row `rows` (the last) is the trash row: every entry is the trash page. Padded batch rows point
 at it with position -1, i.e. context length 0: the kernel reads nothing and yields zeros.
 A sequence longer than `width` pages or arriving when all rows are taken gets no row; batches
-containing it take the eager path (`row_of` returns None), which reads the host tables.
+containing it take the eager path (`rows_of` gives None), which reads the host tables.
 """
 from __future__ import annotations
 
@@ -38,8 +38,6 @@ class DeviceBlockTables:
             kv = kv.inner
         self.kv = kv
         self.width = width
-        self.rows = rows
-        self.device = device
         self.trash_page = kv.allocator.num_blocks
         self.trash_row = rows
         self._upload = upload
@@ -84,15 +82,14 @@ class DeviceBlockTables:
         if self.keys is not None:
             self.keys.index_copy_(0, idx, dev[:, 1])
 
-    def track_keys(self, key_of: Callable[[int], int]) -> torch.Tensor:
-        """Keep `keys[row] = key_of(sequence)` for every row from now on (the trash row's key is 0);
-        returns the device tensor, whose address never changes (graphs may bake it)."""
+    def track_keys(self, key_of: Callable[[int], int]) -> None:
+        """Keep `keys[row] = key_of(sequence)` for every row from now on (the trash row's key is 0) in the device
+        tensor `keys`, whose address never changes (graphs may bake it)."""
         if self.keys is None:
-            self.keys = torch.zeros(self.rows + 1, dtype=torch.int64, device=self.device)
+            self.keys = torch.zeros(self.table.shape[0], dtype=torch.int64, device=self.table.device)  # per table row
         self._key_of = key_of
         for seq_id, r in self._row.items():  # rows written before: again, with their keys, at the next flush
             self._unsent[r] = (seq_id, self.kv.table(seq_id))
-        return self.keys
 
     def on_release(self, seq_id: int) -> None:
         r = self._row.pop(seq_id, None)
@@ -125,9 +122,6 @@ class DeviceBlockTables:
         self._rows_memo = (segments, self.releases, rows, positions, fits)
         return rows, fits
 
-    def row_of(self, seq_id: int) -> Optional[int]:
-        return self._row.get(seq_id)
-
     def rows_of(self, seq_ids) -> list:
-        """row_of of every id (None where a sequence has no row), one C-level map over the dict."""
+        """The device table row of every id (None where a sequence has no row), one C-level map over the dict."""
         return list(map(self._row.get, seq_ids))

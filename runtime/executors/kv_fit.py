@@ -43,8 +43,7 @@ def host_mem_get_info(_device=None) -> tuple[int, int]:
 
 def kv_bytes_per_block(num_layers: int, block_size: int, k_row: tuple, v_row: tuple, dtype: torch.dtype) -> int:
     """Bytes one page takes over all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return num_layers * block_size * (math.prod(k_row) + math.prod(v_row)) * elem
+    return num_layers * block_size * (math.prod(k_row) + math.prod(v_row)) * dtype.itemsize
 
 
 def blocks_that_fit(free_bytes: int, reserve_bytes: int, bytes_per_block: int, pools: int = 1,
@@ -92,9 +91,8 @@ def executor_kv_fit(executor, plan, rank: int, wanted: int, *, pools: int = 1,
     on_host = device.type != "cuda" and mem_get_info is None
     if on_host:
         mem_get_info, pools = host_mem_get_info, max(pools, plan.cluster.ranks)
-    k_row, v_row, dtype = row
     free, _total = (mem_get_info or torch.cuda.mem_get_info)(device)
-    per_block = kv_bytes_per_block(plan.spec.num_layers, plan.kv.block_size, k_row, v_row, dtype)
+    per_block = kv_bytes_per_block(plan.spec.num_layers, plan.kv.block_size, *row)  # (K row, V row, dtype)
     m = plan.memory[rank] if rank < len(plan.memory) and not on_host else None  # (GPU graphs and workspaces)
     reserve = RUNTIME_HEADROOM_BYTES + ((m.graph_bytes + m.workspace_bytes) * pools if m is not None else 0)
     fit = blocks_that_fit(free, reserve, per_block, pools)

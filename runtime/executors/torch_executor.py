@@ -82,14 +82,10 @@ class TorchExecutor(ExecutorBase):
         in slot order in fp32 from zero (models.moe.combine's order), zero when it holds none of them; written into
         `out` [sum T_i, H] (and returned) when given. Here the held slots are selected on the host (data-dependent
         shapes) and run through experts()."""
-        parts = [unpack_routed(p, self.spec.hidden_size) for p in payloads]
-        x = row_blocks([xp for xp, _, _ in parts])
-        ids = row_blocks([ip for _, ip, _ in parts])
-        weights = row_blocks([wp for _, _, wp in parts])
+        x, ids, weights = unpack_routed(row_blocks(payloads), self.spec.hidden_size)
         flat = ids.to(torch.long).reshape(-1)
         k = ids.shape[1]
-        held = owned[flat]
-        rows = torch.nonzero(held).squeeze(1)
+        rows = torch.nonzero(owned[flat]).squeeze(1)  # the slots of experts held here
         slots = torch.zeros((flat.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         if rows.numel():
             slots[rows] = self.experts(layer, x.index_select(0, rows // k), flat[rows])
