@@ -103,17 +103,14 @@ class DenseKVStore:
         if not pos:
             return
         need = max(pos) + 1
-        if key not in self._k:
-            cap = max(self._initial, need)
-            self._k[key] = k.new_zeros((cap, *k.shape[1:]))
-            self._v[key] = v.new_zeros((cap, *v.shape[1:]))
-            self._len[key] = 0
-        if need > self._k[key].shape[0]:
-            cap = max(need, 2 * self._k[key].shape[0])
+        if key not in self._k:  # an empty buffer, grown below to initial_capacity (or more)
+            self._k[key], self._v[key], self._len[key] = k[:0], v[:0], 0
+        have = self._k[key].shape[0]
+        if need > have:
+            cap = max(need, 2 * have, self._initial)
             for buf in (self._k, self._v):
-                old = buf[key]
-                new = old.new_zeros((cap, *old.shape[1:]))
-                new[: old.shape[0]] = old
+                new = buf[key].new_zeros((cap, *buf[key].shape[1:]))
+                new[:have] = buf[key]
                 buf[key] = new
         if pos[0] > self._len[key]:
             raise ValueError(f"KV write for seq {seq_id} layer {layer} at position {pos[0]} leaves a gap "

@@ -92,13 +92,16 @@ class _Cfg:
             raise UserError(f"{self.source}: '{key}' must be a number, got {value!r}")
         return float(value)
 
-    def alias(self, keys: tuple[str, ...], default: Any) -> Any:
+    def alias(self, keys: tuple[str, ...], default: Optional[int]) -> int:
         """An integer stored under any of `keys`: transformers' config `attribute_map` lets the same
         setting be written under two names (e.g. Qwen3-MoE saves `num_local_experts` while published
-        configs say `num_experts`). The first key present wins."""
+        configs say `num_experts`). The first key present wins; none present: `default`, or with a None default
+        a missing required key (named by `keys[0]`)."""
         for k in keys:
             if self.has(k):
                 return self.int(k)
+        if default is None:
+            raise self.fail(f"missing required key '{keys[0]}'")
         return default
 
     def bool(self, key: str, default: bool) -> bool:
@@ -131,6 +134,18 @@ class _Cfg:
         if len(lt) != n_layers:
             raise self.fail(f"'layer_types' has {len(lt)} entries, num_hidden_layers is {n_layers}")
         return [names[t] for t in lt]
+
+    def biases(self, attn: dict, default: bool = False, **fields: Any) -> None:
+        """`attention_bias` (default `default`) as the q/k/v and o biases, with more attention `fields`."""
+        bias = self.bool("attention_bias", default)
+        attn.update(qkv_bias=bias, o_bias=bias, **fields)
+
+    def sliding(self, attn: dict, layer_types: list[str], window: Optional[int]) -> None:
+        """Per-layer sliding attention into `attn` when `layer_types` has sliding layers (which need a window)."""
+        if "sliding" in layer_types:
+            if not window:
+                raise self.fail("layer_types has sliding_attention layers but sliding_window is not set")
+            attn.update(layer_types=layer_types, sliding_window=window)
 
     def dense(self, spec: dict, layers: list[int], size_default: int) -> None:
         """Dense `layers` (if any) into `spec`, their MLP of `intermediate_size`."""
@@ -247,11 +262,9 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     # Not a RopeSpec field: DeepSeek-V2's softmax scale needs mscale_all_dim even when mscale is
     # absent (then the rope spec itself stores neither). Popped by the caller.
     out["_mscale_all_dim"] = rp.get("mscale_all_dim") or 0
-    if family == "deepseek_v2":
-        # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves.
-        out["interleaved"] = True
-    elif family == "ernie4_5_moe":
-        # Ernie4_5_MoeAttention rotates adjacent pairs (rotate_half over x[0::2], x[1::2]).
+    if family in ("deepseek_v2", "ernie4_5_moe"):
+        # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves; so does
+        # Ernie4_5_MoeAttention (rotate_half over x[0::2], x[1::2]).
         out["interleaved"] = True
     elif family in ("deepseek_v3", "glm4_moe_lite"):
         # DeepseekV3Attention: adjacent pairs unless rope_interleave is false (its output order differs from
@@ -389,9 +402,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
                     attn["layer_types"] = lt
                     attn["sliding_window"] = cfg.int("sliding_window", 4096)
         else:
-            attn["qk_norm"] = "head"  # Qwen3MoeAttention: RMSNorm over head_dim, per head
-            bias = cfg.bool("attention_bias", False)
-            attn.update(qkv_bias=bias, o_bias=bias)
+            cfg.biases(attn, qk_norm="head")  # Qwen3MoeAttention: RMSNorm over head_dim, per head
             if cfg.bool("use_sliding_window", False):
                 # Qwen3MoeAttention applies config.sliding_window on every layer.
                 attn["sliding_window"] = cfg.int("sliding_window", 4096)
@@ -401,21 +412,15 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         if head_dim * n_heads != hidden:
             raise cfg.fail(f"OLMoE needs head_dim * num_attention_heads == hidden_size "
                            f"({head_dim} * {n_heads} != {hidden}): its q/k norms span the full projection")
-        bias = cfg.bool("attention_bias", False)
-        attn.update(qk_norm="full", qkv_bias=bias, o_bias=bias)
+        cfg.biases(attn, qk_norm="full")
         router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
         experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 64), top_k=cfg.int("num_experts_per_tok", 8),
                        intermediate_size=cfg.int("intermediate_size", 2048))
 
     elif family == "gpt_oss":
-        bias = cfg.bool("attention_bias", True)
-        attn.update(qkv_bias=bias, o_bias=bias, sinks=True)
+        cfg.biases(attn, True, sinks=True)
         lt = cfg.layer_types(n_layers) or ["sliding" if (i + 1) % 2 else "full" for i in range(n_layers)]
-        window = cfg.int("sliding_window", 128)
-        if "sliding" in lt:
-            if not window:
-                raise cfg.fail("layer_types has sliding_attention layers but sliding_window is not set")
-            attn.update(layer_types=lt, sliding_window=window)
+        cfg.sliding(attn, lt, cfg.int("sliding_window", 128))
         # GptOssTopKRouter: top-k of the raw (biased) logits, softmax over those k.
         router.update(scoring="topk_softmax", renormalize=False, bias=True)
         experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 128), top_k=cfg.int("num_experts_per_tok", 4),
@@ -441,13 +446,12 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
     rope_head_dim = attn["qk_rope_head_dim"] if attn["kind"] == "mla" else attn["head_dim"]
     attn["rope"] = _rope(cfg, family, rope_head_dim, max_pos)
     mad = attn["rope"].pop("_mscale_all_dim")
-    if attn["kind"] == "mla" and attn["rope"].get("scaling", "none") != "none":
+    if attn["kind"] == "mla" and attn["rope"].get("scaling", "none") != "none" and mad:
         # DeepseekV2Attention: softmax scale = qk_head_dim**-0.5 * yarn_mscale(factor, mscale_all_dim)**2
         # whenever the rope type is not default (this is on top of the cos/sin attention factor).
         # Written out explicitly so the spec says the scale rather than leaving it to be re-derived.
-        if mad:
-            m = yarn_get_mscale(attn["rope"]["factor"], float(mad))
-            attn["softmax_scale"] = attn["head_dim"] ** -0.5 * m * m
+        m = yarn_get_mscale(attn["rope"]["factor"], float(mad))
+        attn["softmax_scale"] = attn["head_dim"] ** -0.5 * m * m
 
     eos = eos_in_vocab(_eos(cfg), spec["vocab_size"], source)
     spec.update(attention=attn, router=router, experts=experts, eos_token_ids=eos,

@@ -25,6 +25,7 @@ import json
 import math
 import re
 import struct
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -151,15 +152,11 @@ class SafetensorsDir:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
     def float_dtype(self) -> Optional[str]:
         """The dtype most floating tensors are stored in (for configs that do not say)."""
-        counts: dict[str, int] = {}
-        for name, dt in self.dtype_of.items():
-            if dt in _ST_DTYPES and not name.endswith("_scale_inv"):  # fp8 scales are fp32 whatever the model
-                counts[_ST_DTYPES[dt]] = counts.get(_ST_DTYPES[dt], 0) + 1
+        # (fp8 scales are fp32 whatever the model)
+        counts = Counter(_ST_DTYPES[dt] for name, dt in self.dtype_of.items()
+                         if dt in _ST_DTYPES and not name.endswith("_scale_inv"))
         return max(counts, key=counts.get) if counts else None
 
     def _handle(self, name: str):
@@ -458,7 +455,7 @@ def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = No
         _attention(ld, layer, p)
         _mlp(ld, layer, p)
 
-    unused = sorted(n for n in st.names() if n not in ld.used and not _ignorable(spec, n, spec.tie_embeddings))
+    unused = sorted(n for n in st.file_of if n not in ld.used and not _ignorable(spec, n, spec.tie_embeddings))
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
         raise UserError(f"{ld.where(unused[0])}: unexpected tensor '{unused[0]}'{more} for a {spec.family} model "
