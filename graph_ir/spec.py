@@ -269,10 +269,7 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     nh, nkv = a.num_heads, a.num_kv_heads
     if a.kind == "gqa":
         hd = a.head_dim
-        s["q.w"] = (nh * hd, H)
-        s["k.w"] = (nkv * hd, H)
-        s["v.w"] = (nkv * hd, H)
-        s["o.w"] = (H, nh * hd)
+        s["q.w"], s["k.w"], s["v.w"], s["o.w"] = (nh * hd, H), (nkv * hd, H), (nkv * hd, H), (H, nh * hd)
         if a.qkv_bias:
             s["q.b"], s["k.b"], s["v.b"] = (nh * hd,), (nkv * hd,), (nkv * hd,)
         if a.qk_norm == "head":
@@ -308,9 +305,7 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
             s["router.b"] = (E,)
         if spec.router.correction_bias:
             s["router.correction_bias"] = (E,)
-        s["experts.gate"] = (E, I, H)
-        s["experts.up"] = (E, I, H)
-        s["experts.down"] = (E, H, I)
+        s["experts.gate"], s["experts.up"], s["experts.down"] = (E, I, H), (E, I, H), (E, H, I)
         if ex.bias:
             s["experts.gate_b"], s["experts.up_b"], s["experts.down_b"] = (E, I), (E, I), (E, H)
         if ex.shared_intermediate_size:

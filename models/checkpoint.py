@@ -26,18 +26,14 @@ from models.weights import ModelWeights
 SUPPORTED_ARCHITECTURES = tuple(sorted(ARCHITECTURES))
 
 
-def _dtype_from_tensors(root: Path):
+def _dtype_from_tensors(root: Path) -> Optional[str]:
     """For a config without dtype/torch_dtype: the dtype the tensors are stored in, if readable."""
+    from models.hf_weights import SafetensorsDir
 
-    def peek():
-        try:
-            from models.hf_weights import SafetensorsDir
-
-            return SafetensorsDir(root).float_dtype()
-        except UserError:
-            return None
-
-    return peek
+    try:
+        return SafetensorsDir(root).float_dtype()
+    except UserError:
+        return None
 
 
 def import_spec(path: str | Path) -> ModelSpec:
@@ -46,7 +42,7 @@ def import_spec(path: str | Path) -> ModelSpec:
     data, cfg_path = read_config(path)
     root = cfg_path.parent
     spec = spec_from_config(data, str(cfg_path), name=root.resolve().name, path=str(root),
-                            dtype_fallback=_dtype_from_tensors(root))
+                            dtype_fallback=lambda: _dtype_from_tensors(root))
     # transformers' generate stops at generation_config.json's eos_token_id when the file sets one, not config.json's
     from models.generation_config import read_generation_config
     gen = read_generation_config(root)

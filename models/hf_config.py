@@ -76,21 +76,19 @@ class _Cfg:
             raise UserError(f"{self.source}: missing required key '{key}'")
         return self.data[key]
 
-    def int(self, key: str, default: Any = None, *, required: bool = False) -> Optional[int]:
+    def _typed(self, key: str, default: Any, required: bool, types: tuple[type, ...], what: str) -> Any:
+        """The value of `key` (None when absent and no default), refused unless of `types` (never a bool)."""
         value = self.require(key) if required else self.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{self.source}: '{key}' must be an integer, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise self.fail(f"'{key}' must be {what}, got {value!r}")
         return value
 
+    def int(self, key: str, default: Any = None, *, required: bool = False) -> Optional[int]:
+        return self._typed(key, default, required, (int,), "an integer")
+
     def float(self, key: str, default: Any = None) -> Optional[float]:
-        value = self.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{self.source}: '{key}' must be a number, got {value!r}")
-        return float(value)
+        value = self._typed(key, default, False, (int, float), "a number")
+        return None if value is None else float(value)
 
     def alias(self, keys: tuple[str, ...], default: Optional[int]) -> int:
         """An integer stored under any of `keys`: transformers' config `attribute_map` lets the same

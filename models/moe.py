@@ -28,10 +28,8 @@ def _router_logits_fp32(spec: ModelSpec) -> bool:
     """GLM-4.5, DeepSeek, ERNIE-4.5 and Hunyuan (its gate is an fp32 Linear) compute the router matmul in fp32; the
     others (MiniMax-M2's sigmoid router too: it multiplies in the weight dtype and takes the sigmoid in fp32) in the
     model dtype."""
-    if spec.family == "minimax_m2":
-        return False
-    return spec.router.scoring == "sigmoid" or spec.family in ("deepseek_v2", "glm4_moe", "ernie4_5_moe",
-                                                                "hunyuan_v1_moe")
+    return spec.family != "minimax_m2" and (spec.router.scoring == "sigmoid" or spec.family in (
+        "deepseek_v2", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe"))
 
 
 def router_logits(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> Tensor:

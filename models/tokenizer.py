@@ -46,11 +46,9 @@ def _content(value: Any) -> Optional[str]:
 
 
 def _read_json(path: Path) -> dict:
-    from graph_ir.files import parse_json, read_text
-    data = parse_json(read_text(path, "tokenizer file", max_bytes=1 << 30), str(path))
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    """A tokenizer_config.json / special_tokens_map.json; {} when the checkpoint has none."""
+    from graph_ir.files import read_json_object
+    return read_json_object(path, "tokenizer file", max_bytes=1 << 30) if path.is_file() else {}
 
 
 def _compile_template(source: str):
@@ -221,8 +219,7 @@ def load_tokenizer(directory: str | Path) -> Optional[Tokenizer]:
         backend = Backend.from_file(str(path))
     except Exception as err:  # tokenizers raises its own Exception subclass with serde's message
         raise UserError(f"{path}: not a tokenizer the `tokenizers` package can load ({err})") from None
-    config = _read_json(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
-    older = _read_json(root / SPECIAL_MAP_FILE) if (root / SPECIAL_MAP_FILE).is_file() else {}
+    config, older = _read_json(root / CONFIG_FILE), _read_json(root / SPECIAL_MAP_FILE)
     special = {}
     for name in SPECIAL_TOKENS:
         text = _content(config.get(name))
