@@ -13,13 +13,13 @@ The score math follows HF's eager attention: scores = (q @ k^T) * scale in the a
 in fp32 (sinks: softmax in the activation dtype after subtracting the row max, as GPT-OSS does), then probs @ v.
 
 `attend` (per segment) is the reference. `attend_decode_batch` is the same math for a batch of
-one-row segments over padded K/V; `_attend_segments` uses it when the store offers the batched
+one-row segments over padded K/V; `_attend_rows` (GQA and latent MLA alike) uses it when the store offers the batched
 decode API (`write_rows` / `gather`, see runtime/kv_cache.PagedKVStore), because a Python loop of
 ~12 small torch ops per request per layer was the largest host cost of CPU serving.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -245,47 +245,56 @@ def _linear(x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
     return F.linear(x, w[f"{name}.w"], w.get(f"{name}.b"))
 
 
-def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tensor, k: Tensor, v: Tensor,
-                     positions: Tensor, segments: Sequence[Segment], kv: KVStore,
-                     host_positions: Optional[Sequence[int]] = None) -> Tensor:
-    """Write each segment's K/V, then attend its queries over its whole context. Returns [T, nh, dv].
+def _attend_rows(kv: KVStore, layer: int, segments: Sequence[Segment], positions: Tensor,
+                 host_positions: Optional[Sequence[int]], k: Tensor, v: Tensor, shape: tuple[int, int, int],
+                 decode: Callable, prefill: Callable) -> Tensor:
+    """Write each segment's rows of k / v into `kv`, then attend its queries over its whole context: [T, nh, dv]
+    (`shape`). The attention itself is the caller's: `decode(rows, K, V, lengths)` for one-row segments of distinct
+    sequences over padded K/V, `prefill(rows, K, V)` for one segment (rows a slice) over its context.
 
-    A pure decode batch over a store with the batched API takes one batched write, gather and
-    attention; anything else (prefill, mixed batches, the reference's dense store) goes segment by
-    segment. `host_positions`: the positions as the caller knows them on the host (the stores' page
-    bookkeeping reads them there; else they are read back from `positions` once per batch)."""
-    a = spec.attention
-    scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    A pure decode batch over a store with the batched API takes one batched write, gather and `decode` (no row
+    indexing); anything else (prefill, mixed batches, the reference's dense store) goes segment by segment, except
+    that a mixed batch's one-row segments still go through the batched path when there are several.
+    `host_positions`: the positions as the caller knows them on the host (the stores' page bookkeeping reads them
+    there; else they are read back from `positions` once per batch)."""
     pos_cpu = torch.as_tensor(host_positions, dtype=torch.int64) if host_positions is not None else positions.cpu()
-
-    def decode(seq_ids, q, k, v, positions, pos_cpu):
+    batched = _batched_store(kv)
+    seq_ids = _decode_batch(segments, shape[0]) if batched else None
+    if seq_ids is not None:
         kv.write_rows(layer, seq_ids, pos_cpu, k, v)
         K, V = kv.gather(layer, seq_ids, (pos_cpu + 1).tolist())
-        return attend_decode_batch(q, K, V, positions.to(torch.int64) + 1, scale, window, sinks)
-    batched = _batched_store(kv)
-    seq_ids = _decode_batch(segments, q.shape[0]) if batched else None
-    if seq_ids is not None:
-        return decode(seq_ids, q, k, v, positions, pos_cpu)
-    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
-    if batched:
+        return decode(slice(None), K, V, positions.to(torch.int64) + 1)
+    out = k.new_empty(shape)
+    one, rest = split_one_row(segments) if batched else ([], segments)
+    if len(one) > 1:
         # A mixed batch (decode rows with a prompt's chunk: what a serving rank runs whenever a request arrives
         # during decode) takes its one-row segments through the batched path and loops over the rest only: one by
         # one, 256 decode rows beside a 40-row chunk cost 18x a pure decode batch on the CPU.
         # Segments of different sequences touch different K/V, so their order does not matter.
-        one, rest = split_one_row(segments)
-        if len(one) > 1:
-            idx = torch.tensor([r for _, r in one], dtype=torch.long)
-            rows = idx.to(q.device)  # (on CUDA the executor runs such batches through its paged kernels instead)
-            pos = positions.index_select(0, rows.to(positions.device))
-            out[rows] = decode([s for s, _ in one], q[rows], k[rows], v[rows], pos, pos_cpu[idx])
-            segments = rest
+        idx = torch.tensor([r for _, r in one], dtype=torch.long)
+        rows, seq_ids, pc = idx.to(k.device), [s for s, _ in one], pos_cpu[idx]
+        kv.write_rows(layer, seq_ids, pc, k[rows], v[rows])
+        K, V = kv.gather(layer, seq_ids, (pc + 1).tolist())
+        out[rows] = decode(rows, K, V, positions.index_select(0, rows.to(positions.device)).to(torch.int64) + 1)
+        segments = rest
     for seq_id, start, n in segments:
         rows = slice(start, start + n)
         pc = pos_cpu[rows]
         kv.write(layer, seq_id, pc, k[rows], v[rows])
         K, V = kv.read(layer, seq_id, int(pc[-1]) + 1)
-        out[rows] = attend(q[rows], K, V, positions[rows], scale, window, sinks)
+        out[rows] = prefill(rows, K, V)
     return out
+
+
+def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tensor, k: Tensor, v: Tensor,
+                     positions: Tensor, segments: Sequence[Segment], kv: KVStore,
+                     host_positions: Optional[Sequence[int]] = None) -> Tensor:
+    """Write each segment's K/V, then attend its queries over its whole context (`_attend_rows`). [T, nh, dv]."""
+    a = spec.attention
+    scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    return _attend_rows(kv, layer, segments, positions, host_positions, k, v, (q.shape[0], q.shape[1], v.shape[2]),
+                        lambda rows, K, V, lengths: attend_decode_batch(q[rows], K, V, lengths, scale, window, sinks),
+                        lambda rows, K, V: attend(q[rows], K, V, positions[rows], scale, window, sinks))
 
 
 def gqa_project(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -399,37 +408,24 @@ def _attend_latent_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q
     a = spec.attention
     kvr = a.kv_lora_rank
     scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
-    pos_cpu = torch.as_tensor(host_positions, dtype=torch.int64) if host_positions is not None else positions.cpu()
     c = latent_rows(latent, k_pe)
-    none = c.new_empty((c.shape[0], 1, 0))  # the store's V: the latent is K's first channels
-    T = c.shape[0]
-    out = q_nope.new_empty((T, a.num_heads, a.v_head_dim))
-    one, rest = split_one_row(segments)
-    batched = _batched_store(kv)
-    if batched and one and (len(one) > 1 or not rest):  # (as `_attend_segments`: a lone decode row too)
-        idx = torch.tensor([r for _, r in one], dtype=torch.long)
-        rows = idx.to(c.device)
-        seq_ids, pc = [s for s, _ in one], pos_cpu[idx]
-        kv.write_rows(layer, seq_ids, pc, c[rows], none[rows])
-        C, _ = kv.gather(layer, seq_ids, (pc + 1).tolist())
+
+    def absorbed(rows, C, attend_fn, at):
+        """Attention in the absorbed form, `attend_fn` being `attend` (`at`: positions) or `attend_decode_batch`
+        (`at`: lengths)."""
         q_abs = mla_absorb_q(spec, w, q_nope[rows], q_pe[rows])
-        lens = positions.index_select(0, rows.to(positions.device)).to(torch.int64) + 1
-        out[rows] = mla_unabsorb(spec, w, attend_decode_batch(q_abs, C, C[..., :kvr], lens, scale, window, sinks))
-        segments = rest
-    for seq_id, start, n in segments:
-        rows = slice(start, start + n)
-        pc = pos_cpu[rows]
-        kv.write(layer, seq_id, pc, c[rows], none[rows])
-        C, _ = kv.read(layer, seq_id, int(pc[-1]) + 1)
-        if n == 1:
-            q_abs = mla_absorb_q(spec, w, q_nope[rows], q_pe[rows])
-            o = attend(q_abs, C, C[..., :kvr], positions[rows], scale, window, sinks)
-            out[rows] = mla_unabsorb(spec, w, o)
-        else:
-            K, V = mla_decompress(spec, w, C[:, 0, :kvr], C[:, :, kvr:])
-            q = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)
-            out[rows] = attend(q, K, V, positions[rows], scale, window, sinks)
-    return out
+        return mla_unabsorb(spec, w, attend_fn(q_abs, C, C[..., :kvr], at, scale, window, sinks))
+
+    def prefill(rows, C, _):
+        if rows.stop - rows.start == 1:  # a lone decode row
+            return absorbed(rows, C, attend, positions[rows])
+        K, V = mla_decompress(spec, w, C[:, 0, :kvr], C[:, :, kvr:])
+        return attend(torch.cat([q_nope[rows], q_pe[rows]], dim=-1), K, V, positions[rows], scale, window, sinks)
+
+    # the store's V: none (the latent is K's first channels)
+    return _attend_rows(kv, layer, segments, positions, host_positions, c, c.new_empty((c.shape[0], 1, 0)),
+                        (c.shape[0], a.num_heads, a.v_head_dim),
+                        lambda rows, C, _, lengths: absorbed(rows, C, attend_decode_batch, lengths), prefill)
 
 
 class PagedAttend(Protocol):
