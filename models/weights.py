@@ -117,6 +117,14 @@ class ModelWeights:
         return cls(embed=tensors["embed"], final_norm=tensors["final_norm"], lm_head=tensors.get("lm_head"),
                    layers=layers, held=held)
 
+    def named(self) -> dict[str, Tensor]:
+        """The flat map of canonical names (`from_names`' inverse)."""
+        out = {"embed": self.embed, "final_norm": self.final_norm}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head
+        out.update((f"layers.{l}.{name}", t) for l, layer in enumerate(self.layers) for name, t in layer.items())
+        return out
+
     @property
     def head(self) -> Tensor:
         """The LM head matrix, resolving tied embeddings."""
@@ -126,21 +134,14 @@ class ModelWeights:
         """Copy to `device` / `dtype`. Tensors in _FP32_ALWAYS keep fp32 when `dtype` is given."""
 
         def conv(name: str, t: Tensor) -> Tensor:
-            dt = torch.float32 if (dtype is not None and name in _FP32_ALWAYS) else dtype
-            return t.to(device=device, dtype=dt)
+            keep = dtype is not None and name.split(".", 2)[-1] in _FP32_ALWAYS  # (a layer's short name)
+            return t.to(device=device, dtype=torch.float32 if keep else dtype)
 
-        return ModelWeights(
-            embed=conv("embed", self.embed),
-            final_norm=conv("final_norm", self.final_norm),
-            lm_head=None if self.lm_head is None else conv("lm_head", self.lm_head),
-            layers=[{k: conv(k, v) for k, v in layer.items()} for layer in self.layers],
-            held=self.held,
-        )
+        named = {name: conv(name, t) for name, t in self.named().items()}
+        return ModelWeights.from_names(named, len(self.layers), held=self.held)
 
     def num_bytes(self) -> int:
-        ts = [self.embed, self.final_norm] + ([self.lm_head] if self.lm_head is not None else [])
-        ts += [t for layer in self.layers for t in layer.values()]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.named().values())
 
 
 def stack_qkv(w: ModelWeights) -> ModelWeights:
@@ -186,14 +187,9 @@ def expected_shapes(spec: ModelSpec, experts: ExpertSubset = None) -> dict[str, 
 
 def validate_weights(spec: ModelSpec, w: ModelWeights, source: str = "weights") -> None:
     """Raise UserError naming the first missing, extra or mis-shaped tensor."""
-    got: dict[str, Tensor] = {"embed": w.embed, "final_norm": w.final_norm}
-    if w.lm_head is not None:
-        got["lm_head"] = w.lm_head
     if len(w.layers) != spec.num_layers:
         raise UserError(f"{source}: {len(w.layers)} layers, the spec has {spec.num_layers}")
-    for l, layer in enumerate(w.layers):
-        for name, t in layer.items():
-            got[f"layers.{l}.{name}"] = t
+    got = w.named()
     want = expected_shapes(spec, w.held)
     for name, shape in want.items():
         if name not in got:
