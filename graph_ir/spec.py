@@ -237,10 +237,10 @@ class ModelSpec(_Strict):
         lt = self.attention.layer_types
         if lt is not None and len(lt) != self.num_layers:
             raise ValueError(f"attention.layer_types has {len(lt)} entries, num_layers is {self.num_layers}")
-        if self.router.n_group > 1 and self.experts.num_experts % self.router.n_group:
-            raise ValueError(f"router.n_group ({self.router.n_group}) must divide "
-                             f"experts.num_experts ({self.experts.num_experts})")
         if self.router.n_group > 1:
+            if self.experts.num_experts % self.router.n_group:
+                raise ValueError(f"router.n_group ({self.router.n_group}) must divide "
+                                 f"experts.num_experts ({self.experts.num_experts})")
             # Group-limited routing only lets top-k pick inside the best topk_group groups.
             eligible = self.router.topk_group * (self.experts.num_experts // self.router.n_group)
             if self.experts.top_k > eligible:

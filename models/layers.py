@@ -78,9 +78,9 @@ def shared_expert(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Op
     return y if y is None or spec.residual_multiplier == 1.0 else y * spec.residual_multiplier
 
 
-def moe_combine(h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
-    """h_next = h_res + sum_j weights[:, j] * y[:, j] (+ shared): fp32, slot order j = 0..k-1."""
-    return combine(h_res, shared, y, weights)
+# moe_combine(h_res, shared, y, weights): h_next = h_res + sum_j weights[:, j] * y[:, j] (+ shared), fp32, slot order
+# j = 0..k-1 (models.moe.combine; spec-free, so the stage function is that one)
+moe_combine = combine
 
 
 def final_logits(spec: ModelSpec, w: ModelWeights, h: Tensor) -> Tensor:
