@@ -376,9 +376,8 @@ def format_validation_error(err: ValidationError, source: str, model: Optional[t
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        if msg.startswith("Value error, "):
-            # Our own cross-field checks already name the values involved.
-            msg = msg[len("Value error, "):]
+        # Our own cross-field checks already name the values involved.
+        msg = msg.removeprefix("Value error, ")
         if e["type"] in ("int_parsing", "int_parsing_size", "int_from_float", "int_type") and model is not None:
             # pydantic says only "a valid integer" (for 1e26: "unable to parse input string"): name the range too.
             if e["type"] == "int_parsing_size":

@@ -347,29 +347,25 @@ def _gpt_oss_experts(ld: _Loader, layer: int, moe: str) -> None:
     ld.out[c + "experts.down_b"] = ld.take(down_name + "_bias", (E, H), c + "experts.down_b", layer)
 
 
+# Canonical attention tensor -> HF name under `{layer}.self_attn.`; each is read where the spec needs it.
+_GQA_NAMES = {"q.w": "q_proj.weight", "q.b": "q_proj.bias", "k.w": "k_proj.weight", "k.b": "k_proj.bias",
+              "v.w": "v_proj.weight", "v.b": "v_proj.bias", "o.w": "o_proj.weight", "o.b": "o_proj.bias",
+              "q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "sinks": "sinks"}
+# Hunyuan-MoE's q / k norms are query_layernorm / key_layernorm
+_HUNYUAN_NAMES = {**_GQA_NAMES, "q_norm": "query_layernorm.weight", "k_norm": "key_layernorm.weight"}
+_MLA_NAMES = {"q.w": "q_proj.weight", "q_a.w": "q_a_proj.weight", "q_a.b": "q_a_proj.bias",
+              "q_a_norm": "q_a_layernorm.weight", "q_b.w": "q_b_proj.weight",
+              "kv_a.w": "kv_a_proj_with_mqa.weight", "kv_a.b": "kv_a_proj_with_mqa.bias",
+              "kv_a_norm": "kv_a_layernorm.weight", "kv_b.w": "kv_b_proj.weight",
+              "o.w": "o_proj.weight", "o.b": "o_proj.bias"}
+
+
 def _attention(ld: _Loader, layer: int, p: str) -> None:
-    c, a = f"layers.{layer}.", ld.spec.attention
-    want = ld.want
-    if a.kind == "gqa":
-        for proj in ("q", "k", "v", "o"):
-            ld.direct(f"{p}.self_attn.{proj}_proj.weight", c + f"{proj}.w")
-            if c + f"{proj}.b" in want:
-                ld.direct(f"{p}.self_attn.{proj}_proj.bias", c + f"{proj}.b")
-        if c + "q_norm" in want:  # Hunyuan-MoE's are query_layernorm / key_layernorm
-            qn, kn = ("query_layernorm", "key_layernorm") if ld.spec.family == "hunyuan_v1_moe" else \
-                ("q_norm", "k_norm")
-            ld.direct(f"{p}.self_attn.{qn}.weight", c + "q_norm")
-            ld.direct(f"{p}.self_attn.{kn}.weight", c + "k_norm")
-        if c + "sinks" in want:
-            ld.direct(f"{p}.self_attn.sinks", c + "sinks")
-        return
-    mla = {"q.w": "q_proj.weight", "q_a.w": "q_a_proj.weight", "q_a.b": "q_a_proj.bias",
-           "q_a_norm": "q_a_layernorm.weight", "q_b.w": "q_b_proj.weight",
-           "kv_a.w": "kv_a_proj_with_mqa.weight", "kv_a.b": "kv_a_proj_with_mqa.bias",
-           "kv_a_norm": "kv_a_layernorm.weight", "kv_b.w": "kv_b_proj.weight",
-           "o.w": "o_proj.weight", "o.b": "o_proj.bias"}
-    for canon, hf in mla.items():
-        if c + canon in want:
+    c = f"layers.{layer}."
+    names = _MLA_NAMES if ld.spec.attention.kind == "mla" else \
+        _HUNYUAN_NAMES if ld.spec.family == "hunyuan_v1_moe" else _GQA_NAMES
+    for canon, hf in names.items():
+        if c + canon in ld.want:
             ld.direct(f"{p}.self_attn.{hf}", c + canon)
 
 

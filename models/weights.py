@@ -318,15 +318,12 @@ def _drawer(device: torch.device, backend: Optional[str] = None):
         else:
             from dataflow_kernels.dispatch import triton_available
             backend = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend == "numpy":
-        if device.type != "cpu":
-            return lambda start, n, k1, k2: _draw_numpy(start, n, k1, k2).to(device)
-        return _draw_numpy
-    if backend == "triton":
-        return lambda start, n, k1, k2: _draw_triton(start, n, k1, k2, device)
-    if backend == "torch":
-        return lambda start, n, k1, k2: _draw_torch(start, n, k1, k2, device)
-    raise ValueError(f"backend {backend!r}: expected numpy, triton or torch")
+    draws = {"numpy": lambda start, n, k1, k2: _draw_numpy(start, n, k1, k2).to(device),  # (no copy on the host)
+             "triton": lambda start, n, k1, k2: _draw_triton(start, n, k1, k2, device),
+             "torch": lambda start, n, k1, k2: _draw_torch(start, n, k1, k2, device)}
+    if backend not in draws:
+        raise ValueError(f"backend {backend!r}: expected numpy, triton or torch")
+    return draws[backend]
 
 
 def _scaled(short: str, t: Tensor, std: float) -> Tensor:
