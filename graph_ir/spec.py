@@ -327,14 +327,14 @@ def cut_layers(spec: ModelSpec, layers: int) -> ModelSpec:
         return spec
     data = spec.model_dump()
     data["num_layers"] = layers
-    if data["attention"].get("layer_types"):
-        data["attention"]["layer_types"] = data["attention"]["layer_types"][:layers]
+    a = data["attention"]
+    if a["layer_types"]:
+        a["layer_types"] = a["layer_types"][:layers]
+        if "sliding" not in a["layer_types"]:  # (a field no layer reads is refused: graph_ir/spec_checks.py)
+            a["layer_types"] = a["sliding_window"] = None
     data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
-    if not data["dense_layers"]:  # (a field no layer reads is refused: graph_ir/spec_checks.py)
+    if not data["dense_layers"]:
         data["dense_intermediate_size"] = None
-    if data["attention"].get("layer_types") and "sliding" not in data["attention"]["layer_types"]:
-        data["attention"]["layer_types"] = None
-        data["attention"]["sliding_window"] = None
     data["name"] = f"{spec.name}-L{layers}"
     return ModelSpec.model_validate(data)
 

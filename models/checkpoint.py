@@ -116,12 +116,8 @@ def spec_mismatches(spec: ModelSpec, ckpt_spec: ModelSpec) -> list[tuple[str, st
     """(field, the spec's value, the checkpoint's) for every math-relevant field where `spec` (a YAML naming the
     checkpoint) and `ckpt_spec` (what its config.json implies, models.hf_config.spec_from_config) differ."""
     mine, theirs = _math_view(spec), _math_view(ckpt_spec)
-    out = []
-    for field in list(dict.fromkeys([*mine, *theirs])):
-        a, b = mine.get(field), theirs.get(field)
-        if not _same(a, b):
-            out.append((field, _shown(field, a), _shown(field, b)))
-    return out
+    return [(field, _shown(field, mine.get(field)), _shown(field, theirs.get(field)))
+            for field in dict.fromkeys([*mine, *theirs]) if not _same(mine.get(field), theirs.get(field))]
 
 
 def check_spec_matches(spec: ModelSpec, ckpt_spec: ModelSpec, config: str, source: Optional[str] = None) -> None:

@@ -251,8 +251,9 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     if theta is None:
         theta = cfg.float("rope_theta", hf_families.THETA_DEFAULTS.get(family, 10000.0))
     partial = rp.get("partial_rotary_factor")
-    if partial is None and family == "minimax_m2":
-        partial = hf_families.minimax_partial_rotary(cfg, head_dim)
+    if partial is None and family == "minimax_m2" and cfg.has("rotary_dim"):
+        # Released MiniMax-M2 configs give partial RoPE as `rotary_dim` (transformers: factor rotary_dim / head_dim).
+        partial = cfg.int("rotary_dim") / head_dim
     if partial is None:
         partial = cfg.float("partial_rotary_factor", 0.5 if family == "glm4_moe" else 1.0)
     # (its range and the even rotated width it leaves are checked by the spec: graph_ir/spec.py)

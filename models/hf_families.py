@@ -143,12 +143,6 @@ def minimax_m2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router:
                    top_k=cfg.int("num_experts_per_tok", 8), intermediate_size=cfg.int("intermediate_size", 1536))
 
 
-def minimax_partial_rotary(cfg, head_dim: int) -> Any:
-    """Released MiniMax-M2 configs give partial RoPE as `rotary_dim` (transformers: factor rotary_dim / head_dim)."""
-    rd = cfg.int("rotary_dim")
-    return None if rd is None else rd / head_dim
-
-
 def granitemoe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
                spec: dict) -> None:
     """Mixtral-like, with multipliers: embedding_multiplier on the embeddings, attention_multiplier as the softmax
