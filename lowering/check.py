@@ -104,14 +104,13 @@ def check_plan(plan: Plan) -> None:
              "routes do not cover the stage chain edge by edge")
     for route in plan.routes:
         s = stages[route.src_stage]
+        holders = plan.placement.holders(s.layer) if route.kind != "local" else []
         if route.kind == "dispatch":
-            layer_holders = plan.placement.holders(s.layer)
-            _require(route.dst_ranks == layer_holders and route.src_ranks == list(range(R)),
+            _require(route.dst_ranks == holders and route.src_ranks == list(range(R)),
                      f"dispatch route of stage {s.id} misses ranks")
             _require(stages[route.dst_stage].kind == "expert", f"dispatch from stage {s.id} not into experts")
         elif route.kind == "combine":
-            layer_holders = plan.placement.holders(s.layer)
-            _require(route.src_ranks == layer_holders and route.dst_ranks == list(range(R)),
+            _require(route.src_ranks == holders and route.dst_ranks == list(range(R)),
                      f"combine route of stage {s.id} misses ranks")
         _require(route.max_message_bytes == (0 if route.kind == "local" else route.max_rows * route.row_bytes),
                  f"route {route.src_stage}->{route.dst_stage}: message bytes disagree with rows")

@@ -234,7 +234,6 @@ def load_tokenizer(directory: str | Path) -> Optional[Tokenizer]:
     missing = [t for t in dict.fromkeys(missing) if t and backend.token_to_id(t) is None]
     if missing:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-    template = None
     if (root / TEMPLATE_FILE).is_file():
         from graph_ir.files import read_text
         template = read_text(root / TEMPLATE_FILE, "chat template")
@@ -246,10 +245,8 @@ def load_tokenizer(directory: str | Path) -> Optional[Tokenizer]:
             raise UserError(f"{root / CONFIG_FILE}: 'chat_template' must be a string (or a list of named templates "
                             f"with a 'default'), got {type(raw).__name__}")
         template = raw
-    clean_up = config.get("clean_up_tokenization_spaces") is True
     # transformers skips the clean-up for BPE models: it would delete real spaces before punctuation
-    if clean_up and type(backend.model).__name__ == "BPE":
-        clean_up = False
+    clean_up = config.get("clean_up_tokenization_spaces") is True and type(backend.model).__name__ != "BPE"
     tok = Tokenizer(backend, special, template, clean_up, str(root))
     tok._from_dir = True
     return tok
