@@ -278,15 +278,12 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
             s["q_norm"], s["k_norm"] = (nh * hd,), (nkv * hd,)
     else:  # mla
         qk, rope, nope, vd, kvr = a.qk_head_dim, a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
-        if a.q_lora_rank is None:
+        ql = a.q_lora_rank
+        if ql is None:
             s["q.w"] = (nh * qk, H)
         else:
-            s["q_a.w"] = (a.q_lora_rank, H)
-            s["q_a_norm"] = (a.q_lora_rank,)
-            s["q_b.w"] = (nh * qk, a.q_lora_rank)
-        s["kv_a.w"] = (kvr + rope, H)
-        s["kv_a_norm"] = (kvr,)
-        s["kv_b.w"] = (nh * (nope + vd), kvr)
+            s["q_a.w"], s["q_a_norm"], s["q_b.w"] = (ql, H), (ql,), (nh * qk, ql)
+        s["kv_a.w"], s["kv_a_norm"], s["kv_b.w"] = (kvr + rope, H), (kvr,), (nh * (nope + vd), kvr)
         s["o.w"] = (H, nh * vd)
         # HF DeepSeek-V2 `attention_bias` puts biases on q_a / kv_a / o (q_b and kv_b never have one).
         if a.qkv_bias:

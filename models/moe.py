@@ -118,9 +118,7 @@ def experts_rows(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, expert_of_row
     expert_of_row indexes the stacked `experts.*` tensors of `w`: the global expert id when they hold
     every expert, else a row of the shard (layers.experts_forward translates, ModelWeights.local_rows)."""
     ex = spec.experts
-    y = x.new_zeros(x.shape)
-    if x.shape[0] == 0:
-        return y
+    y = x.new_zeros(x.shape)  # (no rows: no expert, y stays empty)
     eids = expert_of_row.to(torch.long)
     for e in torch.unique(eids).tolist():
         rows = (eids == e).nonzero(as_tuple=True)[0]
