@@ -229,12 +229,11 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
 
     # Per-layer-type rope dicts (transformers 5 nests them under layer type names). We have one
     # rope per model, so accept nesting only when every entry is the same.
-    nested = {k: v for k, v in rp.items() if isinstance(v, dict)}
+    nested = [v for v in rp.values() if isinstance(v, dict)]
     if nested:
-        values = list(nested.values())
-        if any(v != values[0] for v in values[1:]) or len(nested) != len(rp):
+        if any(v != nested[0] for v in nested) or len(nested) != len(rp):
             raise cfg.unsupported(key, rp, "different rope settings per layer type")
-        rp = dict(values[0])
+        rp = dict(nested[0])
 
     if family == "hunyuan_v1_moe":
         rp = hf_families.hunyuan_ntk_alpha(cfg, key, rp, head_dim)
