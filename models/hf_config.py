@@ -145,6 +145,15 @@ class _Cfg:
                 raise self.fail("layer_types has sliding_attention layers but sliding_window is not set")
             attn.update(layer_types=layer_types, sliding_window=window)
 
+    def routed(self, experts: dict, count_keys: tuple[str, str], num: Optional[int], top_k: Optional[int],
+               size_key: str, size: int, **fields: Any) -> None:
+        """The routed experts into `experts`: their count (under either of `count_keys`), num_experts_per_tok and
+        their size (under `size_key`), with the family's defaults (a None default makes the key required), plus
+        more expert `fields`."""
+        experts.update(num_experts=self.alias(count_keys, num),
+                       top_k=self.int("num_experts_per_tok", top_k, required=top_k is None),
+                       intermediate_size=self.int(size_key, size), **fields)
+
     def dense(self, spec: dict, layers: list[int], size_default: int) -> None:
         """Dense `layers` (if any) into `spec`, their MLP of `intermediate_size`."""
         if layers:
@@ -374,18 +383,17 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
     elif family == "mixtral":
         # MixtralTopKRouter always renormalizes the top-k softmax weights (no norm_topk_prob).
         router.update(scoring="softmax", renormalize=True)
-        experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 8), top_k=cfg.int("num_experts_per_tok", 2),
-                       intermediate_size=cfg.int("intermediate_size", 14336))
+        cfg.routed(experts, ("num_local_experts", "num_experts"), 8, 2, "intermediate_size", 14336)
         if cfg.has("sliding_window"):
             attn["sliding_window"] = cfg.int("sliding_window")
 
     elif family in ("qwen2_moe", "qwen3_moe"):
+        qwen2 = family == "qwen2_moe"
         router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
-        experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 60 if family == "qwen2_moe" else 128),
-                       top_k=cfg.int("num_experts_per_tok", 4 if family == "qwen2_moe" else 8),
-                       intermediate_size=cfg.int("moe_intermediate_size", 1408 if family == "qwen2_moe" else 768))
-        cfg.dense(spec, _decoder_sparse_dense_layers(cfg, n_layers), 5632 if family == "qwen2_moe" else 6144)
-        if family == "qwen2_moe":
+        cfg.routed(experts, ("num_experts", "num_local_experts"), 60 if qwen2 else 128, 4 if qwen2 else 8,
+                   "moe_intermediate_size", 1408 if qwen2 else 768)
+        cfg.dense(spec, _decoder_sparse_dense_layers(cfg, n_layers), 5632 if qwen2 else 6144)
+        if qwen2:
             attn["qkv_bias"] = cfg.bool("qkv_bias", True)
             shared = cfg.int("shared_expert_intermediate_size", 5632)
             if shared:
@@ -412,8 +420,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
                            f"({head_dim} * {n_heads} != {hidden}): its q/k norms span the full projection")
         cfg.biases(attn, qk_norm="full")
         router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
-        experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 64), top_k=cfg.int("num_experts_per_tok", 8),
-                       intermediate_size=cfg.int("intermediate_size", 2048))
+        cfg.routed(experts, ("num_experts", "num_local_experts"), 64, 8, "intermediate_size", 2048)
 
     elif family == "gpt_oss":
         cfg.biases(attn, True, sinks=True)
@@ -421,10 +428,9 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         cfg.sliding(attn, lt, cfg.int("sliding_window", 128))
         # GptOssTopKRouter: top-k of the raw (biased) logits, softmax over those k.
         router.update(scoring="topk_softmax", renormalize=False, bias=True)
-        experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 128), top_k=cfg.int("num_experts_per_tok", 4),
-                       intermediate_size=cfg.int("intermediate_size", 2880), activation="gptoss_glu",
-                       glu_alpha=cfg.float("swiglu_alpha", 1.702), glu_limit=cfg.float("swiglu_limit", 7.0),
-                       bias=True)
+        cfg.routed(experts, ("num_local_experts", "num_experts"), 128, 4, "intermediate_size", 2880, bias=True,
+                   activation="gptoss_glu", glu_alpha=cfg.float("swiglu_alpha", 1.702),
+                   glu_limit=cfg.float("swiglu_limit", 7.0))
 
     elif family == "glm4_moe":
         # q/k/v take attention_bias; Glm4MoeAttention's o_proj never has a bias.
@@ -434,10 +440,8 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         router.update(scoring="sigmoid", correction_bias=True, renormalize=cfg.bool("norm_topk_prob", True),
                       n_group=cfg.int("n_group", 1), topk_group=cfg.int("topk_group", 1),
                       routed_scaling=cfg.float("routed_scaling_factor", 1.0))
-        moe_i = cfg.int("moe_intermediate_size", 1408)
-        experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 128), top_k=cfg.int("num_experts_per_tok", 8),
-                       intermediate_size=moe_i,
-                       shared_intermediate_size=moe_i * cfg.int("n_shared_experts", 1))
+        cfg.routed(experts, ("n_routed_experts", "num_local_experts"), 128, 8, "moe_intermediate_size", 1408)
+        experts["shared_intermediate_size"] = experts["intermediate_size"] * cfg.int("n_shared_experts", 1)
         cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 1), n_layers))), 10944)
 
     # Rope: for MLA only the qk_rope_head_dim part rotates (DeepseekV2Config sets head_dim to it).

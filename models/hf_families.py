@@ -63,10 +63,9 @@ def _deepseek_experts(cfg, experts: dict, num: Any, top_k: Any, moe_i: int, shar
     """DeepseekV2MoE's / DeepseekV3MoE's keys (n_routed_experts or its `alias`, num_experts_per_tok,
     moe_intermediate_size, n_shared_experts), with the family's transformers defaults; a None default makes the key
     required (transformers multiplies moe_intermediate_size by n_shared_experts: an absent value cannot build)."""
-    moe_i = cfg.int("moe_intermediate_size", moe_i)
-    experts.update(num_experts=cfg.alias(("n_routed_experts", alias), num),
-                   top_k=cfg.int("num_experts_per_tok", top_k, required=top_k is None), intermediate_size=moe_i,
-                   shared_intermediate_size=moe_i * cfg.int("n_shared_experts", shared, required=shared is None))
+    cfg.routed(experts, ("n_routed_experts", alias), num, top_k, "moe_intermediate_size", moe_i)
+    experts["shared_intermediate_size"] = \
+        experts["intermediate_size"] * cfg.int("n_shared_experts", shared, required=shared is None)
 
 
 def deepseek_v2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
@@ -139,8 +138,7 @@ def minimax_m2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router:
     cfg.reject_set("use_qk_norm", True, "MiniMax-M2's attention always normalizes q and k")
     attn.update(qk_norm="full", head_dim=cfg.int("head_dim", 128))
     router.update(scoring="sigmoid", correction_bias=True, renormalize=True)
-    experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 256),
-                   top_k=cfg.int("num_experts_per_tok", 8), intermediate_size=cfg.int("intermediate_size", 1536))
+    cfg.routed(experts, ("num_local_experts", "num_experts"), 256, 8, "intermediate_size", 1536)
 
 
 def granitemoe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
@@ -151,8 +149,7 @@ def granitemoe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router:
     # GraniteMoeAttention: head_dim is hidden // heads (the config class has no head_dim field)
     cfg.biases(attn, head_dim=spec["hidden_size"] // n_heads, softmax_scale=cfg.float("attention_multiplier", 1.0))
     router.update(scoring="topk_softmax", renormalize=False)
-    experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 8),
-                   top_k=cfg.int("num_experts_per_tok", 2), intermediate_size=cfg.int("intermediate_size", 11008))
+    cfg.routed(experts, ("num_local_experts", "num_experts"), 8, 2, "intermediate_size", 11008)
     spec.update(embedding_multiplier=cfg.float("embedding_multiplier", 1.0),
                 residual_multiplier=cfg.float("residual_multiplier", 1.0),
                 logits_scaling=cfg.float("logits_scaling", 1.0))
