@@ -78,9 +78,6 @@ def _compile_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(format):
-        return datetime.now().strftime(format)
-
     class TemplateDict:
         def __call__(self, *args, **kwargs):
             return dict(*args, **kwargs)
@@ -109,10 +106,8 @@ def _compile_template(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda format: datetime.now().strftime(format),
+                       dict=TemplateDict(), namespace=TemplateNamespace)
     return env.from_string(source)
 
 
