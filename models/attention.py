@@ -127,13 +127,6 @@ class DenseKVStore:
             raise ValueError(f"KV read of {length} positions for seq {seq_id} layer {layer}, only {have} written")
         return self._k[key][:length], self._v[key][:length]
 
-    def length(self, layer: int, seq_id: int) -> int:
-        return self._len.get((layer, seq_id), 0)
-
-    def free(self, seq_id: int) -> None:
-        for key in [k for k in self._k if k[1] == seq_id]:
-            del self._k[key], self._v[key], self._len[key]
-
 
 def softmax_scale(a: AttentionSpec) -> float:
     """1/sqrt(qk head dim), times DeepSeek's YaRN mscale(factor, mscale_all_dim)^2 for MLA."""

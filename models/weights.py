@@ -202,8 +202,7 @@ def validate_weights(spec: ModelSpec, w: ModelWeights, source: str = "weights") 
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
 
 
-def _is_norm(name: str) -> bool:
-    return name in ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")
+_NORMS = frozenset({"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm"})
 
 
 # ------------------------------------------------------------------------------------------------ random init
@@ -329,7 +328,7 @@ def _drawer(device: torch.device, backend: Optional[str] = None):
 def _scaled(short: str, t: Tensor, std: float) -> Tensor:
     """A draw of mean 0, std 1 -> the init of tensor kind `short` (in place, fp32; separate multiply and add: no
     fused multiply-add, whose single rounding a device might use and the host not)."""
-    if _is_norm(short):
+    if short in _NORMS:
         return t.mul_(0.1).add_(1.0)
     if short == "sinks":
         return t.mul_(0.5)  # logits on the order of the attention scores
