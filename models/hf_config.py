@@ -378,7 +378,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         cfg.reject_set("hidden_act", "silu", "experts and MLPs are SwiGLU (silu) only")
 
     if family in hf_families.BUILDERS:
-        hf_families.BUILDERS[family](cfg, data, n_layers, n_heads, attn, router, experts, spec)
+        hf_families.BUILDERS[family](cfg, n_layers, attn, router, experts, spec)
 
     elif family == "mixtral":
         # MixtralTopKRouter always renormalizes the top-k softmax weights (no norm_topk_prob).
