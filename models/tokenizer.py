@@ -141,17 +141,11 @@ class Tokenizer:
         self._from_dir = False  # set by load_tokenizer: read again from `source` after unpickling
 
     def __getstate__(self) -> dict:
+        # (unpickling sets these attributes as they are: one from a directory comes back as `_lazy`, its path)
         if self._from_dir:
-            return {"_from_dir": str(Path(self.source).resolve())}
-        state = dict(self.__dict__)
-        state["_template"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        if set(state) == {"_from_dir"}:
-            self.__dict__.update(_lazy=state["_from_dir"], _from_dir=False, source=state["_from_dir"])
-        else:
-            self.__dict__.update(state)
+            path = str(Path(self.source).resolve())
+            return {"_lazy": path, "source": path, "_from_dir": False}
+        return {**self.__dict__, "_template": None}
 
     def __getattr__(self, name: str):
         # only reached for attributes not set: those of a tokenizer unpickled from its directory, before first use
