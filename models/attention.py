@@ -19,6 +19,7 @@ decode API (`write_rows` / `gather`, see runtime/kv_cache.PagedKVStore), because
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
@@ -222,9 +223,7 @@ def _decode_batch(segments: Sequence[Segment], T: int) -> Optional[tuple]:
 
 def split_one_row(segments: Sequence[Segment]) -> tuple[list[tuple[int, int]], list]:
     """([(seq id, row)] of the one-row segments whose sequence has no other segment in the batch, [the others])."""
-    count: dict = {}
-    for seq_id, _, _ in segments:
-        count[seq_id] = count.get(seq_id, 0) + 1
+    count = Counter(seq_id for seq_id, _, _ in segments)
     one, rest = [], []
     for seg in segments:
         if seg[2] == 1 and count[seg[0]] == 1:

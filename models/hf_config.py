@@ -206,8 +206,7 @@ def _dtype(cfg: _Cfg, fallback: Optional[Callable[[], Optional[str]]]) -> str:
         if name not in _DTYPES:
             raise cfg.unsupported(key, raw, "supported: float32, bfloat16, float16")
         return _DTYPES[name]
-    found = fallback() if fallback else None
-    return found or "float32"
+    return (fallback() if fallback else None) or "float32"
 
 
 def _eos(cfg: _Cfg) -> list[int]:

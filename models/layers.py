@@ -17,8 +17,8 @@ from models.attention import KVStore, PagedAttend, Segment, attention, norm_in_f
 from models.moe import combine, dense_mlp_out, experts_rows, route_tokens, shared_expert_out
 from models.weights import ModelWeights
 
-__all__ = ["embed", "attention_stage", "dense_mlp", "route", "experts_forward", "shared_expert",
-           "moe_combine", "final_logits", "Segment"]
+# The stage functions: embed, attention_stage, dense_mlp, route, experts_forward, shared_expert, moe_combine,
+# final_logits (Segment: models.attention's).
 
 
 def embed(w: ModelWeights, token_ids: Tensor, out: Optional[Tensor] = None) -> Tensor:

@@ -377,9 +377,8 @@ def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | to
     std = spec.weights.init_std
     dtype = torch_dtype(spec.dtype) if dtype is None else dtype
     held = held_per_layer(spec, experts)
-    full = expected_shapes(spec)
     tensors: dict[str, Tensor] = {}
-    for name, shape in full.items():
+    for name, shape in expected_shapes(spec).items():  # (full shapes: a shard's rows are drawn by expert below)
         short = name.split(".", 2)[2] if name.startswith("layers.") else name
         out_dtype = torch.float32 if short in _FP32_ALWAYS else dtype
         if short in EXPERT_TENSORS:
