@@ -38,7 +38,6 @@ def _dtype_from_tensors(root: Path) -> Optional[str]:
 
 def import_spec(path: str | Path) -> ModelSpec:
     """Read `<path>/config.json` into a ModelSpec whose weights point back at `path`."""
-    path = Path(path)
     data, cfg_path = read_config(path)
     root = cfg_path.parent
     spec = spec_from_config(data, str(cfg_path), name=root.resolve().name, path=str(root),
@@ -166,5 +165,4 @@ def load_checkpoint(path: str | Path, experts=None) -> tuple[ModelSpec, ModelWei
     from models.hf_weights import SafetensorsDir, load_tensors
 
     spec = import_spec(path)
-    st = SafetensorsDir(Path(spec.weights.path))
-    return spec, load_tensors(spec, st, experts)
+    return spec, load_tensors(spec, SafetensorsDir(spec.weights.path), experts)
