@@ -85,23 +85,21 @@ def _compile_template(source: str):
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    class TemplateNamespace(jinja2.utils.Namespace):
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name):
+    def check_names(names):
+        for name in names:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
                     f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # (self in args: like jinja2's, a template may name an attribute "self")
+            attrs = dict(*args[1:], **kwargs)
+            check_names(attrs)
+            jinja2.utils.Namespace.__init__(args[0], attrs)
+
+        def __setitem__(self, name, value):
+            check_names([name])
+            jinja2.utils.Namespace.__setitem__(self, name, value)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
