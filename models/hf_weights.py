@@ -40,9 +40,6 @@ from models.weights import (ExpertSubset, ModelWeights, expected_shapes, held_pe
 
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
-# Tensors a checkpoint may carry that the model never reads (HF ignores them on load too).
-_IGNORABLE = [re.compile(r".*\.rotary_emb\.inv_freq$")]  # buffers some older checkpoints saved
-
 # MXFP4 (OCP microscaling FP4 E2M1): a nibble indexes this table; the scale byte is a biased exponent.
 _FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -419,18 +416,15 @@ def _mlp(ld: _Loader, layer: int, p: str) -> None:
 
 
 def _ignorable(spec: ModelSpec, name: str, tied: bool) -> bool:
-    if any(p.match(name) for p in _IGNORABLE):
-        return True
-    if tied and name == "lm_head.weight":
-        return True  # transformers ties and ignores a saved copy
-    if spec.family == "ernie4_5_moe" and "mtp" in name:
-        return True  # ERNIE-4.5's multi-token-prediction block: transformers ignores every name containing "mtp"
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    if m and int(m.group(1)) >= spec.num_layers and spec.family in MTP_FAMILIES:
-        # GLM-4.5's / DeepSeek-V3's / GLM-4.7-Flash's multi-token-prediction layers (num_nextn_predict_layers)
-        # follow the decoder layers; transformers ignores them for causal LM and so do we.
-        return True
-    return False
+    """Tensors a checkpoint may carry that the model never reads (HF ignores them on load too)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return (name.endswith(".rotary_emb.inv_freq")  # buffers some older checkpoints saved
+            or (tied and name == "lm_head.weight")  # transformers ties and ignores a saved copy
+            # ERNIE-4.5's multi-token-prediction block: transformers ignores every name containing "mtp"
+            or (spec.family == "ernie4_5_moe" and "mtp" in name)
+            # GLM-4.5's / DeepSeek-V3's / GLM-4.7-Flash's multi-token-prediction layers (num_nextn_predict_layers)
+            # follow the decoder layers; transformers ignores them for causal LM and so do we.
+            or bool(layer and int(layer.group(1)) >= spec.num_layers and spec.family in MTP_FAMILIES))
 
 
 def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None,
