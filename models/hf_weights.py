@@ -49,9 +49,10 @@ _ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M
 
 
 def _read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes) without reading tensor data, checked
-    against the file: every entry well-formed, its byte range the size of its shape x dtype, and inside the
-    file (a truncated download fails here, naming the first tensor whose bytes are missing)."""
+    """The JSON header of a safetensors file (tensor names -> dtype, shape, offsets; its __metadata__ dropped)
+    without reading tensor data, checked against the file: every entry well-formed, its byte range the size of its
+    shape x dtype, and inside the file (a truncated download fails here, naming the first tensor whose bytes are
+    missing)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -72,11 +73,10 @@ def _read_header(path: Path) -> dict:
         raise UserError(f"{path}: not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise UserError(f"{path}: not a safetensors file (header is not a JSON object)")
+    header.pop("__metadata__", None)  # (free-form strings, no tensor)
     data_len = size - 8 - n
     cut: list[tuple[int, int, str]] = []  # (begin, end, name) of tensors whose bytes run past the end of the file
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         where = f"{path}: tensor '{name}'"
         if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) \
                 or not isinstance(info.get("shape"), list) or not isinstance(info.get("data_offsets"), list):
@@ -137,8 +137,6 @@ class SafetensorsDir:
         for fname in files:
             path = self.root / fname
             for name, info in _read_header(path).items():
-                if name == "__metadata__":
-                    continue
                 if name in self.file_of:
                     raise UserError(f"{self.root}: tensor '{name}' is in both {self.file_of[name].name} and {fname}")
                 self.file_of[name] = path
