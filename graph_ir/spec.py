@@ -127,9 +127,7 @@ class AttentionSpec(_Strict):
 
     def window(self, layer: int) -> Optional[int]:
         """Sliding window of `layer` in tokens, None for full attention."""
-        if self.layer_types is None:
-            return self.sliding_window
-        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+        return self.sliding_window if self.layer_types is None or self.layer_types[layer] == "sliding" else None
 
 
 class RouterSpec(_Strict):

@@ -45,9 +45,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_in_fp32: bool = False
     dtype = x.dtype
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight_in_fp32:
-        return (weight.to(torch.float32) * xf).to(dtype)
-    return weight * xf.to(dtype)
+    return (weight.to(torch.float32) * xf).to(dtype) if weight_in_fp32 else weight * xf.to(dtype)
 
 
 def norm_in_fp32(spec: ModelSpec) -> bool:
