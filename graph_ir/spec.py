@@ -407,6 +407,5 @@ def load_spec(path: str | Path) -> ModelSpec:
     from graph_ir.files import load_yaml
 
     path = Path(path)
-    data = load_yaml(path, "model file")
-    return spec_from_dict(data, str(path))
+    return spec_from_dict(load_yaml(path, "model file"), str(path))
 

@@ -2,7 +2,8 @@
 compiler bug (AssertionError-like `PlanInvariantError`), never a user mistake."""
 from __future__ import annotations
 
-from lowering.plan import Plan
+from lowering.plan import MAX_RANKS, Plan
+from lowering.queues import build_stages
 
 
 class PlanInvariantError(AssertionError):
@@ -28,9 +29,6 @@ def _bad(field: str, got, valid: str) -> PlanInvariantError:
 def check_plan(plan: Plan) -> None:
     """Every invariant the compiler guarantees: the tables the runtime indexes first (each problem named by its
     field, its value and what is valid), then routes, memory and capture."""
-    from lowering.plan import MAX_RANKS
-    from lowering.queues import build_stages
-
     spec, R = plan.spec, plan.cluster.ranks
     if R > MAX_RANKS:
         raise _bad("cluster.ranks", R, f"1..{MAX_RANKS}")
