@@ -66,7 +66,7 @@ class KVStore(Protocol):
 
 
 class PerSegmentKV:
-    """A store seen through the KVStore protocol only (no write_rows / gather): `_attend_segments` then takes every
+    """A store seen through the KVStore protocol only (no write_rows / gather): `_attend_rows` then takes every
     segment on its own, the reference path that the batched one is compared against (tests, benchmarks)."""
 
     def __init__(self, inner) -> None:
@@ -421,7 +421,7 @@ def _attend_latent_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q
 class PagedAttend(Protocol):
     """The attend step in the form the CUDA executor needs for speed (runtime/executors/cuda_attention.py): K/V
     written into a paged cache through device page tables, optionally fused with RoPE, capturable in a CUDA graph.
-    It replaces only `_attend_segments` (and, when `fuses_rope`, the rotation): `attention` still computes the
+    It replaces only `_attend_rows` (and, when `fuses_rope`, the rotation): `attention` still computes the
     projections, biases, q/k norms, the softmax scale, the window and the sinks, so a model feature lives here once."""
 
     fuses_rope: bool  # attend() rotates q and k itself (GQA, rotate-half): they come to it unrotated
@@ -449,7 +449,7 @@ def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, posi
     """Self-attention of normed input x [T, H] -> [T, H] (after the output projection): grouped-query
     attention, or DeepSeek's multi-head latent attention (over the latent when `paged` is given or the store's
     `mla_latent`, else decompressed: module docstring). Writes this batch's K/V to `kv` (`host_positions`: see
-    _attend_segments), or through `paged` (which then knows the positions; `positions`, `segments` and `kv` are not
+    _attend_rows), or through `paged` (which then knows the positions; `positions`, `segments` and `kv` are not
     read)."""
     a = spec.attention
     if a.kind == "mla" and (paged is not None or latent_cache(kv)):

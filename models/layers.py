@@ -35,7 +35,7 @@ def attention_stage(spec: ModelSpec, w: ModelWeights, layer: int, h: Tensor, pos
                     paged: Optional[PagedAttend] = None, norm: Callable = rms_norm,
                     out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(h_res, x): h_res = h + attn(norm(h)) (writes this batch's K/V to kv), x = post-attention norm of h_res.
-    `host_positions`: `positions` as the host knows them (models.attention._attend_segments).
+    `host_positions`: `positions` as the host knows them (models.attention._attend_rows).
     The CUDA executor's forms, each an implementation of one step and nothing more: `paged` the attend step over
     its paged cache (models.attention.PagedAttend), `norm` an RMSNorm kernel with `rms_norm`'s signature
     (kernels/rms_norm.py), `out` where h_res is written (a graph's static output)."""
