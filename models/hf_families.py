@@ -141,7 +141,8 @@ def granitemoe(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec
     scale, residual_multiplier on every block's output, logits divided by logits_scaling; the router takes the
     top-k logits and a softmax over those k."""
     # GraniteMoeAttention: head_dim is hidden // heads (the config class has no head_dim field)
-    cfg.biases(attn, head_dim=spec["hidden_size"] // attn["num_heads"], softmax_scale=cfg.float("attention_multiplier", 1.0))
+    cfg.biases(attn, head_dim=spec["hidden_size"] // attn["num_heads"],
+               softmax_scale=cfg.float("attention_multiplier", 1.0))
     router.update(scoring="topk_softmax", renormalize=False)
     cfg.routed(experts, ("num_local_experts", "num_experts"), 8, 2, "intermediate_size", 11008)
     spec.update(embedding_multiplier=cfg.float("embedding_multiplier", 1.0),
