@@ -54,9 +54,7 @@ class ModelBuilder:
                                 "head_dim": qk_nope_head_dim + qk_rope_head_dim,
                                 "kv_lora_rank": kv_lora_rank, "qk_nope_head_dim": qk_nope_head_dim,
                                 "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim,
-                                "q_lora_rank": q_lora_rank, **attention}
-        if q_lora_rank is None:
-            del self._d["attention"]["q_lora_rank"]
+                                "q_lora_rank": q_lora_rank, **attention}  # (None: no q compression)
         return self
 
     def rope(self, theta: float = 10000.0, **rope: Any) -> "ModelBuilder":

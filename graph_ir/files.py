@@ -112,6 +112,14 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+def read_json_object(path: str | Path, what: str, max_bytes: Optional[int] = None) -> dict:
+    """A JSON file whose top level is an object (read_text's and parse_json's checks, then that one)."""
+    data = parse_json(read_text(path, what, max_bytes), str(path))
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def parse_json(text: str, where: str, what: str = "valid JSON") -> Any:
     """json.loads refusing duplicate keys (json keeps the last one silently) and NaN/Infinity; errors are
     one-line UserErrors "<where>: not <what> (<why>)", `where` e.g. "prompts.jsonl:3"."""

@@ -49,12 +49,9 @@ def build_graph(spec: ModelSpec, ranks: int, placement: Sequence[Sequence[int]],
     for h in homes:
         sample = add("sample", LayerID(L, h), h)
         prev: Optional[Node] = None
-        first: Optional[Node] = None
         for layer in range(L):
             attn = add("attention", LayerID(layer, h), h)
-            if prev is None:
-                first = attn
-            else:
+            if prev is not None:
                 g.add_edge(prev, attn)
             if spec.is_moe_layer(layer):
                 merge = add("merge", LayerID(layer, h), h)
@@ -66,7 +63,7 @@ def build_graph(spec: ModelSpec, ranks: int, placement: Sequence[Sequence[int]],
             else:
                 prev = attn
         g.add_edge(prev, sample)
-        g.add_edge(sample, first)
+        g.add_edge(sample, ("attention", LayerID(0, h)))
     return g
 
 

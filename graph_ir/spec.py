@@ -127,9 +127,7 @@ class AttentionSpec(_Strict):
 
     def window(self, layer: int) -> Optional[int]:
         """Sliding window of `layer` in tokens, None for full attention."""
-        if self.layer_types is None:
-            return self.sliding_window
-        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+        return self.sliding_window if self.layer_types is None or self.layer_types[layer] == "sliding" else None
 
 
 class RouterSpec(_Strict):
@@ -237,10 +235,10 @@ class ModelSpec(_Strict):
         lt = self.attention.layer_types
         if lt is not None and len(lt) != self.num_layers:
             raise ValueError(f"attention.layer_types has {len(lt)} entries, num_layers is {self.num_layers}")
-        if self.router.n_group > 1 and self.experts.num_experts % self.router.n_group:
-            raise ValueError(f"router.n_group ({self.router.n_group}) must divide "
-                             f"experts.num_experts ({self.experts.num_experts})")
         if self.router.n_group > 1:
+            if self.experts.num_experts % self.router.n_group:
+                raise ValueError(f"router.n_group ({self.router.n_group}) must divide "
+                                 f"experts.num_experts ({self.experts.num_experts})")
             # Group-limited routing only lets top-k pick inside the best topk_group groups.
             eligible = self.router.topk_group * (self.experts.num_experts // self.router.n_group)
             if self.experts.top_k > eligible:
@@ -269,10 +267,7 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
     nh, nkv = a.num_heads, a.num_kv_heads
     if a.kind == "gqa":
         hd = a.head_dim
-        s["q.w"] = (nh * hd, H)
-        s["k.w"] = (nkv * hd, H)
-        s["v.w"] = (nkv * hd, H)
-        s["o.w"] = (H, nh * hd)
+        s["q.w"], s["k.w"], s["v.w"], s["o.w"] = (nh * hd, H), (nkv * hd, H), (nkv * hd, H), (H, nh * hd)
         if a.qkv_bias:
             s["q.b"], s["k.b"], s["v.b"] = (nh * hd,), (nkv * hd,), (nkv * hd,)
         if a.qk_norm == "head":
@@ -281,15 +276,12 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
             s["q_norm"], s["k_norm"] = (nh * hd,), (nkv * hd,)
     else:  # mla
         qk, rope, nope, vd, kvr = a.qk_head_dim, a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
-        if a.q_lora_rank is None:
+        ql = a.q_lora_rank
+        if ql is None:
             s["q.w"] = (nh * qk, H)
         else:
-            s["q_a.w"] = (a.q_lora_rank, H)
-            s["q_a_norm"] = (a.q_lora_rank,)
-            s["q_b.w"] = (nh * qk, a.q_lora_rank)
-        s["kv_a.w"] = (kvr + rope, H)
-        s["kv_a_norm"] = (kvr,)
-        s["kv_b.w"] = (nh * (nope + vd), kvr)
+            s["q_a.w"], s["q_a_norm"], s["q_b.w"] = (ql, H), (ql,), (nh * qk, ql)
+        s["kv_a.w"], s["kv_a_norm"], s["kv_b.w"] = (kvr + rope, H), (kvr,), (nh * (nope + vd), kvr)
         s["o.w"] = (H, nh * vd)
         # HF DeepSeek-V2 `attention_bias` puts biases on q_a / kv_a / o (q_b and kv_b never have one).
         if a.qkv_bias:
@@ -308,9 +300,7 @@ def layer_shapes(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
             s["router.b"] = (E,)
         if spec.router.correction_bias:
             s["router.correction_bias"] = (E,)
-        s["experts.gate"] = (E, I, H)
-        s["experts.up"] = (E, I, H)
-        s["experts.down"] = (E, H, I)
+        s["experts.gate"], s["experts.up"], s["experts.down"] = (E, I, H), (E, I, H), (E, H, I)
         if ex.bias:
             s["experts.gate_b"], s["experts.up_b"], s["experts.down_b"] = (E, I), (E, I), (E, H)
         if ex.shared_intermediate_size:
@@ -332,14 +322,14 @@ def cut_layers(spec: ModelSpec, layers: int) -> ModelSpec:
         return spec
     data = spec.model_dump()
     data["num_layers"] = layers
-    if data["attention"].get("layer_types"):
-        data["attention"]["layer_types"] = data["attention"]["layer_types"][:layers]
+    a = data["attention"]
+    if a["layer_types"]:
+        a["layer_types"] = a["layer_types"][:layers]
+        if "sliding" not in a["layer_types"]:  # (a field no layer reads is refused: graph_ir/spec_checks.py)
+            a["layer_types"] = a["sliding_window"] = None
     data["dense_layers"] = [l for l in data["dense_layers"] if l < layers]
-    if not data["dense_layers"]:  # (a field no layer reads is refused: graph_ir/spec_checks.py)
+    if not data["dense_layers"]:
         data["dense_intermediate_size"] = None
-    if data["attention"].get("layer_types") and "sliding" not in data["attention"]["layer_types"]:
-        data["attention"]["layer_types"] = None
-        data["attention"]["sliding_window"] = None
     data["name"] = f"{spec.name}-L{layers}"
     return ModelSpec.model_validate(data)
 
@@ -381,9 +371,8 @@ def format_validation_error(err: ValidationError, source: str, model: Optional[t
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        if msg.startswith("Value error, "):
-            # Our own cross-field checks already name the values involved.
-            msg = msg[len("Value error, "):]
+        # Our own cross-field checks already name the values involved.
+        msg = msg.removeprefix("Value error, ")
         if e["type"] in ("int_parsing", "int_parsing_size", "int_from_float", "int_type") and model is not None:
             # pydantic says only "a valid integer" (for 1e26: "unable to parse input string"): name the range too.
             if e["type"] == "int_parsing_size":
@@ -418,6 +407,5 @@ def load_spec(path: str | Path) -> ModelSpec:
     from graph_ir.files import load_yaml
 
     path = Path(path)
-    data = load_yaml(path, "model file")
-    return spec_from_dict(data, str(path))
+    return spec_from_dict(load_yaml(path, "model file"), str(path))
 

@@ -31,6 +31,15 @@ def _v(value) -> str:
     return str(value)
 
 
+def _read_only_with(section: str, obj, defaults: dict, switch: str, reader: str) -> None:
+    """Refuse a field of `defaults` set to another value while `obj.<switch>` is not `reader`, the only value under
+    which the math reads it (the caller tests that)."""
+    for f, default in defaults.items():
+        if getattr(obj, f) != default:
+            raise ValueError(f"{section}.{f} {_v(getattr(obj, f))} with {section}.{switch} {getattr(obj, switch)} is "
+                             f"not read; supported: {f} with {switch} {reader} only")
+
+
 def refuse_ignored_fields(spec: "ModelSpec") -> None:
     """Raise ValueError (pydantic turns it into the spec's validation error) for the first field the math would
     ignore under the rest of the spec."""
@@ -83,10 +92,7 @@ def _rope(a: "AttentionSpec") -> None:
         raise ValueError(f"attention.rope.factor {_v(r.factor)} with rope.scaling none is not read; supported: "
                          f"scaling linear or yarn for a factor")
     if scaling != "yarn":
-        for f, default in YARN_ONLY.items():
-            if getattr(r, f) != default:
-                raise ValueError(f"attention.rope.{f} {_v(getattr(r, f))} with rope.scaling {scaling} is not read; "
-                                 f"supported: {f} with scaling yarn only")
+        _read_only_with("attention.rope", r, YARN_ONLY, "scaling", "yarn")
     else:
         for f in ("beta_fast", "beta_slow"):
             if getattr(r, f) == 0:
@@ -136,10 +142,7 @@ def _experts(spec: "ModelSpec") -> None:
     ex = spec.experts
     if ex.activation != "gptoss_glu":
         # glu reads alpha / limit for the clamped GPT-OSS SwiGLU only.
-        for f, default in (("glu_alpha", 1.702), ("glu_limit", 7.0)):
-            if getattr(ex, f) != default:
-                raise ValueError(f"experts.{f} {_v(getattr(ex, f))} with experts.activation {ex.activation} is not "
-                                 f"read; supported: {f} with activation gptoss_glu only")
+        _read_only_with("experts", ex, {"glu_alpha": 1.702, "glu_limit": 7.0}, "activation", "gptoss_glu")
     # layer_shapes sizes the dense MLP of dense layers only.
     if spec.dense_intermediate_size is not None and not spec.dense_layers:
         raise ValueError(f"dense_intermediate_size {spec.dense_intermediate_size} is set but dense_layers is empty, "
@@ -154,7 +157,4 @@ def _weights(spec: "ModelSpec") -> None:
                          f"checkpoint to load it, or leave path out")
     if w.source == "checkpoint":
         # random_weights is the only reader of seed and init_std.
-        for f, default in (("seed", 0), ("init_std", 0.02)):
-            if getattr(w, f) != default:
-                raise ValueError(f"weights.{f} {_v(getattr(w, f))} with weights.source checkpoint is not read; "
-                                 f"supported: {f} with source random only")
+        _read_only_with("weights", w, {"seed": 0, "init_std": 0.02}, "source", "random")

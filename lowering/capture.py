@@ -36,16 +36,12 @@ def plan_capture(spec: ModelSpec, stages: list[Stage], placement: Placement, cap
                "sample": buckets_for(PUBLISHED_ATTN_BUCKETS, caps.attn_tokens)}
     b = sizes.dtype_bytes(spec)
     attn_layers = list(range(spec.num_layers))
-    pools: list[CapturePool] = []
-    for t in buckets["attn"]:
-        per_row = max(sizes.attn_row_elems(spec, l) for l in attn_layers) * b
-        pools.append(CapturePool(kind="attn", bucket=t, layers=attn_layers, static_buffer_bytes=t * per_row))
-    for n in buckets["expert"]:
-        pools.append(CapturePool(kind="expert", bucket=n, layers=spec.moe_layers,
-                                 static_buffer_bytes=n * sizes.expert_row_elems(spec) * b))
-    for t in buckets["sample"]:
-        pools.append(CapturePool(kind="sample", bucket=t, layers=[spec.num_layers],
-                                 static_buffer_bytes=t * sizes.sample_row_bytes(spec)))
+    # per stage kind: the layers whose graphs share a pool, and the static buffer bytes per row of a bucket
+    layers = {"attn": attn_layers, "expert": spec.moe_layers, "sample": [spec.num_layers]}
+    row_bytes = {"attn": max(sizes.attn_row_elems(spec, l) for l in attn_layers) * b,
+                 "expert": sizes.expert_row_elems(spec) * b, "sample": sizes.sample_row_bytes(spec)}
+    pools = [CapturePool(kind=kind, bucket=t, layers=layers[kind], static_buffer_bytes=t * row_bytes[kind])
+             for kind in ("attn", "expert", "sample") for t in buckets[kind]]
 
     graphs, memory = [], []
     for r in range(cluster.ranks):

@@ -2,7 +2,8 @@
 compiler bug (AssertionError-like `PlanInvariantError`), never a user mistake."""
 from __future__ import annotations
 
-from lowering.plan import Plan
+from lowering.plan import MAX_RANKS, Plan
+from lowering.queues import build_stages
 
 
 class PlanInvariantError(AssertionError):
@@ -28,9 +29,6 @@ def _bad(field: str, got, valid: str) -> PlanInvariantError:
 def check_plan(plan: Plan) -> None:
     """Every invariant the compiler guarantees: the tables the runtime indexes first (each problem named by its
     field, its value and what is valid), then routes, memory and capture."""
-    from lowering.plan import MAX_RANKS
-    from lowering.queues import build_stages
-
     spec, R = plan.spec, plan.cluster.ranks
     if R > MAX_RANKS:
         raise _bad("cluster.ranks", R, f"1..{MAX_RANKS}")
@@ -104,14 +102,13 @@ def check_plan(plan: Plan) -> None:
              "routes do not cover the stage chain edge by edge")
     for route in plan.routes:
         s = stages[route.src_stage]
+        holders = plan.placement.holders(s.layer) if route.kind != "local" else []
         if route.kind == "dispatch":
-            layer_holders = plan.placement.holders(s.layer)
-            _require(route.dst_ranks == layer_holders and route.src_ranks == list(range(R)),
+            _require(route.dst_ranks == holders and route.src_ranks == list(range(R)),
                      f"dispatch route of stage {s.id} misses ranks")
             _require(stages[route.dst_stage].kind == "expert", f"dispatch from stage {s.id} not into experts")
         elif route.kind == "combine":
-            layer_holders = plan.placement.holders(s.layer)
-            _require(route.src_ranks == layer_holders and route.dst_ranks == list(range(R)),
+            _require(route.src_ranks == holders and route.dst_ranks == list(range(R)),
                      f"combine route of stage {s.id} misses ranks")
         _require(route.max_message_bytes == (0 if route.kind == "local" else route.max_rows * route.row_bytes),
                  f"route {route.src_stage}->{route.dst_stage}: message bytes disagree with rows")

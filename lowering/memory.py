@@ -22,11 +22,8 @@ def host_memory_bytes() -> tuple[int, int]:
     """(available, total) bytes of this host's memory (Linux /proc/meminfo); (a huge number, same) where it cannot
     be read. The CPU plan's default device size and the CPU twin's run-time clamp (runtime/executors/kv_fit.py) use it."""
     try:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, value = line.split(":", 1)
-                info[name] = int(value.split()[0]) * 1024
+        with open("/proc/meminfo") as f:  # lines "MemTotal:  16318412 kB"
+            info = {name: int(value.split()[0]) * 1024 for name, value in (line.split(":", 1) for line in f)}
         return info["MemAvailable"], info["MemTotal"]
     except (OSError, KeyError, ValueError, IndexError):
         return 1 << 62, 1 << 62

@@ -23,10 +23,6 @@ def contiguous(num_experts: int, ranks: int) -> list[int]:
     return [e * ranks // num_experts for e in range(num_experts)]
 
 
-def round_robin(num_experts: int, ranks: int) -> list[int]:
-    return [e % ranks for e in range(num_experts)]
-
-
 def balanced(load: list[float], ranks: int) -> list[int]:
     """Longest-processing-time greedy: experts by descending load onto the rank with the least
     load so far (ties: fewer experts, then lower rank). Deterministic for equal loads."""
@@ -110,14 +106,8 @@ def place_experts(spec: ModelSpec, ranks: int, policy: str = "contiguous",
             raise UserError(f"option 'load_profile': only used with placement 'profile', got placement {policy!r}")
     else:
         raise UserError(f"option 'placement': got {policy!r}; valid: contiguous, round_robin, profile")
-    expert_rank: list[list[int]] = []
-    for layer in range(spec.num_layers):
-        if not spec.is_moe_layer(layer):
-            expert_rank.append([])
-        elif policy == "contiguous":
-            expert_rank.append(contiguous(E, ranks))
-        elif policy == "round_robin":
-            expert_rank.append(round_robin(E, ranks))
-        else:
-            expert_rank.append(balanced(load[layer], ranks))
+    owners = {"contiguous": lambda layer: contiguous(E, ranks),
+              "round_robin": lambda layer: [e % ranks for e in range(E)],  # expert e on rank e % R
+              "profile": lambda layer: balanced(load[layer], ranks)}[policy]
+    expert_rank = [owners(layer) if spec.is_moe_layer(layer) else [] for layer in range(spec.num_layers)]
     return Placement(policy=policy, home_policy=home_policy, expert_rank=expert_rank, load=load)

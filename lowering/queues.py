@@ -24,14 +24,10 @@ def build_stages(spec: ModelSpec) -> list[Stage]:
 
 def build_queues(spec: ModelSpec, stages: list[Stage], placement: Placement, caps: BatchCaps,
                  ranks: int) -> list[RankPlan]:
-    out = []
-    for r in range(ranks):
-        queues = []
-        for s in stages:
-            expert = s.kind == "expert"
-            queues.append(QueueEntry(
-                stage_id=s.id, kind=s.kind, layer=s.layer, next_stage=s.next,
-                batch_cap=caps.expert_rows if expert else caps.attn_tokens,
-                experts=placement.experts_on(s.layer, r) if expert else []))
-        out.append(RankPlan(rank=r, queues=queues))
-    return out
+    def queue(s: Stage, r: int) -> QueueEntry:
+        expert = s.kind == "expert"
+        return QueueEntry(stage_id=s.id, kind=s.kind, layer=s.layer, next_stage=s.next,
+                          batch_cap=caps.expert_rows if expert else caps.attn_tokens,
+                          experts=placement.experts_on(s.layer, r) if expert else [])
+
+    return [RankPlan(rank=r, queues=[queue(s, r) for s in stages]) for r in range(ranks)]

@@ -34,36 +34,30 @@ def plan_routes(spec: ModelSpec, stages: list[Stage], placement: Placement, caps
         dst = stages[s.next]
         if s.kind == "attn" and dst.kind == "expert":
             holders = placement.holders(s.layer)
-            if whole:
-                packed = row + 8 * k  # int32 ids and fp32 weights behind the row (runtime/routed_rows.pack)
-                routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="dispatch", pattern="all_to_holders",
-                                    src_ranks=everyone, dst_ranks=holders,
-                                    carries=f"whole attention batches of layer {s.layer}: each token's normed hidden "
-                                            f"row with its top-{k} expert ids and weights, to every holder",
-                                    row_bytes=packed, max_rows=caps.attn_tokens,
-                                    max_message_bytes=caps.attn_tokens * packed))
-                continue
-            most_held = max(len(placement.experts_on(s.layer, r)) for r in holders)
-            rows = caps.attn_tokens * min(k, most_held)
-            routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="dispatch", pattern="all_to_holders",
-                                src_ranks=everyone, dst_ranks=holders,
-                                carries=f"normed hidden rows of layer {s.layer}, one per (token, expert)",
-                                row_bytes=row, max_rows=rows, max_message_bytes=rows * row))
+            if whole:  # int32 ids and fp32 weights behind the row (runtime/routed_rows.pack)
+                row_bytes, rows = row + 8 * k, caps.attn_tokens
+                carries = (f"whole attention batches of layer {s.layer}: each token's normed hidden row with its "
+                           f"top-{k} expert ids and weights, to every holder")
+            else:
+                most_held = max(len(placement.experts_on(s.layer, r)) for r in holders)
+                row_bytes, rows = row, caps.attn_tokens * min(k, most_held)
+                carries = f"normed hidden rows of layer {s.layer}, one per (token, expert)"
+            edge = dict(kind="dispatch", pattern="all_to_holders", src_ranks=everyone, dst_ranks=holders)
         elif s.kind == "expert":
             # (device-routed: a batch of <= cap slots, whole tokens of k slots each, one row per token back)
-            rows = -(-caps.expert_rows // k) if whole else caps.expert_rows
-            routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="combine", pattern="holders_to_all",
-                                src_ranks=placement.holders(s.layer), dst_ranks=everyone,
-                                carries=(f"one row per token of layer {s.layer} back to its home: the weighted sum "
-                                         f"of this holder's slots (the home adds the holders' rows)"
-                                         if whole else
-                                         f"expert outputs of layer {s.layer} back to their home rank's top-k merge"),
-                                row_bytes=row, max_rows=rows, max_message_bytes=rows * row))
+            row_bytes, rows = row, (-(-caps.expert_rows // k) if whole else caps.expert_rows)
+            carries = (f"one row per token of layer {s.layer} back to its home: the weighted sum of this holder's "
+                       f"slots (the home adds the holders' rows)" if whole else
+                       f"expert outputs of layer {s.layer} back to their home rank's top-k merge")
+            edge = dict(kind="combine", pattern="holders_to_all", src_ranks=placement.holders(s.layer),
+                        dst_ranks=everyone)
         else:
-            what = "next decode token to layer 0" if s.kind == "sample" else \
+            row_bytes, rows = row, caps.attn_tokens
+            carries = "next decode token to layer 0" if s.kind == "sample" else \
                 (f"hidden state of layer {s.layer} to " + ("the sampler" if dst.kind == "sample"
                                                             else f"layer {dst.layer}"))
-            routes.append(Route(src_stage=s.id, dst_stage=dst.id, kind="local", pattern="self",
-                                src_ranks=everyone, dst_ranks=everyone, carries=what,
-                                row_bytes=row, max_rows=caps.attn_tokens, max_message_bytes=0))
+            edge = dict(kind="local", pattern="self", src_ranks=everyone, dst_ranks=everyone)
+        # a local edge sends no message
+        routes.append(Route(src_stage=s.id, dst_stage=dst.id, carries=carries, row_bytes=row_bytes, max_rows=rows,
+                            max_message_bytes=0 if edge["kind"] == "local" else rows * row_bytes, **edge))
     return routes

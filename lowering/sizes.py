@@ -38,10 +38,9 @@ def kv_bytes_per_token_layer(spec: ModelSpec) -> int:
     kv latent and the roped key, (kv_lora_rank + qk_rope_head_dim) values shared by all heads, not the per-head
     K [nh, nope+rope] and V [nh, v_head_dim] they decompress to (71x as much at DeepSeek-V3).
     """
-    a, b = spec.attention, dtype_bytes(spec)
-    if a.kind == "gqa":
-        return 2 * a.num_kv_heads * a.head_dim * b
-    return (a.kv_lora_rank + a.qk_rope_head_dim) * b
+    a = spec.attention
+    per_token = 2 * a.num_kv_heads * a.head_dim if a.kind == "gqa" else a.kv_lora_rank + a.qk_rope_head_dim
+    return per_token * dtype_bytes(spec)
 
 
 def attn_row_elems(spec: ModelSpec, layer: int) -> int:

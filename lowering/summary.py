@@ -8,17 +8,12 @@ GIB = 1024 ** 3
 
 def compress_ids(ids: list[int]) -> str:
     """[0,1,2,5,7,8] -> '0-2,5,7-8': expert lists stay readable for 128 experts."""
-    if not ids:
-        return "-"
-    parts, start, prev = [], ids[0], ids[0]
-    for x in ids[1:] + [None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ",".join(parts)
+    parts, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:  # a run ids[start..i-1] ends here
+            parts.append(str(ids[start]) if start == i - 1 else f"{ids[start]}-{ids[i - 1]}")
+            start = i
+    return ",".join(parts) or "-"
 
 
 def plan_summary(plan: Plan) -> str:

@@ -13,13 +13,14 @@ The score math follows HF's eager attention: scores = (q @ k^T) * scale in the a
 in fp32 (sinks: softmax in the activation dtype after subtracting the row max, as GPT-OSS does), then probs @ v.
 
 `attend` (per segment) is the reference. `attend_decode_batch` is the same math for a batch of
-one-row segments over padded K/V; `_attend_segments` uses it when the store offers the batched
+one-row segments over padded K/V; `_attend_rows` (GQA and latent MLA alike) uses it when the store offers the batched
 decode API (`write_rows` / `gather`, see runtime/kv_cache.PagedKVStore), because a Python loop of
 ~12 small torch ops per request per layer was the largest host cost of CPU serving.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from collections import Counter
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +45,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, weight_in_fp32: bool = False
     dtype = x.dtype
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight_in_fp32:
-        return (weight.to(torch.float32) * xf).to(dtype)
-    return weight * xf.to(dtype)
+    return (weight.to(torch.float32) * xf).to(dtype) if weight_in_fp32 else weight * xf.to(dtype)
 
 
 def norm_in_fp32(spec: ModelSpec) -> bool:
@@ -67,7 +66,7 @@ class KVStore(Protocol):
 
 
 class PerSegmentKV:
-    """A store seen through the KVStore protocol only (no write_rows / gather): `_attend_segments` then takes every
+    """A store seen through the KVStore protocol only (no write_rows / gather): `_attend_rows` then takes every
     segment on its own, the reference path that the batched one is compared against (tests, benchmarks)."""
 
     def __init__(self, inner) -> None:
@@ -103,17 +102,14 @@ class DenseKVStore:
         if not pos:
             return
         need = max(pos) + 1
-        if key not in self._k:
-            cap = max(self._initial, need)
-            self._k[key] = k.new_zeros((cap, *k.shape[1:]))
-            self._v[key] = v.new_zeros((cap, *v.shape[1:]))
-            self._len[key] = 0
-        if need > self._k[key].shape[0]:
-            cap = max(need, 2 * self._k[key].shape[0])
+        if key not in self._k:  # an empty buffer, grown below to initial_capacity (or more)
+            self._k[key], self._v[key], self._len[key] = k[:0], v[:0], 0
+        have = self._k[key].shape[0]
+        if need > have:
+            cap = max(need, 2 * have, self._initial)
             for buf in (self._k, self._v):
-                old = buf[key]
-                new = old.new_zeros((cap, *old.shape[1:]))
-                new[: old.shape[0]] = old
+                new = buf[key].new_zeros((cap, *buf[key].shape[1:]))
+                new[:have] = buf[key]
                 buf[key] = new
         if pos[0] > self._len[key]:
             raise ValueError(f"KV write for seq {seq_id} layer {layer} at position {pos[0]} leaves a gap "
@@ -129,13 +125,6 @@ class DenseKVStore:
         if length > have:
             raise ValueError(f"KV read of {length} positions for seq {seq_id} layer {layer}, only {have} written")
         return self._k[key][:length], self._v[key][:length]
-
-    def length(self, layer: int, seq_id: int) -> int:
-        return self._len.get((layer, seq_id), 0)
-
-    def free(self, seq_id: int) -> None:
-        for key in [k for k in self._k if k[1] == seq_id]:
-            del self._k[key], self._v[key], self._len[key]
 
 
 def softmax_scale(a: AttentionSpec) -> float:
@@ -232,9 +221,7 @@ def _decode_batch(segments: Sequence[Segment], T: int) -> Optional[tuple]:
 
 def split_one_row(segments: Sequence[Segment]) -> tuple[list[tuple[int, int]], list]:
     """([(seq id, row)] of the one-row segments whose sequence has no other segment in the batch, [the others])."""
-    count: dict = {}
-    for seq_id, _, _ in segments:
-        count[seq_id] = count.get(seq_id, 0) + 1
+    count = Counter(seq_id for seq_id, _, _ in segments)
     one, rest = [], []
     for seg in segments:
         if seg[2] == 1 and count[seg[0]] == 1:
@@ -248,47 +235,56 @@ def _linear(x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
     return F.linear(x, w[f"{name}.w"], w.get(f"{name}.b"))
 
 
-def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tensor, k: Tensor, v: Tensor,
-                     positions: Tensor, segments: Sequence[Segment], kv: KVStore,
-                     host_positions: Optional[Sequence[int]] = None) -> Tensor:
-    """Write each segment's K/V, then attend its queries over its whole context. Returns [T, nh, dv].
+def _attend_rows(kv: KVStore, layer: int, segments: Sequence[Segment], positions: Tensor,
+                 host_positions: Optional[Sequence[int]], k: Tensor, v: Tensor, shape: tuple[int, int, int],
+                 decode: Callable, prefill: Callable) -> Tensor:
+    """Write each segment's rows of k / v into `kv`, then attend its queries over its whole context: [T, nh, dv]
+    (`shape`). The attention itself is the caller's: `decode(rows, K, V, lengths)` for one-row segments of distinct
+    sequences over padded K/V, `prefill(rows, K, V)` for one segment (rows a slice) over its context.
 
-    A pure decode batch over a store with the batched API takes one batched write, gather and
-    attention; anything else (prefill, mixed batches, the reference's dense store) goes segment by
-    segment. `host_positions`: the positions as the caller knows them on the host (the stores' page
-    bookkeeping reads them there; else they are read back from `positions` once per batch)."""
-    a = spec.attention
-    scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    A pure decode batch over a store with the batched API takes one batched write, gather and `decode` (no row
+    indexing); anything else (prefill, mixed batches, the reference's dense store) goes segment by segment, except
+    that a mixed batch's one-row segments still go through the batched path when there are several.
+    `host_positions`: the positions as the caller knows them on the host (the stores' page bookkeeping reads them
+    there; else they are read back from `positions` once per batch)."""
     pos_cpu = torch.as_tensor(host_positions, dtype=torch.int64) if host_positions is not None else positions.cpu()
-
-    def decode(seq_ids, q, k, v, positions, pos_cpu):
+    batched = _batched_store(kv)
+    seq_ids = _decode_batch(segments, shape[0]) if batched else None
+    if seq_ids is not None:
         kv.write_rows(layer, seq_ids, pos_cpu, k, v)
         K, V = kv.gather(layer, seq_ids, (pos_cpu + 1).tolist())
-        return attend_decode_batch(q, K, V, positions.to(torch.int64) + 1, scale, window, sinks)
-    batched = _batched_store(kv)
-    seq_ids = _decode_batch(segments, q.shape[0]) if batched else None
-    if seq_ids is not None:
-        return decode(seq_ids, q, k, v, positions, pos_cpu)
-    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
-    if batched:
+        return decode(slice(None), K, V, positions.to(torch.int64) + 1)
+    out = k.new_empty(shape)
+    one, rest = split_one_row(segments) if batched else ([], segments)
+    if len(one) > 1:
         # A mixed batch (decode rows with a prompt's chunk: what a serving rank runs whenever a request arrives
         # during decode) takes its one-row segments through the batched path and loops over the rest only: one by
         # one, 256 decode rows beside a 40-row chunk cost 18x a pure decode batch on the CPU.
         # Segments of different sequences touch different K/V, so their order does not matter.
-        one, rest = split_one_row(segments)
-        if len(one) > 1:
-            idx = torch.tensor([r for _, r in one], dtype=torch.long)
-            rows = idx.to(q.device)  # (on CUDA the executor runs such batches through its paged kernels instead)
-            pos = positions.index_select(0, rows.to(positions.device))
-            out[rows] = decode([s for s, _ in one], q[rows], k[rows], v[rows], pos, pos_cpu[idx])
-            segments = rest
+        idx = torch.tensor([r for _, r in one], dtype=torch.long)
+        rows, seq_ids, pc = idx.to(k.device), [s for s, _ in one], pos_cpu[idx]
+        kv.write_rows(layer, seq_ids, pc, k[rows], v[rows])
+        K, V = kv.gather(layer, seq_ids, (pc + 1).tolist())
+        out[rows] = decode(rows, K, V, positions.index_select(0, rows.to(positions.device)).to(torch.int64) + 1)
+        segments = rest
     for seq_id, start, n in segments:
         rows = slice(start, start + n)
         pc = pos_cpu[rows]
         kv.write(layer, seq_id, pc, k[rows], v[rows])
         K, V = kv.read(layer, seq_id, int(pc[-1]) + 1)
-        out[rows] = attend(q[rows], K, V, positions[rows], scale, window, sinks)
+        out[rows] = prefill(rows, K, V)
     return out
+
+
+def _attend_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q: Tensor, k: Tensor, v: Tensor,
+                     positions: Tensor, segments: Sequence[Segment], kv: KVStore,
+                     host_positions: Optional[Sequence[int]] = None) -> Tensor:
+    """Write each segment's K/V, then attend its queries over its whole context (`_attend_rows`). [T, nh, dv]."""
+    a = spec.attention
+    scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
+    return _attend_rows(kv, layer, segments, positions, host_positions, k, v, (q.shape[0], q.shape[1], v.shape[2]),
+                        lambda rows, K, V, lengths: attend_decode_batch(q[rows], K, V, lengths, scale, window, sinks),
+                        lambda rows, K, V: attend(q[rows], K, V, positions[rows], scale, window, sinks))
 
 
 def gqa_project(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -402,43 +398,30 @@ def _attend_latent_segments(spec: ModelSpec, w: dict[str, Tensor], layer: int, q
     a = spec.attention
     kvr = a.kv_lora_rank
     scale, window, sinks = softmax_scale(a), a.window(layer), w.get("sinks")
-    pos_cpu = torch.as_tensor(host_positions, dtype=torch.int64) if host_positions is not None else positions.cpu()
     c = latent_rows(latent, k_pe)
-    none = c.new_empty((c.shape[0], 1, 0))  # the store's V: the latent is K's first channels
-    T = c.shape[0]
-    out = q_nope.new_empty((T, a.num_heads, a.v_head_dim))
-    one, rest = split_one_row(segments)
-    batched = _batched_store(kv)
-    if batched and one and (len(one) > 1 or not rest):  # (as `_attend_segments`: a lone decode row too)
-        idx = torch.tensor([r for _, r in one], dtype=torch.long)
-        rows = idx.to(c.device)
-        seq_ids, pc = [s for s, _ in one], pos_cpu[idx]
-        kv.write_rows(layer, seq_ids, pc, c[rows], none[rows])
-        C, _ = kv.gather(layer, seq_ids, (pc + 1).tolist())
+
+    def absorbed(rows, C, attend_fn, at):
+        """Attention in the absorbed form, `attend_fn` being `attend` (`at`: positions) or `attend_decode_batch`
+        (`at`: lengths)."""
         q_abs = mla_absorb_q(spec, w, q_nope[rows], q_pe[rows])
-        lens = positions.index_select(0, rows.to(positions.device)).to(torch.int64) + 1
-        out[rows] = mla_unabsorb(spec, w, attend_decode_batch(q_abs, C, C[..., :kvr], lens, scale, window, sinks))
-        segments = rest
-    for seq_id, start, n in segments:
-        rows = slice(start, start + n)
-        pc = pos_cpu[rows]
-        kv.write(layer, seq_id, pc, c[rows], none[rows])
-        C, _ = kv.read(layer, seq_id, int(pc[-1]) + 1)
-        if n == 1:
-            q_abs = mla_absorb_q(spec, w, q_nope[rows], q_pe[rows])
-            o = attend(q_abs, C, C[..., :kvr], positions[rows], scale, window, sinks)
-            out[rows] = mla_unabsorb(spec, w, o)
-        else:
-            K, V = mla_decompress(spec, w, C[:, 0, :kvr], C[:, :, kvr:])
-            q = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)
-            out[rows] = attend(q, K, V, positions[rows], scale, window, sinks)
-    return out
+        return mla_unabsorb(spec, w, attend_fn(q_abs, C, C[..., :kvr], at, scale, window, sinks))
+
+    def prefill(rows, C, _):
+        if rows.stop - rows.start == 1:  # a lone decode row
+            return absorbed(rows, C, attend, positions[rows])
+        K, V = mla_decompress(spec, w, C[:, 0, :kvr], C[:, :, kvr:])
+        return attend(torch.cat([q_nope[rows], q_pe[rows]], dim=-1), K, V, positions[rows], scale, window, sinks)
+
+    # the store's V: none (the latent is K's first channels)
+    return _attend_rows(kv, layer, segments, positions, host_positions, c, c.new_empty((c.shape[0], 1, 0)),
+                        (c.shape[0], a.num_heads, a.v_head_dim),
+                        lambda rows, C, _, lengths: absorbed(rows, C, attend_decode_batch, lengths), prefill)
 
 
 class PagedAttend(Protocol):
     """The attend step in the form the CUDA executor needs for speed (runtime/executors/cuda_attention.py): K/V
     written into a paged cache through device page tables, optionally fused with RoPE, capturable in a CUDA graph.
-    It replaces only `_attend_segments` (and, when `fuses_rope`, the rotation): `attention` still computes the
+    It replaces only `_attend_rows` (and, when `fuses_rope`, the rotation): `attention` still computes the
     projections, biases, q/k norms, the softmax scale, the window and the sinks, so a model feature lives here once."""
 
     fuses_rope: bool  # attend() rotates q and k itself (GQA, rotate-half): they come to it unrotated
@@ -466,7 +449,7 @@ def attention(spec: ModelSpec, w: dict[str, Tensor], layer: int, x: Tensor, posi
     """Self-attention of normed input x [T, H] -> [T, H] (after the output projection): grouped-query
     attention, or DeepSeek's multi-head latent attention (over the latent when `paged` is given or the store's
     `mla_latent`, else decompressed: module docstring). Writes this batch's K/V to `kv` (`host_positions`: see
-    _attend_segments), or through `paged` (which then knows the positions; `positions`, `segments` and `kv` are not
+    _attend_rows), or through `paged` (which then knows the positions; `positions`, `segments` and `kv` are not
     read)."""
     a = spec.attention
     if a.kind == "mla" and (paged is not None or latent_cache(kv)):

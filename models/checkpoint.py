@@ -26,27 +26,22 @@ from models.weights import ModelWeights
 SUPPORTED_ARCHITECTURES = tuple(sorted(ARCHITECTURES))
 
 
-def _dtype_from_tensors(root: Path):
+def _dtype_from_tensors(root: Path) -> Optional[str]:
     """For a config without dtype/torch_dtype: the dtype the tensors are stored in, if readable."""
+    from models.hf_weights import SafetensorsDir
 
-    def peek():
-        try:
-            from models.hf_weights import SafetensorsDir
-
-            return SafetensorsDir(root).float_dtype()
-        except UserError:
-            return None
-
-    return peek
+    try:
+        return SafetensorsDir(root).float_dtype()
+    except UserError:
+        return None
 
 
 def import_spec(path: str | Path) -> ModelSpec:
     """Read `<path>/config.json` into a ModelSpec whose weights point back at `path`."""
-    path = Path(path)
     data, cfg_path = read_config(path)
     root = cfg_path.parent
     spec = spec_from_config(data, str(cfg_path), name=root.resolve().name, path=str(root),
-                            dtype_fallback=_dtype_from_tensors(root))
+                            dtype_fallback=lambda: _dtype_from_tensors(root))
     # transformers' generate stops at generation_config.json's eos_token_id when the file sets one, not config.json's
     from models.generation_config import read_generation_config
     gen = read_generation_config(root)
@@ -120,12 +115,8 @@ def spec_mismatches(spec: ModelSpec, ckpt_spec: ModelSpec) -> list[tuple[str, st
     """(field, the spec's value, the checkpoint's) for every math-relevant field where `spec` (a YAML naming the
     checkpoint) and `ckpt_spec` (what its config.json implies, models.hf_config.spec_from_config) differ."""
     mine, theirs = _math_view(spec), _math_view(ckpt_spec)
-    out = []
-    for field in list(dict.fromkeys([*mine, *theirs])):
-        a, b = mine.get(field), theirs.get(field)
-        if not _same(a, b):
-            out.append((field, _shown(field, a), _shown(field, b)))
-    return out
+    return [(field, _shown(field, mine.get(field)), _shown(field, theirs.get(field)))
+            for field in dict.fromkeys([*mine, *theirs]) if not _same(mine.get(field), theirs.get(field))]
 
 
 def check_spec_matches(spec: ModelSpec, ckpt_spec: ModelSpec, config: str, source: Optional[str] = None) -> None:
@@ -174,5 +165,4 @@ def load_checkpoint(path: str | Path, experts=None) -> tuple[ModelSpec, ModelWei
     from models.hf_weights import SafetensorsDir, load_tensors
 
     spec = import_spec(path)
-    st = SafetensorsDir(Path(spec.weights.path))
-    return spec, load_tensors(spec, st, experts)
+    return spec, load_tensors(spec, SafetensorsDir(spec.weights.path), experts)

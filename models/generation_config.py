@@ -36,11 +36,12 @@ def _int_list(path: Path, key: str, value: Any) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def _number(path: Path, key: str, value: Any, lo: float, hi: float, integer: bool = False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
-    if integer:
-        ok = ok and isinstance(value, int)
-    if not ok:
+def _number(path: Path, data: dict, key: str, default: Any, lo: float, hi: float, integer: bool = False):
+    """data[key] checked to lie in lo..hi (an integer with `integer`); `default` when absent or null."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not lo <= value <= hi:
         kind = "an integer" if integer else "a number"
         raise UserError(f"{path}: '{key}' must be {kind} in {lo:g}..{hi:g}, got {value!r}")
     return value
@@ -48,14 +49,12 @@ def _number(path: Path, key: str, value: Any, lo: float, hi: float, integer: boo
 
 def read_generation_config(directory: str | Path) -> Optional[GenerationDefaults]:
     """`<directory>/generation_config.json` as stop ids and sampling defaults; None when there is no such file."""
-    from graph_ir.files import parse_json, read_text
+    from graph_ir.files import read_json_object
 
     path = Path(directory) / FILE
     if not path.is_file():
         return None
-    data = parse_json(read_text(path, "generation config", max_bytes=1 << 20), str(path))
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    data = read_json_object(path, "generation config", max_bytes=1 << 20)
     eos = data.get("eos_token_id")
     eos_ids = None if eos is None else _int_list(path, "eos_token_id", eos)
     do_sample = data.get("do_sample", False)
@@ -63,12 +62,9 @@ def read_generation_config(directory: str | Path) -> Optional[GenerationDefaults
         raise UserError(f"{path}: 'do_sample' must be true or false, got {do_sample!r}")
     sampling: dict[str, Any] = {"temperature": 0.0}  # greedy: transformers ignores temperature/top_p/top_k then
     if do_sample:
-        temp = data.get("temperature")
-        temp = 1.0 if temp is None else float(_number(path, "temperature", temp, 0.0, float("inf")))
-        top_p = data.get("top_p")
-        top_p = 1.0 if top_p is None else float(_number(path, "top_p", top_p, 0.0, 1.0))
-        top_k = data.get("top_k")
-        top_k = HF_TOP_K if top_k is None else _number(path, "top_k", top_k, 0, 1 << 31, integer=True)
+        temp = float(_number(path, data, "temperature", 1.0, 0.0, float("inf")))
+        top_p = float(_number(path, data, "top_p", 1.0, 0.0, 1.0))
+        top_k = _number(path, data, "top_k", HF_TOP_K, 0, 1 << 31, integer=True)
         if top_p == 0.0:
             raise UserError(f"{path}: 'top_p' must be in (0, 1], got 0")
         # temperature 0 with do_sample: transformers refuses it; the only sensible reading is greedy

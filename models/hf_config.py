@@ -76,29 +76,30 @@ class _Cfg:
             raise UserError(f"{self.source}: missing required key '{key}'")
         return self.data[key]
 
-    def int(self, key: str, default: Any = None, *, required: bool = False) -> Optional[int]:
+    def _typed(self, key: str, default: Any, required: bool, types: tuple[type, ...], what: str) -> Any:
+        """The value of `key` (None when absent and no default), refused unless of `types` (never a bool)."""
         value = self.require(key) if required else self.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{self.source}: '{key}' must be an integer, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise self.fail(f"'{key}' must be {what}, got {value!r}")
         return value
 
-    def float(self, key: str, default: Any = None) -> Optional[float]:
-        value = self.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{self.source}: '{key}' must be a number, got {value!r}")
-        return float(value)
+    def int(self, key: str, default: Any = None, *, required: bool = False) -> Optional[int]:
+        return self._typed(key, default, required, (int,), "an integer")
 
-    def alias(self, keys: tuple[str, ...], default: Any) -> Any:
+    def float(self, key: str, default: Any = None) -> Optional[float]:
+        value = self._typed(key, default, False, (int, float), "a number")
+        return None if value is None else float(value)
+
+    def alias(self, keys: tuple[str, ...], default: Optional[int]) -> int:
         """An integer stored under any of `keys`: transformers' config `attribute_map` lets the same
         setting be written under two names (e.g. Qwen3-MoE saves `num_local_experts` while published
-        configs say `num_experts`). The first key present wins."""
+        configs say `num_experts`). The first key present wins; none present: `default`, or with a None default
+        a missing required key (named by `keys[0]`)."""
         for k in keys:
             if self.has(k):
                 return self.int(k)
+        if default is None:
+            raise self.fail(f"missing required key '{keys[0]}'")
         return default
 
     def bool(self, key: str, default: bool) -> bool:
@@ -131,6 +132,27 @@ class _Cfg:
         if len(lt) != n_layers:
             raise self.fail(f"'layer_types' has {len(lt)} entries, num_hidden_layers is {n_layers}")
         return [names[t] for t in lt]
+
+    def biases(self, attn: dict, default: bool = False, **fields: Any) -> None:
+        """`attention_bias` (default `default`) as the q/k/v and o biases, with more attention `fields`."""
+        bias = self.bool("attention_bias", default)
+        attn.update(qkv_bias=bias, o_bias=bias, **fields)
+
+    def sliding(self, attn: dict, layer_types: list[str], window: Optional[int]) -> None:
+        """Per-layer sliding attention into `attn` when `layer_types` has sliding layers (which need a window)."""
+        if "sliding" in layer_types:
+            if not window:
+                raise self.fail("layer_types has sliding_attention layers but sliding_window is not set")
+            attn.update(layer_types=layer_types, sliding_window=window)
+
+    def routed(self, experts: dict, count_keys: tuple[str, str], num: Optional[int], top_k: Optional[int],
+               size_key: str, size: int, **fields: Any) -> None:
+        """The routed experts into `experts`: their count (under either of `count_keys`), num_experts_per_tok and
+        their size (under `size_key`), with the family's defaults (a None default makes the key required), plus
+        more expert `fields`."""
+        experts.update(num_experts=self.alias(count_keys, num),
+                       top_k=self.int("num_experts_per_tok", top_k, required=top_k is None),
+                       intermediate_size=self.int(size_key, size), **fields)
 
     def dense(self, spec: dict, layers: list[int], size_default: int) -> None:
         """Dense `layers` (if any) into `spec`, their MLP of `intermediate_size`."""
@@ -184,8 +206,7 @@ def _dtype(cfg: _Cfg, fallback: Optional[Callable[[], Optional[str]]]) -> str:
         if name not in _DTYPES:
             raise cfg.unsupported(key, raw, "supported: float32, bfloat16, float16")
         return _DTYPES[name]
-    found = fallback() if fallback else None
-    return found or "float32"
+    return (fallback() if fallback else None) or "float32"
 
 
 def _eos(cfg: _Cfg) -> list[int]:
@@ -216,12 +237,11 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
 
     # Per-layer-type rope dicts (transformers 5 nests them under layer type names). We have one
     # rope per model, so accept nesting only when every entry is the same.
-    nested = {k: v for k, v in rp.items() if isinstance(v, dict)}
+    nested = [v for v in rp.values() if isinstance(v, dict)]
     if nested:
-        values = list(nested.values())
-        if any(v != values[0] for v in values[1:]) or len(nested) != len(rp):
+        if any(v != nested[0] for v in nested) or len(nested) != len(rp):
             raise cfg.unsupported(key, rp, "different rope settings per layer type")
-        rp = dict(values[0])
+        rp = dict(nested[0])
 
     if family == "hunyuan_v1_moe":
         rp = hf_families.hunyuan_ntk_alpha(cfg, key, rp, head_dim)
@@ -238,8 +258,9 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     if theta is None:
         theta = cfg.float("rope_theta", hf_families.THETA_DEFAULTS.get(family, 10000.0))
     partial = rp.get("partial_rotary_factor")
-    if partial is None and family == "minimax_m2":
-        partial = hf_families.minimax_partial_rotary(cfg, head_dim)
+    if partial is None and family == "minimax_m2" and cfg.has("rotary_dim"):
+        # Released MiniMax-M2 configs give partial RoPE as `rotary_dim` (transformers: factor rotary_dim / head_dim).
+        partial = cfg.int("rotary_dim") / head_dim
     if partial is None:
         partial = cfg.float("partial_rotary_factor", 0.5 if family == "glm4_moe" else 1.0)
     # (its range and the even rotated width it leaves are checked by the spec: graph_ir/spec.py)
@@ -247,11 +268,9 @@ def _rope(cfg: _Cfg, family: str, head_dim: int, max_position: int) -> dict:
     # Not a RopeSpec field: DeepSeek-V2's softmax scale needs mscale_all_dim even when mscale is
     # absent (then the rope spec itself stores neither). Popped by the caller.
     out["_mscale_all_dim"] = rp.get("mscale_all_dim") or 0
-    if family == "deepseek_v2":
-        # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves.
-        out["interleaved"] = True
-    elif family == "ernie4_5_moe":
-        # Ernie4_5_MoeAttention rotates adjacent pairs (rotate_half over x[0::2], x[1::2]).
+    if family in ("deepseek_v2", "ernie4_5_moe"):
+        # DeepSeek-V2 rotates adjacent pairs (view_as_complex over [..., 2]), not halves; so does
+        # Ernie4_5_MoeAttention (rotate_half over x[0::2], x[1::2]).
         out["interleaved"] = True
     elif family in ("deepseek_v3", "glm4_moe_lite"):
         # DeepseekV3Attention: adjacent pairs unless rope_interleave is false (its output order differs from
@@ -358,23 +377,22 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         cfg.reject_set("hidden_act", "silu", "experts and MLPs are SwiGLU (silu) only")
 
     if family in hf_families.BUILDERS:
-        hf_families.BUILDERS[family](cfg, data, n_layers, n_heads, attn, router, experts, spec)
+        hf_families.BUILDERS[family](cfg, n_layers, attn, router, experts, spec)
 
     elif family == "mixtral":
         # MixtralTopKRouter always renormalizes the top-k softmax weights (no norm_topk_prob).
         router.update(scoring="softmax", renormalize=True)
-        experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 8), top_k=cfg.int("num_experts_per_tok", 2),
-                       intermediate_size=cfg.int("intermediate_size", 14336))
+        cfg.routed(experts, ("num_local_experts", "num_experts"), 8, 2, "intermediate_size", 14336)
         if cfg.has("sliding_window"):
             attn["sliding_window"] = cfg.int("sliding_window")
 
     elif family in ("qwen2_moe", "qwen3_moe"):
+        qwen2 = family == "qwen2_moe"
         router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
-        experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 60 if family == "qwen2_moe" else 128),
-                       top_k=cfg.int("num_experts_per_tok", 4 if family == "qwen2_moe" else 8),
-                       intermediate_size=cfg.int("moe_intermediate_size", 1408 if family == "qwen2_moe" else 768))
-        cfg.dense(spec, _decoder_sparse_dense_layers(cfg, n_layers), 5632 if family == "qwen2_moe" else 6144)
-        if family == "qwen2_moe":
+        cfg.routed(experts, ("num_experts", "num_local_experts"), 60 if qwen2 else 128, 4 if qwen2 else 8,
+                   "moe_intermediate_size", 1408 if qwen2 else 768)
+        cfg.dense(spec, _decoder_sparse_dense_layers(cfg, n_layers), 5632 if qwen2 else 6144)
+        if qwen2:
             attn["qkv_bias"] = cfg.bool("qkv_bias", True)
             shared = cfg.int("shared_expert_intermediate_size", 5632)
             if shared:
@@ -389,9 +407,7 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
                     attn["layer_types"] = lt
                     attn["sliding_window"] = cfg.int("sliding_window", 4096)
         else:
-            attn["qk_norm"] = "head"  # Qwen3MoeAttention: RMSNorm over head_dim, per head
-            bias = cfg.bool("attention_bias", False)
-            attn.update(qkv_bias=bias, o_bias=bias)
+            cfg.biases(attn, qk_norm="head")  # Qwen3MoeAttention: RMSNorm over head_dim, per head
             if cfg.bool("use_sliding_window", False):
                 # Qwen3MoeAttention applies config.sliding_window on every layer.
                 attn["sliding_window"] = cfg.int("sliding_window", 4096)
@@ -401,27 +417,19 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         if head_dim * n_heads != hidden:
             raise cfg.fail(f"OLMoE needs head_dim * num_attention_heads == hidden_size "
                            f"({head_dim} * {n_heads} != {hidden}): its q/k norms span the full projection")
-        bias = cfg.bool("attention_bias", False)
-        attn.update(qk_norm="full", qkv_bias=bias, o_bias=bias)
+        cfg.biases(attn, qk_norm="full")
         router.update(scoring="softmax", renormalize=cfg.bool("norm_topk_prob", False))
-        experts.update(num_experts=cfg.alias(("num_experts", "num_local_experts"), 64), top_k=cfg.int("num_experts_per_tok", 8),
-                       intermediate_size=cfg.int("intermediate_size", 2048))
+        cfg.routed(experts, ("num_experts", "num_local_experts"), 64, 8, "intermediate_size", 2048)
 
     elif family == "gpt_oss":
-        bias = cfg.bool("attention_bias", True)
-        attn.update(qkv_bias=bias, o_bias=bias, sinks=True)
+        cfg.biases(attn, True, sinks=True)
         lt = cfg.layer_types(n_layers) or ["sliding" if (i + 1) % 2 else "full" for i in range(n_layers)]
-        window = cfg.int("sliding_window", 128)
-        if "sliding" in lt:
-            if not window:
-                raise cfg.fail("layer_types has sliding_attention layers but sliding_window is not set")
-            attn.update(layer_types=lt, sliding_window=window)
+        cfg.sliding(attn, lt, cfg.int("sliding_window", 128))
         # GptOssTopKRouter: top-k of the raw (biased) logits, softmax over those k.
         router.update(scoring="topk_softmax", renormalize=False, bias=True)
-        experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 128), top_k=cfg.int("num_experts_per_tok", 4),
-                       intermediate_size=cfg.int("intermediate_size", 2880), activation="gptoss_glu",
-                       glu_alpha=cfg.float("swiglu_alpha", 1.702), glu_limit=cfg.float("swiglu_limit", 7.0),
-                       bias=True)
+        cfg.routed(experts, ("num_local_experts", "num_experts"), 128, 4, "intermediate_size", 2880, bias=True,
+                   activation="gptoss_glu", glu_alpha=cfg.float("swiglu_alpha", 1.702),
+                   glu_limit=cfg.float("swiglu_limit", 7.0))
 
     elif family == "glm4_moe":
         # q/k/v take attention_bias; Glm4MoeAttention's o_proj never has a bias.
@@ -431,23 +439,20 @@ def spec_dict_from_config(data: dict, source: str, *, name: str = "model",
         router.update(scoring="sigmoid", correction_bias=True, renormalize=cfg.bool("norm_topk_prob", True),
                       n_group=cfg.int("n_group", 1), topk_group=cfg.int("topk_group", 1),
                       routed_scaling=cfg.float("routed_scaling_factor", 1.0))
-        moe_i = cfg.int("moe_intermediate_size", 1408)
-        experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), 128), top_k=cfg.int("num_experts_per_tok", 8),
-                       intermediate_size=moe_i,
-                       shared_intermediate_size=moe_i * cfg.int("n_shared_experts", 1))
+        cfg.routed(experts, ("n_routed_experts", "num_local_experts"), 128, 8, "moe_intermediate_size", 1408)
+        experts["shared_intermediate_size"] = experts["intermediate_size"] * cfg.int("n_shared_experts", 1)
         cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 1), n_layers))), 10944)
 
     # Rope: for MLA only the qk_rope_head_dim part rotates (DeepseekV2Config sets head_dim to it).
     rope_head_dim = attn["qk_rope_head_dim"] if attn["kind"] == "mla" else attn["head_dim"]
     attn["rope"] = _rope(cfg, family, rope_head_dim, max_pos)
     mad = attn["rope"].pop("_mscale_all_dim")
-    if attn["kind"] == "mla" and attn["rope"].get("scaling", "none") != "none":
+    if attn["kind"] == "mla" and attn["rope"].get("scaling", "none") != "none" and mad:
         # DeepseekV2Attention: softmax scale = qk_head_dim**-0.5 * yarn_mscale(factor, mscale_all_dim)**2
         # whenever the rope type is not default (this is on top of the cos/sin attention factor).
         # Written out explicitly so the spec says the scale rather than leaving it to be re-derived.
-        if mad:
-            m = yarn_get_mscale(attn["rope"]["factor"], float(mad))
-            attn["softmax_scale"] = attn["head_dim"] ** -0.5 * m * m
+        m = yarn_get_mscale(attn["rope"]["factor"], float(mad))
+        attn["softmax_scale"] = attn["head_dim"] ** -0.5 * m * m
 
     eos = eos_in_vocab(_eos(cfg), spec["vocab_size"], source)
     spec.update(attention=attn, router=router, experts=experts, eos_token_ids=eos,

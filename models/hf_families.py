@@ -34,17 +34,16 @@ ARCHITECTURES = {
 }
 
 
-def _mla(cfg, data: dict, attn: dict, n_heads: int, *, q_lora: int, nope: int, rope_hd: int, v_hd: int) -> None:
+def _mla(cfg, attn: dict, *, q_lora: int, nope: int, rope_hd: int, v_hd: int) -> None:
     """DeepseekV2Attention / DeepseekV3Attention (GLM-4.7-Flash's too): attention_bias puts biases on q_a_proj,
     kv_a_proj_with_mqa and o_proj (never q_b / kv_b / q_proj); V3's rope_interleave (default true) rotates adjacent
     pairs (hf_config `_rope`)."""
-    bias = cfg.bool("attention_bias", False)
     nope, rope_hd = cfg.int("qk_nope_head_dim", nope), cfg.int("qk_rope_head_dim", rope_hd)
-    attn.update(kind="mla", num_kv_heads=n_heads, head_dim=nope + rope_hd, qkv_bias=bias, o_bias=bias,
-                # an explicit null q_lora_rank means no q compression (q_proj), an absent one the default rank
-                q_lora_rank=cfg.int("q_lora_rank") if "q_lora_rank" in data else q_lora,
-                kv_lora_rank=cfg.int("kv_lora_rank", 512), qk_nope_head_dim=nope, qk_rope_head_dim=rope_hd,
-                v_head_dim=cfg.int("v_head_dim", v_hd))
+    cfg.biases(attn, kind="mla", num_kv_heads=attn["num_heads"], head_dim=nope + rope_hd,
+               # an explicit null q_lora_rank means no q compression (q_proj), an absent one the default rank
+               q_lora_rank=cfg.int("q_lora_rank") if "q_lora_rank" in cfg.data else q_lora,
+               kv_lora_rank=cfg.int("kv_lora_rank", 512), qk_nope_head_dim=nope, qk_rope_head_dim=rope_hd,
+               v_head_dim=cfg.int("v_head_dim", v_hd))
 
 
 def _noaux_router(cfg, router: dict, *, renorm: bool, n_group: int, topk_group: int, scaling: float) -> None:
@@ -59,32 +58,24 @@ def _noaux_router(cfg, router: dict, *, renorm: bool, n_group: int, topk_group: 
                   routed_scaling=cfg.float("routed_scaling_factor", scaling))
 
 
-def _shared(cfg, moe_i: int, default: Any) -> int:
-    n = cfg.int("n_shared_experts", default)
-    if n is None:
-        # transformers' DeepseekV3MoE multiplies moe_intermediate_size by it: an absent value cannot build
-        raise cfg.fail("missing required key 'n_shared_experts'")
-    return moe_i * n
+def _deepseek_experts(cfg, experts: dict, num: Any, top_k: Any, moe_i: int, shared: Any,
+                      alias: str = "num_local_experts") -> None:
+    """DeepseekV2MoE's / DeepseekV3MoE's keys (n_routed_experts or its `alias`, num_experts_per_tok,
+    moe_intermediate_size, n_shared_experts), with the family's transformers defaults; a None default makes the key
+    required (transformers multiplies moe_intermediate_size by n_shared_experts: an absent value cannot build)."""
+    cfg.routed(experts, ("n_routed_experts", alias), num, top_k, "moe_intermediate_size", moe_i)
+    experts["shared_intermediate_size"] = \
+        experts["intermediate_size"] * cfg.int("n_shared_experts", shared, required=shared is None)
 
 
-def _v3_experts(cfg, experts: dict, num: Any, top_k: Any, moe_i: int, shared: Any) -> None:
-    """DeepseekV3MoE's keys (n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts), with
-    the family's transformers defaults; a None default makes the key required."""
-    moe_i = cfg.int("moe_intermediate_size", moe_i)
-    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_local_experts"), num),
-                   top_k=cfg.int("num_experts_per_tok", top_k, required=top_k is None), intermediate_size=moe_i,
-                   shared_intermediate_size=_shared(cfg, moe_i, shared))
-
-
-def deepseek_v2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-                spec: dict) -> None:
+def deepseek_v2(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
     cfg.reject_set("mlp_bias", False, "MLP biases are not implemented")
     cfg.reject_set("moe_layer_freq", 1, "transformers' DeepseekV2 ignores it; only 1 is supported")
     # transformers' DeepseekV2TopkRouter never renormalizes, while the original DeepSeek code
     # renormalizes *instead of* applying routed_scaling_factor. Rather than pick one silently:
     cfg.reject_set("norm_topk_prob", False,
                    "transformers ignores it and the original DeepSeek code differs; refusing to guess")
-    _mla(cfg, data, attn, n_heads, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
+    _mla(cfg, attn, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
     method = cfg.get("topk_method", "greedy")
     router.update(scoring="softmax", renormalize=False,
                   routed_scaling=cfg.float("routed_scaling_factor", 1.0))
@@ -94,29 +85,22 @@ def deepseek_v2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router
         router.update(n_group=cfg.int("n_group"), topk_group=cfg.int("topk_group"))
     elif method != "greedy":
         raise cfg.unsupported("topk_method", method, "supported: greedy, group_limited_greedy")
-    top_k = cfg.int("num_experts_per_tok")
-    if top_k is None:
-        raise cfg.fail("missing required key 'num_experts_per_tok'")
-    moe_i = cfg.int("moe_intermediate_size", 1407)
-    experts.update(num_experts=cfg.alias(("n_routed_experts", "num_experts"), 64), top_k=top_k, intermediate_size=moe_i,
-                   shared_intermediate_size=moe_i * (cfg.int("n_shared_experts") or 0))
+    _deepseek_experts(cfg, experts, num=64, top_k=None, moe_i=1407, shared=0, alias="num_experts")
     cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 0), n_layers))), 11008)
 
 
-def deepseek_v3(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-                spec: dict) -> None:
+def deepseek_v3(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
     cfg.reject_set("moe_layer_freq", 1, "transformers' DeepseekV3 ignores it; only 1 is supported")
-    _mla(cfg, data, attn, n_heads, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
+    _mla(cfg, attn, q_lora=1536, nope=128, rope_hd=64, v_hd=128)
     _noaux_router(cfg, router, renorm=True, n_group=8, topk_group=4, scaling=2.5)
-    _v3_experts(cfg, experts, num=256, top_k=8, moe_i=2048, shared=1)
+    _deepseek_experts(cfg, experts, num=256, top_k=8, moe_i=2048, shared=1)
     cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 3), n_layers))), 18432)
 
 
-def glm4_moe_lite(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-                  spec: dict) -> None:
-    _mla(cfg, data, attn, n_heads, q_lora=768, nope=192, rope_hd=64, v_hd=256)
+def glm4_moe_lite(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
+    _mla(cfg, attn, q_lora=768, nope=192, rope_hd=64, v_hd=256)
     _noaux_router(cfg, router, renorm=True, n_group=1, topk_group=1, scaling=1.8)
-    _v3_experts(cfg, experts, num=64, top_k=4, moe_i=1536, shared=1)
+    _deepseek_experts(cfg, experts, num=64, top_k=4, moe_i=1536, shared=1)
     # Glm4MoeLiteConfig: mlp_layer_types, default one dense layer then sparse ones
     if not cfg.has("mlp_layer_types"):
         # not a Glm4MoeLiteConfig field: transformers makes layer 0 dense whatever it says
@@ -127,29 +111,20 @@ def glm4_moe_lite(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, rout
     cfg.dense(spec, [i for i, t in enumerate(types) if t == "dense"], 10240)
 
 
-def dots1(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-          spec: dict) -> None:
+def dots1(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
     """Qwen3 attention (per-head q/k norm, attention_bias on q/k/v/o, sliding layers from max_window_layers) with
     DeepSeek-V3's MoE."""
-    bias = cfg.bool("attention_bias", False)
-    attn.update(qk_norm="head", qkv_bias=bias, o_bias=bias)
-    window = cfg.int("sliding_window", 4096) if "sliding_window" not in data else cfg.int("sliding_window")
-    lt = cfg.layer_types(n_layers) or [
+    cfg.biases(attn, qk_norm="head")
+    window = cfg.int("sliding_window", 4096) if "sliding_window" not in cfg.data else cfg.int("sliding_window")
+    cfg.sliding(attn, cfg.layer_types(n_layers) or [
         "sliding" if window is not None and i >= cfg.int("max_window_layers", 62) else "full"
-        for i in range(n_layers)]
-    if "sliding" in lt:
-        if not window:
-            raise cfg.fail("layer_types has sliding_attention layers but sliding_window is not set")
-        attn.update(layer_types=lt, sliding_window=window)
+        for i in range(n_layers)], window)
     _noaux_router(cfg, router, renorm=False, n_group=1, topk_group=1, scaling=1.0)
-    _v3_experts(cfg, experts, num=None, top_k=None, moe_i=1408, shared=None)
-    if experts["num_experts"] is None:
-        raise cfg.fail("missing required key 'n_routed_experts'")
+    _deepseek_experts(cfg, experts, num=None, top_k=None, moe_i=1408, shared=None)
     cfg.dense(spec, list(range(min(cfg.int("first_k_dense_replace", 0), n_layers))), 10944)
 
 
-def minimax_m2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-               spec: dict) -> None:
+def minimax_m2(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
     """FlexOlmo attention (q/k RMSNorm over all heads, no biases), partial RoPE, a sigmoid router with a
     selection bias and no groups, always renormalized (MiniMaxM2TopKRouter)."""
     # Released configs describe the router and the norms with keys transformers does not read: it always does this.
@@ -158,35 +133,24 @@ def minimax_m2(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router:
     cfg.reject_set("use_qk_norm", True, "MiniMax-M2's attention always normalizes q and k")
     attn.update(qk_norm="full", head_dim=cfg.int("head_dim", 128))
     router.update(scoring="sigmoid", correction_bias=True, renormalize=True)
-    experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 256),
-                   top_k=cfg.int("num_experts_per_tok", 8), intermediate_size=cfg.int("intermediate_size", 1536))
+    cfg.routed(experts, ("num_local_experts", "num_experts"), 256, 8, "intermediate_size", 1536)
 
 
-def minimax_partial_rotary(cfg, head_dim: int) -> Any:
-    """Released MiniMax-M2 configs give partial RoPE as `rotary_dim` (transformers: factor rotary_dim / head_dim)."""
-    rd = cfg.int("rotary_dim")
-    return None if rd is None else rd / head_dim
-
-
-def granitemoe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-               spec: dict) -> None:
+def granitemoe(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
     """Mixtral-like, with multipliers: embedding_multiplier on the embeddings, attention_multiplier as the softmax
     scale, residual_multiplier on every block's output, logits divided by logits_scaling; the router takes the
     top-k logits and a softmax over those k."""
-    bias = cfg.bool("attention_bias", False)
     # GraniteMoeAttention: head_dim is hidden // heads (the config class has no head_dim field)
-    attn.update(qkv_bias=bias, o_bias=bias, head_dim=spec["hidden_size"] // n_heads,
-                softmax_scale=cfg.float("attention_multiplier", 1.0))
+    cfg.biases(attn, head_dim=spec["hidden_size"] // attn["num_heads"],
+               softmax_scale=cfg.float("attention_multiplier", 1.0))
     router.update(scoring="topk_softmax", renormalize=False)
-    experts.update(num_experts=cfg.alias(("num_local_experts", "num_experts"), 8),
-                   top_k=cfg.int("num_experts_per_tok", 2), intermediate_size=cfg.int("intermediate_size", 11008))
+    cfg.routed(experts, ("num_local_experts", "num_experts"), 8, 2, "intermediate_size", 11008)
     spec.update(embedding_multiplier=cfg.float("embedding_multiplier", 1.0),
                 residual_multiplier=cfg.float("residual_multiplier", 1.0),
                 logits_scaling=cfg.float("logits_scaling", 1.0))
 
 
-def ernie4_5_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-                 spec: dict) -> None:
+def ernie4_5_moe(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
     """Ernie4_5_MoeTopKRouter: fp32 softmax; selection on probability + e_score_correction_bias, weights the unbiased
     probabilities renormalized; a shared expert of moe_intermediate_size * moe_num_shared_experts; MoE layers from
     moe_layer_start_index to moe_layer_end_index every moe_layer_interval, dense MLPs elsewhere; RoPE on adjacent
@@ -222,8 +186,7 @@ def _per_layer_int(cfg, key: str, default: int, n_layers: int) -> int:
     return value
 
 
-def hunyuan_v1_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, router: dict, experts: dict,
-                   spec: dict) -> None:
+def hunyuan_v1_moe(cfg, n_layers: int, attn: dict, router: dict, experts: dict, spec: dict) -> None:
     """HunYuanMoEV1: per-head q/k RMSNorm after RoPE (query_layernorm / key_layernorm), a softmax router renormalized
     over the top-k, routed experts and one shared MLP all of intermediate_size, every layer MoE."""
     # Released Hunyuan configs describe options transformers' HunYuanMoEV1 does not have; it always does this.
@@ -235,8 +198,7 @@ def hunyuan_v1_moe(cfg, data: dict, n_layers: int, n_heads: int, attn: dict, rou
         if cfg.has(key) and _per_layer_int(cfg, key, want, n_layers) != want:
             raise cfg.unsupported(key, cfg.get(key), f"HunYuanMoEV1 has one shared MLP and sizes every MLP by "
                                                      f"intermediate_size ({inter}); supported: {want}")
-    bias = cfg.bool("attention_bias", False)
-    attn.update(qkv_bias=bias, o_bias=bias, qk_norm="head", qk_norm_after_rope=True)
+    cfg.biases(attn, qk_norm="head", qk_norm_after_rope=True)
     router.update(scoring="softmax", renormalize=True)
     experts.update(num_experts=_per_layer_int(cfg, "num_experts", 1, n_layers),
                    top_k=_per_layer_int(cfg, "moe_topk", 1, n_layers), intermediate_size=inter,

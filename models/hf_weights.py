@@ -25,6 +25,7 @@ import json
 import math
 import re
 import struct
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -39,9 +40,6 @@ from models.weights import (ExpertSubset, ModelWeights, expected_shapes, held_pe
 
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
-# Tensors a checkpoint may carry that the model never reads (HF ignores them on load too).
-_IGNORABLE = [re.compile(r".*\.rotary_emb\.inv_freq$")]  # buffers some older checkpoints saved
-
 # MXFP4 (OCP microscaling FP4 E2M1): a nibble indexes this table; the scale byte is a biased exponent.
 _FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -51,9 +49,10 @@ _ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M
 
 
 def _read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes) without reading tensor data, checked
-    against the file: every entry well-formed, its byte range the size of its shape x dtype, and inside the
-    file (a truncated download fails here, naming the first tensor whose bytes are missing)."""
+    """The JSON header of a safetensors file (tensor names -> dtype, shape, offsets; its __metadata__ dropped)
+    without reading tensor data, checked against the file: every entry well-formed, its byte range the size of its
+    shape x dtype, and inside the file (a truncated download fails here, naming the first tensor whose bytes are
+    missing)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -74,11 +73,10 @@ def _read_header(path: Path) -> dict:
         raise UserError(f"{path}: not a safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise UserError(f"{path}: not a safetensors file (header is not a JSON object)")
+    header.pop("__metadata__", None)  # (free-form strings, no tensor)
     data_len = size - 8 - n
     cut: list[tuple[int, int, str]] = []  # (begin, end, name) of tensors whose bytes run past the end of the file
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         where = f"{path}: tensor '{name}'"
         if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) \
                 or not isinstance(info.get("shape"), list) or not isinstance(info.get("data_offsets"), list):
@@ -139,8 +137,6 @@ class SafetensorsDir:
         for fname in files:
             path = self.root / fname
             for name, info in _read_header(path).items():
-                if name == "__metadata__":
-                    continue
                 if name in self.file_of:
                     raise UserError(f"{self.root}: tensor '{name}' is in both {self.file_of[name].name} and {fname}")
                 self.file_of[name] = path
@@ -151,15 +147,11 @@ class SafetensorsDir:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
     def float_dtype(self) -> Optional[str]:
         """The dtype most floating tensors are stored in (for configs that do not say)."""
-        counts: dict[str, int] = {}
-        for name, dt in self.dtype_of.items():
-            if dt in _ST_DTYPES and not name.endswith("_scale_inv"):  # fp8 scales are fp32 whatever the model
-                counts[_ST_DTYPES[dt]] = counts.get(_ST_DTYPES[dt], 0) + 1
+        # (fp8 scales are fp32 whatever the model)
+        counts = Counter(_ST_DTYPES[dt] for name, dt in self.dtype_of.items()
+                         if dt in _ST_DTYPES and not name.endswith("_scale_inv"))
         return max(counts, key=counts.get) if counts else None
 
     def _handle(self, name: str):
@@ -350,29 +342,25 @@ def _gpt_oss_experts(ld: _Loader, layer: int, moe: str) -> None:
     ld.out[c + "experts.down_b"] = ld.take(down_name + "_bias", (E, H), c + "experts.down_b", layer)
 
 
+# Canonical attention tensor -> HF name under `{layer}.self_attn.`; each is read where the spec needs it.
+_GQA_NAMES = {"q.w": "q_proj.weight", "q.b": "q_proj.bias", "k.w": "k_proj.weight", "k.b": "k_proj.bias",
+              "v.w": "v_proj.weight", "v.b": "v_proj.bias", "o.w": "o_proj.weight", "o.b": "o_proj.bias",
+              "q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "sinks": "sinks"}
+# Hunyuan-MoE's q / k norms are query_layernorm / key_layernorm
+_HUNYUAN_NAMES = {**_GQA_NAMES, "q_norm": "query_layernorm.weight", "k_norm": "key_layernorm.weight"}
+_MLA_NAMES = {"q.w": "q_proj.weight", "q_a.w": "q_a_proj.weight", "q_a.b": "q_a_proj.bias",
+              "q_a_norm": "q_a_layernorm.weight", "q_b.w": "q_b_proj.weight",
+              "kv_a.w": "kv_a_proj_with_mqa.weight", "kv_a.b": "kv_a_proj_with_mqa.bias",
+              "kv_a_norm": "kv_a_layernorm.weight", "kv_b.w": "kv_b_proj.weight",
+              "o.w": "o_proj.weight", "o.b": "o_proj.bias"}
+
+
 def _attention(ld: _Loader, layer: int, p: str) -> None:
-    c, a = f"layers.{layer}.", ld.spec.attention
-    want = ld.want
-    if a.kind == "gqa":
-        for proj in ("q", "k", "v", "o"):
-            ld.direct(f"{p}.self_attn.{proj}_proj.weight", c + f"{proj}.w")
-            if c + f"{proj}.b" in want:
-                ld.direct(f"{p}.self_attn.{proj}_proj.bias", c + f"{proj}.b")
-        if c + "q_norm" in want:  # Hunyuan-MoE's are query_layernorm / key_layernorm
-            qn, kn = ("query_layernorm", "key_layernorm") if ld.spec.family == "hunyuan_v1_moe" else \
-                ("q_norm", "k_norm")
-            ld.direct(f"{p}.self_attn.{qn}.weight", c + "q_norm")
-            ld.direct(f"{p}.self_attn.{kn}.weight", c + "k_norm")
-        if c + "sinks" in want:
-            ld.direct(f"{p}.self_attn.sinks", c + "sinks")
-        return
-    mla = {"q.w": "q_proj.weight", "q_a.w": "q_a_proj.weight", "q_a.b": "q_a_proj.bias",
-           "q_a_norm": "q_a_layernorm.weight", "q_b.w": "q_b_proj.weight",
-           "kv_a.w": "kv_a_proj_with_mqa.weight", "kv_a.b": "kv_a_proj_with_mqa.bias",
-           "kv_a_norm": "kv_a_layernorm.weight", "kv_b.w": "kv_b_proj.weight",
-           "o.w": "o_proj.weight", "o.b": "o_proj.bias"}
-    for canon, hf in mla.items():
-        if c + canon in want:
+    c = f"layers.{layer}."
+    names = _MLA_NAMES if ld.spec.attention.kind == "mla" else \
+        _HUNYUAN_NAMES if ld.spec.family == "hunyuan_v1_moe" else _GQA_NAMES
+    for canon, hf in names.items():
+        if c + canon in ld.want:
             ld.direct(f"{p}.self_attn.{hf}", c + canon)
 
 
@@ -426,18 +414,15 @@ def _mlp(ld: _Loader, layer: int, p: str) -> None:
 
 
 def _ignorable(spec: ModelSpec, name: str, tied: bool) -> bool:
-    if any(p.match(name) for p in _IGNORABLE):
-        return True
-    if tied and name == "lm_head.weight":
-        return True  # transformers ties and ignores a saved copy
-    if spec.family == "ernie4_5_moe" and "mtp" in name:
-        return True  # ERNIE-4.5's multi-token-prediction block: transformers ignores every name containing "mtp"
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    if m and int(m.group(1)) >= spec.num_layers and spec.family in MTP_FAMILIES:
-        # GLM-4.5's / DeepSeek-V3's / GLM-4.7-Flash's multi-token-prediction layers (num_nextn_predict_layers)
-        # follow the decoder layers; transformers ignores them for causal LM and so do we.
-        return True
-    return False
+    """Tensors a checkpoint may carry that the model never reads (HF ignores them on load too)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return (name.endswith(".rotary_emb.inv_freq")  # buffers some older checkpoints saved
+            or (tied and name == "lm_head.weight")  # transformers ties and ignores a saved copy
+            # ERNIE-4.5's multi-token-prediction block: transformers ignores every name containing "mtp"
+            or (spec.family == "ernie4_5_moe" and "mtp" in name)
+            # GLM-4.5's / DeepSeek-V3's / GLM-4.7-Flash's multi-token-prediction layers (num_nextn_predict_layers)
+            # follow the decoder layers; transformers ignores them for causal LM and so do we.
+            or bool(layer and int(layer.group(1)) >= spec.num_layers and spec.family in MTP_FAMILIES))
 
 
 def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = None,
@@ -458,7 +443,7 @@ def load_tensors(spec: ModelSpec, st: SafetensorsDir, experts: ExpertSubset = No
         _attention(ld, layer, p)
         _mlp(ld, layer, p)
 
-    unused = sorted(n for n in st.names() if n not in ld.used and not _ignorable(spec, n, spec.tie_embeddings))
+    unused = sorted(n for n in st.file_of if n not in ld.used and not _ignorable(spec, n, spec.tie_embeddings))
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
         raise UserError(f"{ld.where(unused[0])}: unexpected tensor '{unused[0]}'{more} for a {spec.family} model "

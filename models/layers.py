@@ -17,8 +17,8 @@ from models.attention import KVStore, PagedAttend, Segment, attention, norm_in_f
 from models.moe import combine, dense_mlp_out, experts_rows, route_tokens, shared_expert_out
 from models.weights import ModelWeights
 
-__all__ = ["embed", "attention_stage", "dense_mlp", "route", "experts_forward", "shared_expert",
-           "moe_combine", "final_logits", "Segment"]
+# The stage functions: embed, attention_stage, dense_mlp, route, experts_forward, shared_expert, moe_combine,
+# final_logits (Segment: models.attention's).
 
 
 def embed(w: ModelWeights, token_ids: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -35,7 +35,7 @@ def attention_stage(spec: ModelSpec, w: ModelWeights, layer: int, h: Tensor, pos
                     paged: Optional[PagedAttend] = None, norm: Callable = rms_norm,
                     out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(h_res, x): h_res = h + attn(norm(h)) (writes this batch's K/V to kv), x = post-attention norm of h_res.
-    `host_positions`: `positions` as the host knows them (models.attention._attend_segments).
+    `host_positions`: `positions` as the host knows them (models.attention._attend_rows).
     The CUDA executor's forms, each an implementation of one step and nothing more: `paged` the attend step over
     its paged cache (models.attention.PagedAttend), `norm` an RMSNorm kernel with `rms_norm`'s signature
     (kernels/rms_norm.py), `out` where h_res is written (a graph's static output)."""
@@ -78,9 +78,9 @@ def shared_expert(spec: ModelSpec, w: ModelWeights, layer: int, x: Tensor) -> Op
     return y if y is None or spec.residual_multiplier == 1.0 else y * spec.residual_multiplier
 
 
-def moe_combine(h_res: Tensor, shared: Optional[Tensor], y: Tensor, weights: Tensor) -> Tensor:
-    """h_next = h_res + sum_j weights[:, j] * y[:, j] (+ shared): fp32, slot order j = 0..k-1."""
-    return combine(h_res, shared, y, weights)
+# moe_combine(h_res, shared, y, weights): h_next = h_res + sum_j weights[:, j] * y[:, j] (+ shared), fp32, slot order
+# j = 0..k-1 (models.moe.combine; spec-free, so the stage function is that one)
+moe_combine = combine
 
 
 def final_logits(spec: ModelSpec, w: ModelWeights, h: Tensor) -> Tensor:

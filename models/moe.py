@@ -28,10 +28,8 @@ def _router_logits_fp32(spec: ModelSpec) -> bool:
     """GLM-4.5, DeepSeek, ERNIE-4.5 and Hunyuan (its gate is an fp32 Linear) compute the router matmul in fp32; the
     others (MiniMax-M2's sigmoid router too: it multiplies in the weight dtype and takes the sigmoid in fp32) in the
     model dtype."""
-    if spec.family == "minimax_m2":
-        return False
-    return spec.router.scoring == "sigmoid" or spec.family in ("deepseek_v2", "glm4_moe", "ernie4_5_moe",
-                                                                "hunyuan_v1_moe")
+    return spec.family != "minimax_m2" and (spec.router.scoring == "sigmoid" or spec.family in (
+        "deepseek_v2", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe"))
 
 
 def router_logits(spec: ModelSpec, w: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -120,9 +118,7 @@ def experts_rows(spec: ModelSpec, w: dict[str, Tensor], x: Tensor, expert_of_row
     expert_of_row indexes the stacked `experts.*` tensors of `w`: the global expert id when they hold
     every expert, else a row of the shard (layers.experts_forward translates, ModelWeights.local_rows)."""
     ex = spec.experts
-    y = x.new_zeros(x.shape)
-    if x.shape[0] == 0:
-        return y
+    y = x.new_zeros(x.shape)  # (no rows: no expert, y stays empty)
     eids = expert_of_row.to(torch.long)
     for e in torch.unique(eids).tolist():
         rows = (eids == e).nonzero(as_tuple=True)[0]

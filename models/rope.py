@@ -22,9 +22,7 @@ def rotary_dim(rope: RopeSpec, head_dim: int) -> int:
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN attention temperature 0.1 * mscale * ln(scale) + 1 (1 when not extrapolating)."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _yarn(rope: RopeSpec, dim: int) -> tuple[Tensor, float]:

@@ -52,27 +52,25 @@ def _filtered(x: Tensor, params: list[SamplingParams], keys: Optional[Tensor] = 
     keys = x if keys is None else keys
     temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
     x = x / temp[:, None]
-    V = x.shape[-1]
-    ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
-    if any(ks):
-        rows = [i for i, k in enumerate(ks) if k]
+    rows = [i for i, p in enumerate(params) if 0 < p.top_k < x.shape[-1]]
+    if rows:
+        ks = [params[i].top_k for i in rows]
         idx = torch.tensor(rows, dtype=torch.long, device=x.device)
         sub = keys.index_select(0, idx)
-        kk = torch.tensor([ks[i] - 1 for i in rows], dtype=torch.long, device=x.device)
+        kk = torch.tensor([k - 1 for k in ks], dtype=torch.long, device=x.device)
         kth = torch.topk(sub, max(ks), dim=-1).values.gather(1, kk[:, None])
         drop = sub < kth
         x = x.index_copy(0, idx, x.index_select(0, idx).masked_fill(drop, float("-inf")))
         keys = keys.index_copy(0, idx, sub.masked_fill(drop, float("-inf")))
     probs = torch.softmax(x, dim=-1)
-    ps = [p.top_p for p in params]
-    if any(t < 1.0 for t in ps):
-        rows = [i for i, t in enumerate(ps) if t < 1.0]
+    rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if rows:
         idx = torch.tensor(rows, dtype=torch.long, device=x.device)
         sub = probs.index_select(0, idx)
         order = torch.sort(keys.index_select(0, idx), dim=-1, descending=True, stable=True).indices
         sorted_p = sub.gather(1, order)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-        top = torch.tensor([ps[i] for i in rows], dtype=x.dtype, device=x.device)
+        top = torch.tensor([params[i].top_p for i in rows], dtype=x.dtype, device=x.device)
         drop_sorted = before >= top[:, None]
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)

@@ -46,11 +46,9 @@ def _content(value: Any) -> Optional[str]:
 
 
 def _read_json(path: Path) -> dict:
-    from graph_ir.files import parse_json, read_text
-    data = parse_json(read_text(path, "tokenizer file", max_bytes=1 << 30), str(path))
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    """A tokenizer_config.json / special_tokens_map.json; {} when the checkpoint has none."""
+    from graph_ir.files import read_json_object
+    return read_json_object(path, "tokenizer file", max_bytes=1 << 30) if path.is_file() else {}
 
 
 def _compile_template(source: str):
@@ -80,9 +78,6 @@ def _compile_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(format):
-        return datetime.now().strftime(format)
-
     class TemplateDict:
         def __call__(self, *args, **kwargs):
             return dict(*args, **kwargs)
@@ -90,31 +85,27 @@ def _compile_template(source: str):
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    class TemplateNamespace(jinja2.utils.Namespace):
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name):
+    def check_names(names):
+        for name in names:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
                     f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
 
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # (self in args: like jinja2's, a template may name an attribute "self")
+            attrs = dict(*args[1:], **kwargs)
+            check_names(attrs)
+            jinja2.utils.Namespace.__init__(args[0], attrs)
+
+        def __setitem__(self, name, value):
+            check_names([name])
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda format: datetime.now().strftime(format),
+                       dict=TemplateDict(), namespace=TemplateNamespace)
     return env.from_string(source)
 
 
@@ -148,17 +139,11 @@ class Tokenizer:
         self._from_dir = False  # set by load_tokenizer: read again from `source` after unpickling
 
     def __getstate__(self) -> dict:
+        # (unpickling sets these attributes as they are: one from a directory comes back as `_lazy`, its path)
         if self._from_dir:
-            return {"_from_dir": str(Path(self.source).resolve())}
-        state = dict(self.__dict__)
-        state["_template"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        if set(state) == {"_from_dir"}:
-            self.__dict__.update(_lazy=state["_from_dir"], _from_dir=False, source=state["_from_dir"])
-        else:
-            self.__dict__.update(state)
+            path = str(Path(self.source).resolve())
+            return {"_lazy": path, "source": path, "_from_dir": False}
+        return {**self.__dict__, "_template": None}
 
     def __getattr__(self, name: str):
         # only reached for attributes not set: those of a tokenizer unpickled from its directory, before first use
@@ -221,8 +206,7 @@ def load_tokenizer(directory: str | Path) -> Optional[Tokenizer]:
         backend = Backend.from_file(str(path))
     except Exception as err:  # tokenizers raises its own Exception subclass with serde's message
         raise UserError(f"{path}: not a tokenizer the `tokenizers` package can load ({err})") from None
-    config = _read_json(root / CONFIG_FILE) if (root / CONFIG_FILE).is_file() else {}
-    older = _read_json(root / SPECIAL_MAP_FILE) if (root / SPECIAL_MAP_FILE).is_file() else {}
+    config, older = _read_json(root / CONFIG_FILE), _read_json(root / SPECIAL_MAP_FILE)
     special = {}
     for name in SPECIAL_TOKENS:
         text = _content(config.get(name))
@@ -237,7 +221,6 @@ def load_tokenizer(directory: str | Path) -> Optional[Tokenizer]:
     missing = [t for t in dict.fromkeys(missing) if t and backend.token_to_id(t) is None]
     if missing:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-    template = None
     if (root / TEMPLATE_FILE).is_file():
         from graph_ir.files import read_text
         template = read_text(root / TEMPLATE_FILE, "chat template")
@@ -249,10 +232,8 @@ def load_tokenizer(directory: str | Path) -> Optional[Tokenizer]:
             raise UserError(f"{root / CONFIG_FILE}: 'chat_template' must be a string (or a list of named templates "
                             f"with a 'default'), got {type(raw).__name__}")
         template = raw
-    clean_up = config.get("clean_up_tokenization_spaces") is True
     # transformers skips the clean-up for BPE models: it would delete real spaces before punctuation
-    if clean_up and type(backend.model).__name__ == "BPE":
-        clean_up = False
+    clean_up = config.get("clean_up_tokenization_spaces") is True and type(backend.model).__name__ != "BPE"
     tok = Tokenizer(backend, special, template, clean_up, str(root))
     tok._from_dir = True
     return tok

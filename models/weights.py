@@ -117,6 +117,14 @@ class ModelWeights:
         return cls(embed=tensors["embed"], final_norm=tensors["final_norm"], lm_head=tensors.get("lm_head"),
                    layers=layers, held=held)
 
+    def named(self) -> dict[str, Tensor]:
+        """The flat map of canonical names (`from_names`' inverse)."""
+        out = {"embed": self.embed, "final_norm": self.final_norm}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head
+        out.update((f"layers.{l}.{name}", t) for l, layer in enumerate(self.layers) for name, t in layer.items())
+        return out
+
     @property
     def head(self) -> Tensor:
         """The LM head matrix, resolving tied embeddings."""
@@ -126,21 +134,14 @@ class ModelWeights:
         """Copy to `device` / `dtype`. Tensors in _FP32_ALWAYS keep fp32 when `dtype` is given."""
 
         def conv(name: str, t: Tensor) -> Tensor:
-            dt = torch.float32 if (dtype is not None and name in _FP32_ALWAYS) else dtype
-            return t.to(device=device, dtype=dt)
+            keep = dtype is not None and name.split(".", 2)[-1] in _FP32_ALWAYS  # (a layer's short name)
+            return t.to(device=device, dtype=torch.float32 if keep else dtype)
 
-        return ModelWeights(
-            embed=conv("embed", self.embed),
-            final_norm=conv("final_norm", self.final_norm),
-            lm_head=None if self.lm_head is None else conv("lm_head", self.lm_head),
-            layers=[{k: conv(k, v) for k, v in layer.items()} for layer in self.layers],
-            held=self.held,
-        )
+        named = {name: conv(name, t) for name, t in self.named().items()}
+        return ModelWeights.from_names(named, len(self.layers), held=self.held)
 
     def num_bytes(self) -> int:
-        ts = [self.embed, self.final_norm] + ([self.lm_head] if self.lm_head is not None else [])
-        ts += [t for layer in self.layers for t in layer.values()]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.named().values())
 
 
 def stack_qkv(w: ModelWeights) -> ModelWeights:
@@ -186,14 +187,9 @@ def expected_shapes(spec: ModelSpec, experts: ExpertSubset = None) -> dict[str, 
 
 def validate_weights(spec: ModelSpec, w: ModelWeights, source: str = "weights") -> None:
     """Raise UserError naming the first missing, extra or mis-shaped tensor."""
-    got: dict[str, Tensor] = {"embed": w.embed, "final_norm": w.final_norm}
-    if w.lm_head is not None:
-        got["lm_head"] = w.lm_head
     if len(w.layers) != spec.num_layers:
         raise UserError(f"{source}: {len(w.layers)} layers, the spec has {spec.num_layers}")
-    for l, layer in enumerate(w.layers):
-        for name, t in layer.items():
-            got[f"layers.{l}.{name}"] = t
+    got = w.named()
     want = expected_shapes(spec, w.held)
     for name, shape in want.items():
         if name not in got:
@@ -206,8 +202,7 @@ def validate_weights(spec: ModelSpec, w: ModelWeights, source: str = "weights") 
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
 
 
-def _is_norm(name: str) -> bool:
-    return name in ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")
+_NORMS = frozenset({"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm"})
 
 
 # ------------------------------------------------------------------------------------------------ random init
@@ -322,21 +317,18 @@ def _drawer(device: torch.device, backend: Optional[str] = None):
         else:
             from dataflow_kernels.dispatch import triton_available
             backend = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend == "numpy":
-        if device.type != "cpu":
-            return lambda start, n, k1, k2: _draw_numpy(start, n, k1, k2).to(device)
-        return _draw_numpy
-    if backend == "triton":
-        return lambda start, n, k1, k2: _draw_triton(start, n, k1, k2, device)
-    if backend == "torch":
-        return lambda start, n, k1, k2: _draw_torch(start, n, k1, k2, device)
-    raise ValueError(f"backend {backend!r}: expected numpy, triton or torch")
+    draws = {"numpy": lambda start, n, k1, k2: _draw_numpy(start, n, k1, k2).to(device),  # (no copy on the host)
+             "triton": lambda start, n, k1, k2: _draw_triton(start, n, k1, k2, device),
+             "torch": lambda start, n, k1, k2: _draw_torch(start, n, k1, k2, device)}
+    if backend not in draws:
+        raise ValueError(f"backend {backend!r}: expected numpy, triton or torch")
+    return draws[backend]
 
 
 def _scaled(short: str, t: Tensor, std: float) -> Tensor:
     """A draw of mean 0, std 1 -> the init of tensor kind `short` (in place, fp32; separate multiply and add: no
     fused multiply-add, whose single rounding a device might use and the host not)."""
-    if _is_norm(short):
+    if short in _NORMS:
         return t.mul_(0.1).add_(1.0)
     if short == "sinks":
         return t.mul_(0.5)  # logits on the order of the attention scores
@@ -385,9 +377,8 @@ def random_weights(spec: ModelSpec, seed: Optional[int] = None, device: str | to
     std = spec.weights.init_std
     dtype = torch_dtype(spec.dtype) if dtype is None else dtype
     held = held_per_layer(spec, experts)
-    full = expected_shapes(spec)
     tensors: dict[str, Tensor] = {}
-    for name, shape in full.items():
+    for name, shape in expected_shapes(spec).items():  # (full shapes: a shard's rows are drawn by expert below)
         short = name.split(".", 2)[2] if name.startswith("layers.") else name
         out_dtype = torch.float32 if short in _FP32_ALWAYS else dtype
         if short in EXPERT_TENSORS:
