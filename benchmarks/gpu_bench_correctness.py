@@ -11,7 +11,7 @@ import torch
 from gpu_bench_common import ROOT, detach_all, log
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
-from models.reference import ReferenceDecoder
+from lab.reference import ReferenceDecoder
 from models.sampling import SamplingParams
 from models.weights import ModelWeights, random_weights
 from runtime.core.requests import Request

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from graph_ir.spec import load_spec  # noqa: E402
 from models import layers  # noqa: E402
-from models.attention import PerSegmentKV  # noqa: E402
+from lab.reference import PerSegmentKV  # noqa: E402
 from models.weights import random_weights  # noqa: E402
 from runtime.executors.cuda_executor import PROMPT_PATHS, CudaExecutor  # noqa: E402
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore  # noqa: E402

@@ -65,66 +65,9 @@ class KVStore(Protocol):
         ...
 
 
-class PerSegmentKV:
-    """A store seen through the KVStore protocol only (no write_rows / gather): `_attend_rows` then takes every
-    segment on its own, the reference path that the batched one is compared against (tests, benchmarks)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.mla_latent = latent_cache(inner)
-
-    def write(self, *a):
-        self.inner.write(*a)
-
-    def read(self, *a):
-        return self.inner.read(*a)
-
-
 def latent_cache(kv) -> bool:
     """Whether MLA layers keep the latent (not the decompressed K/V) in this store (module docstring)."""
     return bool(getattr(kv, "mla_latent", False))
-
-
-class DenseKVStore:
-    """Contiguous in-memory KV store: one growable buffer per (layer, seq). For the reference decoder, which keeps
-    MLA's K/V decompressed (the oracle) unless `mla_latent`."""
-
-    def __init__(self, initial_capacity: int = 64, mla_latent: bool = False) -> None:
-        self._initial = max(1, initial_capacity)
-        self.mla_latent = mla_latent
-        self._k: dict[tuple[int, int], Tensor] = {}
-        self._v: dict[tuple[int, int], Tensor] = {}
-        self._len: dict[tuple[int, int], int] = {}
-
-    def write(self, layer: int, seq_id: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        key = (layer, seq_id)
-        pos = positions.tolist()
-        if not pos:
-            return
-        need = max(pos) + 1
-        if key not in self._k:  # an empty buffer, grown below to initial_capacity (or more)
-            self._k[key], self._v[key], self._len[key] = k[:0], v[:0], 0
-        have = self._k[key].shape[0]
-        if need > have:
-            cap = max(need, 2 * have, self._initial)
-            for buf in (self._k, self._v):
-                new = buf[key].new_zeros((cap, *buf[key].shape[1:]))
-                new[:have] = buf[key]
-                buf[key] = new
-        if pos[0] > self._len[key]:
-            raise ValueError(f"KV write for seq {seq_id} layer {layer} at position {pos[0]} leaves a gap "
-                             f"(have {self._len[key]} positions)")
-        idx = positions.to(self._k[key].device, torch.long)
-        self._k[key][idx] = k
-        self._v[key][idx] = v
-        self._len[key] = max(self._len[key], need)
-
-    def read(self, layer: int, seq_id: int, length: int) -> tuple[Tensor, Tensor]:
-        key = (layer, seq_id)
-        have = self._len.get(key, 0)
-        if length > have:
-            raise ValueError(f"KV read of {length} positions for seq {seq_id} layer {layer}, only {have} written")
-        return self._k[key][:length], self._v[key][:length]
 
 
 def softmax_scale(a: AttentionSpec) -> float:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graph_ir.spec import load_spec
+from lab.reference import PerSegmentKV
 from models import attention as attn
 from models.weights import random_weights
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
@@ -20,7 +21,7 @@ FAMILIES = ["tiny-gpt-oss", "tiny-deepseek-v2", "tiny-qwen3-moe", "tiny-mixtral"
 BLOCK = 4  # small pages: every batch crosses page boundaries
 
 
-PerSegment = attn.PerSegmentKV  # the per-segment reference path
+PerSegment = PerSegmentKV  # the per-segment reference path
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 

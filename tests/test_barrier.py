@@ -4,7 +4,7 @@ import torch
 
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
-from models.reference import ReferenceDecoder
+from lab.reference import ReferenceDecoder
 from models.weights import random_weights
 from lab.barrier import run_barrier
 from lab.decode_only import decode_only

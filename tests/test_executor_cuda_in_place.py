@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lowering.plan import compile_plan
-from models.reference import ReferenceDecoder
+from lab.reference import ReferenceDecoder
 from runtime.drivers.cluster import RunOptions, run_workload
 from runtime.executors.cuda_executor import CudaExecutor
 from runtime.core.requests import Request

@@ -8,7 +8,7 @@ each family's shipped tiny spec (models/specs/tiny-*.yaml: its features together
 - the CUDA executor's CPU twin (the bucketed, padded, paged body the GPU captures in graphs) with host-routed dispatch,
 - the CUDA executor's CPU twin with device-routed dispatch (the routing packed in the attention body, the experts'
   slots selected on the device),
-and each request's greedy tokens must equal models/reference.py's (up to a step whose top two logits nearly tie).
+and each request's greedy tokens must equal lab/reference.py's (up to a step whose top two logits nearly tie).
 A feature added to models/ that an executor's path does not take shows up here as a row that fails on that executor.
 Adding a spec feature: add a row.
 """
@@ -24,7 +24,7 @@ import torch
 
 from graph_ir.spec import ModelSpec, load_spec
 from lowering.plan import compile_plan
-from models.reference import ReferenceDecoder
+from lab.reference import ReferenceDecoder
 from models.weights import random_weights
 from runtime.core.requests import Request
 from runtime.drivers.cluster import RunOptions, run_workload

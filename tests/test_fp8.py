@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from graph_ir.errors import UserError  # noqa: E402
 from models.checkpoint import load_checkpoint  # noqa: E402
-from models.reference import ReferenceDecoder  # noqa: E402
+from lab.reference import ReferenceDecoder  # noqa: E402
 
 BLOCK = (16, 8)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

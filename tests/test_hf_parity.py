@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from models.checkpoint import load_checkpoint  # noqa: E402
-from models.reference import ReferenceDecoder  # noqa: E402
+from lab.reference import ReferenceDecoder  # noqa: E402
 
 VOCAB = 97
 DECODE_STEPS = 16

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from models.attention import DenseKVStore
+from lab.reference import DenseKVStore
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 
 

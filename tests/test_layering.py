@@ -8,8 +8,9 @@
 - the size budgets: the runtime core (runtime/core, executors, transport) at most 5,000 code lines, no product file
   over 500 lines, and the product under a ceiling that only goes down. Issue 30's target for the product is 12,000
   code lines; it was 13,431 when this test came (issue 32's families, latent MLA and FP8 had added ~1,000), 12,846
-  at the end of session 22. Lower PRODUCT_CODE_LINES when a change makes room; raising it is a decision to
-  record on issue 30. Code lines as cloc counts them: blank lines, comments and docstrings are free, so a comment
+  at the end of session 22 and 11,982 in session 23. Lower PRODUCT_CODE_LINES when a change makes room; a feature
+  that needs more is paid for by cuts, or raising the ceiling is a decision recorded (with its reason) on the
+  feature's issue. Code lines as cloc counts them: blank lines, comments and docstrings are free, so a comment
   that says why never costs budget.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ PRODUCT = ("dataflow", "graph_ir", "lowering", "runtime", "kernels", "models")
 NOT_PRODUCT = ("lab", "benchmarks", "tests")
 SETTINGS = Path("runtime/settings.py")
 ENV_NAMES = ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv")
-PRODUCT_CODE_LINES = 12_850  # the ceiling (module docstring); issue 30's target: 12,000
+PRODUCT_CODE_LINES = 12_000  # the ceiling (module docstring): issue 30's target, met in session 23 (11,982)
 RUNTIME_CORE = ("runtime/core", "runtime/executors", "runtime/transport")
 RUNTIME_CORE_CODE_LINES = 5_000
 FILE_LINES = 500

@@ -10,7 +10,8 @@ import torch
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec, RopeSpec
-from models.attention import DenseKVStore, attend, rms_norm, softmax_scale, window_mask
+from lab.reference import DenseKVStore
+from models.attention import attend, rms_norm, softmax_scale, window_mask
 from models.moe import combine, experts_rows, gptoss_glu, route_tokens
 from models.rope import apply_rope, cos_sin, rope_parameters, rotary_dim
 from models.sampling import SamplingParams, filtered_probs, sample, step_seed

@@ -17,7 +17,7 @@ from lowering import sizes
 from lowering.plan import compile_plan
 from models import attention as attn
 from models import layers
-from models.reference import ReferenceDecoder
+from lab.reference import DenseKVStore, ReferenceDecoder
 from models.weights import random_weights
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 from runtime.executors.cuda_executor import CudaExecutor
@@ -63,8 +63,8 @@ def test_latent_attention_equals_decompressed(name):
     lw = w.layers[1]
     stores = {"latent": PagedKVStore(spec.num_layers, BlockAllocator(64, BLOCK)),
               "decompressed": PagedKVStore(spec.num_layers, BlockAllocator(64, BLOCK), mla_latent=False),
-              "dense": attn.DenseKVStore(),
-              "dense-latent": attn.DenseKVStore(mla_latent=True)}
+              "dense": DenseKVStore(),
+              "dense-latent": DenseKVStore(mla_latent=True)}
     lens = [5, 9, 2]
     for kv in stores.values():
         for sid in range(5):

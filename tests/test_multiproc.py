@@ -135,7 +135,7 @@ def test_cli_default_runs_one_process_per_rank_and_matches_the_reference(plan_di
     assert res.returncode == 0, res.stderr
     assert "8 / 8" in res.stdout and "2 (one per rank)" in res.stdout, res.stdout
     from lowering.plan import load_plan
-    from models.reference import ReferenceDecoder
+    from lab.reference import ReferenceDecoder
     from models.weights import load_weights
     spec = load_plan(d / "dataflow-plan").spec
     ref = ReferenceDecoder(spec, load_weights(spec))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from graph_ir.spec import ModelSpec
-from models.attention import DenseKVStore
+from lab.reference import DenseKVStore
 from models.layers import attention_stage, embed, final_logits
-from models.reference import ReferenceDecoder
+from lab.reference import ReferenceDecoder
 from models.sampling import SamplingParams
 from models.weights import load_weights, random_weights
 

@@ -15,7 +15,7 @@ import torch
 from graph_ir.errors import UserError
 from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
-from models.reference import ReferenceDecoder
+from lab.reference import ReferenceDecoder
 from models.sampling import SamplingParams
 from models.weights import random_weights
 from runtime.drivers.cluster import Cluster, RunOptions, run_workload

@@ -54,7 +54,7 @@ def test_prompts_outputs_and_trace_files_match_the_reference(in_tmp):
     assert [len(l["output_token_ids"]) for l in lines] == [5, 3]
     assert all(l["finish_reason"] == "length" for l in lines)
     from lowering.plan import load_plan
-    from models.reference import ReferenceDecoder
+    from lab.reference import ReferenceDecoder
     from models.weights import load_weights
     spec = load_plan(tmp / "dataflow-plan").spec
     ref = ReferenceDecoder(spec, load_weights(spec))

@@ -136,7 +136,7 @@ def _unchecked(data: dict, monkeypatch):
 @pytest.mark.parametrize("rule", [r for r, v in RULES.items() if v[3]])
 def test_refused_field_is_really_ignored_by_the_math(rule, monkeypatch):
     """The premise of each rule: the reference decoder's logits with the field are those without it, bit for bit."""
-    from models.reference import ReferenceDecoder
+    from lab.reference import ReferenceDecoder
     from models.weights import random_weights
 
     clean, ignored, _, _ = RULES[rule]

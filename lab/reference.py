@@ -1,5 +1,10 @@
 """Single-process dense reference decoder: the oracle the distributed runtime is tested against.
 
+The lab's, not the product's: the tests, the benchmarks' correctness checks and model authors run it from the
+repository (docs/adding-a-model.md); the product never imports it. Its KV stores live here too: DenseKVStore (one
+growable buffer per layer and sequence) and PerSegmentKV (any store seen through the KVStore protocol only, so
+models/attention.py takes every segment on its own: the reference path the batched one is compared against).
+
 It runs one request at a time through exactly the stage functions of models/layers.py (the same
 ones the runtime calls), with experts applied row by row in slot order and combined by
 `moe_combine`, so any difference from the runtime is a runtime bug, not a math drift.
@@ -13,12 +18,69 @@ import torch
 from torch import Tensor
 
 from graph_ir.spec import ModelSpec
-from models.attention import DenseKVStore
+from models.attention import latent_cache
 from models.layers import (attention_stage, dense_mlp, embed, experts_forward, final_logits, moe_combine, route,
                            shared_expert)
 from models.moe import router_logits
 from models.sampling import SamplingParams, sample
 from models.weights import ModelWeights
+
+class DenseKVStore:
+    """Contiguous in-memory KV store: one growable buffer per (layer, seq). For the reference decoder, which keeps
+    MLA's K/V decompressed (the oracle) unless `mla_latent`."""
+
+    def __init__(self, initial_capacity: int = 64, mla_latent: bool = False) -> None:
+        self._initial = max(1, initial_capacity)
+        self.mla_latent = mla_latent
+        self._k: dict[tuple[int, int], Tensor] = {}
+        self._v: dict[tuple[int, int], Tensor] = {}
+        self._len: dict[tuple[int, int], int] = {}
+
+    def write(self, layer: int, seq_id: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        key = (layer, seq_id)
+        pos = positions.tolist()
+        if not pos:
+            return
+        need = max(pos) + 1
+        if key not in self._k:  # an empty buffer, grown below to initial_capacity (or more)
+            self._k[key], self._v[key], self._len[key] = k[:0], v[:0], 0
+        have = self._k[key].shape[0]
+        if need > have:
+            cap = max(need, 2 * have, self._initial)
+            for buf in (self._k, self._v):
+                new = buf[key].new_zeros((cap, *buf[key].shape[1:]))
+                new[:have] = buf[key]
+                buf[key] = new
+        if pos[0] > self._len[key]:
+            raise ValueError(f"KV write for seq {seq_id} layer {layer} at position {pos[0]} leaves a gap "
+                             f"(have {self._len[key]} positions)")
+        idx = positions.to(self._k[key].device, torch.long)
+        self._k[key][idx] = k
+        self._v[key][idx] = v
+        self._len[key] = max(self._len[key], need)
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[Tensor, Tensor]:
+        key = (layer, seq_id)
+        have = self._len.get(key, 0)
+        if length > have:
+            raise ValueError(f"KV read of {length} positions for seq {seq_id} layer {layer}, only {have} written")
+        return self._k[key][:length], self._v[key][:length]
+
+
+class PerSegmentKV:
+    """A store seen through the KVStore protocol only (no write_rows / gather): `_attend_rows` then takes every
+    segment on its own, the reference path that the batched one is compared against (tests, benchmarks)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.mla_latent = latent_cache(inner)
+
+    def write(self, *a):
+        self.inner.write(*a)
+
+    def read(self, *a):
+        return self.inner.read(*a)
+
 
 _SEQ = 0  # the reference runs one sequence at a time
 
