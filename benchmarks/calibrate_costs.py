@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,34 +29,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kernels_bench import time_eager  # noqa: E402  (median of rounds of back-to-back calls; CUDA events on a GPU)
 
 ATTN_ROWS = (1, 8, 32, 128, 256)
 EXPERT_ROWS = (1, 8, 32, 128, 512)
 SAMPLE_ROWS = (1, 8, 32, 128, 256)
 NOT_MEASURED = ("send_cpu_us", "overlap_host", "collective_algo", "collective_fixed_us", "collective_send_cpu_us")
-
-
-def per_call_s(fn, dev: torch.device, iters: int, repeats: int = 5) -> float:
-    """Seconds per call: the median over `repeats` rounds of `iters` back-to-back calls, after a warm-up (device
-    time on a GPU: CUDA events). The median, because a shared host's other work lands in some rounds."""
-    fn()
-    rounds = []
-    for _ in range(repeats):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            rounds.append(start.elapsed_time(end) / 1e3 / iters)
-        else:
-            t = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            rounds.append((time.perf_counter() - t) / iters)
-    return statistics.median(rounds)
 
 
 def fit_affine(points: list[tuple[int, float]]) -> tuple[float, float, float]:
@@ -90,6 +68,12 @@ def build(args):
         from runtime.executors.torch_executor import TorchExecutor
         ex = TorchExecutor(spec, w)
     return spec, dev, dtype, held, ex
+
+
+def per_call_s(fn, dev: torch.device, iters: int) -> float:
+    """Seconds per call: the median of 5 rounds of `iters` back-to-back calls (a shared host's other work lands in
+    some rounds)."""
+    return time_eager(fn, dev, iters, reps=5)
 
 
 def measure(args) -> dict:
