@@ -16,7 +16,7 @@ runs them in rank processes over our transport, lab/barrier_dist.py over real to
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional, Sequence
 
 from lab.barrier_rank import Compute, Gather, RankContext, Send, rank_loop
@@ -27,6 +27,32 @@ from runtime.drivers.admission import Admission
 from runtime.executors.cost_model import CostModel
 from runtime.observability.metrics import BatchRecord, RankMetrics
 from runtime.transport.inproc import InprocHub
+
+
+@dataclass(frozen=True)
+class BarrierCostModel(CostModel):
+    """The cost model plus what a barrier baseline's collectives cost on the virtual clock (the streaming engine
+    runs none):
+    - `collective_fixed`: per collective call (all-gather, all-reduce, all-to-all), the fixed cost every
+      participant pays before its data moves (launch + NCCL/gloo setup). The data then moves over the links: a
+      ring collective is R-1 (all-gather, reduce-scatter) link hops in sequence, each hop waiting for the slowest
+      message of the step; a direct one is one hop to every peer;
+    - `collective_send_cpu`: host seconds per message *inside* a collective (0 on NCCL, where one call issues the
+      whole collective; ~`send_cpu` on gloo, where every step is a host send);
+    - `collective_algo`: "ring" (NCCL's and gloo's default for all-gather/all-reduce) or "direct"."""
+
+    collective_fixed: dict = field(default_factory=lambda: {"ag": 0.0, "ar": 0.0, "a2a": 0.0})
+    collective_send_cpu: float = 0.0
+    collective_algo: str = "direct"
+
+    def __post_init__(self) -> None:
+        if self.collective_algo not in ("ring", "direct"):
+            raise ValueError(f"collective_algo {self.collective_algo!r}; valid: ring, direct")
+
+    def duration(self, kind: str, rows: int) -> float:
+        if kind.startswith("coll:"):
+            return self.collective_fixed.get(kind[5:], 0.0)
+        return super().duration(kind, rows)
 
 
 # ---- the in-process driver ----------------------------------------------------------------------------
@@ -51,7 +77,7 @@ class _RankState:
 
 
 def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *, clock: str = "virtual",
-                cost_model: Optional[CostModel] = None, router: Optional[Callable] = None,
+                cost_model: Optional[BarrierCostModel] = None, router: Optional[Callable] = None,
                 link_delay: Optional[Callable[[int, int, int, float], float]] = None,
                 compute_scale: Optional[Callable[[int, float], float]] = None,
                 kv_blocks: Optional[int] = None, home_policy: Optional[str] = None,
@@ -72,7 +98,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     if clock not in ("virtual", "wall"):
         raise ValueError(f"clock {clock!r}; valid: virtual, wall")
     R, spec = plan.cluster.ranks, plan.spec
-    cost = cost_model or CostModel()
+    cost = cost_model or BarrierCostModel()
     clk = VirtualClock() if clock == "virtual" else WallClock()
     link_bytes: dict[str, int] = {}
 

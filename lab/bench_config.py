@@ -56,7 +56,8 @@ class CostConfig(_Strict):
         bad = set(self.collective_fixed_us) - {"ag", "ar", "a2a"}
         if bad:
             raise UserError(f"cost.collective_fixed_us: unknown collective(s) {sorted(bad)}; valid: ag, ar, a2a")
-        return CostModel(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
+        from lab.barrier import BarrierCostModel
+        return BarrierCostModel(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
                          self.expert_per_row_us * 1e-6, self.sample_fixed_us * 1e-6, self.sample_per_row_us * 1e-6,
                          send_cpu=self.send_cpu_us * 1e-6, overlap_host=self.overlap_host,
                          collective_fixed={k: v * 1e-6 for k, v in self.collective_fixed_us.items()},

@@ -1,5 +1,6 @@
 """Seeded random per-message delays for chaos tests (the transport's LinkDelays hook, runtime/transport/base.py):
-timing changes, content and per-peer order don't.
+timing changes, content and per-peer order don't. And WedgeAfter: a rank's serving loop stopped for good (the
+failure-detection tests), through RunOptions.engine_setup.
 
 Each lane (direction and peer) draws from its own RNG seeded by (seed, direction, peer), so a run is
 reproducible message by message regardless of how threads interleave. The transports apply the delay
@@ -8,6 +9,8 @@ after the message completed and before it is handed on, inside the lane, so FIFO
 from __future__ import annotations
 
 import random
+import threading
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 
@@ -32,3 +35,23 @@ class ChaosDelays:
                 return 0.0
             return rng.uniform(0.0, self.max_delay_s)
         return draw
+
+
+@dataclass(frozen=True)
+class WedgeAfter:
+    """Fault injection through RunOptions.engine_setup (picklable: it reaches the rank processes): rank `rank`'s
+    serving loop stops for good in the first batch after it sampled `tokens` tokens, with the GIL released and its
+    heartbeat thread alive (a wedged main thread)."""
+    rank: int
+    tokens: int
+
+    def __call__(self, engine) -> None:
+        if engine.rank != self.rank:
+            return
+        execute = engine.execute
+
+        def wedged(batch):
+            if engine.metrics.tokens >= self.tokens:
+                threading.Event().wait()
+            execute(batch)
+        engine.execute = wedged

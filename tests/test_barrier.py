@@ -6,7 +6,7 @@ from graph_ir.spec import load_spec
 from lowering.plan import compile_plan
 from lab.reference import ReferenceDecoder
 from models.weights import random_weights
-from lab.barrier import run_barrier
+from lab.barrier import BarrierCostModel, run_barrier
 from lab.decode_only import decode_only
 from runtime.drivers.cluster import RunOptions, run_workload
 from runtime.executors.torch_executor import TorchExecutor
@@ -91,7 +91,7 @@ from runtime.executors.cost_model import CostModel  # noqa: E402
 def test_ring_collectives_keep_tokens_and_pay_hops(model):
     spec, w, prompts, want = model
     plan = compile_plan(spec, 4)
-    ring = CostModel(collective_algo="ring")
+    ring = BarrierCostModel(collective_algo="ring")
     link = LinkSchedule(latency_s=40e-6)
     direct = run_barrier(plan, TorchExecutor(spec, w), _requests(prompts), "ag", kv_blocks=32, link_delay=link.delay)
     rg = run_barrier(plan, TorchExecutor(spec, w), _requests(prompts), "ag", kv_blocks=32, link_delay=link.delay,
@@ -112,9 +112,9 @@ def test_collective_fixed_and_host_costs_are_charged(model):
     plan = compile_plan(spec, 2)
     base = run_barrier(plan, TorchExecutor(spec, w), _requests(prompts), "ag", kv_blocks=32)
     fixed = run_barrier(plan, TorchExecutor(spec, w), _requests(prompts), "ag", kv_blocks=32,
-                        cost_model=CostModel(collective_fixed={"ag": 1e-3, "ar": 0.0, "a2a": 0.0}))
+                        cost_model=BarrierCostModel(collective_fixed={"ag": 1e-3, "ar": 0.0, "a2a": 0.0}))
     host = run_barrier(plan, TorchExecutor(spec, w), _requests(prompts), "ag", kv_blocks=32,
-                       cost_model=CostModel(collective_send_cpu=1e-3))
+                       cost_model=BarrierCostModel(collective_send_cpu=1e-3))
     assert [r.output for r in fixed.requests] == [r.output for r in base.requests] == [r.output for r in host.requests]
     steps = max(len(r.token_times) for r in base.requests)
     # every step: one all-gather of counts + one dispatch all-gather per MoE layer, >= 1 ms each
@@ -157,12 +157,12 @@ def test_streaming_sender_pays_host_time_per_message(model):
 
 
 def test_cost_model_units():
-    c = CostModel(send_cpu=30e-6, collective_fixed={"ag": 1e-4, "ar": 2e-5, "a2a": 0.0})
+    c = BarrierCostModel(send_cpu=30e-6, collective_fixed={"ag": 1e-4, "ar": 2e-5, "a2a": 0.0})
     assert c.duration("coll:ag", 0) == 1e-4 and c.duration("coll:ar", 0) == 2e-5
     assert c.with_sends(100e-6, 2) == 100e-6 and c.with_sends(50e-6, 3) == pytest.approx(90e-6)
     assert CostModel(send_cpu=30e-6, overlap_host=False).with_sends(50e-6, 3) == pytest.approx(140e-6)
     with pytest.raises(ValueError):
-        CostModel(collective_algo="tree")
+        BarrierCostModel(collective_algo="tree")
 
 
 def test_barrier_in_processes_equals_in_process(model):
@@ -176,7 +176,7 @@ def test_barrier_in_processes_equals_in_process(model):
     plan = compile_plan(spec, 2)
     zipf = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=3)
     want = run_barrier(plan, TorchExecutor(spec, load_weights(spec)), _requests(prompts), "a2a", kv_blocks=32,
-                       cost_model=CostModel(collective_algo="ring"), router=zipf)
+                       cost_model=BarrierCostModel(collective_algo="ring"), router=zipf)
     job = BarrierJob(plan, "a2a", _requests(prompts), kv_blocks=32, algo="ring", router=zipf)
     res = launch_local(2, barrier_rank_main, (job,), timeout=120.0)
     assert res.ok, res.first_error

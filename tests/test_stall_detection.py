@@ -12,7 +12,7 @@ from lowering.plan import compile_plan
 from runtime.drivers.cluster import RunOptions
 from runtime.transport.health import ProgressWatch
 from runtime.drivers.multiproc import RunFailed, run_workloads_multiprocess
-from lab.chaos import ChaosDelays
+from lab.chaos import ChaosDelays, WedgeAfter
 from test_runtime import assert_matches_reference, make_requests, model
 
 NAME = "tiny-mixtral"
@@ -50,7 +50,8 @@ def test_a_wedged_coordinator_is_named_by_its_peer():
     plan = compile_plan(spec, 2, attn_cap=16, block_size=4)
     reqs = make_requests(spec.vocab_size, 6, seed=4, max_new=40, max_prompt=8, spread=0.0)
     with pytest.raises(RunFailed) as err:
-        run_workloads_multiprocess(plan, [(reqs, RunOptions(kv_blocks=128, stall_timeout_s=2.0))], wedge=(0, 5),
+        run_workloads_multiprocess(plan, [(reqs, RunOptions(kv_blocks=128, stall_timeout_s=2.0,
+                                                            engine_setup=WedgeAfter(0, 5)))],
                                    peer_timeout_s=3.0, timeout=240)
     msg = str(err.value)
     assert "rank 0 failed" in msg and "serving loop has not advanced" in msg and "wedged" in msg, msg

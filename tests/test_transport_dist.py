@@ -40,7 +40,8 @@ def _checksum(t) -> float | None:
     return None if t is None else float(t.double().sum())
 
 
-def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", spin=None) -> dict:
+def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: str = "cpu", spin=None,
+              engine_receives: bool = False) -> dict:
     """Every rank sends n messages to every rank (itself included) in random bursts while polling."""
     from lab.chaos import ChaosDelays
     from runtime.transport.zmq_dist import ZmqDistTransport
@@ -50,7 +51,8 @@ def _exchange(env, seed: int, n: int, chaos_seed, inflight_limit: int, device: s
     got: dict[int, list[int]] = {s: [] for s in range(world)}
     errors: list[str] = []
     landed: dict[tuple[int, int], torch.Tensor] = {}  # (src, i) -> the buffer recv_into handed out
-    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos, spin=spin) as tr:
+    with ZmqDistTransport(rank, world, device, inflight_limit=inflight_limit, chaos=chaos, spin=spin,
+                          engine_receives=engine_receives) as tr:
         def into(src, meta, shape, dtype):
             """Every third tensor message is received in place: into rows 1.. of a larger buffer."""
             if meta["i"] % 3:
@@ -132,11 +134,11 @@ def _slow_link(env) -> dict:
 
 
 def _rank_post_receives(env) -> dict:
-    """Rank 0 sends one tensor; rank 1 starts its receive with post_receives() before any
+    """Rank 0 sends one tensor; rank 1 (engine-thread receives) starts its receive with post_receives() before any
     poll(): the header is read and the receive posted, nothing is delivered until the poll."""
     from runtime.transport.zmq_dist import ZmqDistTransport, init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
-    with ZmqDistTransport(env.rank, env.world_size, "cpu") as tr:
+    with ZmqDistTransport(env.rank, env.world_size, "cpu", engine_receives=True) as tr:
         if env.rank == 0:
             tr.send(1, {"i": 0}, torch.arange(64, dtype=torch.float32))
             got = []
@@ -162,10 +164,11 @@ def _rank_world3(env, seed: int, n: int) -> dict:
     return {"chaos": _exchange(env, seed, n, chaos_seed=seed + 1, inflight_limit=4), "slow": _slow_link(env)}
 
 
-def _rank_exchange(env, seed: int, n: int, inflight_limit: int, spin=None) -> dict:
+def _rank_exchange(env, seed: int, n: int, inflight_limit: int, engine_receives: bool = False, spin=None) -> dict:
     from runtime.transport.zmq_dist import init_distributed
     init_distributed(env.rank, env.world_size, "gloo")
-    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, spin=spin)
+    return _exchange(env, seed, n, chaos_seed=None, inflight_limit=inflight_limit, spin=spin,
+                     engine_receives=engine_receives)
 
 
 def _rank_cuda_exchange(env, seed: int, n: int, inflight_limit: int) -> dict:
@@ -251,12 +254,14 @@ def _check_exchange(result, world: int, n: int) -> None:
         assert r["counts"] == {s: n for s in range(world)}, f"rank {rank} lost or duplicated messages"
 
 
-@pytest.mark.parametrize("world,inflight,spin", [(2, 16, None), (4, 2, None), (2, 4, True)])
-def test_exchange_fifo_no_loss(world, inflight, spin):
-    """Headers read and receives posted by the engine thread in poll() over gloo: ordering and delivery
-    guarantees; so does the busy-polling idle wait (spin=True; what CUDA ranks do)."""
+@pytest.mark.parametrize("world,inflight,engine_receives,spin", [(2, 16, False, None), (4, 2, True, None),
+                                                                 (2, 4, True, True)])
+def test_exchange_fifo_no_loss(world, inflight, engine_receives, spin):
+    """Gloo's receptor thread, and engine_receives=True (what CUDA ranks do: headers read and receives posted by the
+    engine thread in poll(), no receptor thread) over gloo: the same ordering and delivery guarantees; so does the
+    busy-polling idle wait (spin=True; what CUDA ranks do)."""
     n = 60
-    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight, spin),
+    res = launch_local(world, "test_transport_dist:_rank_exchange", (world * 11, n, inflight, engine_receives, spin),
                        timeout=80, env=CHILD_ENV)
     _check_exchange(res, world, n)
     # a small in-flight cap forces the per-peer backlogs to be used

@@ -50,9 +50,6 @@ class RankJob:
     workloads: list  # [(requests, RunOptions without callables)]; only the coordinator uses the requests
     peer_timeout_s: float
     chaos: object = None  # runtime.transport.base.LinkDelays: per-message delays (tests, the lab's link models)
-    # (rank, tokens): that rank's serving loop stops for good once it sampled that many tokens, its heartbeat thread
-    # alive (a wedged main thread, for the failure-detection tests).
-    wedge: Optional[tuple[int, int]] = None
     # the coordinator writes "w done total tokens" here for the launcher's display, rank 0 its start-up phase to
     # this + ".phase"
     progress_path: Optional[str] = None
@@ -113,7 +110,7 @@ def _failure_message(res) -> str:
     return "\n".join(lines)
 
 
-def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float = 10.0, chaos=None, wedge=None,
+def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float = 10.0, chaos=None,
                                timeout: Optional[float] = None, env: Optional[dict] = None,
                                progress=None) -> Optional[list]:
     """Serve several workloads [(requests, RunOptions)] one after the other on one launch of
@@ -128,7 +125,7 @@ def run_workloads_multiprocess(plan, workloads: list, *, peer_timeout_s: float =
         if not opts.keep_outputs and not opts.output_path:
             raise ValueError("keep_outputs=False needs an output_path (the outputs would be nowhere)")
     progress = progress or (workloads[0][1].progress if len(workloads) == 1 else None)
-    job = RankJob(plan, clean, peer_timeout_s, chaos, wedge=wedge)
+    job = RankJob(plan, clean, peer_timeout_s, chaos)
     world = plan.cluster.ranks
 
     renv = from_torchrun_env()

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -263,13 +262,10 @@ class RankNode:
             post_receives = _timed(ph, "post_receives", post_receives)
             ph.in_loop = True
         fresh = False  # the idle wait just polled (and fed what came): no second poll before deciding
-        wedge = self.job.wedge[1] if self.job.wedge is not None and self.job.wedge[0] == self.rank else None
         while not self.stopped:
             tr.progress += 1  # the heartbeat carries it: peers see this loop turn (runtime/transport/health.py)
             if ph is not None:
                 ph.iterations += 1
-            if wedge is not None and e.metrics.tokens >= wedge:
-                threading.Event().wait()  # fault injection (tests): stops here, GIL released; the heartbeat goes on
             ran = False
             if tick is not None:
                 ran |= tick()

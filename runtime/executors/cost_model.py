@@ -12,21 +12,15 @@ is the scenario's link model in lab/interference.py, not this file):
 - `overlap_host`: True when host work pipelines with device work (a GPU: the CPU issues batch i's
   sends while the device runs batch i+1), so a streaming batch occupies its rank for
   max(device time, host time); False when both share the same cores (CPU-only runs): the sum.
-- `collective_fixed`: per collective call (all-gather, all-reduce, all-to-all), the fixed cost
-  every participant pays before its data moves (launch + NCCL/gloo setup). The data then moves
-  over the links: a ring collective is R-1 (all-gather, reduce-scatter) link hops in sequence,
-  each hop waiting for the slowest message of the step; a direct one is one hop to every peer.
-- `collective_send_cpu`: host seconds per message *inside* a collective (0 on NCCL, where one call
-  issues the whole collective; ~`send_cpu` on gloo, where every step is a host send).
-- `collective_algo`: "ring" (NCCL's and gloo's default for all-gather/all-reduce) or "direct".
 
-The defaults keep the original compute-only model (communication free for the sender, direct
-collectives): they are what the unit tests use. Named profiles (`PROFILES`) carry measured numbers;
-see benchmarks/results/cpu_bench.md for where each comes from.
+The streaming engine runs no collectives; what the barrier baselines' collectives cost is the lab's
+(lab/barrier.py BarrierCostModel, a subclass). The defaults keep the original compute-only model (communication
+free for the sender): they are what the unit tests use. Measured profiles are the lab's cost files
+(lab/costs/, the bench configs' `cost:`); benchmarks/results/cpu_bench.md says where each number comes from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -39,17 +33,8 @@ class CostModel:
     sample_per_row: float = 0.5e-6
     send_cpu: float = 0.0
     overlap_host: bool = True
-    collective_fixed: dict = field(default_factory=lambda: {"ag": 0.0, "ar": 0.0, "a2a": 0.0})
-    collective_send_cpu: float = 0.0
-    collective_algo: str = "direct"
-
-    def __post_init__(self) -> None:
-        if self.collective_algo not in ("ring", "direct"):
-            raise ValueError(f"collective_algo {self.collective_algo!r}; valid: ring, direct")
 
     def duration(self, kind: str, rows: int) -> float:
-        if kind.startswith("coll:"):
-            return self.collective_fixed.get(kind[5:], 0.0)
         fixed, per_row = {"attn": (self.attn_fixed, self.attn_per_row),
                           "expert": (self.expert_fixed, self.expert_per_row),
                           "sample": (self.sample_fixed, self.sample_per_row)}[kind]

@@ -1,9 +1,10 @@
 """The receive side of ZmqDistTransport (zmq_dist.py): reading the headers from the PULL socket, checking their
-sequence numbers and posting each tensor's receive, on the engine thread inside poll() and post_receives()
-(zmq_dist.py's module docstring says why there is no receptor thread).
+sequence numbers and posting each tensor's receive: on a receptor thread (gloo ranks) or on the engine thread
+inside poll() and post_receives() (NCCL ranks; CPU tests ask for it with engine_receives=True). zmq_dist.py's
+module docstring says why each.
 
 A mixin rather than an object of its own: these methods run per message on the hot path and share the
-transport's state (its lanes, pool, links, sequence numbers, health and `recv_into` hook), which an
+transport's state (its lanes, links, sequence numbers, health and `recv_into` hook), which an
 extra object would only reach through one more attribute lookup per use.
 """
 from __future__ import annotations
@@ -31,6 +32,16 @@ _SLICE_S = 0.0002
 
 class HeaderReceiver:
     """Mixed into ZmqDistTransport, whose __init__ sets every attribute used here."""
+
+    def _receive_loop(self) -> None:
+        """The receptor thread (gloo ranks): headers read and receives posted as they come; a peer's bad frame
+        becomes the transport's failure, which the engine thread's next poll() raises."""
+        try:
+            while not self._closing.is_set() and self._failure is None:
+                if self._pull.poll(50):
+                    self._receive_headers()
+        finally:
+            self._pull.close(linger=0)
 
     def _receive_headers(self) -> int:
         """Handle every header waiting on the PULL socket; returns how many. A frame that is not this run's (bad

@@ -20,14 +20,15 @@ waits in that destination's backlog (in order, meta-only messages behind queued 
 so one slow peer never holds up sends to the others. A send keeps its tensor alive until the send
 completed. Backlogs are pumped from `poll()`.
 
-Threads. The engine thread calls send/poll/pending/close, and it also reads the headers and posts the
-receives, inside poll() and post_receives() (header_receiver.py): no receptor thread. On NCCL a second
-Python thread making CUDA calls cost the engine more in GIL waits than the earlier receive posting saved
-(profiled on 2 x H200: ~230 us median per send, most of it waiting for the GIL held by the receptor;
-benchmarks/NOTES.md section 13 item 1); on gloo a receptor thread made no difference (NOTES section 18:
-1,361 / 1,608 vs 1,467 / 1,572 tok/s), so it was deleted. Gloo: one waiter thread per peer direction
-completes Work objects (they cannot be polled). NCCL: ops record an event the engine thread queries; no
-waiter threads. A heartbeat thread beats every DEFAULT_HEARTBEAT_S
+Threads. The engine thread calls send/poll/pending/close. Who reads the headers and posts the receives
+(header_receiver.py): on NCCL the engine thread, inside poll() and post_receives(), because a second Python
+thread making CUDA calls cost the engine more in GIL waits than the earlier receive posting saved (profiled on
+2 x H200: ~230 us median per send, most of it waiting for the GIL held by the receptor; benchmarks/NOTES.md
+section 13 item 1). On gloo a receptor thread, so a receive is posted as its header comes while the engine
+computes: equal tok/s clean (NOTES section 18), and streaming 8.5% faster under 10 ms link bursts in 4 CPU
+processes (session 23, benchmarks/results/session23_gloo_receptor.md: the engine-thread reading was tried and
+measured slower). Gloo: one waiter thread per peer direction completes Work objects (they cannot be polled).
+NCCL: ops record an event the engine thread queries; no waiter threads. A heartbeat thread beats every DEFAULT_HEARTBEAT_S
 (health.py); a peer silent for `peer_timeout_s`, a failed transfer or an abort notice makes `poll()`
 raise PeerFailure naming the rank and what this rank was waiting for.
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 import itertools
 import queue
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -78,7 +80,7 @@ _instances = itertools.count()
 class ZmqDistTransport(HeaderReceiver, Transport):
     def __init__(self, rank: int, world_size: int, device="cpu", *, inflight_limit: int = DEFAULT_INFLIGHT_LIMIT,
                  peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                 chaos: Optional[LinkDelays] = None, spin: Optional[bool] = None):
+                 chaos: Optional[LinkDelays] = None, spin: Optional[bool] = None, engine_receives: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("call runtime.transport.zmq_dist.init_distributed(rank, world, backend) first")
         self.rank = rank
@@ -91,6 +93,9 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         # streaming +43% tok/s, for one core per rank at 100% (as in other serving engines' busy loops). CPU
         # ranks sleep: they share their cores with their math. `spin` (None: that rule) lets CPU tests busy-poll.
         self._spin = self._nccl if spin is None else spin
+        # Headers read by the engine thread (NCCL; `engine_receives` lets CPU tests run that path) or by a receptor
+        # thread (gloo): module docstring.
+        self._engine_receives = self._nccl or engine_receives
         # Option profile_steps: wall time of each step of posting a send / receive, printed at close.
         profile = settings.current().profile_steps
         self._post_timer = StepTimer(f"rank {rank} send post", profile)
@@ -142,6 +147,11 @@ class ZmqDistTransport(HeaderReceiver, Transport):
 
         self._health = PeerHealth(rank, world_size, peer_timeout_s, stall_timeout_s)
         self._heartbeat = Heartbeat(DEFAULT_HEARTBEAT_S, self._beat, channel.beat_exit, name=f"heartbeat-{rank}")
+        self._closing = threading.Event()
+        self._receptor: Optional[threading.Thread] = None
+        if not self._engine_receives:
+            self._receptor = threading.Thread(target=self._receive_loop, name=f"receptor-{rank}", daemon=True)
+            self._receptor.start()
         register_abort_hook(self)
 
     # ------------------------------------------------------------------ engine-facing API
@@ -176,7 +186,8 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         when a peer died, wedged or aborted."""
         if self._failure is not None:
             raise self._failure
-        self._receive_headers()  # before the health check: queued heartbeats count
+        if self._engine_receives:
+            self._receive_headers()  # before the health check: queued heartbeats count
         if self._failure is not None:  # a peer's malformed frame
             raise self._failure
         now = time.monotonic()
@@ -189,7 +200,13 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         self._local = []
         done = self._done
         if not out and timeout > 0 and done.empty():
-            self._wait_engine(timeout, out)
+            if self._engine_receives:
+                self._wait_engine(timeout, out)
+            else:  # gloo: the receptor and the waiter threads complete items into `done`
+                try:
+                    self._complete(done.get(timeout=timeout), out)
+                except queue.Empty:
+                    pass
         while not done.empty():  # (one consumer: a non-empty queue stays non-empty; no Empty raised per poll)
             self._complete(done.get_nowait(), out)
         if self._failure is not None:
@@ -201,8 +218,8 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         """Start the transfers of the messages whose headers came since the last poll. A busy rank calls it between a
         batch's launch and its bookkeeping: each transfer then runs meanwhile and the next poll() delivers it, where
         a receive first posted by that poll() is delivered by the one after, a batch later. Errors are kept for
-        poll() to raise, as there."""
-        if self._failure is None:
+        poll() to raise, as there. (Gloo's receptor thread posts receives as headers come: nothing to do.)"""
+        if self._engine_receives and self._failure is None:
             self._receive_headers()
 
     def peer_work(self) -> list[int]:
@@ -256,7 +273,11 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         if self._post_timer.enabled:
             print(self._post_timer.report(), file=sys.stderr)
             print(self._recv_timer.report(), file=sys.stderr)
-        self._pull.close(linger=0)
+        self._closing.set()
+        if self._receptor is not None:
+            self._receptor.join(2.0)  # it closes the PULL socket it owns
+        else:
+            self._pull.close(linger=0)
         # After a failure a waiter may be stuck in a gloo wait on the dead peer: don't wait for it.
         join_s = 0.5 if self._failure is None and not self._aborted else 0.01
         # Before the lanes forget their items: a destroy is clean only with nothing still in flight.
@@ -265,7 +286,8 @@ class ZmqDistTransport(HeaderReceiver, Transport):
         for lane in self._lanes:
             lane.close(join_s)
         self._links.close(clean, timeout_s)
-        self._channel.close(self._aborted, not self._heartbeat._thread.is_alive())
+        self._channel.close(self._aborted, not self._heartbeat._thread.is_alive()
+                            and (self._receptor is None or not self._receptor.is_alive()))
 
     def __enter__(self) -> "ZmqDistTransport":
         return self
