@@ -210,7 +210,10 @@ def _slow_rank(engine, scaled: _ScaledCost, inter: Interference, wall: bool) -> 
 class WallSlowRanks:
     """A scenario's slow ranks on the wall clock: while its schedule says a rank is slow by `factor`, every batch
     that rank computes is followed by a stall of (factor - 1) x the time the batch's math took, so the rank computes
-    `factor` times slower by its own measured batch time (a busy or throttled GPU). The same rule for every system:
+    `factor` times slower by its own measured batch time (a busy or throttled GPU). The stall spins: a CPU rank
+    computing slower holds its core longer, and sleeping would hand the core to the other ranks of an oversubscribed
+    host (4 rank processes on 2 cores ran as fast with rank 1 "slow" by sleeping as without). The same rule for every
+    system:
     the streaming engines get it as RunOptions.engine_setup (in-process and in rank processes; `__call__` wraps
     the engine's execute), the barrier ranks call `stall` after each compute (lab/barrier_mp.py). The schedule's
     time is the run's clock (the engine's, or the barrier ranks' common time base). A factor below 1 cannot
@@ -225,7 +228,9 @@ class WallSlowRanks:
         extra = (self.inter.compute_scale(rank, t) - 1.0) * measured_s
         if extra <= 0:
             return 0.0
-        time.sleep(extra)
+        end = time.perf_counter() + extra
+        while time.perf_counter() < end:
+            pass
         return extra
 
     def __call__(self, engine) -> None:

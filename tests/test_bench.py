@@ -248,17 +248,17 @@ def test_wall_slow_ranks_stall_by_the_ranks_own_batch_time_and_pickle(monkeypatc
     from lab.interference import from_config
     inter = from_config({"slow_ranks": [{"rank": 1, "factor": 3.0, "period_ms": 10, "duty": 0.5}]})
     slow = pickle.loads(pickle.dumps(bench.WallSlowRanks(inter)))
-    slept = []
-    monkeypatch.setattr(bench.time, "sleep", slept.append)
-    assert slow.stall(1, 0.002, 0.004) == pytest.approx(0.008) and slept == [pytest.approx(0.008)]
-    assert slow.stall(1, 0.007, 0.004) == 0.0         # 7 ms into a 10 ms period at duty 0.5: not slow now
-    assert slow.stall(0, 0.002, 0.004) == 0.0         # not the slow rank
-    assert len(slept) == 1
+    stalls = []
+    stall = slow.stall
+    monkeypatch.setattr(slow, "stall", lambda *a: stalls.append(stall(*a)))
+    assert stall(1, 0.002, 0.0004) == pytest.approx(0.0008)   # (3 - 1) x the batch's 0.4 ms, spun
+    assert stall(1, 0.007, 0.004) == 0.0         # 7 ms into a 10 ms period at duty 0.5: not slow now
+    assert stall(0, 0.002, 0.004) == 0.0         # not the slow rank
     ran = []
     engine = types.SimpleNamespace(rank=1, clock=types.SimpleNamespace(now=lambda: 0.001), execute=ran.append)
     slow(engine)                                      # an engine_setup hook: wraps the engine's execute
     engine.execute("batch")
-    assert ran == ["batch"] and len(slept) == 2 and slept[1] >= 0
+    assert ran == ["batch"] and len(stalls) == 1 and stalls[0] >= 0
 
 
 def test_process_bench_injects_a_slow_rank_into_every_system(tmp_path):
