@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback by default)"),
         port: int = typer.Option(8000, "--port"),
         policy: str = typer.Option("defrag", "--policy", help="scheduler: flfs, mtfs, defrag or aging"),
-        kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", help="override KV pages per rank"),
+        kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", min=1, help="override KV pages per rank"),
         max_outstanding: int = typer.Option(256, "--max-outstanding",
                                             help="requests open at once; more are answered 503 (Retry-After)"),
         peer_timeout: float = typer.Option(10.0, "--peer-timeout", help="seconds of silence before a rank is dead"),

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from models.sampling import SamplingParams
 from models.tokenizer import first_stop
 from runtime.drivers.front import Front, Overloaded, Unavailable
+from runtime.drivers.workload import chat_messages
 
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
@@ -133,8 +134,8 @@ class Server:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         tok = self._need_tokenizer("chat")
-        try:
-            return tok.encode_chat(messages, add_generation_prompt=True)
+        try:  # content as a string or OpenAI's text parts, joined as `dataflow run`'s prompt files join them
+            return tok.encode_chat(chat_messages("body", messages), add_generation_prompt=True)
         except Exception as err:  # a template's raise_exception, a missing template, a bad message
             raise ApiError(400, f"messages: {err}", param="messages") from None
 

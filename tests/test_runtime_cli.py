@@ -119,3 +119,13 @@ def test_a_cuda_plan_without_a_gpu_runs_the_twin_with_a_pool_for_its_requests(tm
     out = " ".join(res.output.split())
     assert "no GPU is visible" in out and "KV pool of 64 pages per rank" in out and "3 / 3" in out
     assert "device-routed" in out  # the plan's dispatch
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_kv_blocks_below_one_is_refused_by_run_and_serve(in_tmp, command):
+    """`--kv-blocks 0` is refused with the option named, before anything starts: a usage error (exit 2) or a
+    UserError (which dataflow.cli.run_app prints as one line, exit 2)."""
+    _, runner = in_tmp
+    res = runner.invoke(app, [command, "--kv-blocks", "0"] + (["--in-process"] if command == "run" else []))
+    said = str(res.exception) if isinstance(res.exception, UserError) else res.output
+    assert (res.exit_code == 2 or isinstance(res.exception, UserError)) and "kv-blocks" in said, res.output

@@ -357,6 +357,9 @@ def test_the_server_answers_text_and_chat_like_dataflow_run(ckpt, tmp_path):
         chat = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX_NEW, temperature=0)
         assert chat.choices[0].message.content == want["chat"]["text"]
         assert chat.choices[0].model_extra["token_ids"] == want["chat"]["output_token_ids"]
+        parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CHAT]   # OpenAI's content parts
+        chat_parts = client.chat.completions.create(model=name, messages=parts, max_tokens=MAX_NEW, temperature=0)
+        assert chat_parts.choices[0].model_extra["token_ids"] == want["chat"]["output_token_ids"]
         pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model=name, messages=CHAT, max_tokens=MAX_NEW, temperature=0, stream=True)]
         assert "".join(pieces) == want["chat"]["text"]

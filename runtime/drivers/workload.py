@@ -54,7 +54,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _messages(where: str, messages: Any) -> list[dict]:
+def chat_messages(where: str, messages: Any) -> list[dict]:
     """OpenAI chat messages: role and content (a string, or a list of {"type": "text", "text": ...} parts, joined by
     newlines as vLLM does for templates that take text) plus any other keys the template may read."""
     if not isinstance(messages, list) or not messages:
@@ -97,7 +97,7 @@ def _encode(where: str, d: dict, spec, tokenizer) -> tuple[str, list]:
         if not isinstance(d["prompt"], str) or not d["prompt"]:
             raise UserError(f"{where}: field 'prompt' must be a non-empty string, got {d['prompt']!r:.60}")
         return field, tokenizer.encode(d["prompt"])
-    messages = _messages(where, d["messages"])
+    messages = chat_messages(where, d["messages"])
     try:
         return field, tokenizer.encode_chat(messages, add_generation_prompt=True)
     except UserError:
