@@ -4,7 +4,7 @@ executor's CPU twin: `python benchmarks/twin_torch_calls.py`.
 On the H200 host a torch call inside the serving loop costs 10-25 us (benchmarks/NOTES.md §20), so the count
 is the hardware-free half of a host-path change's cost: a served run of the tiny GPT-OSS model (2 in-process
 ranks, 16 one-token requests, 8 new tokens each), with the calls made inside CudaExecutor.route /
-route_arrays (reading the routing), CudaExecutor._attn_decode (the executor's host side of a decode attention
+route_arrays (reading the routing), CudaExecutor.attention (the executor's host side of an attention
 batch: staging, copies, the graph launch counted as one call, not the body the CPU twin runs eagerly) and
 Engine._complete_attn (the dispatch) counted per attention batch, and CudaExecutor.experts (the host side of an
 expert batch) per expert batch. With DATAFLOW_DISPATCH=device the device-routed path instead: routed_payload,
@@ -68,7 +68,7 @@ def main() -> None:
             count.where = where
     StepGraph.run = run
     for cls, name in ((Engine, "_complete_attn"), (CudaExecutor, "route"), (CudaExecutor, "route_arrays"),
-                      (CudaExecutor, "routed_payload"), (CudaExecutor, "_attn_decode"), (CudaExecutor, "experts"),
+                      (CudaExecutor, "routed_payload"), (CudaExecutor, "attention"), (CudaExecutor, "experts"),
                       (CudaExecutor, "experts_routed"), (CudaExecutor, "logits"),
                       (CudaExecutor, "sample_batch_start")):
         real = getattr(cls, name, None)
