@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
 
         scaled = _ScaledCost(cost, inter)
         opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks, delay=delay,
+                          trace=cfg.trace_dir is not None,
                           engine_setup=decode_only if cfg.workload.decode_only else None, batch_log=None)  # the report reads every batch
         cluster = Cluster(plan, executor, opts)
         probe.clock = cluster.clock
@@ -158,6 +160,10 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
             e.policy = _DepthRecorder(e.policy, e.rank, probe)
             _slow_rank(e, scaled, inter, wall)
         res = cluster.run(reqs)
+        if cfg.trace_dir is not None:  # the streaming schedule as Perfetto shows it (runtime/observability/trace.py)
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{cell.policy}-{cell.scenario}-r{cell.repeat}")
+            Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
+            res.trace.write(Path(cfg.trace_dir) / f"trace-{name}.json", cfg.ranks)
         ranks = [e.metrics for e in cluster.engines]
         max_q = res.metrics.get("max_queue_delay_s")
     else:

@@ -107,6 +107,9 @@ class BenchConfig(_Strict):
     # The links' topology and queues (virtual clock only); None: every link on its own, priced by the scenario's
     # latency_us / bandwidth_gbps (which a network replaces: a scenario then sets disturbances only).
     network: Optional[NetworkConfig] = None
+    # A folder for a Chrome/Perfetto trace of every in-process streaming cell (trace-POLICY-SCENARIO-rN.json: each
+    # rank's batches and scheduler decisions, the run's latest TRACE_BATCHES per rank). None: no traces.
+    trace_dir: Optional[str] = None
     clean_scenario: str = "clean"
     peak_window_s: float = Field(60.0, gt=0)
     heatmap_policies: list[str] = Field(default_factory=lambda: ["mtfs", "defrag"])

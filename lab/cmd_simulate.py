@@ -97,6 +97,8 @@ def register(app: typer.Typer) -> None:
                                        help="cap on the tokens a request decodes (ShareGPT output lengths)"),
         systems: str = typer.Option("streaming,ag-ep,a2a-ep", help="comma list: streaming,ag-ep,a2a-ep"),
         out: Path = typer.Option(Path("simulate-out"), "-o", "--out", help="report directory"),
+        trace: bool = typer.Option(False, "--trace", help="also write streaming's predicted schedule as Perfetto "
+                                                          "traces (OUT/traces/trace-POLICY-SCENARIO-r0.json)"),
     ) -> None:
         """Streaming vs barrier EP on a virtual cluster of N GPUs, clean and disturbed; write a report."""
         from dataflow.cmd_compile import resolve_model
@@ -104,4 +106,6 @@ def register(app: typer.Typer) -> None:
         spec, _ = resolve_model(model)
         cfg = simulate_config(model, spec, ranks, gpus_per_node, scenario or ["clean", "slow-nic"], costs,
                               requests_per_rank, new_tokens, [s.strip() for s in systems.split(",") if s.strip()])
+        if trace:
+            cfg = cfg.model_copy(update={"trace_dir": str(out / "traces")})
         run_and_print(cfg, spec, out)

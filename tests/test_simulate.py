@@ -40,7 +40,7 @@ def test_a_16_gpu_cluster_runs_through_simulate_and_reports(tmp_path):
     model.write_text(Path("models/specs/tiny.yaml").read_text().replace("num_experts: 8", "num_experts: 16"))
     out = tmp_path / "out"
     res = CliRunner().invoke(app, ["simulate", str(model), "--ranks", "16", "-g", "2", "--requests-per-rank", "2",
-                                   "--new-tokens", "4", "--systems", "streaming,ag-ep", "-o", str(out)])
+                                   "--new-tokens", "4", "--systems", "streaming,ag-ep", "--trace", "-o", str(out)])
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "report.json").read_text())
     cells = {(r["label"], r["scenario"]) for r in doc["results"]}
@@ -50,3 +50,7 @@ def test_a_16_gpu_cluster_runs_through_simulate_and_reports(tmp_path):
     assert doc["config"]["network"]["gpus_per_node"] == 2 and (out / "report.md").exists()
     slow = {r["label"]: r for r in doc["results"] if r["scenario"] == "slow-nic"}
     assert all(r["loss_vs_clean"] > 0 for r in slow.values())   # virtual clock: the slow NIC costs every system
+    for scenario in ("clean", "slow-nic"):   # --trace: streaming's predicted schedule, one Perfetto file per cell
+        trace = json.loads((out / "traces" / f"trace-defrag-{scenario}-r0.json").read_text())
+        batches = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        assert {e["pid"] for e in batches} == set(range(16)) and all(e["dur"] > 0 for e in batches)
