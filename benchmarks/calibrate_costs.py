@@ -36,6 +36,7 @@ from kernels_bench import time_eager  # noqa: E402  (median of rounds of back-to
 ATTN_ROWS = (1, 8, 32, 128, 256)
 EXPERT_ROWS = (1, 8, 32, 128, 512)
 SAMPLE_ROWS = (1, 8, 32, 128, 256)
+ROUNDS = 5  # timed rounds per point, the median kept (a shared host's other work lands in some rounds)
 NOT_MEASURED = ("send_cpu_us", "overlap_host", "collective_algo", "collective_fixed_us", "collective_send_cpu_us")
 
 
@@ -70,12 +71,6 @@ def build(args):
     return spec, dev, dtype, held, ex
 
 
-def per_call_s(fn, dev: torch.device, iters: int) -> float:
-    """Seconds per call: the median of 5 rounds of `iters` back-to-back calls (a shared host's other work lands in
-    some rounds)."""
-    return time_eager(fn, dev, iters, reps=5)
-
-
 def measure(args) -> dict:
     from runtime.core.kv_cache import BlockAllocator, PagedKVStore
     spec, dev, dtype, held, ex = build(args)
@@ -93,16 +88,16 @@ def measure(args) -> dict:
         def attn_call():
             _, x = ex.attention(0, h, positions, segs, kv)   # the same KV slot rewritten: timing, not serving
             return ex.route(0, x)
-        points["attn"].append((B, per_call_s(attn_call, dev, args.iters)))
+        points["attn"].append((B, time_eager(attn_call, dev, args.iters, ROUNDS)))
     ex.detach(kv)
     for N in EXPERT_ROWS:
         x = torch.randn(N, H, device=dev, dtype=dtype) * 0.5
         ids = [held[i % len(held)] for i in range(N)]
-        points["expert"].append((N, per_call_s(lambda: ex.experts(0, x, ids), dev, args.iters)))
+        points["expert"].append((N, time_eager(lambda: ex.experts(0, x, ids), dev, args.iters, ROUNDS)))
     for B in SAMPLE_ROWS:
         h = torch.randn(B, H, device=dev, dtype=dtype)
-        points["sample"].append((B, per_call_s(lambda: ex.sample_batch(ex.logits(h), [None] * B, [0] * B),
-                                               dev, args.iters)))
+        points["sample"].append((B, time_eager(lambda: ex.sample_batch(ex.logits(h), [None] * B, [0] * B),
+                                               dev, args.iters, ROUNDS)))
     return {"spec": spec, "held": len(held), "points": points}
 
 

@@ -117,18 +117,24 @@ class BenchConfig(_Strict):
 
 def load_config(path: str | Path) -> BenchConfig:
     import yaml
-    from pydantic import ValidationError
     p = Path(path)
     if not p.is_file():
         raise UserError(f"bench config {p} does not exist")
     try:
         data = yaml.safe_load(p.read_text()) or {}
-        return BenchConfig.model_validate(data)
     except yaml.YAMLError as err:
         raise UserError(f"{p}: not valid YAML: {err}") from None
+    return validated(BenchConfig, data, str(p))
+
+
+def validated(model: type[BaseModel], data, source: str):
+    """`model.model_validate(data)`, its errors as one UserError naming `source` and each field."""
+    from pydantic import ValidationError
+    try:
+        return model.model_validate(data)
     except ValidationError as err:
         msgs = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
-        raise UserError(f"{p}: {msgs}") from None
+        raise UserError(f"{source}: {msgs}") from None
 
 
 def check_config(cfg: BenchConfig) -> None:

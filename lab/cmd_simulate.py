@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-import yaml
 
 from graph_ir.errors import UserError
+from graph_ir.files import load_yaml
+from lowering.sizes import dtype_bytes
 
 COSTS = Path(__file__).parent / "costs" / "h200.yaml"
 NAMED_SCENARIOS = ("clean", "slow-nic", "slow-rank")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def named_scenario(name: str, ranks: int, gpus_per_node: int) -> dict:
@@ -50,7 +50,7 @@ def _scenarios(names: list[str], ranks: int, gpus_per_node: int) -> dict:
         if path.suffix in (".yaml", ".yml"):
             if not path.is_file():
                 raise UserError(f"--scenario {path}: no such file")
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = load_yaml(path, "scenario file", max_bytes=None) or {}
             if not isinstance(loaded, dict) or not all(isinstance(v, dict) for v in loaded.values()):
                 raise UserError(f"--scenario {path}: must map scenario names to bench scenario fields")
             out.update(loaded)
@@ -62,24 +62,24 @@ def _scenarios(names: list[str], ranks: int, gpus_per_node: int) -> dict:
 def simulate_config(model: str, spec, ranks: int, gpus_per_node: int, scenarios: list[str], costs: Path,
                     requests_per_rank: int, new_tokens: int, systems: list[str], seed: int = 0):
     """The bench config `simulate` runs."""
-    from lab.bench_config import BenchConfig
+    from lab.bench_config import BenchConfig, CostConfig, validated
     if not costs.is_file():
         raise UserError(f"--costs {costs}: no such file")
-    cost = yaml.safe_load(costs.read_text()) or {}
+    cost = validated(CostConfig, load_yaml(costs, "cost profile", max_bytes=None) or {}, f"--costs {costs}")
     named = _scenarios(scenarios, ranks, gpus_per_node)
     clean = "clean" if "clean" in named else next(iter(named))
-    return BenchConfig.model_validate({
+    return validated(BenchConfig, {
         "name": f"simulate {model} on {ranks} GPUs ({gpus_per_node} per node)",
         "model": model, "ranks": ranks, "clock": "virtual", "executor": "sim", "seed": seed,
-        "row_bytes": spec.hidden_size * _DTYPE_BYTES[spec.dtype],
+        "row_bytes": spec.hidden_size * dtype_bytes(spec),
         "network": {"gpus_per_node": gpus_per_node},
         "workload": {"lengths": "sharegpt", "max_context": 512, "max_new_tokens": new_tokens,
                      "requests": requests_per_rank * ranks, "rate": 1e9, "decode_only": True},
         "routing": {"kind": "zipf", "s": 1.2, "drift_every": 32},
-        "cost": cost, "systems": systems, "policies": ["defrag"], "baseline": "ag-ep" if "ag-ep" in systems
+        "cost": cost.model_dump(), "systems": systems, "policies": ["defrag"], "baseline": "ag-ep" if "ag-ep" in systems
         else systems[0], "scenarios": named, "clean_scenario": clean, "peak_window_s": 0.05,
         "heatmap_policies": ["defrag"],
-    })
+    }, "simulate")
 
 
 def register(app: typer.Typer) -> None:

@@ -178,6 +178,11 @@ class BandwidthTrace:
 Effect = Bursts | LognormalJitter | BandwidthTrace
 
 
+def transfer_s(nbytes: int, gbps: float) -> float:
+    """Seconds to put `nbytes` on a link of `gbps` Gbit/s (0 on an unbounded one)."""
+    return nbytes * 8.0 / (gbps * 1e9) if math.isfinite(gbps) else 0.0
+
+
 @dataclass(frozen=True)
 class LinkSchedule:
     """Healthy link (latency, bandwidth) plus the disturbances layered on it."""
@@ -191,8 +196,7 @@ class LinkSchedule:
         if src == dst:
             return 0.0
         extra, cap = self.disturbance(src, dst, t)
-        bw = min(self.bandwidth_gbps, cap)
-        return self.latency_s + extra + (nbytes * 8.0 / (bw * 1e9) if math.isfinite(bw) else 0.0)
+        return self.latency_s + extra + transfer_s(nbytes, min(self.bandwidth_gbps, cap))
 
     def disturbance(self, src: int, dst: int, t: float) -> tuple[float, float]:
         """(extra delay in s, bandwidth cap in Gbit/s, inf if none) the effects put on link src -> dst at `t`;

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lab.interference import LinkSchedule
+from lab.interference import LinkSchedule, transfer_s
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,11 @@ class Network:
         extra, cap = self.link.disturbance(src, dst, t)
         ns, nd = topo.node(src), topo.node(dst)
         if ns == nd:
-            return topo.intra_latency_s + extra + _seconds(nbytes, min(topo.intra_gbps, cap))
-        tx = _seconds(nbytes, min(topo.nic_gbps, cap))
+            return topo.intra_latency_s + extra + transfer_s(nbytes, min(topo.intra_gbps, cap))
+        tx = transfer_s(nbytes, min(topo.nic_gbps, cap))
         start = max(t, self.send_free[ns])
         self.send_free[ns] = start + tx
         first = max(start + topo.nic_latency_s + extra, self.recv_free[nd])
         self.recv_free[nd] = first + tx
         return first + tx - t
 
-
-def _seconds(nbytes: int, gbps: float) -> float:
-    return nbytes * 8.0 / (gbps * 1e9) if math.isfinite(gbps) else 0.0

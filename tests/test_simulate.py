@@ -32,6 +32,10 @@ def test_the_config_carries_the_models_rows_the_cost_profile_and_the_network(tmp
     assert list(cfg.scenarios) == ["calm", "storm"] and cfg.clean_scenario == "calm"
     with pytest.raises(UserError, match="no such file"):
         simulate_config("x", spec, 4, 2, ["clean"], tmp_path / "none.yaml", 2, 2, ["streaming"])
+    bad = tmp_path / "bad.yaml"   # a user's profile with a typo: one line naming the file and the field
+    bad.write_text("expert_fixed_us: fast\n")
+    with pytest.raises(UserError, match=r"--costs .*bad.yaml: expert_fixed_us: Input should be a valid number"):
+        simulate_config("x", spec, 4, 2, ["clean"], bad, 2, 2, ["streaming"])
 
 
 def test_a_16_gpu_cluster_runs_through_simulate_and_reports(tmp_path):
