@@ -152,8 +152,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
 
         scaled = _ScaledCost(cost, inter)
         opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks, delay=delay,
-                          trace=cfg.trace_dir is not None,
-                          engine_setup=decode_only if cfg.workload.decode_only else None, batch_log=None)  # the report reads every batch
+                          trace=cfg.trace_dir is not None, engine_setup=decode_only if cfg.workload.decode_only else None,
+                          batch_log=None)  # the report reads every batch
         cluster = Cluster(plan, executor, opts)
         probe.clock = cluster.clock
         for e in cluster.engines:
@@ -219,9 +219,8 @@ class WallSlowRanks:
     `factor` times slower by its own measured batch time (a busy or throttled GPU). The stall spins: a CPU rank
     computing slower holds its core longer, and sleeping would hand the core to the other ranks of an oversubscribed
     host (4 rank processes on 2 cores ran as fast with rank 1 "slow" by sleeping as without). The same rule for every
-    system:
-    the streaming engines get it as RunOptions.engine_setup (in-process and in rank processes; `__call__` wraps
-    the engine's execute), the barrier ranks call `stall` after each compute (lab/barrier_mp.py). The schedule's
+    system: the streaming engines get it as RunOptions.engine_setup (in-process and in rank processes; `__call__`
+    wraps the engine's execute), the barrier ranks call `stall` after each compute (lab/barrier_mp.py). The schedule's
     time is the run's clock (the engine's, or the barrier ranks' common time base). A factor below 1 cannot
     speed real math up and is ignored here. Host-measured: on a CUDA rank the time of an asynchronous launch, so
     for the CPU processes. Picklable (it travels to the rank processes)."""

@@ -6,8 +6,8 @@ buffer of the right size, so
            of plain values, the tensor's shape and dtype) to the receiver's ZeroMQ PULL socket
            (metadata_channel.py; the frame: wire.py; a stray or hostile frame is dropped and counted,
            never fatal);
-  phase 2: it posts the tensor's send; the receiver, on seeing the header, takes a buffer of that shape
-           from a pool (or the engine's `recv_into` target) and posts the matching receive, over gloo
+  phase 2: it posts the tensor's send; the receiver, on seeing the header, makes a buffer of that shape
+           (or takes the engine's `recv_into` target) and posts the matching receive, over gloo
            or our own NCCL pair communicators (tensor_links.py).
 Meta-only messages (tensor None) skip phase 2. Sends to self are handed over locally, no copy.
 
@@ -28,8 +28,8 @@ section 13 item 1). On gloo a receptor thread, so a receive is posted as its hea
 computes: equal tok/s clean (NOTES section 18), and streaming 8.5% faster under 10 ms link bursts in 4 CPU
 processes (session 23, benchmarks/results/session23_gloo_receptor.md: the engine-thread reading was tried and
 measured slower). Gloo: one waiter thread per peer direction completes Work objects (they cannot be polled).
-NCCL: ops record an event the engine thread queries; no waiter threads. A heartbeat thread beats every DEFAULT_HEARTBEAT_S
-(health.py); a peer silent for `peer_timeout_s`, a failed transfer or an abort notice makes `poll()`
+NCCL: ops record an event the engine thread queries; no waiter threads. A heartbeat thread beats every
+DEFAULT_HEARTBEAT_S (health.py); a peer silent for `peer_timeout_s`, a failed transfer or an abort notice makes `poll()`
 raise PeerFailure naming the rank and what this rank was waiting for.
 
 A received tensor is a new buffer (or the engine's `recv_into` target), the engine's to keep: a pool that reused
