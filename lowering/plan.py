@@ -107,9 +107,26 @@ class Placement(_Model):
     expert_rank: list[list[NonNegativeInt]]
     # Per-expert load used by `profile` placement (None for the other policies), per layer.
     load: Optional[list[list[float]]] = None
+    # Expert replicas (issue 33): replicas[layer][e] = the ranks holding a copy of expert e besides its owner
+    # expert_rank[layer][e]. Every copy computes the same function, so the runtime may send a row to any of them.
+    # Empty, and absent from plan.json, when no expert is replicated.
+    replicas: list[list[list[NonNegativeInt]]] = Field(default_factory=list, exclude_if=lambda v: not v)
+    # Disaggregated attention (issue 33): the ranks that run attention and home requests; the others hold experts
+    # only. Empty, and absent from plan.json, when every rank does.
+    attention_ranks: list[NonNegativeInt] = Field(default_factory=list, exclude_if=lambda v: not v)
+
+    def copies(self, layer: int, e: int) -> list[int]:
+        """The ranks holding expert e of `layer`: its owner first, then its replicas."""
+        return [self.expert_rank[layer][e], *(self.replicas[layer][e] if self.replicas else ())]
 
     def experts_on(self, layer: int, rank: int) -> list[int]:
-        return [e for e, r in enumerate(self.expert_rank[layer]) if r == rank]
+        """The experts of `layer` that `rank` holds, replicas included, ascending."""
+        reps = self.replicas[layer] if self.replicas else ()
+        return [e for e, r in enumerate(self.expert_rank[layer]) if r == rank or (reps and rank in reps[e])]
+
+    def homes(self, ranks: int) -> list[int]:
+        """The ranks that run attention and home requests."""
+        return list(self.attention_ranks) or list(range(ranks))
 
     def held_by(self, rank: int) -> list[list[int]]:
         """Per layer, the experts `rank` holds ([] for dense layers): the `experts=` argument of
@@ -117,8 +134,9 @@ class Placement(_Model):
         return [self.experts_on(l, rank) for l in range(len(self.expert_rank))]
 
     def holders(self, layer: int) -> list[int]:
-        """Ranks that hold at least one expert of `layer`, ascending."""
-        return sorted(set(self.expert_rank[layer]))
+        """Ranks that hold at least one expert of `layer` (a replica counts), ascending."""
+        reps = self.replicas[layer] if self.replicas else ()
+        return sorted(set(self.expert_rank[layer]).union(*reps))
 
 
 class QueueEntry(_Model):
