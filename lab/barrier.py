@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional, Sequence
 
 from lab.barrier_rank import Compute, Gather, RankContext, Send, rank_loop
+from lab.static_replicas import static_owners
 from runtime.core.clock import VirtualClock, WallClock
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 from runtime.core.requests import Request
@@ -119,7 +120,8 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
         kvs = [RandomPrefixKV(kv) for kv in kvs]
     admission = Admission(plan.kv.block_size, nblocks, home_policy or plan.placement.home_policy)
     pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)   # next due at the end
-    ctxs = [RankContext(r, R, spec, executor, route, plan.placement.expert_rank, kvs[r], clk, RankMetrics(r),
+    owners = static_owners(plan.placement.expert_rank, plan.placement.replicas, R)
+    ctxs = [RankContext(r, R, spec, executor, route, owners, kvs[r], clk, RankMetrics(r),
                         algo=cost.collective_algo, decode_only=decode_only)
             for r in range(R)]
 

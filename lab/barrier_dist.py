@@ -181,6 +181,8 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
         inner.prepare(kv)
     eos = frozenset(spec.eos_token_ids)
     k = spec.experts.top_k
+    if plan.placement.replicas:  # (the padded global batch has no home per row to choose a copy by)
+        raise ValueError("the torch.distributed barrier baselines take no expert replicas; run them without --replicas")
     owners = [torch.tensor(plan.placement.expert_rank[l], dtype=torch.int64) for l in range(spec.num_layers)]
     probe = new_probe(inner, spec, job.exec.dtype)
     delay_s = [0.0]

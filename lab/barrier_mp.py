@@ -60,6 +60,7 @@ def barrier_rank_main(env, job: BarrierJob):
 def _serve(me: int, R: int, job: BarrierJob, tr):
     from models.weights import load_weights
     from lab.barrier_rank import Compute, Gather, Idle, RankContext, Send, rank_loop
+    from lab.static_replicas import static_owners
     from runtime.executors.torch_executor import TorchExecutor
     from runtime.core.kv_cache import BlockAllocator, PagedKVStore
     from runtime.observability.metrics import BatchRecord, RankMetrics
@@ -81,7 +82,8 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
     done: list = []
     route = (lambda layer, x, s, p: executor.route(layer, x)) if job.router is None else job.router
     ctx = RankContext(me, R, spec, executor, route,
-                      plan.placement.expert_rank, kv, None, RankMetrics(me), algo=job.algo)
+                      static_owners(plan.placement.expert_rank, plan.placement.replicas, R), kv, None, RankMetrics(me),
+                      algo=job.algo)
 
     def start(req, now):
         if not kv.reserve(req.rid, req.kv_tokens):

@@ -81,7 +81,7 @@ class RankContext:
     spec: object
     executor: object
     router: Callable
-    expert_rank: list[list[int]]
+    owners: list  # per layer, int64 [R, E]: the rank home h sends expert e's rows to (lab/static_replicas.py)
     kv: PagedKVStore
     clock: object
     metrics: RankMetrics
@@ -153,7 +153,7 @@ def rank_loop(ctx: RankContext, mode: str) -> Generator[Op, object, None]:
             else:
                 h_res = x = None
                 dt = 0.0
-            if not ctx.expert_rank[layer]:
+            if not ctx.owners[layer].numel():
                 if T:
                     y, dt2 = _timed(ex.dense_mlp, layer, x)
                     h, dt = h_res + y, dt + dt2
@@ -285,8 +285,8 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
             idss.append(torch.tensor(a.meta["ids"], dtype=torch.int64).reshape(-1, ids.shape[1]))
             ws.append(torch.tensor(a.meta["w"], dtype=torch.float32).reshape(-1, ids.shape[1]))
     x_all, ids_all, w_all = torch.cat(xs), torch.cat(idss), torch.cat(ws)
-    owner = torch.tensor(ctx.expert_rank[layer], dtype=torch.int64)
-    mine = (owner[ids_all] == me).nonzero()              # (token, slot) pairs, row-major = slot order
+    home = torch.repeat_interleave(torch.arange(R), torch.tensor(counts))  # each row's home rank
+    mine = (ctx.owners[layer][home[:, None], ids_all] == me).nonzero()  # (token, slot) pairs, row-major = slot order
     t_idx, s_idx = mine[:, 0], mine[:, 1]
     dev = x_all.device  # rows stay on the executor's device; routing metadata is on the host
     t0 = time.perf_counter()
@@ -308,7 +308,7 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
 def _a2a_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared, counts):
     """All-to-all dispatch and combine. Returns h_next of this rank's rows."""
     R, me, ex = ctx.world_size, ctx.rank, ctx.executor
-    owner = torch.tensor(ctx.expert_rank[layer], dtype=torch.int64)
+    owner = ctx.owners[layer][me]
     ids = ids.cpu()  # routing is host metadata (a no-op for the executors' CPU tensors)
     k = ids.shape[1]
     own = owner[ids] if ids.numel() else torch.zeros(0, k, dtype=torch.int64)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import atexit
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -53,6 +53,7 @@ from runtime.core.expert_wire import decode_ids, decode_tags, id_dtype
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 from runtime.core.merge import MergeTable
 from runtime.core.queues import AttnItem, MuQueue
+from runtime.core.replica_choice import ReplicaChoice
 from runtime.core.requests import Request
 from runtime.core.routed_rows import use_device_routing
 from runtime.core.sample_stage import SampleStage
@@ -90,6 +91,7 @@ class EngineConfig:
     eos_token_ids: frozenset = frozenset()
     max_position: int = 1 << 30
     dispatch: Optional[str] = None  # the plan's ("host" / "device"; None: not recorded); the dispatch option overrides
+    replicas: list = field(default_factory=list)  # [layer][expert] -> further ranks holding a copy ([]: none)
 
 
 def config_from_plan(plan, rank: int, num_blocks: Optional[int] = None) -> EngineConfig:
@@ -103,7 +105,7 @@ def config_from_plan(plan, rank: int, num_blocks: Optional[int] = None) -> Engin
                         block_size=plan.kv.block_size,
                         num_blocks=num_blocks if num_blocks is not None else plan.kv.num_blocks[rank],
                         eos_token_ids=frozenset(spec.eos_token_ids), max_position=spec.max_position,
-                        dispatch=plan.cluster.dispatch)
+                        dispatch=plan.cluster.dispatch, replicas=plan.placement.replicas)
 
 
 class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
@@ -135,7 +137,12 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         self.merge = MergeTable(k, self._whole_groups())
         # expert -> rank per layer as an array, for dispatching a whole batch at once
         self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
-        self._owners = [np.unique(er).tolist() for er in self._expert_rank]  # ranks holding each layer's experts
+        # ranks holding each layer's experts (replicas included)
+        self._owners = [sorted(set(er).union(*(cfg.replicas[l] if cfg.replicas else ()))) for l, er in
+                        enumerate(cfg.expert_rank)]
+        # replicated experts: the copy each batch's rows go to is chosen at dispatch (runtime/core/replica_choice.py)
+        self._replica = ReplicaChoice(cfg.expert_rank, cfg.replicas, cfg.rank, cfg.world_size) if cfg.replicas \
+            else None
         warm_up_dispatch()  # numba: load (or compile) now, not in the first timed batch
         self._id_dtype = id_dtype(max((len(er) for er in cfg.expert_rank), default=1))  # expert ids on the wire
         self.requests: dict[int, Request] = {}  # live requests homed here
@@ -171,6 +178,8 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         own, capable = executor.route_on_device, executor.supports_device_routing
         self.device_routed = own if own is not None else use_device_routing(cfg.dispatch == "device" and capable)
         self.dispatch_name = "device-routed" if self.device_routed else "host-routed"  # (run summaries say which)
+        if self.device_routed and self._replica is not None:  # (its kernels mask the experts by one owner)
+            raise ValueError("expert replicas need dispatch=host")
         if self.device_routed and not capable:
             raise ValueError(f"dispatch=device needs an executor that runs experts_routed(); "
                              f"{type(executor).__name__} does not (use dispatch=host)")
@@ -284,6 +293,8 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             self._enqueue_routed(meta["layer"], meta["home"], tensor, meta["rows"][0], meta.get("more", 0.0),
                                  "d" in meta)
         elif t == MSG_EXPERT_OUT:
+            if self._replica is not None:
+                self._replica.returned(src, meta["rows"], self.clock.now())
             self._merge_rows(meta["rows"], tensor, meta.get("landed", False))  # array or run form
         elif self.on_control is not None:
             self.on_control(src, meta, tensor)

@@ -71,8 +71,12 @@ class ExpertDispatch:
         # this order (tags = positions), so each message's outputs come back as one contiguous range.
         # The order, its inverse and the merge's packed device inputs come from one compiled call.
         T, k = ids.shape
-        plan = plan_dispatch(ids, weights, self._expert_rank[layer], self.cfg.world_size)
+        replica = self._replica
+        owner = self._expert_rank[layer] if replica is None else replica.owners(layer, ids, self.clock.now())
+        plan = plan_dispatch(ids, weights, owner, self.cfg.world_size)
         g = open_group(weights, plan=plan)
+        if replica is not None:
+            replica.sent(g.gid, self.clock.now())
         tm.lap("order+merge_open")
         x = rows_of(out["x"])
         tag0 = g.gid << TAG_SHIFT  # the tag of dispatch position p is tag0 + p
@@ -188,6 +192,8 @@ class ExpertDispatch:
                 part = torch.cat([y[a:b] for a, b, _ in parts])
                 rows = encode_tags(np.concatenate([it.tag for _, _, it in parts]))
             if dst == self.rank:
+                if self._replica is not None:
+                    self._replica.returned(dst, rows, self.clock.now())
                 self._merge_rows(rows, part, batch.out.get("landed", False))  # (landed: the batch's only part)
             else:
                 self.transport.send(dst, {"t": MSG_EXPERT_OUT, "layer": layer, "rows": rows}, part)

@@ -1,0 +1,60 @@
+"""Which copy of a replicated expert a home sends its rows to: chosen per batch, at dispatch, from live state.
+
+`dataflow compile --replicas` puts copies of some experts on further ranks (lowering/plan.py Placement.replicas);
+every copy computes the same function, so a row may go to any of them and the tokens do not change. A barrier EP
+picks copies statically (EPLB); a barrier-free home can see where its rows are slow to come back right now.
+
+The rule. A home measures, per rank, how long its rows take to come back from there: dispatch to merge, an
+exponential average over its recent dispatches (`turnaround`). That one number holds the link's delay both ways
+and the queue and compute at the holder, so a slow link and a busy GPU look alike: slow. For each replicated
+expert of a batch the copy with the least turnaround wins; ties go to this rank (no link), then to the lower rank.
+A rank not measured yet counts as 0, so every copy gets tried; an estimate halves every HALF_LIFE_S without a new
+measurement, so a link that recovered gets rows again. Experts without copies go to their owner, as without
+replicas.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.core.merge import TAG_SHIFT
+
+ALPHA = 0.3  # weight of the newest measurement in the average
+HALF_LIFE_S = 0.02  # an unrefreshed estimate halves this often (the bench's link bursts last a few ms per 20 ms)
+_SLOTS = 1 << 16  # dispatch times kept by merge-group id (a group lives far shorter than 65k dispatches)
+
+
+class ReplicaChoice:
+    def __init__(self, expert_rank: list[list[int]], replicas: list[list[list[int]]], rank: int, world: int) -> None:
+        self.rank = rank
+        self.owner = [np.asarray(er, dtype=np.int64) for er in expert_rank]
+        # per layer: the replicated experts and their copies (owner first); layers without copies are absent
+        self.copies: dict[int, list[tuple[int, list[int]]]] = {}
+        for layer, reps in enumerate(replicas):
+            held = [(e, [int(expert_rank[layer][e]), *r]) for e, r in enumerate(reps) if r]
+            if held:
+                self.copies[layer] = held
+        self.turnaround = np.zeros(world)  # seconds
+        self.measured_at = np.zeros(world)
+        self._sent_at = np.zeros(_SLOTS)
+
+    def owners(self, layer: int, ids: np.ndarray, now: float) -> np.ndarray:
+        """The expert -> rank table for one batch of routed ids [T, k] (the owner table where nothing is replicated)."""
+        held = self.copies.get(layer)
+        if held is None:
+            return self.owner[layer]
+        est = self.turnaround * 0.5 ** ((now - self.measured_at) / HALF_LIFE_S)
+        owner = self.owner[layer].copy()
+        for e, ranks in held:
+            owner[e] = min(ranks, key=lambda r: (est[r], r != self.rank, r))
+        return owner
+
+    def sent(self, gid: int, now: float) -> None:
+        """Merge group `gid` was dispatched now."""
+        self._sent_at[gid % _SLOTS] = now
+
+    def returned(self, rank: int, rows, now: float) -> None:
+        """Rows of a merge group (their tags' wire form: runtime/core/expert_wire.py) came back from `rank`."""
+        first = rows[0] if type(rows) is tuple else int(rows[0])
+        took = now - self._sent_at[(first >> TAG_SHIFT) % _SLOTS]
+        self.turnaround[rank] += ALPHA * (took - self.turnaround[rank])
+        self.measured_at[rank] = now

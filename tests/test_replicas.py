@@ -1,0 +1,116 @@
+"""Expert replicas at run time: the copy a home sends its rows to is chosen per batch from live state
+(runtime/core/replica_choice.py), and any choice keeps the reference tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lab.barrier import run_barrier
+from lab.chaos import ChaosDelays
+from lab.static_replicas import static_owners
+from lowering.plan import compile_plan
+from runtime.core.replica_choice import ReplicaChoice
+from runtime.core.scheduler import POLICIES
+from runtime.drivers.cluster import RunOptions, run_workload
+from runtime.drivers.multiproc import run_workloads_multiprocess
+from runtime.executors.torch_executor import TorchExecutor
+from test_runtime import HELD, assert_matches_reference, jitter, make_requests, model
+
+NAME = "tiny-mixtral"
+
+
+def replicated(ranks: int, every: bool, **compile_kw):
+    """A plan whose experts all have a copy on every rank (every=True) or with E/2 copies per layer (a partial
+    replication: some rows must still cross)."""
+    spec, _, _ = model(NAME)
+    kw = dict(attn_cap=16, block_size=4) | compile_kw
+    E = spec.experts.num_experts
+    plan = compile_plan(spec, ranks, replicas=E * (ranks - 1) if every else E // 2, **kw)
+    for layer in spec.moe_layers:
+        for e in range(spec.experts.num_experts):
+            copies = plan.placement.copies(layer, e)
+            assert len(copies) == len(set(copies))
+            assert not every or sorted(copies) == list(range(ranks))
+    return plan
+
+
+def test_the_rule_sends_rows_to_the_copy_with_the_least_outstanding_rows():
+    # 3 ranks, layer 0: expert 0 on rank 1 with a copy on 2; expert 1 on rank 0, not replicated
+    rc = ReplicaChoice([[1, 0]], [[[2], []]], rank=0, world=3)
+    ids = np.array([[0, 1], [0, 1]])
+    assert rc.owners(0, ids).tolist() == [1, 0]  # a tie: the lower rank (neither is this rank)
+    rc.sent(np.array([0, 5, 0]))  # 5 rows outstanding at rank 1
+    assert rc.owners(0, ids).tolist() == [2, 0]
+    rc.returned(1, 5)
+    assert rc.owners(0, ids).tolist() == [1, 0]
+    # rows planned in this batch count too: two replicated experts of one batch spread over the copies
+    rc = ReplicaChoice([[1, 1]], [[[0], [0]]], rank=0, world=2)
+    assert sorted(rc.owners(0, np.array([[0, 1], [0, 1]])).tolist()) == [0, 1]
+    # ties go to this rank (no link), and a layer without copies keeps its owner table as it is
+    rc = ReplicaChoice([[1], [1]], [[[0]], []], rank=0, world=2)
+    assert rc.owners(0, np.array([[0]])).tolist() == [0]
+    assert rc.owners(1, np.array([[0]])) is rc.owner[1]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES) + HELD[:1])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_replicas_keep_the_reference_tokens_in_process(ranks, policy):
+    spec, w, _ = model(NAME)
+    for every in (True, False):
+        reqs = make_requests(spec.vocab_size, 8, seed=ranks * 7 + len(policy))
+        res = run_workload(replicated(ranks, every), reqs,
+                           RunOptions(policy=policy, kv_blocks=128, clock="virtual", delay=jitter(2e-4)),
+                           weights=w)
+        assert assert_matches_reference(NAME, res.requests) > 10
+
+
+def test_live_choice_routes_around_a_slow_link():
+    """2 ranks, every expert on both: with the link 1 -> 0 slow, home 1 keeps its rows at home, and so sends fewer
+    rows over it than without replicas (where half of them must cross)."""
+    spec, w, _ = model(NAME)
+
+    def slow(src, dst, meta, nbytes, rng):
+        return 5e-3 if src == 1 else 1e-5
+
+    sent = {}
+    for name, plan in (("plain", compile_plan(spec, 2, attn_cap=16, block_size=4)), ("replicas", replicated(2, True))):
+        res = run_workload(plan, make_requests(spec.vocab_size, 8, seed=5), RunOptions(kv_blocks=128, clock="virtual",
+                                                                       delay=slow), weights=w)
+        assert assert_matches_reference(NAME, res.requests) > 10
+        sent[name] = res.metrics["messages"]
+    assert sent["replicas"] < sent["plain"]
+
+
+def test_replicas_keep_the_reference_tokens_in_rank_processes_under_chaos():
+    spec, _, _ = model(NAME)
+    plan = replicated(3, False)
+    wl = [(make_requests(spec.vocab_size, 6, seed=40 + i), RunOptions(policy=p, kv_blocks=128))
+          for i, p in enumerate(sorted(POLICIES))]
+    results = run_workloads_multiprocess(plan, wl, chaos=ChaosDelays(seed=4, max_delay_s=0.003, probability=0.5),
+                                         timeout=80)
+    for res, (reqs, _) in zip(results, wl):
+        assert all(r.done for r in reqs)
+        assert assert_matches_reference(NAME, res.requests) > 10
+
+
+def test_replicas_refuse_the_device_routed_dispatch():
+    spec, _, _ = model(NAME)
+    with pytest.raises(Exception, match="dispatch"):
+        compile_plan(spec, 2, replicas=2, dispatch="device")
+
+
+@pytest.mark.parametrize("mode", ["ag", "a2a"])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_barrier_baselines_with_static_replicas_keep_the_reference_tokens(ranks, mode):
+    """The barrier baselines get the same replicas, chosen statically (lab/static_replicas.py)."""
+    spec, w, _ = model(NAME)
+    for every in (True, False):
+        reqs = make_requests(spec.vocab_size, 6, seed=ranks, max_prompt=8)
+        res = run_barrier(replicated(ranks, every), TorchExecutor(spec, w), reqs, mode, kv_blocks=128)
+        assert assert_matches_reference(NAME, res.requests) > 10
+
+
+def test_static_replicas_prefer_the_homes_own_copy_then_spread():
+    # 3 ranks, one layer: expert 0 on rank 0 with a copy on 1, expert 1 on rank 2 alone
+    table = static_owners([[0, 2]], [[[1], []]], 3)[0]
+    assert table.tolist() == [[0, 2], [1, 2], [0, 2]]  # home 2 holds no copy of expert 0: copy 2 mod 2 = rank 0
