@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from graph_ir.errors import UserError
 from lab.arrivals import PoissonArrivals, sample_requests
-from lab.bench_config import BARRIER_SYSTEMS, STREAMING, BenchConfig, check_config
+from lab.bench_config import BARRIER_SYSTEMS, STREAMING, BenchConfig, check_config, split_system
 from lab.decode_only import decode_only
 from runtime.executors.cost_model import CostModel
 from lab.interference import Interference, from_config
@@ -120,6 +120,7 @@ def _router(cfg: BenchConfig, spec):
 def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Request], router,
              inter: Interference) -> RunRecord:
     """Run one (system, policy, scenario) on fresh copies of the requests; the raw record."""
+    system = split_system(cell.system)[0]
     reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
             for q in requests]
     probe = _Probe()
@@ -132,7 +133,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         key = f"{src}->{dst}"
         probe.link_bytes[key] = probe.link_bytes.get(key, 0) + nbytes
 
-    if cell.system == STREAMING:
+    if system == STREAMING:
         from runtime.drivers.cluster import Cluster, RunOptions
 
         host_free = [0.0] * cfg.ranks     # when each rank's host is done issuing its previous sends
@@ -168,7 +169,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         max_q = res.metrics.get("max_queue_delay_s")
     else:
         from lab.barrier import run_barrier
-        res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[cell.system], clock=cfg.clock, cost_model=cost,
+        res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[system], clock=cfg.clock, cost_model=cost,
                           router=router, link_delay=link_delay, compute_scale=inter.compute_scale,
                           kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
         probe.link_bytes = res.link_bytes
@@ -177,7 +178,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
     batches = [BatchRecord(b.rank, b.kind, b.layer, b.rows, b.t_start, b.t_end) for m in ranks for b in m.batches]
     records = [RequestRecord(q.name, q.arrival, list(q.token_times), len(q.prompt), admit=q.t_admit) for q in reqs]
     stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
-    return RunRecord(cell.system, cell.policy if cell.system == STREAMING else "-", cell.scenario, records, batches,
+    return RunRecord(cell.system, cell.policy if system == STREAMING else "-", cell.scenario, records, batches,
                      probe.queue, probe.link_bytes, max_q, stage_names,
                      extra={"unfinished": sum(1 for q in reqs if not q.done)})
 
@@ -272,7 +273,7 @@ class WallLinkDelays:
         return lambda: link.delay(peer, me, 0, time.time() - epoch)
 
 
-def _in_process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenarios: dict, progress, router,
+def _in_process_runs(cfg: BenchConfig, spec, plans: dict, requests: list[Request], scenarios: dict, progress, router,
                      weights=None) -> list[RunRecord]:
     """Every cell of the matrix with all ranks in this process (virtual or wall clock), one executor."""
     if cfg.executor == "sim":
@@ -293,7 +294,8 @@ def _in_process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scen
         if progress:
             progress(i, len(todo), cell, None)
         t0 = time.perf_counter()
-        run = run_cell(cell, cfg, plan, executor, requests, router, scenarios[cell.scenario])
+        run = run_cell(cell, cfg, plans[split_system(cell.system)[1]], executor, requests, router,
+                       scenarios[cell.scenario])
         run.extra["bench_wall_s"] = time.perf_counter() - t0
         run.repeat = cell.repeat
         runs.append(run)
@@ -303,7 +305,7 @@ def _in_process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scen
     return runs
 
 
-def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenarios: dict, progress,
+def _process_runs(cfg: BenchConfig, spec, plans: dict, requests: list[Request], scenarios: dict, progress,
                   router=None) -> list[RunRecord]:
     """The streaming engine in one process per rank (runtime/drivers/multiproc.py), one launch per scenario,
     every policy one workload of that launch; link bursts injected through the transport's chaos hook.
@@ -313,20 +315,21 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
     from runtime.drivers.multiproc import run_workloads_multiprocess
     if cfg.workload.decode_only:
         raise UserError("clock = process: the multi-process driver does not support decode_only yet")
-    barriers = [s for s in cfg.systems if s in BARRIER_SYSTEMS]
-    streaming = STREAMING in cfg.systems
+    barriers = [s for s in cfg.systems if split_system(s)[0] in BARRIER_SYSTEMS]
+    streaming = [s for s in cfg.systems if split_system(s)[0] == STREAMING]
     runs, i = [], 0
-    todo = cfg.repeats * len(scenarios) * ((len(cfg.policies) if streaming else 0) + len(barriers))
-    stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
-    for rnd, (name, inter) in itertools.product(range(cfg.repeats), scenarios.items()):
-        for system in barriers:
+    todo = cfg.repeats * len(scenarios) * (len(cfg.policies) * len(streaming) + len(barriers))
+    stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plans[0].stages]
+    for rnd, (name, inter), system in itertools.product(range(cfg.repeats), scenarios.items(),
+                                                        barriers + streaming):
+        plan = plans[split_system(system)[1]]
+        if system in barriers:
             runs.append(_process_barrier(cfg, plan, requests, system, name, inter, stage_names, router))
             runs[-1].repeat = rnd
             i += 1
             if progress:
                 from lab.report import summarize
                 progress(i, todo, Cell(system, "-", name, rnd), summarize(runs[-1], cfg.peak_window_s))
-        if not streaming:
             continue
         work = []
         for pol in cfg.policies:
@@ -336,7 +339,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
                                           executor_wrapper=None if router is None else RoutedBy(router),
                                           engine_setup=WallSlowRanks(inter) if inter.slow else None)))
         if progress:
-            progress(i, todo, Cell(STREAMING, ",".join(cfg.policies), name, rnd), None)
+            progress(i, todo, Cell(system, ",".join(cfg.policies), name, rnd), None)
         t0 = time.perf_counter()
         results = run_workloads_multiprocess(plan, work, chaos=WallLinkDelays(inter), timeout=600.0)
         wall = time.perf_counter() - t0
@@ -344,7 +347,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
             m = res.metrics
             records = [RequestRecord(q.name, q.arrival, list(q.token_times), len(q.prompt), admit=q.t_admit)
                        for q in res.requests]
-            run = RunRecord(STREAMING, opts.policy, name, records, [], [], {}, m.get("max_queue_delay_s"), stage_names,
+            run = RunRecord(system, opts.policy, name, records, [], [], {}, m.get("max_queue_delay_s"), stage_names,
                             extra={"unfinished": sum(1 for q in res.requests if not q.done), "bench_wall_s": wall,
                                    "expert_mean_batch": m.get("expert_mean_batch"),
                                    "attn_mean_batch": m.get("attn_mean_batch"), "processes": cfg.ranks},
@@ -353,7 +356,7 @@ def _process_runs(cfg: BenchConfig, spec, plan, requests: list[Request], scenari
             i += 1
             if progress:
                 from lab.report import summarize
-                progress(i, todo, Cell(STREAMING, opts.policy, name, rnd), summarize(run, cfg.peak_window_s))
+                progress(i, todo, Cell(system, opts.policy, name, rnd), summarize(run, cfg.peak_window_s))
     return runs
 
 
@@ -364,7 +367,7 @@ def _process_barrier(cfg: BenchConfig, plan, requests: list[Request], system: st
     from runtime.drivers.launch import launch_local
     reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
             for q in requests]
-    job = BarrierJob(plan, BARRIER_SYSTEMS[system], reqs, cfg.kv_blocks, cfg.cost.collective_algo,
+    job = BarrierJob(plan, BARRIER_SYSTEMS[split_system(system)[0]], reqs, cfg.kv_blocks, cfg.cost.collective_algo,
                      WallLinkDelays(inter), router=router, slow=WallSlowRanks(inter) if inter.slow else None)
     t0 = time.perf_counter()
     res = launch_local(cfg.ranks, barrier_rank_main, (job,), timeout=600.0, grace_s=15.0)
@@ -387,7 +390,7 @@ def cells(cfg: BenchConfig) -> list[Cell]:
     out = []
     for sc in cfg.scenarios:
         for system in cfg.systems:
-            for policy in (cfg.policies if system == STREAMING else ["-"]):
+            for policy in (cfg.policies if split_system(system)[0] == STREAMING else ["-"]):
                 out.append(Cell(system, policy, sc))
     return out
 
@@ -399,14 +402,16 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
     check_config(cfg)
     from lowering.plan import compile_plan
     memory = cfg.device_memory_gib if cfg.device_memory_gib or cfg.executor != "sim" else SIM_DEVICE_MEMORY_GIB
-    plan = compile_plan(spec, cfg.ranks, device_memory_gib=memory)
+    # one plan per replica count the systems name (split_system); the same placement otherwise
+    plans = {n: compile_plan(spec, cfg.ranks, device_memory_gib=memory, **({"replicas": n} if n else {}))
+             for n in sorted({split_system(s)[1] for s in cfg.systems} | {0})}
     router = _router(cfg, spec)  # None: the model's own router
     requests = _requests(cfg, spec, base_dir)
     scenarios = {name: from_config(c or {}, name, base_dir) for name, c in cfg.scenarios.items()}
     if cfg.clock == "process":  # every rank process builds its own executor (and the same router)
-        runs = _process_runs(cfg, spec, plan, requests, scenarios, progress, router)
+        runs = _process_runs(cfg, spec, plans, requests, scenarios, progress, router)
     else:
-        runs = _in_process_runs(cfg, spec, plan, requests, scenarios, progress, router, weights)
+        runs = _in_process_runs(cfg, spec, plans, requests, scenarios, progress, router, weights)
     heat = [r for r in runs if r.system == STREAMING and r.policy in cfg.heatmap_policies
             and r.scenario == cfg.clean_scenario and r.repeat == 0]
     env = environment(device="cpu", mode=cfg.clock)
@@ -426,15 +431,17 @@ def targets(results: list[dict], cfg: BenchConfig) -> list[dict]:
     disturbed = [s for s in cfg.scenarios if s != cfg.clean_scenario]
     # every defrag variant of the streaming engine ("defrag", "defrag:hold_fill=...") is checked
     from runtime.core.scheduler import parse_policy
-    defrags = [f"{STREAMING}/{p}" for p in cfg.policies if parse_policy(p)[0] == "defrag"]
+    defrags = [f"{s}/{p}" for s in cfg.systems if split_system(s)[0] == STREAMING
+               for p in cfg.policies if parse_policy(p)[0] == "defrag"]
     for sc in disturbed:
         b = by.get((cfg.baseline, sc))
-        if b and cfg.baseline in BARRIER_SYSTEMS:
+        barrier = split_system(cfg.baseline)[0] in BARRIER_SYSTEMS
+        if b and barrier:
             out.append({"target": f"{cfg.baseline} loses >= 20% of clean tokens/s [{sc}]", "value": b["loss_vs_clean"],
                         "met": b["loss_vs_clean"] is not None and b["loss_vs_clean"] >= 0.20})
         for best in defrags:
             s = by.get((best, sc))
-            if s and b and cfg.baseline in BARRIER_SYSTEMS:
+            if s and b and barrier:
                 out.append({"target": f"{best} >= 1.5x {cfg.baseline} tokens/s [{sc}]",
                             "value": s["ratio_vs_baseline"],
                             "met": s["ratio_vs_baseline"] is not None and s["ratio_vs_baseline"] >= 1.5})

@@ -137,10 +137,19 @@ def validated(model: type[BaseModel], data, source: str):
         raise UserError(f"{source}: {msgs}") from None
 
 
+def split_system(name: str) -> tuple[str, int]:
+    """A system name and the expert replicas its plan is compiled with: "ag-ep+r8" -> ("ag-ep", 8) (dataflow compile
+    --replicas 8: the same copies for every system that names them, each choosing among them its own way),
+    "streaming" -> ("streaming", 0); a malformed suffix gives -1."""
+    base, sep, n = name.partition("+r")
+    return base, (int(n) if n.isdigit() else -1) if sep else 0
+
+
 def check_config(cfg: BenchConfig) -> None:
-    bad = [s for s in cfg.systems if s not in SYSTEMS]
+    bad = [s for s in cfg.systems if split_system(s)[0] not in SYSTEMS or split_system(s)[1] < 0]
     if bad:
-        raise UserError(f"unknown system(s) {bad}; valid: {', '.join(SYSTEMS)}")
+        raise UserError(f"unknown system(s) {bad}; valid: {', '.join(SYSTEMS)}, each optionally with +rN "
+                        f"(its plan compiled with N expert replicas per layer)")
     if cfg.baseline not in cfg.systems:
         raise UserError(f"baseline {cfg.baseline!r} is not among the systems {cfg.systems}")
     if cfg.clean_scenario not in cfg.scenarios:
