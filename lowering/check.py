@@ -95,7 +95,12 @@ def check_plan(plan: Plan) -> None:
         raise _bad("placement.attention_ranks", plan.placement.attention_ranks,
                    f"ascending distinct ranks 0..{R - 1}, or [] for every rank")
 
-    # Queues: one per stage per rank, mirroring the chain; expert lists partition the experts.
+    # Queues: one per stage per rank, mirroring the chain; expert lists partition the experts (and their copies).
+    held_by: dict[tuple[int, int], list[int]] = {}  # (layer, rank) -> experts, once: experts_on per queue is O(E)
+    for layer in spec.moe_layers:
+        for e in range(E):
+            for r in plan.placement.copies(layer, e):
+                held_by.setdefault((layer, r), []).append(e)
     for i, rp in enumerate(plan.ranks):
         if len(rp.queues) != len(stages):
             raise _bad(f"ranks[{i}].queues", _Count(f"{len(rp.queues)} queues"), f"one per stage: {len(stages)}")
@@ -109,7 +114,7 @@ def check_plan(plan: Plan) -> None:
             if q.batch_cap != cap:
                 raise _bad(f"ranks[{i}].queues[{j}].batch_cap", q.batch_cap,
                           f"{cap} (caps.{'expert_rows' if expert else 'attn_tokens'})")
-            held = plan.placement.experts_on(s.layer, i) if expert else []
+            held = held_by.get((s.layer, i), []) if expert else []
             if q.experts != held:
                 raise _bad(f"ranks[{i}].queues[{j}].experts", q.experts,
                           f"{held} (the experts placement.expert_rank[{s.layer}] puts on rank {i})")
