@@ -35,10 +35,8 @@ DUMP_LINES, DUMP_WIDTH = 12, 200  # a dump is for reading: the first items of a 
 
 def section_text(section: object) -> str:
     """A section in a few lines: one JSON line per item (the first DUMP_LINES, each cut at DUMP_WIDTH)."""
-    items: list[BaseModel] = []
-    for x in (section if isinstance(section, (list, tuple)) else [section]):  # (memory: the KV plan, then a list)
-        items.extend(x if isinstance(x, list) else [x])
-    lines = [x.model_dump_json() for x in items]
+    parts = section if isinstance(section, (list, tuple)) else [section]  # (memory: the KV plan, then a list)
+    lines = [x.model_dump_json() for part in parts for x in (part if isinstance(part, list) else [part])]
     cut = [x if len(x) <= DUMP_WIDTH else x[:DUMP_WIDTH] + " ..." for x in lines[:DUMP_LINES]]
     return "\n".join(cut + ([f"... ({len(lines) - DUMP_LINES} more)"] if len(lines) > DUMP_LINES else []))
 
