@@ -13,7 +13,7 @@ import typer
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec, cut_layers, load_spec
 from lowering.plan import DEFAULT_ATTN_CAP
-from lowering.summary import compress_ids
+from lowering.summary import compress_ids, placement_text
 
 GIB = 1024 ** 3
 
@@ -79,6 +79,14 @@ def register(app: typer.Typer) -> None:
                                           help="refuse plans whose ranks cannot cache this many tokens"),
         max_kv_tokens: Optional[int] = typer.Option(None, "--max-kv-tokens",
                                                     help="cap KV tokens per rank (default: all memory left)"),
+        replicas: str = typer.Option("0", "--replicas",
+                                     help="extra expert copies per MoE layer, hottest first by --load-profile, or auto "
+                                          "(as the load asks, within memory); needs --dispatch host"),
+        attention_ranks: Optional[int] = typer.Option(None, "--attention-ranks",
+                                                      help="K: ranks 0..K-1 run attention and home requests, the "
+                                                           "experts go on the other ranks"),
+        dump_after: Optional[str] = typer.Option(None, "--dump-after",
+                                                 help="print the graph or plan section after this lowering pass"),
         layers: Optional[int] = typer.Option(None, "--layers",
                                              help="keep only the first N layers (e.g. GPT-OSS-120B cut to 18 to fit 2 GPUs)"),
     ) -> None:
@@ -109,7 +117,8 @@ def register(app: typer.Typer) -> None:
         plan = compile_plan(spec, ranks, device, device_memory_gib=device_memory, placement=placement,
                             load_profile=load_profile, home_policy=home_policy, block_size=block_size,
                             attn_cap=attn_cap, expert_cap=expert_cap, min_kv_tokens=min_kv_tokens,
-                            max_kv_tokens=max_kv_tokens, dispatch=dispatch, source=source)
+                            max_kv_tokens=max_kv_tokens, dispatch=dispatch, replicas=replicas,
+                            attention_ranks=attention_ranks, dump_after=dump_after, source=source)
         path = save_plan(plan, out)
         _print_summary(plan, path)
         if spec.weights.source == "checkpoint":
@@ -130,7 +139,7 @@ def _print_summary(plan, path: Path) -> None:
     console = Console()
     console.print(f"[bold]{s.name}[/] ({s.family}): {s.num_layers} layers, {s.experts.num_experts} experts "
                   f"top-{s.experts.top_k}, {s.dtype} -> {c.ranks} x {c.device} ({c.device_memory_gib:g} GiB), "
-                  f"{len(plan.stages)} stages, placement {plan.placement.policy}, {c.dispatch}-routed dispatch")
+                  f"{len(plan.stages)} stages, {placement_text(plan)}, {c.dispatch}-routed dispatch")
     table = new_table("rank", "experts/layer", "weights GiB", "KV tokens", "KV blocks", "graphs GiB",
                       right=("rank", "weights GiB", "KV tokens", "KV blocks", "graphs GiB"))
     first = s.moe_layers[0]

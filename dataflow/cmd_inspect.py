@@ -67,23 +67,25 @@ def _section_data(plan, section: str, rank: Optional[int]) -> Any:
             "ranks": [plan.memory[r].model_dump(mode="json") for r in ranks]}
 
 
-def _group_layers(plan) -> list[tuple[list[int], list[int]]]:
-    """MoE layers grouped by identical expert->rank rows (usually one group for all layers)."""
+def _group_layers(plan) -> list[list[int]]:
+    """MoE layers grouped by identical expert->rank rows and replicas (usually one group for all layers)."""
     groups: dict[tuple, list[int]] = {}
+    p = plan.placement
     for layer in plan.spec.moe_layers:
-        groups.setdefault(tuple(plan.placement.expert_rank[layer]), []).append(layer)
-    return [(layers, list(row)) for row, layers in groups.items()]
+        groups.setdefault(repr((p.expert_rank[layer], p.replicas[layer] if p.replicas else [])), []).append(layer)
+    return list(groups.values())
 
 
 def _print_placement(console, plan, rank: Optional[int]) -> None:
     p = plan.placement
     console.print(f"[bold]placement[/]: {p.policy}; home-rank policy {p.home_policy}; "
-                  f"dense layers {plan.spec.dense_layers or 'none'}")
-    for layers, row in _group_layers(plan):
+                  f"dense layers {plan.spec.dense_layers or 'none'}"
+                  + (f"; attention on ranks {compress_ids(p.attention_ranks)}" if p.attention_ranks else ""))
+    for layers in _group_layers(plan):
         cols = ("rank", "experts", "count") + (("load",) if p.load is not None else ())
         table = new_table(*cols, right=("rank", "count", "load"), title=f"MoE layers {compress_ids(layers)}")
         for r in ([rank] if rank is not None else range(plan.cluster.ranks)):
-            held = [e for e, owner in enumerate(row) if owner == r]
+            held = p.experts_on(layers[0], r)  # (replicas included)
             cells = [str(r), compress_ids(held), str(len(held))]
             if p.load is not None:
                 cells.append(f"{sum(p.load[layers[0]][e] for e in held):.3g}")
@@ -170,18 +172,18 @@ PRINTERS = {"placement": _print_placement, "queues": _print_queues, "graphs": _p
 
 
 def write_dot(plan, path: Path, rank: Optional[int]) -> int:
-    """Write the dataflow graph of home `rank` (default: every home) as DOT; returns the node count."""
-    from graph_ir.graph import build_graph, to_dot
+    """Write the dataflow graph after placement as DOT: home `rank`'s subgraph, or every home's while they fit
+    MAX_DOT_NODES, else the compact graph (one node per kind, layer and expert, each showing the ranks that run it).
+    Returns the node count."""
+    from graph_ir.graph import build_graph, per_home, to_dot
+    from lowering.placement import annotate
 
-    homes = [rank] if rank is not None else list(range(plan.cluster.ranks))
-    per_home = sum(2 + plan.spec.experts.num_experts for _ in plan.spec.moe_layers) + \
-        len(plan.spec.dense_layers) + 1
-    if per_home * len(homes) > MAX_DOT_NODES:
-        raise UserError(f"option '--dot': the graph would have {per_home * len(homes)} nodes (more than "
-                        f"{MAX_DOT_NODES}); pick one home rank with --rank R" if rank is None else
-                        f"option '--dot': one home's graph has {per_home} nodes (more than {MAX_DOT_NODES}); "
-                        f"too large to draw")
-    g = build_graph(plan.spec, plan.cluster.ranks, plan.placement.expert_rank, homes=homes)
+    g = build_graph(plan.spec)
+    g.graph["ranks"] = plan.cluster.ranks
+    annotate(g, plan.placement)
+    homes = [rank] if rank is not None else plan.placement.homes(plan.cluster.ranks)
+    if g.number_of_nodes() * len(homes) <= MAX_DOT_NODES or rank is not None:
+        g = per_home(g, homes)
     try:
         path.write_text(to_dot(g))
     except OSError as err:
@@ -199,7 +201,9 @@ def register(app: typer.Typer) -> None:
         rank: Optional[int] = typer.Option(None, "--rank", "-r", help="show only this rank"),
         section: Optional[str] = typer.Option(None, "--section", "-s", help=" | ".join(SECTIONS)),
         as_json: bool = typer.Option(False, "--json", help="print the section (or the whole plan) as JSON"),
-        dot: Optional[Path] = typer.Option(None, "--dot", help="write the dataflow graph as Graphviz DOT here"),
+        dot: Optional[Path] = typer.Option(None, "--dot", help="write the dataflow graph after placement as Graphviz "
+                                                               "DOT here (every home's, --rank's, or when too large "
+                                                               "the compact graph: one node per layer and expert)"),
     ) -> None:
         """Show a compiled plan: placement, mu-queue tables, CUDA graph plans, routes, memory."""
         from rich.console import Console

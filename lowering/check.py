@@ -2,6 +2,7 @@
 compiler bug (AssertionError-like `PlanInvariantError`), never a user mistake."""
 from __future__ import annotations
 
+from graph_ir.graph import build_graph
 from lowering.plan import MAX_RANKS, Plan
 from lowering.queues import build_stages
 
@@ -51,7 +52,7 @@ def check_plan(plan: Plan) -> None:
                   f"one per layer: {spec.num_layers} entries (spec.num_layers)")
 
     # The chain: attn(0..L-1) in order with an expert stage after each MoE layer, then sample, which wraps to attn(0).
-    stages = build_stages(spec)
+    stages = build_stages(build_graph(spec))
     if len(plan.stages) != len(stages):
         raise _bad("stages", _Count(f"{len(plan.stages)} stages"), f"{len(stages)} stages, the chain of spec's "
                   f"{spec.num_layers} layers ({len(spec.moe_layers)} MoE)")
@@ -77,8 +78,29 @@ def check_plan(plan: Plan) -> None:
         for e, r in enumerate(owners):
             if not 0 <= r < R:
                 raise _bad(f"placement.expert_rank[{layer}][{e}]", r, f"a rank 0..{R - 1}")
+    # Replicas: [] (none), or one list per layer ([] for dense) of one list per expert of distinct ranks, not its owner.
+    reps = plan.placement.replicas
+    if reps and len(reps) != spec.num_layers:
+        raise _bad("placement.replicas", _Count(f"{len(reps)} layers"), f"{spec.num_layers} layers, or [] for none")
+    for layer, row in enumerate(reps):
+        if len(row) != len(er[layer]):
+            raise _bad(f"placement.replicas[{layer}]", _Count(f"{len(row)} experts"), f"one list of ranks per expert:"
+                       f" {len(er[layer])} entries" + ("" if er[layer] else " (a dense layer has no experts)"))
+        for e, copies in enumerate(row):
+            if len(set(copies)) != len(copies) or any(not 0 <= r < R or r == er[layer][e] for r in copies):
+                raise _bad(f"placement.replicas[{layer}][{e}]", copies,
+                           f"distinct ranks 0..{R - 1} other than the owner {er[layer][e]}")
+    homes = plan.placement.homes(R)
+    if homes != sorted(set(homes)) or not all(0 <= r < R for r in homes):
+        raise _bad("placement.attention_ranks", plan.placement.attention_ranks,
+                   f"ascending distinct ranks 0..{R - 1}, or [] for every rank")
 
-    # Queues: one per stage per rank, mirroring the chain; expert lists partition the experts.
+    # Queues: one per stage per rank, mirroring the chain; expert lists partition the experts (and their copies).
+    held_by: dict[tuple[int, int], list[int]] = {}  # (layer, rank) -> experts, once: experts_on per queue is O(E)
+    for layer in spec.moe_layers:
+        for e in range(E):
+            for r in plan.placement.copies(layer, e):
+                held_by.setdefault((layer, r), []).append(e)
     for i, rp in enumerate(plan.ranks):
         if len(rp.queues) != len(stages):
             raise _bad(f"ranks[{i}].queues", _Count(f"{len(rp.queues)} queues"), f"one per stage: {len(stages)}")
@@ -92,7 +114,7 @@ def check_plan(plan: Plan) -> None:
             if q.batch_cap != cap:
                 raise _bad(f"ranks[{i}].queues[{j}].batch_cap", q.batch_cap,
                           f"{cap} (caps.{'expert_rows' if expert else 'attn_tokens'})")
-            held = plan.placement.experts_on(s.layer, i) if expert else []
+            held = held_by.get((s.layer, i), []) if expert else []
             if q.experts != held:
                 raise _bad(f"ranks[{i}].queues[{j}].experts", q.experts,
                           f"{held} (the experts placement.expert_rank[{s.layer}] puts on rank {i})")
@@ -104,11 +126,11 @@ def check_plan(plan: Plan) -> None:
         s = stages[route.src_stage]
         holders = plan.placement.holders(s.layer) if route.kind != "local" else []
         if route.kind == "dispatch":
-            _require(route.dst_ranks == holders and route.src_ranks == list(range(R)),
+            _require(route.dst_ranks == holders and route.src_ranks == homes,
                      f"dispatch route of stage {s.id} misses ranks")
             _require(stages[route.dst_stage].kind == "expert", f"dispatch from stage {s.id} not into experts")
         elif route.kind == "combine":
-            _require(route.src_ranks == holders and route.dst_ranks == list(range(R)),
+            _require(route.src_ranks == holders and route.dst_ranks == homes,
                      f"combine route of stage {s.id} misses ranks")
         _require(route.max_message_bytes == (0 if route.kind == "local" else route.max_rows * route.row_bytes),
                  f"route {route.src_stage}->{route.dst_stage}: message bytes disagree with rows")

@@ -5,17 +5,24 @@ attention is data-parallel) plus only the experts placed on it. What is left aft
 graph memory and a batch workspace becomes KV cache, in pages of `block_size` tokens. A rank that
 cannot hold the KV of `min_kv_tokens` tokens cannot serve a request, so the plan is refused with
 the rank, the bytes needed and the bytes available.
+A rank's experts are the expert nodes of the dataflow graph that run on it, replicas included.
+With attention_ranks (disaggregation) every rank is still budgeted the replicated weights and a KV pool, because
+that is what the runtime loads today; trimming attention weights and KV from expert-only ranks is later work.
 """
 from __future__ import annotations
 
-from typing import Optional
+from collections import Counter
+
+import networkx as nx
 
 from graph_ir.errors import UserError
 from graph_ir.spec import ModelSpec
 from lowering import sizes
-from lowering.plan import BatchCaps, CapturePlan, Cluster, KVPlan, Placement, RankMemory
+from lowering.plan import BatchCaps, KVPlan, RankMemory
 
 GIB = 1024 ** 3
+# `--replicas auto` spends at most this share of a rank's device memory on expert copies (lowering/placement.py).
+AUTO_REPLICA_SHARE = 0.1
 
 
 def host_memory_bytes() -> tuple[int, int]:
@@ -54,11 +61,32 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def plan_memory(spec: ModelSpec, placement: Placement, caps: BatchCaps, cluster: Cluster,
-                capture: CapturePlan, block_size: int, min_kv_tokens: int,
-                max_kv_tokens: Optional[int] = None) -> tuple[KVPlan, list[RankMemory]]:
-    """`max_kv_tokens` caps the pages per rank (e.g. a CPU run that should not reserve the whole
+def experts_per_rank(g: nx.DiGraph) -> Counter:
+    """{rank: expert nodes running on it, over all layers}, copies included."""
+    return Counter(r for (kind, _), data in g.nodes(data=True) if kind == "expert" for r in data["ranks"])
+
+
+def replica_room(g: nx.DiGraph) -> dict[int, int]:
+    """{rank: how many more expert copies it may hold} for `--replicas auto`: copies take at most AUTO_REPLICA_SHARE
+    of the device memory, and leave the KV of min_kv_tokens after the weights, the largest rank's CUDA graph memory
+    (a rank's first expert adds expert graphs) and the workspace."""
+    from lowering.capture import plan_capture
+    spec, cluster, opt = g.graph["spec"], g.graph["cluster"], g.graph["options"]
+    b, device = sizes.dtype_bytes(spec), int(cluster.device_memory_gib * GIB)
+    one_expert = sizes.expert_params(spec) * b
+    fixed = sizes.replicated_params(spec) * b + max(plan_capture(g).graph_memory_bytes) \
+        + workspace_bytes(spec, g.graph["caps"]) + opt["min_kv_tokens"] * sizes.kv_bytes_per_token_layer(spec) * spec.num_layers
+    held = experts_per_rank(g)
+    return {r: max(0, min(int(AUTO_REPLICA_SHARE * device), device - fixed - held[r] * one_expert) // one_expert)
+            for r in range(cluster.ranks)}
+
+
+def plan_memory(g: nx.DiGraph) -> tuple[KVPlan, list[RankMemory]]:
+    """Options `max_kv_tokens` caps the pages per rank (e.g. a CPU run that should not reserve the whole
     budget); None fills what is left."""
+    spec, caps, cluster, capture = g.graph["spec"], g.graph["caps"], g.graph["cluster"], g.graph["capture"]
+    opt = g.graph["options"]
+    block_size, min_kv_tokens, max_kv_tokens = opt["block_size"], opt["min_kv_tokens"], opt["max_kv_tokens"]
     b = sizes.dtype_bytes(spec)
     device = int(cluster.device_memory_gib * GIB)
     replicated = sizes.replicated_params(spec) * b
@@ -71,8 +99,9 @@ def plan_memory(spec: ModelSpec, placement: Placement, caps: BatchCaps, cluster:
 
     out: list[RankMemory] = []
     short: list[tuple[int, int, str]] = []  # (need, rank, breakdown) of ranks that do not fit
+    held = experts_per_rank(g)
     for r in range(cluster.ranks):
-        experts = sum(len(placement.experts_on(l, r)) for l in spec.moe_layers) * one_expert
+        experts = held[r] * one_expert
         weights = replicated + experts
         graph = capture.graph_memory_bytes[r]
         left = device - weights - graph - work
@@ -96,7 +125,8 @@ def plan_memory(spec: ModelSpec, placement: Placement, caps: BatchCaps, cluster:
             if others else ""
         # Only experts are spread over ranks: if the replicated part alone does not fit, ranks cannot help.
         fixed = replicated + work + min_tokens * kv_token + max(capture.graph_memory_bytes)
-        hint = ("Use more ranks (--ranks) to spread the experts, or give more memory (--device-memory GiB)."
+        hint = ("Use more ranks (--ranks) to spread the experts, or give more memory (--device-memory GiB)"
+                + (", or fewer --replicas." if g.graph["placement"].replicas else ".")
                 if fixed < device else
                 f"More ranks cannot help: the part every rank holds (attention, embeddings, KV, workspace) "
                 f"already needs {_gib(fixed)}; give more memory (--device-memory GiB) or lower --min-kv-tokens.")

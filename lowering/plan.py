@@ -1,7 +1,7 @@
 """The Plan: the versioned JSON contract between `dataflow compile` and `dataflow run`.
 
-`compile_plan(spec, ranks, ...)` runs the lowering passes in order (each pass is one function in
-its own module) and returns a `Plan`; `save_plan` writes it as PLAN_DIR/plan.json with the
+`compile_plan(spec, ranks, ...)` builds the dataflow graph (graph_ir/graph.py), runs the lowering passes over it
+(lowering/pipeline.py: each pass is one function of the graph) and returns a `Plan`; `save_plan` writes it as PLAN_DIR/plan.json with the
 ModelSpec embedded, so a plan directory alone is enough to run. `load_plan` refuses files written
 by another plan version rather than guessing, because the runtime trusts every field.
 
@@ -105,7 +105,7 @@ class Placement(_Model):
     home_policy: HomePolicy = "most_free_kv"
     # expert_rank[layer][e] = rank holding expert e of that layer; [] for dense layers.
     expert_rank: list[list[NonNegativeInt]]
-    # Per-expert load used by `profile` placement (None for the other policies), per layer.
+    # Per-expert load read from --load-profile (by `profile` placement and replicas; None without one), per layer.
     load: Optional[list[list[float]]] = None
     # Expert replicas (issue 33): replicas[layer][e] = the ranks holding a copy of expert e besides its owner
     # expert_rank[layer][e]. Every copy computes the same function, so the runtime may send a row to any of them.
@@ -253,16 +253,19 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
                  min_kv_tokens: int = DEFAULT_MIN_KV_TOKENS,
                  max_kv_tokens: Optional[int] = None,
                  dispatch: str = "auto",
+                 replicas: int | str = 0,
+                 attention_ranks: Optional[int] = None,
+                 dump_after: Optional[str] = None,
                  source: str = "") -> Plan:
     """Lower `spec` onto `ranks` ranks of `device`. User mistakes raise UserError; the result is
-    validated by `check_plan` before it is returned."""
+    validated by `check_plan` before it is returned.
+    replicas: extra expert copies per MoE layer, or "auto" (lowering/placement.py place_replicas says how many);
+    attention_ranks K: ranks 0..K-1 run attention and home requests, the experts go on ranks K..R-1;
+    dump_after: print the graph or plan section after that pass (lowering/pipeline.py PASS_NAMES)."""
     # Imported here so each pass module can import the plan models without a cycle.
-    from lowering.capture import plan_capture
+    from graph_ir.graph import build_graph
     from lowering.check import check_plan
-    from lowering.memory import plan_memory
-    from lowering.placement import place_experts
-    from lowering.queues import build_queues, build_stages
-    from lowering.routes import plan_routes
+    from lowering.pipeline import PASS_NAMES, run_pipeline
 
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
         raise _options_error("ranks", ranks, f"an integer 1..{MAX_RANKS}")
@@ -275,6 +278,21 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
         raise _options_error("dispatch", dispatch, "auto (device on cuda, host on cpu), host, device")
     if dispatch == "auto":
         dispatch = "device" if device == "cuda" else "host"
+    if dump_after is not None and dump_after not in PASS_NAMES:
+        raise _options_error("dump_after", dump_after, ", ".join(PASS_NAMES))
+    if attention_ranks is not None and (isinstance(attention_ranks, bool) or not isinstance(attention_ranks, int)
+                                        or not 1 <= attention_ranks < ranks):
+        raise _options_error("attention_ranks", attention_ranks, f"an integer 1..{ranks - 1} (fewer than the "
+                             f"{ranks} ranks: the others hold the experts)" if ranks > 1 else "none on 1 rank")
+    if isinstance(replicas, str) and replicas.isdigit():
+        replicas = int(replicas)
+    most = spec.experts.num_experts * (ranks - (attention_ranks or 0) - 1)  # every expert rank holds every expert
+    if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= most):
+        raise _options_error("replicas", replicas, f"auto or an integer 0..{most} (experts x (expert ranks - 1))")
+    if replicas and dispatch == "device":
+        raise UserError(f"option 'replicas': got {replicas!r} with the device-routed dispatch (the default on cuda), "
+                        f"whose kernels take each expert's rows on its one owner; valid: --dispatch host with "
+                        f"replicas, or --replicas 0")
     if expert_cap is None:  # see default_expert_cap
         expert_cap = default_expert_cap(spec, ranks, attn_cap, dispatch)
     if home_policy not in ("most_free_kv", "round_robin"):
@@ -302,15 +320,16 @@ def compile_plan(spec: ModelSpec, ranks: int, device: str = "cpu", *,
         spec = spec.model_copy(update={"dtype": "float32"})
     cluster = Cluster(ranks=ranks, device=device, device_memory_gib=float(device_memory_gib), dispatch=dispatch)
     caps = BatchCaps(attn_tokens=attn_cap, expert_rows=expert_cap)
-    stages = build_stages(spec)
-    place = place_experts(spec, ranks, placement, load_profile, home_policy)
-    rank_plans = build_queues(spec, stages, place, caps, ranks)
-    capture = plan_capture(spec, stages, place, caps, cluster)
-    routes = plan_routes(spec, stages, place, caps, ranks, dispatch)
-    kv, memory = plan_memory(spec, place, caps, cluster, capture, block_size, min_kv_tokens,
-                             max_kv_tokens)
-    plan = Plan(spec=spec, source=source, cluster=cluster, caps=caps, stages=stages, placement=place,
-                ranks=rank_plans, kv=kv, capture=capture, routes=routes, memory=memory)
+    g = build_graph(spec)
+    g.graph.update(ranks=ranks, spec=spec, cluster=cluster, caps=caps, options=dict(
+        placement=placement, load_profile=load_profile, home_policy=home_policy, replicas=replicas,
+        attention_ranks=attention_ranks, block_size=block_size, min_kv_tokens=min_kv_tokens,
+        max_kv_tokens=max_kv_tokens))
+    out = run_pipeline(g, dump_after).graph
+    kv, memory = out["memory"]
+    plan = Plan(spec=spec, source=source, cluster=cluster, caps=caps, stages=out["stages"],
+                placement=out["placement"], ranks=out["queues"], kv=kv, capture=out["capture"], routes=out["routes"],
+                memory=memory)
     check_plan(plan)
     return plan
 

@@ -16,6 +16,14 @@ def compress_ids(ids: list[int]) -> str:
     return ",".join(parts) or "-"
 
 
+def placement_text(plan: Plan) -> str:
+    """'placement contiguous', then the expert replicas and the attention ranks where there are any."""
+    p, moe = plan.placement, plan.spec.moe_layers
+    copies = sum(len(c) for row in p.replicas for c in row)
+    return (f"placement {p.policy}" + (f", {copies} expert replicas over {len(moe)} MoE layers" if copies else "")
+            + (f", attention on ranks {compress_ids(p.attention_ranks)}" if p.attention_ranks else ""))
+
+
 def plan_summary(plan: Plan) -> str:
     s, c = plan.spec, plan.cluster
     moe = s.moe_layers
@@ -26,9 +34,9 @@ def plan_summary(plan: Plan) -> str:
         f"{s.experts.num_experts} experts top-{s.experts.top_k}, attention {s.attention.kind}, {s.dtype}",
         f"stages: {len(plan.stages)} (attn x {s.num_layers}, expert x {len(moe)}, sample); "
         f"caps: attn {plan.caps.attn_tokens} tokens, expert {plan.caps.expert_rows} rows",
-        f"placement: {plan.placement.policy}, home policy {plan.placement.home_policy}",
+        f"{placement_text(plan)}, home policy {plan.placement.home_policy}",
         f"KV: block {plan.kv.block_size} tokens, {plan.kv.bytes_per_token} bytes/token",
-        "per rank: experts (first MoE layer) | weights GiB | KV tokens | KV blocks | graphs",
+        "per rank: experts (first MoE layer, replicas included) | weights GiB | KV tokens | KV blocks | graphs",
     ]
     first = moe[0]
     for m in plan.memory:

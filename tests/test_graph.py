@@ -7,9 +7,10 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from graph_ir.graph import LayerID, build_graph as _build_graph, to_dot
+from graph_ir.graph import LayerID, build_graph as compact_graph, per_home, to_dot
 from graph_ir.spec import load_spec
-from lowering.placement import contiguous
+from lowering.placement import annotate, contiguous
+from lowering.plan import Placement
 
 SPECS = Path(__file__).resolve().parents[1] / "models" / "specs"
 TINY = sorted(p.stem for p in SPECS.glob("tiny*.yaml"))
@@ -19,11 +20,15 @@ NODE_KINDS = ("attention", "expert", "merge", "sample")
 
 
 def build_graph(spec, ranks, placement=None, homes=None):
-    """The graph on `ranks` ranks, experts placed contiguously unless `placement` says, every home unless `homes`."""
+    """The per-home graph on `ranks` ranks (the compact graph placed, then expanded), experts placed contiguously
+    unless `placement` says, every home unless `homes`."""
     if placement is None:
         placement = [contiguous(spec.experts.num_experts, ranks) if spec.is_moe_layer(l) else []
                      for l in range(spec.num_layers)]
-    return _build_graph(spec, ranks, placement, range(ranks) if homes is None else homes)
+    g = compact_graph(spec)
+    g.graph["ranks"] = ranks
+    annotate(g, Placement(expert_rank=placement))
+    return per_home(g, range(ranks) if homes is None else homes)
 
 
 class GraphValidationError(ValueError):
