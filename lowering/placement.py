@@ -141,12 +141,15 @@ def add_copies(owner: list[int], load: list[float], ranks: range, copies: int, l
         held[r] += 1
         rank_load[r] += load[e]
     reps: list[list[int]] = [[] for _ in owner]
-    experts = [(-load[e], e) for e in range(len(owner)) if limit[e] > 0]
+    # equal loads: the owners' first experts first, then their second ones...: in id order, the last owner's experts
+    # came last, when every other rank was full (with a uniform load on 4 ranks, 8 copies gave rank 0 three, rank 3 one)
+    nth = {e: sum(1 for x in owner[:e] if x == owner[e]) for e in range(len(owner))}
+    experts = [(-load[e], nth[e], e) for e in range(len(owner)) if limit[e] > 0]
     free = [(rank_load[r], held[r], r) for r in ranks if room[r] > 0]
     heapq.heapify(experts)
     heapq.heapify(free)
     while experts and free and copies > 0:
-        _, e = heapq.heappop(experts)
+        _, _, e = heapq.heappop(experts)
         skipped = []
         while free and (free[0][2] == owner[e] or free[0][2] in reps[e]):
             skipped.append(heapq.heappop(free))
@@ -158,7 +161,7 @@ def add_copies(owner: list[int], load: list[float], ranks: range, copies: int, l
             if room[r] > 0:
                 heapq.heappush(free, (rank_load[r], held[r], r))
             if len(reps[e]) < limit[e]:
-                heapq.heappush(experts, (-load[e] / (1 + len(reps[e])), e))
+                heapq.heappush(experts, (-load[e] / (1 + len(reps[e])), nth[e], e))
         for x in skipped:
             heapq.heappush(free, x)
     return [sorted(r) for r in reps]

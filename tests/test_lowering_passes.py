@@ -84,9 +84,12 @@ def test_replicas_go_to_the_hottest_experts_on_the_least_loaded_ranks():
     assert sum(m.expert_weight_bytes for m in plan.memory) - sum(b.expert_weight_bytes for b in base.memory) == 6 * one
 
 
-def test_replicas_without_a_profile_copy_the_lowest_ids_and_can_fill_every_rank():
+def test_replicas_without_a_profile_spread_over_the_owners_and_ranks_and_can_fill_every_rank():
+    # 10 experts on 4 ranks (contiguous: 3, 2, 3, 2): the owners' first experts get the first copies
     p = compile_plan(spec(), 4, replicas=2).placement
-    assert [len(c) for c in p.replicas[1]] == [1, 1] + [0] * 8
+    assert [len(c) for c in p.replicas[1]] == [1, 0, 0, 1] + [0] * 6
+    even = compile_plan(spec(), 4, replicas=10).placement  # 20 copies in all: 5 experts per rank
+    assert sorted(len(even.experts_on(1, r)) for r in range(4)) == [5, 5, 5, 5]
     full = compile_plan(spec(), 4, replicas=30).placement  # 10 experts x (4 - 1): every rank holds every expert
     assert all(full.experts_on(1, r) == list(range(10)) for r in range(4))
 

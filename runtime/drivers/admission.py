@@ -53,12 +53,15 @@ def request_from_wire(d: dict) -> Request:
 class Admission:
     """FIFO admission queue with a home-rank policy."""
 
-    def __init__(self, block_size: int, capacity_blocks: list[int], policy: str = "most_free_kv") -> None:
+    def __init__(self, block_size: int, capacity_blocks: list[int], policy: str = "most_free_kv",
+                 homes: Optional[list[int]] = None) -> None:
         if policy not in HOME_POLICIES:
             raise ValueError(f"home policy {policy!r}; valid: {', '.join(HOME_POLICIES)}")
         self.block_size = block_size
         self.capacity = list(capacity_blocks)
         self.policy = policy
+        # the ranks that may home a request (a disaggregated plan's attention ranks: Placement.homes); None: every rank
+        self.homes = None if homes is None else set(homes)
         self._waiting: deque[Request] = deque()
         self._rr = 0
 
@@ -86,7 +89,7 @@ class Admission:
         return None
 
     def pick_home(self, need: int, free_blocks: list[int]) -> Optional[int]:
-        fits = [r for r, f in enumerate(free_blocks) if f >= need]
+        fits = [r for r, f in enumerate(free_blocks) if f >= need and (self.homes is None or r in self.homes)]
         if not fits:
             return None
         if self.policy == "most_free_kv":
