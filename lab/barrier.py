@@ -120,7 +120,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
         kvs = [RandomPrefixKV(kv) for kv in kvs]
     admission = Admission(plan.kv.block_size, nblocks, home_policy or plan.placement.home_policy)
     pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)   # next due at the end
-    owners = static_owners(plan.placement.expert_rank, plan.placement.replicas, R)
+    owners = static_owners(plan.placement, R)
     ctxs = [RankContext(r, R, spec, executor, route, owners, kvs[r], clk, RankMetrics(r),
                         algo=cost.collective_algo, decode_only=decode_only)
             for r in range(R)]

@@ -82,7 +82,7 @@ def _serve(me: int, R: int, job: BarrierJob, tr):
     done: list = []
     route = (lambda layer, x, s, p: executor.route(layer, x)) if job.router is None else job.router
     ctx = RankContext(me, R, spec, executor, route,
-                      static_owners(plan.placement.expert_rank, plan.placement.replicas, R), kv, None, RankMetrics(me),
+                      static_owners(plan.placement, R), kv, None, RankMetrics(me),
                       algo=job.algo)
 
     def start(req, now):

@@ -10,8 +10,12 @@ from __future__ import annotations
 import torch
 
 
-def static_owners(expert_rank: list[list[int]], replicas: list[list[list[int]]], ranks: int) -> list[torch.Tensor]:
-    """Per layer, int64 [ranks, E]: row h is the rank home h sends expert e's rows to ([0, 0] for dense layers)."""
+def static_owners(placement, ranks: int) -> list[torch.Tensor]:
+    """Per layer, int64 [ranks, E]: row h is the rank home h sends expert e's rows to ([0, 0] for dense layers), from
+    a plan's Placement. A barrier EP runs attention on every rank: a disaggregated placement is refused."""
+    if placement.attention_ranks:
+        raise ValueError("the barrier baselines run attention on every rank; compile without --attention-ranks")
+    expert_rank, replicas = placement.expert_rank, placement.replicas
     out = []
     for layer, owners in enumerate(expert_rank):
         table = torch.tensor(owners, dtype=torch.int64).repeat(ranks, 1) if owners else torch.zeros(0, 0)

@@ -8,7 +8,7 @@ import pytest
 from lab.barrier import run_barrier
 from lab.chaos import ChaosDelays
 from lab.static_replicas import static_owners
-from lowering.plan import compile_plan
+from lowering.plan import Placement, compile_plan
 from runtime.core.replica_choice import HALF_LIFE_S, ReplicaChoice
 from runtime.core.scheduler import POLICIES
 from runtime.drivers.cluster import RunOptions, run_workload
@@ -125,5 +125,12 @@ def test_barrier_baselines_with_static_replicas_keep_the_reference_tokens(ranks,
 
 def test_static_replicas_prefer_the_homes_own_copy_then_spread():
     # 3 ranks, one layer: expert 0 on rank 0 with a copy on 1, expert 1 on rank 2 alone
-    table = static_owners([[0, 2]], [[[1], []]], 3)[0]
+    table = static_owners(Placement(expert_rank=[[0, 2]], replicas=[[[1], []]]), 3)[0]
     assert table.tolist() == [[0, 2], [1, 2], [0, 2]]  # home 2 holds no copy of expert 0: copy 2 mod 2 = rank 0
+
+
+def test_barrier_baselines_refuse_a_disaggregated_placement():
+    spec, w, _ = model(NAME)
+    plan = compile_plan(spec, 3, attention_ranks=1)
+    with pytest.raises(ValueError, match="attention on every rank"):
+        run_barrier(plan, TorchExecutor(spec, w), make_requests(spec.vocab_size, 2, seed=1), "ag", kv_blocks=32)
