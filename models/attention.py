@@ -165,13 +165,8 @@ def _decode_batch(segments: Sequence[Segment], T: int) -> Optional[tuple]:
 def split_one_row(segments: Sequence[Segment]) -> tuple[list[tuple[int, int]], list]:
     """([(seq id, row)] of the one-row segments whose sequence has no other segment in the batch, [the others])."""
     count = Counter(seq_id for seq_id, _, _ in segments)
-    one, rest = [], []
-    for seg in segments:
-        if seg[2] == 1 and count[seg[0]] == 1:
-            one.append((seg[0], seg[1]))
-        else:
-            rest.append(seg)
-    return one, rest
+    alone = [n == 1 and count[seq_id] == 1 for seq_id, _, n in segments]
+    return [(s[0], s[1]) for s, a in zip(segments, alone) if a], [s for s, a in zip(segments, alone) if not a]
 
 
 def _linear(x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:

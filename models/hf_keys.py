@@ -39,13 +39,11 @@ def check_unread(data: dict, read: set[str], family: str, source: str) -> list[s
     """UserError for a forward-pass key the family's mapping did not read; the other unread keys, sorted."""
     from graph_ir.errors import UserError
 
-    ignored = []
-    for key in sorted(set(data) - read):
+    unread = sorted(set(data) - read)
+    for key in unread:
         value = data[key]
         if key in FORWARD_KEYS and value is not None and value not in FORWARD_KEYS[key]:
             raise UserError(f"{source}: '{key}' = {value!r} changes the forward pass, and dataflow's {family} "
                             f"mapping (like transformers' {family}) has no such setting; the config and its "
                             f"'architectures' disagree")
-        if key not in _BOOKKEEPING:
-            ignored.append(key)
-    return ignored
+    return [key for key in unread if key not in _BOOKKEEPING]

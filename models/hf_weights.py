@@ -21,6 +21,7 @@ of other experts are shape-checked from the header and skipped; fused tensors ar
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -169,15 +170,11 @@ class SafetensorsDir:
         """Rows `rows` (sorted) of dim 0 of tensor `name`, reading only those: one slice per run of
         consecutive rows (a contiguous placement reads one range per rank)."""
         sl = self._handle(name).get_slice(name)
-        runs: list[tuple[int, int]] = []
-        for r in rows:
-            if runs and runs[-1][1] == r:
-                runs[-1] = (runs[-1][0], r + 1)
-            else:
-                runs.append((r, r + 1))
-        if not runs:
+        if not rows:
             return sl[0:0]  # no expert of this layer held here: zero rows, same trailing dims
-        parts = [sl[a:b] for a, b in runs]
+        # a run of consecutive rows has one row - index for all of its rows
+        runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(rows), lambda p: p[1] - p[0])]
+        parts = [sl[run[0]:run[-1] + 1] for run in runs]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -53,14 +53,6 @@ class RankMetrics:
     kinds: dict = field(default_factory=dict)
     batch_log: Optional[int] = None  # None: keep every record (finite studies); an engine passes BATCH_LOG
 
-    def _count(self, rec: BatchRecord) -> None:
-        k = self.kinds.get(rec.kind)
-        if k is None:
-            k = self.kinds[rec.kind] = [0, 0, 0.0]
-        k[0] += 1
-        k[1] += rec.rows
-        k[2] += rec.t_end - rec.t_start
-
     @property
     def batch_count(self) -> int:
         return sum(k[0] for k in self.kinds.values())
@@ -75,16 +67,21 @@ class RankMetrics:
             if w > self.max_queue_delay:
                 self.max_queue_delay = w
         self.batches.append(rec)
-        self._count(rec)
+        k = self.kinds.setdefault(rec.kind, [0, 0, 0.0])
+        k[0] += 1
+        k[1] += rec.rows
+        k[2] += rec.t_end - rec.t_start
         if self.batch_log is not None and len(self.batches) > 2 * self.batch_log:
             del self.batches[:len(self.batches) - self.batch_log]
 
 
+def _rank(n: int, p: float) -> int:
+    """The index of percentile `p` among `n` sorted samples (n > 0)."""
+    return min(n - 1, max(0, round(p / 100 * (n - 1))))
+
+
 def _pct(sorted_vals: list[float], p: float) -> float:
-    if not sorted_vals:
-        return 0.0
-    i = min(len(sorted_vals) - 1, max(0, round(p / 100 * (len(sorted_vals) - 1))))
-    return sorted_vals[i]
+    return sorted_vals[_rank(len(sorted_vals), p)] if sorted_vals else 0.0
 
 
 class Distribution:
@@ -122,7 +119,7 @@ class Distribution:
             return _pct(sorted(self._all), p)
         if not self.n:
             return 0.0
-        want = min(self.n - 1, max(0, round(p / 100 * (self.n - 1))))
+        want = _rank(self.n, p)
         seen = 0
         for k in sorted(self._hist):
             seen += self._hist[k]
@@ -184,14 +181,12 @@ def summarize(requests: list, per_rank: list[RankMetrics], elapsed: float, stats
     out = {"requests": len(requests), "finished": st.finished,
            "tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
     for kind in ("attn", "expert", "sample"):
-        n = sum(m.kinds.get(kind, (0, 0, 0.0))[0] for m in per_rank)
-        rows = sum(m.kinds.get(kind, (0, 0, 0.0))[1] for m in per_rank)
+        n, rows = (sum(m.kinds.get(kind, (0, 0, 0.0))[i] for m in per_rank) for i in (0, 1))
         out[f"{kind}_batches"] = n
         out[f"{kind}_mean_batch"] = rows / n if n else 0.0
     out["batches"] = sum(m.batch_count for m in per_rank)
-    out["attn_small_remainders"] = sum(m.attn_small_remainders for m in per_rank)
-    out["attn_capped_decode"] = sum(m.attn_capped_decode for m in per_rank)
-    out["prompt_yields"] = sum(m.prompt_yields for m in per_rank)
+    for name in ("attn_small_remainders", "attn_capped_decode", "prompt_yields"):
+        out[name] = sum(getattr(m, name) for m in per_rank)
     items = sum(m.queued_items for m in per_rank)
     out["max_queue_delay_s"] = max((m.max_queue_delay for m in per_rank), default=0.0)
     out["mean_queue_delay_s"] = sum(m.queue_delay_sum for m in per_rank) / items if items else 0.0

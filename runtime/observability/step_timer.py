@@ -25,11 +25,9 @@ class StepTimer:
         if self.enabled:
             now = time.perf_counter()
             dt = now - self.t0
-            recent = self.steps.get(step)
-            if recent is None:
-                recent = self.steps[step] = deque(maxlen=SAMPLES)
-                self.totals[step] = [0, 0.0]
-            recent.append(dt)
+            if step not in self.steps:
+                self.steps[step], self.totals[step] = deque(maxlen=SAMPLES), [0, 0.0]
+            self.steps[step].append(dt)
             tot = self.totals[step]
             tot[0] += 1
             tot[1] += dt

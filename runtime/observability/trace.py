@@ -47,11 +47,9 @@ class TraceRecorder:
                          "args": rec})
 
     def to_chrome(self, world_size: int) -> dict:
-        meta = []
-        for r in range(world_size):
-            meta.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
-            meta.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "batches"}})
-            meta.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1, "args": {"name": "scheduler"}})
+        meta = [{"name": name, "ph": "M", "pid": r, **tid, "args": {"name": label}} for r in range(world_size)
+                for name, tid, label in (("process_name", {}, f"rank {r}"), ("thread_name", {"tid": 0}, "batches"),
+                                         ("thread_name", {"tid": 1}, "scheduler"))]
         keep = self.keep_batches
         other = {"ring": f"the latest batches only: {keep} to {2 * keep} per recorder (one per rank process; one for "
                          f"all ranks of an in-process run) (runtime/observability/trace.py)"}

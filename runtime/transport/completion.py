@@ -51,10 +51,8 @@ def summary(meta: Any, limit: int = 160) -> str:
 
 def describe(item: Item) -> str:
     """What a failure message says about an outstanding item: which transfer, its tensor and its meta."""
-    if item.is_send:
-        what = f"completion of send #{item.seq} to rank {item.peer}"
-    else:
-        what = f"the tensor of message #{item.seq} from rank {item.peer}"
+    what = (f"completion of send #{item.seq} to rank {item.peer}" if item.is_send
+            else f"the tensor of message #{item.seq} from rank {item.peer}")
     t = item.tensor
     shape = f"{tuple(t.shape)} {str(t.dtype)[6:]}" if t is not None else "no tensor"
     return f"{what} ({shape}, meta {summary(item.meta)})"

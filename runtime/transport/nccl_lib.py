@@ -63,16 +63,13 @@ def decode_version(code: int) -> tuple[int, int, int]:
 
 def candidate_paths() -> list[str]:
     """Where to look for the library, in order (the option nccl_library is handled by load())."""
-    paths = []
-    try:  # the nvidia-nccl-cu* wheel torch depends on; "nvidia" is a namespace package
-        spec = importlib.util.find_spec("nvidia.nccl")
-    except (ImportError, ValueError):
-        spec = None
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        paths.append(os.path.join(loc, "lib", SONAME))
-    for entry in sys.path:  # the same wheel when find_spec could not see it (e.g. no __init__ files)
-        if entry:
-            paths.append(os.path.join(entry, "nvidia", "nccl", "lib", SONAME))
+    try:  # the nvidia-nccl-cu* wheel torch depends on; "nvidia" is a namespace package (find_spec: None if absent)
+        locs = importlib.util.find_spec("nvidia.nccl").submodule_search_locations or []
+    except (ImportError, ValueError, AttributeError):
+        locs = []
+    paths = [os.path.join(loc, "lib", SONAME) for loc in locs]
+    # the same wheel when find_spec could not see it (e.g. no __init__ files)
+    paths += [os.path.join(entry, "nvidia", "nccl", "lib", SONAME) for entry in sys.path if entry]
     paths.append(os.path.join(os.path.dirname(torch.__file__), "lib", SONAME))  # builds that bundle it
     real = [os.path.realpath(p) for p in paths]
     return [p for i, p in enumerate(paths) if real.index(real[i]) == i]  # each file once, as first named

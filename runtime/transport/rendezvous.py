@@ -104,8 +104,7 @@ def wait_keys(store: dist.Store, keys: dict[int, str], timeout_s: float, what: s
     missing = dict(keys)
     delay = 0.001
     while missing:
-        for rank in [r for r, k in missing.items() if store.check([k])]:
-            del missing[rank]
+        missing = {r: k for r, k in missing.items() if not store.check([k])}
         if not missing:
             return
         if time.monotonic() > deadline:

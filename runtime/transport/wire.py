@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import math
 import struct
 from collections import deque
 from typing import Any, NamedTuple, Optional
@@ -179,12 +180,8 @@ def _default(obj):
         return list(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a record: its fields, as a map
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        return float(obj)
-    if isinstance(obj, np.bool_):
-        return bool(obj)
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()  # the plain int / float / bool
     raise TypeError(f"cannot send a {type(obj).__name__} in a message (plain values and 1-d numpy arrays only)")
 
 
@@ -265,16 +262,12 @@ _KIND_NAMES = {DATA: "message", HEARTBEAT: "heartbeat", BYE: "goodbye", ABORT: "
 def _check_tensor(kind: int, shape, dtype) -> None:
     if kind != DATA:
         raise ValueError("only data messages carry a tensor")
-    if type(shape) is not tuple or not 0 < len(shape) <= MAX_DIMS:
+    if type(shape) is not tuple or not 0 < len(shape) <= MAX_DIMS \
+            or any(type(d) is not int or not 0 <= d < 1 << 31 for d in shape):
         raise ValueError(f"tensor shape {shape!r}")
-    numel = 1
-    for d in shape:
-        if type(d) is not int or not 0 <= d < 1 << 31:
-            raise ValueError(f"tensor shape {shape!r}")
-        numel *= d
     if type(dtype) is not str or dtype not in DTYPES:
         raise ValueError(f"tensor dtype {dtype!r}")
-    if numel * 8 > MAX_TENSOR_BYTES:
+    if math.prod(shape) * 8 > MAX_TENSOR_BYTES:
         raise ValueError(f"tensor of shape {shape} is over {MAX_TENSOR_BYTES} bytes")
 
 

@@ -332,8 +332,7 @@ class ZmqDistTransport(HeaderReceiver, Transport):
             while n < len(backlog) and (backlog[n].tensor is None or self._inflight[dst] < self.inflight_limit):
                 self._post(backlog[n])
                 n += 1
-            if n:
-                del backlog[:n]
+            del backlog[:n]
 
     # ------------------------------------------------------------------ completion (engine thread)
     def _drain_lanes(self) -> None:
