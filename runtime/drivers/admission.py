@@ -70,10 +70,11 @@ class Admission:
 
     def submit(self, req: Request) -> None:
         need = self.blocks_needed(req)
-        if need > max(self.capacity):
+        most = max(c for r, c in enumerate(self.capacity) if self.homes is None or r in self.homes)
+        if need > most:
             # Could never be admitted: refuse now instead of waiting forever.
             raise ValueError(f"request {req.name!r} needs {need} KV blocks ({req.kv_tokens} tokens) but the "
-                             f"largest rank holds {max(self.capacity)}")
+                             f"largest rank holds {most}")
         self._waiting.append(req)
 
     @property

@@ -101,7 +101,7 @@ class Cluster:
             for e in self.engines:
                 e.async_sample = False
         self.admission = Admission(plan.kv.block_size, [e.cfg.num_blocks for e in self.engines],
-                                   options.home_policy or plan.placement.home_policy)
+                                   options.home_policy or plan.placement.home_policy, plan.placement.homes(len(self.engines)))
 
     # ------------------------------------------------------------------ shared pieces
     def _release(self, pending: list[Request], now: float) -> None:

@@ -50,7 +50,8 @@ class Coordinator:
         # The ranks' real pools: the plan's (or --kv-blocks) clamped to what each device holds.
         capacity = [min(config_from_plan(node.plan, r, options.kv_blocks).num_blocks, node.kv_fit_of[r])
                     for r in range(node.world)]
-        self.admission = Admission(node.plan.kv.block_size, capacity, options.home_policy or node.plan.placement.home_policy)
+        self.admission = Admission(node.plan.kv.block_size, capacity, options.home_policy
+                                   or node.plan.placement.home_policy, node.plan.placement.homes(node.world))
         self.free = list(capacity)  # mirror of every rank's free KV blocks
         self.rank_tokens = [0] * node.world
         self.finished = 0

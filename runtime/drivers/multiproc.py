@@ -77,7 +77,8 @@ def _check_fits(plan, requests: list, options) -> None:
     from runtime.core.engine import config_from_plan
     from runtime.drivers.admission import Admission
     capacity = [config_from_plan(plan, r, options.kv_blocks).num_blocks for r in range(plan.cluster.ranks)]
-    adm = Admission(plan.kv.block_size, capacity, options.home_policy or plan.placement.home_policy)
+    adm = Admission(plan.kv.block_size, capacity, options.home_policy or plan.placement.home_policy,
+                    plan.placement.homes(plan.cluster.ranks))
     for req in requests:
         adm.submit(req)  # raises ValueError naming the request when it cannot fit anywhere
 
