@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RANK_TARGET = "benchmarks.cpu_ring_bench:ring_rank"
 
 
-def ring_rank(env, rows: int, hidden: int, collectives: int, compute_us: float) -> dict:
+def ring_rank(env, rows: int, hidden: int, collectives: int, compute_us: float, pingpong: bool = False) -> dict:
     import torch
 
     from runtime.drivers.launch import set_rank_threads
@@ -56,6 +56,30 @@ def ring_rank(env, rows: int, hidden: int, collectives: int, compute_us: float) 
                 gather((tag, i))
 
         ring(-1)  # warm-up and a common start
+        if pingpong:   # ranks 0 and 1 ping-pong one message at a time; the others compute (hold a core) meanwhile
+            rtt = []
+            if me < 2:
+                for c in range(collectives):
+                    t0 = time.perf_counter()
+                    if me == 0:
+                        tr.send(1, {"tag": ("p", c)}, x)
+                        gather(("q", c))
+                    else:
+                        gather(("p", c))
+                        tr.send(0, {"tag": ("q", c)}, x)
+                    rtt.append(time.perf_counter() - t0)
+                tr.send(2 % R, {"tag": "done"}, None) if me == 0 and R > 2 else None
+            else:
+                while "done" not in inbox and not (me > 2 and "done2" in inbox):
+                    end = time.perf_counter() + 0.002
+                    while time.perf_counter() < end:
+                        a @ a
+                    pump(0.0)
+                for p in range(me + 1, R):
+                    tr.send(p, {"tag": "done2"}, None)
+            ring(-2)
+            pump(0.01)
+            return {"rank": me, "times": rtt if me == 0 else [], "cpu": [0.0]}
         times, cpu = [], []
         for c in range(collectives):
             if compute_us:
@@ -77,11 +101,17 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 @app.command()
 def main(ranks: int = typer.Option(4), rows: int = typer.Option(23), hidden: int = typer.Option(48),
          collectives: int = typer.Option(300), compute_us: float = typer.Option(0.0, "--compute-us"),
+         pingpong: bool = typer.Option(False, "--pingpong", help="ranks 0 and 1 ping-pong while the others compute"),
          out: Path = typer.Option(None, "--out", help="also write the raw per-rank times as JSON")) -> None:
     from runtime.drivers.launch import launch_local
-    res = launch_local(ranks, RANK_TARGET, (rows, hidden, collectives, compute_us), timeout=600)
+    res = launch_local(ranks, RANK_TARGET, (rows, hidden, collectives, compute_us, pingpong), timeout=600)
     if not res.ok:
         raise SystemExit(f"ring bench failed: {res.first_error}")
+    if pingpong:
+        rtt = sorted(res.results[0]["times"])
+        print(f"ping-pong 0 <-> 1, [{rows}, {hidden}] fp32, ranks 2..{ranks - 1} computing: one-way (RTT / 2) median "
+              f"{statistics.median(rtt) / 2 * 1e6:.0f} us, p90 {rtt[int(0.9 * len(rtt))] / 2 * 1e6:.0f} us")
+        return
     per = [statistics.median(r["times"]) for r in res.results]
     cpu = [statistics.median(r["cpu"]) for r in res.results]
     allt = sorted(t for r in res.results for t in r["times"])
