@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RANK_TARGET = "benchmarks.cpu_ring_bench:ring_rank"
 
 
-def ring_rank(env, rows: int, hidden: int, collectives: int, compute_us: float, pingpong: bool = False) -> dict:
+def ring_rank(env, rows: int, hidden: int, collectives: int, compute_us: float, pingpong: bool = False,
+              busy_us: float = 0.0) -> dict:
     import torch
 
     from runtime.drivers.launch import set_rank_threads
@@ -56,6 +57,35 @@ def ring_rank(env, rows: int, hidden: int, collectives: int, compute_us: float, 
                 gather((tag, i))
 
         ring(-1)  # warm-up and a common start
+        if busy_us:   # rank 0 sends to a busy rank 1 (compute blocks of busy_us, a poll between them): what it sees
+            rec = []
+            if me == 0:
+                for c in range(collectives):
+                    time.sleep(0.0007 + 0.0013 * ((c * 7919) % 100) / 100)   # spread over rank 1's blocks
+                    tr.send(1, {"tag": ("b", c), "ts": time.perf_counter()}, x)
+                    pump(0.0)
+                tr.send(1, {"tag": "done"}, None)
+            elif me == 1:
+                block_end = time.perf_counter()
+                while "done" not in inbox:
+                    end = time.perf_counter() + busy_us * 1e-6
+                    while time.perf_counter() < end:   # the engine thread's math: small torch ops, GIL held between
+                        torch.relu(a @ a)
+                    block_end = time.perf_counter()
+                    got = list(tr.poll(0.0))
+                    while not got and "done" not in inbox:
+                        got = list(tr.poll(0.002))
+                        if got or time.perf_counter() - block_end > 0.05:
+                            break
+                    now = time.perf_counter()
+                    for arr in got:
+                        inbox[arr.meta["tag"]] = arr
+                        if "ts" in arr.meta:  # exposed: seen after the later of (sent, the receiver free)
+                            rec.append((now - arr.meta["ts"], now - max(arr.meta["ts"], block_end),
+                                        arr.meta["ts"] < block_end))
+            ring(-2)
+            pump(0.01)
+            return {"rank": me, "busy": rec, "times": [], "cpu": [0.0]}
         if pingpong:   # ranks 0 and 1 ping-pong one message at a time; the others compute (hold a core) meanwhile
             rtt = []
             if me < 2:
@@ -102,11 +132,22 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 def main(ranks: int = typer.Option(4), rows: int = typer.Option(23), hidden: int = typer.Option(48),
          collectives: int = typer.Option(300), compute_us: float = typer.Option(0.0, "--compute-us"),
          pingpong: bool = typer.Option(False, "--pingpong", help="ranks 0 and 1 ping-pong while the others compute"),
+         busy_us: float = typer.Option(0.0, "--busy-us", help="rank 0 sends to rank 1 computing in blocks of this"),
          out: Path = typer.Option(None, "--out", help="also write the raw per-rank times as JSON")) -> None:
     from runtime.drivers.launch import launch_local
-    res = launch_local(ranks, RANK_TARGET, (rows, hidden, collectives, compute_us, pingpong), timeout=600)
+    res = launch_local(ranks, RANK_TARGET, (rows, hidden, collectives, compute_us, pingpong, busy_us), timeout=600)
     if not res.ok:
         raise SystemExit(f"ring bench failed: {res.first_error}")
+    if busy_us:
+        rec = res.results[1]["busy"]
+        during = sorted(e for _, e, d in rec if d)
+        after = sorted(e for _, e, d in rec if not d)
+        q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))] * 1e6 if v else float("nan")
+        print(f"rank 0 -> rank 1 computing in {busy_us:g} us blocks, [{rows}, {hidden}] fp32, {len(rec)} messages: "
+              f"seen after the receiver's block ended (sent during a block, {len(during)}): median {q(during, 0.5):.0f} us, "
+              f"p90 {q(during, 0.9):.0f}; after it was sent (sent while it polled, {len(after)}): median "
+              f"{q(after, 0.5):.0f} us, p90 {q(after, 0.9):.0f}")
+        return
     if pingpong:
         rtt = sorted(res.results[0]["times"])
         print(f"ping-pong 0 <-> 1, [{rows}, {hidden}] fp32, ranks 2..{ranks - 1} computing: one-way (RTT / 2) median "
