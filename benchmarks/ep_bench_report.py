@@ -14,7 +14,7 @@ def summarize(w: dict) -> dict:
     s["itl_tail"] = describe(itl_tail(w["requests"]))
     s.update(system=w["system"], scenario=w["scenario"], name=w["name"])
     b = w.get("batches", {})
-    for kind in ("attn", "expert"):
+    for kind in ("attn", "expert", "moe"):   # moe: the barrier's whole MoE part per layer (lab/barrier_dist.py)
         if kind in b:
             s[f"{kind}_mean_batch"] = b[kind]["mean_rows"]
             s[f"{kind}_host_us"] = b[kind]["host_us"]

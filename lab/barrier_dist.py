@@ -223,6 +223,7 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
                 wts = torch.zeros(0, k, dtype=torch.float32)
             if T:
                 probe.add("attn", T, ta)
+            tm = probe.start()  # the layer's MoE part whole: dispatch, collectives, experts, combine (host wall)
             ids = ids.cpu().to(torch.int64)
             wts = wts.cpu().to(torch.float32)
             xr = x if x is not None else ex.embed([])
@@ -234,6 +235,10 @@ def run_barrier_workload(me: int, R: int, job: DistJob, w: Workload, mode: str, 
             else:
                 h = _a2a_layer(me, R, layer, xr, ids, wts, h_res, shared, counts, owners[layer], ex, inner, device,
                                probe, stall, k, feeds)
+            # "moe" minus "expert" is the barrier's host time outside its two batch timers (routing to the host,
+            # packing, collective launches and waits, combine): what the simulator's barrier_host lacks
+            # (benchmarks/results/sim_validation.md). Its wall includes the collectives' device time it waits for.
+            probe.add("moe", T, tm)
         if T:
             last = torch.tensor([start + n - 1 for _, start, n in segments], dtype=torch.long, device=h.device)
             logits = ex.logits(h.index_select(0, last))

@@ -169,7 +169,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         max_q = res.metrics.get("max_queue_delay_s")
     else:
         from lab.barrier import run_barrier
-        res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[system], clock=cfg.clock, cost_model=cost,
+        res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[system], clock=cfg.clock,
+                          cost_model=cfg.cost.model(barrier=True),
                           router=router, link_delay=link_delay, compute_scale=inter.compute_scale,
                           kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
         probe.link_bytes = res.link_bytes

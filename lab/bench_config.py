@@ -38,6 +38,13 @@ class RoutingConfig(_Strict):
     path: Optional[str] = None           # kind = trace
 
 
+class HostCost(_Strict):
+    """Host seconds one batch of a kind spends outside its math (the engine's or the barrier rank's own Python: queues,
+    scheduler, bookkeeping, launches): fixed + per_row x rows, in us."""
+    fixed_us: float = Field(0.0, ge=0)
+    per_row_us: float = Field(0.0, ge=0)
+
+
 class CostConfig(_Strict):
     attn_fixed_us: float = 60.0
     attn_per_row_us: float = 1.0
@@ -51,18 +58,54 @@ class CostConfig(_Strict):
     collective_fixed_us: dict[str, float] = Field(default_factory=lambda: {"ag": 0.0, "ar": 0.0, "a2a": 0.0})
     collective_send_cpu_us: float = 0.0
     collective_algo: Literal["ring", "direct"] = "direct"
+    # host time per batch by kind (attn, expert, sample), beside the compute above: a batch holds its rank
+    # max(compute, host) with overlap_host (a GPU runs the math while the host works), compute + host without (CPU
+    # ranks). Empty: none (the compute numbers are the whole batch). `barrier_host`: the barrier baselines' ranks, whose
+    # host code per batch is their own (lab/barrier_rank.py); None: the same as `host`.
+    host: dict[str, HostCost] = Field(default_factory=dict)
+    barrier_host: Optional[dict[str, HostCost]] = None
 
-    def model(self) -> CostModel:
+    def model(self, barrier: bool = False) -> CostModel:
         bad = set(self.collective_fixed_us) - {"ag", "ar", "a2a"}
         if bad:
             raise UserError(f"cost.collective_fixed_us: unknown collective(s) {sorted(bad)}; valid: ag, ar, a2a")
+        host = self.barrier_host if barrier and self.barrier_host is not None else self.host
+        bad = set(host) - {"attn", "expert", "sample"}
+        if bad:
+            raise UserError(f"cost.host: unknown kind(s) {sorted(bad)}; valid: attn, expert, sample")
         from lab.barrier import BarrierCostModel
-        return BarrierCostModel(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
+        cls = BarrierCostModel
+        extra = {}
+        if host:
+            cls = HostCostModel
+            extra = {"host": tuple((k, h.fixed_us * 1e-6, h.per_row_us * 1e-6) for k, h in sorted(host.items()))}
+        return cls(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
                          self.expert_per_row_us * 1e-6, self.sample_fixed_us * 1e-6, self.sample_per_row_us * 1e-6,
                          send_cpu=self.send_cpu_us * 1e-6, overlap_host=self.overlap_host,
                          collective_fixed={k: v * 1e-6 for k, v in self.collective_fixed_us.items()},
                          collective_send_cpu=self.collective_send_cpu_us * 1e-6,
-                         collective_algo=self.collective_algo)
+                         collective_algo=self.collective_algo, **extra)
+
+
+def _host_cost_model():
+    from dataclasses import dataclass
+    from lab.barrier import BarrierCostModel
+
+    @dataclass(frozen=True)
+    class HostCostModel(BarrierCostModel):
+        """The cost model with a host time per batch beside each compute (CostConfig.host), combined by the cost
+        model's own overlap rule (runtime/executors/cost_model.py `overlap_host`): max on a GPU, the sum on a CPU."""
+        host: tuple = ()   # ((kind, fixed_s, per_row_s), ...)
+
+        def duration(self, kind: str, rows: int) -> float:
+            compute = super().duration(kind, rows)
+            for k, fixed, per_row in self.host:
+                if k == kind:
+                    h = fixed + per_row * rows
+                    return max(compute, h) if self.overlap_host else compute + h
+            return compute
+
+    return HostCostModel
 
 
 class NetworkConfig(_Strict):
@@ -99,7 +142,7 @@ class BenchConfig(_Strict):
     row_bytes: Optional[int] = Field(None, gt=0)
     workload: WorkloadConfig = WorkloadConfig()
     routing: RoutingConfig = RoutingConfig()
-    cost: CostConfig = CostConfig()
+    cost: CostConfig = CostConfig()      # or, in the YAML, the path of a cost profile (lab/costs/*.yaml)
     systems: list[str] = Field(default_factory=lambda: list(SYSTEMS))
     policies: list[str] = Field(default_factory=lambda: ["defrag", "mtfs", "flfs"])
     baseline: str = "ag-ep"
@@ -115,6 +158,9 @@ class BenchConfig(_Strict):
     heatmap_policies: list[str] = Field(default_factory=lambda: ["mtfs", "defrag"])
 
 
+HostCostModel = _host_cost_model()
+
+
 def load_config(path: str | Path) -> BenchConfig:
     import yaml
     p = Path(path)
@@ -124,6 +170,12 @@ def load_config(path: str | Path) -> BenchConfig:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as err:
         raise UserError(f"{p}: not valid YAML: {err}") from None
+    if isinstance(data, dict) and isinstance(data.get("cost"), str):   # `cost: lab/costs/NAME.yaml`: a cost profile file
+        cost = Path(data["cost"])
+        if not cost.is_file():
+            raise UserError(f"{p}: cost profile {cost} does not exist")
+        from graph_ir.files import load_yaml
+        data = {**data, "cost": load_yaml(cost, "cost profile", max_bytes=None) or {}}
     return validated(BenchConfig, data, str(p))
 
 

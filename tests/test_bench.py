@@ -276,3 +276,33 @@ def test_process_bench_injects_a_slow_rank_into_every_system(tmp_path):
     doc = run_bench(cfg, load_spec("models/specs/tiny.yaml"), tmp_path / "out")
     assert {r["label"] for r in doc["results"]} == {"streaming/defrag", "ag-ep"}
     assert all(r["output_tokens"] == 4 * 3 and r["unfinished"] == 0 for r in doc["results"])
+
+
+def test_cost_profiles_load_and_host_time_per_batch_combines_by_the_overlap_rule(tmp_path):
+    """Every shipped cost profile validates; `host` per batch adds to the compute (CPU: no overlap) or hides under it
+    (GPU: max), the barrier ranks take `barrier_host`; a bench config may name a profile file. No timing asserted."""
+    from pathlib import Path
+
+    import yaml
+
+    from graph_ir.errors import UserError
+    from lab.bench_config import CostConfig, load_config, validated
+    for path in sorted(Path("lab/costs").glob("*.yaml")):
+        cost = validated(CostConfig, yaml.safe_load(path.read_text()), str(path))
+        assert cost.model().duration("attn", 8) > 0 and cost.model(barrier=True).duration("expert", 8) > 0
+    cpu = CostConfig(attn_fixed_us=100, overlap_host=False, host={"attn": {"fixed_us": 50, "per_row_us": 1}},
+                     barrier_host={})
+    assert cpu.model().duration("attn", 10) == pytest.approx((100 + 10 * 1.0 + 50 + 10) * 1e-6)
+    assert cpu.model(barrier=True).duration("attn", 10) == pytest.approx((100 + 10 * 1.0) * 1e-6)
+    gpu = CostConfig(attn_fixed_us=100, attn_per_row_us=0, overlap_host=True, host={"attn": {"fixed_us": 300}})
+    assert gpu.model().duration("attn", 10) == pytest.approx(300e-6)          # host-bound: max(device, host)
+    assert gpu.model(barrier=True).duration("attn", 10) == pytest.approx(300e-6)   # no barrier_host: the same host
+    assert gpu.model().duration("expert", 10) == pytest.approx((150 + 3) * 1e-6)   # no host for the kind: compute
+    with pytest.raises(UserError, match="cost.host: unknown kind"):
+        CostConfig(host={"attention": {"fixed_us": 1}}).model()
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text("cost: lab/costs/cpu_tiny.yaml\n")
+    assert load_config(cfg).cost.send_cpu_us > 0 and not load_config(cfg).cost.overlap_host
+    cfg.write_text("cost: lab/costs/none.yaml\n")
+    with pytest.raises(UserError, match="cost profile lab/costs/none.yaml does not exist"):
+        load_config(cfg)
