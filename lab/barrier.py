@@ -50,10 +50,10 @@ class BarrierCostModel(CostModel):
         if self.collective_algo not in ("ring", "direct"):
             raise ValueError(f"collective_algo {self.collective_algo!r}; valid: ring, direct")
 
-    def duration(self, kind: str, rows: int) -> float:
+    def duration(self, kind: str, rows: int, experts: int = 1) -> float:
         if kind.startswith("coll:"):
             return self.collective_fixed.get(kind[5:], 0.0)
-        return super().duration(kind, rows)
+        return super().duration(kind, rows, experts)
 
 
 # ---- the in-process driver ----------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                         st.ready_at = now + cost.duration(op.kind, 0)
                     continue
                 if clock == "virtual":
-                    t_start, dur = now, cost.duration(op.kind, op.rows) * scale
+                    t_start, dur = now, cost.duration(op.kind, op.rows, op.experts) * scale
                 else:
                     t_start, dur = now - op.measured_s, op.measured_s * (scale - 1.0)  # math took its time already
                 st.ready_at = now + dur

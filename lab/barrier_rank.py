@@ -47,6 +47,7 @@ class Compute:
     layer: int
     rows: int
     measured_s: float    # wall seconds the math took (used by the wall-clock driver)
+    experts: int = 1     # distinct experts of an expert batch (the cost model's expert_per_expert)
 
 
 @dataclass(slots=True)
@@ -294,7 +295,8 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     y = ex.experts(layer, x_all.index_select(0, t_dev), ids_all[t_idx, s_idx].tolist())
     partial = torch.zeros(x_all.shape[0], x_all.shape[1], dtype=torch.float32, device=dev)
     partial.index_add_(0, t_dev, y.float() * w_all[t_idx, s_idx, None].to(dev))
-    yield Compute("expert", layer, int(t_idx.numel()), time.perf_counter() - t0)
+    yield Compute("expert", layer, int(t_idx.numel()), time.perf_counter() - t0,
+                  len(set(ids_all[t_idx, s_idx].tolist())))
     # all-reduce, part 1: reduce-scatter to the home ranks
     acc = yield from _reduce_scatter(ctx, ("rs",) + tag, partial, offsets)
     # all-reduce, part 2: all-gather of the reduced rows (the half DP attention throws away)
@@ -337,7 +339,7 @@ def _a2a_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, share
         starts.append(starts[-1] + len(meta))
     t0 = time.perf_counter()
     y = ex.experts(layer, torch.cat(parts) if parts else xr[:0], experts)
-    yield Compute("expert", layer, len(experts), time.perf_counter() - t0)
+    yield Compute("expert", layer, len(experts), time.perf_counter() - t0, len(set(experts)))
     yield Compute("coll:a2a", layer, 0, 0.0)
     # Home p's rows are y[starts[p]:starts[p+1]] (rows were stacked in home order).
     for p in range(R):

@@ -192,8 +192,8 @@ class _ScaledCost:
         self.inner, self.inter = inner, inter
         self.rank, self.now = 0, 0.0
 
-    def duration(self, kind: str, rows: int) -> float:
-        return self.inner.duration(kind, rows) * self.inter.compute_scale(self.rank, self.now)
+    def duration(self, kind: str, rows: int, experts: int = 1) -> float:
+        return self.inner.duration(kind, rows, experts) * self.inter.compute_scale(self.rank, self.now)
 
     def __getattr__(self, name):   # send_cpu, with_sends, collective_*: not scaled (not compute)
         return getattr(self.inner, name)

@@ -50,6 +50,7 @@ class CostConfig(_Strict):
     attn_per_row_us: float = 1.0
     expert_fixed_us: float = 150.0
     expert_per_row_us: float = 0.3
+    expert_per_expert_us: float = 0.0  # each distinct expert of an expert batch beyond the first (its weight reads)
     sample_fixed_us: float = 30.0
     sample_per_row_us: float = 0.5
     # communication (runtime/executors/cost_model.py): defaults = free for the sender, direct collectives
@@ -81,6 +82,7 @@ class CostConfig(_Strict):
             extra = {"host": tuple((k, h.fixed_us * 1e-6, h.per_row_us * 1e-6) for k, h in sorted(host.items()))}
         return cls(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
                          self.expert_per_row_us * 1e-6, self.sample_fixed_us * 1e-6, self.sample_per_row_us * 1e-6,
+                         expert_per_expert=self.expert_per_expert_us * 1e-6,
                          send_cpu=self.send_cpu_us * 1e-6, overlap_host=self.overlap_host,
                          collective_fixed={k: v * 1e-6 for k, v in self.collective_fixed_us.items()},
                          collective_send_cpu=self.collective_send_cpu_us * 1e-6,
@@ -97,8 +99,8 @@ def _host_cost_model():
         model's own overlap rule (runtime/executors/cost_model.py `overlap_host`): max on a GPU, the sum on a CPU."""
         host: tuple = ()   # ((kind, fixed_s, per_row_s), ...)
 
-        def duration(self, kind: str, rows: int) -> float:
-            compute = super().duration(kind, rows)
+        def duration(self, kind: str, rows: int, experts: int = 1) -> float:
+            compute = super().duration(kind, rows, experts)
             for k, fixed, per_row in self.host:
                 if k == kind:
                     h = fixed + per_row * rows

@@ -134,3 +134,11 @@ def test_barrier_baselines_refuse_a_disaggregated_placement():
     plan = compile_plan(spec, 3, attention_ranks=1)
     with pytest.raises(ValueError, match="attention on every rank"):
         run_barrier(plan, TorchExecutor(spec, w), make_requests(spec.vocab_size, 2, seed=1), "ag", kv_blocks=32)
+
+
+def test_the_cost_model_charges_each_further_distinct_expert():
+    from runtime.executors.cost_model import CostModel
+    c = CostModel(expert_fixed=100e-6, expert_per_row=1e-6, expert_per_expert=10e-6)
+    assert c.duration("expert", 4, experts=3) == pytest.approx(100e-6 + 4e-6 + 20e-6)
+    assert c.duration("expert", 4) == c.duration("expert", 4, experts=1) == pytest.approx(104e-6)
+    assert c.duration("attn", 4, experts=3) == CostModel().duration("attn", 4)  # attention: no experts

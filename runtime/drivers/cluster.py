@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 from runtime.core.clock import VirtualClock, WallClock
 from runtime.executors.cost_model import CostModel
 from runtime.core.engine import Batch, Engine, config_from_plan
@@ -240,7 +242,7 @@ class Cluster:
                     batch = e.next_batch()
                     if batch is not None:
                         e.execute(batch)
-                        busy[r] = (now + cost.duration(batch.stage.kind, batch.rows), batch)
+                        busy[r] = (now + cost.duration(batch.stage.kind, batch.rows, _experts(batch, cost)), batch)
             # 4. jump to the next event: a batch end, a delivery to an idle rank, or an arrival
             events = [b[0] for b in busy if b is not None]
             events += [t for r, t in enumerate(hub.next_delivery_per_rank()) if t is not None and busy[r] is None]
@@ -280,6 +282,13 @@ def _build_executor(plan, options: RunOptions, weights=None):
         return CudaExecutor(plan.spec, w, plan, device="cuda" if on_gpu else "cpu")
     from runtime.executors.torch_executor import TorchExecutor
     return TorchExecutor(plan.spec, w)
+
+
+def _experts(batch, cost) -> int:
+    """Distinct experts of a host-routed expert batch, where the cost model charges them (expert_per_expert); else 1."""
+    if not cost.expert_per_expert or batch.stage.kind != "expert" or not hasattr(batch.items[0], "expert"):
+        return 1
+    return len(np.unique(np.concatenate([it.expert for it in batch.items])))
 
 
 def run_workload(plan, requests: list[Request], options: Optional[RunOptions] = None, weights=None) -> RunResult:

@@ -31,14 +31,19 @@ class CostModel:
     expert_per_row: float = 0.3e-6
     sample_fixed: float = 30e-6
     sample_per_row: float = 0.5e-6
+    # an expert batch's cost per distinct expert beyond its first: the weights each further expert reads (expert
+    # replicas put more distinct experts in a rank's batches); 0 keeps a batch's cost independent of its experts
+    expert_per_expert: float = 0.0
     send_cpu: float = 0.0
     overlap_host: bool = True
 
-    def duration(self, kind: str, rows: int) -> float:
+    def duration(self, kind: str, rows: int, experts: int = 1) -> float:
+        """Seconds of a batch of `rows` rows (an expert batch: of `experts` distinct experts)."""
         fixed, per_row = {"attn": (self.attn_fixed, self.attn_per_row),
                           "expert": (self.expert_fixed, self.expert_per_row),
                           "sample": (self.sample_fixed, self.sample_per_row)}[kind]
-        return fixed + per_row * rows
+        more = self.expert_per_expert * (experts - 1) if kind == "expert" and experts > 1 else 0.0
+        return fixed + per_row * rows + more
 
     def with_sends(self, device: float, messages: int) -> float:
         """How long a batch of `device` seconds that then issues `messages` sends holds its rank."""
