@@ -42,6 +42,7 @@ from lab.network import Network
 
 SIM_DEVICE_MEMORY_GIB = 141.0   # an H200: a simulated rank's memory unless the config says otherwise
 from lab.lengths import length_distribution
+from lab.static_replicas import StaticCopies
 from lab.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
 from runtime.core.requests import Request
 
@@ -153,7 +154,9 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
 
         scaled = _ScaledCost(cost, inter)
         opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks, delay=delay,
-                          trace=cfg.trace_dir is not None, engine_setup=decode_only if cfg.workload.decode_only else None,
+                          trace=cfg.trace_dir is not None,
+                          engine_setup=_setups(decode_only if cfg.workload.decode_only else None,
+                                               StaticCopies() if cell.system.endswith("s") else None),
                           batch_log=None)  # the report reads every batch
         cluster = Cluster(plan, executor, opts)
         probe.clock = cluster.clock
@@ -182,6 +185,21 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
     return RunRecord(cell.system, cell.policy if system == STREAMING else "-", cell.scenario, records, batches,
                      probe.queue, probe.link_bytes, max_q, stage_names,
                      extra={"unfinished": sum(1 for q in reqs if not q.done)})
+
+
+def _setups(*hooks):
+    """Several engine_setup hooks as one: those that are not None, in order (None when there is none)."""
+    hooks = [h for h in hooks if h is not None]
+    return None if not hooks else hooks[0] if len(hooks) == 1 else _Chain(hooks)
+
+
+@dataclass
+class _Chain:
+    hooks: list  # (picklable, as RunOptions.engine_setup must be for rank processes)
+
+    def __call__(self, engine) -> None:
+        for h in self.hooks:
+            h(engine)
 
 
 class _ScaledCost:
@@ -338,7 +356,8 @@ def _process_runs(cfg: BenchConfig, spec, plans: dict, requests: list[Request], 
                     for q in requests]
             work.append((reqs, RunOptions(policy=pol, clock="wall", kv_blocks=cfg.kv_blocks,
                                           executor_wrapper=None if router is None else RoutedBy(router),
-                                          engine_setup=WallSlowRanks(inter) if inter.slow else None)))
+                                          engine_setup=_setups(WallSlowRanks(inter) if inter.slow else None,
+                                                               StaticCopies() if system.endswith("s") else None))))
         if progress:
             progress(i, todo, Cell(system, ",".join(cfg.policies), name, rnd), None)
         t0 = time.perf_counter()

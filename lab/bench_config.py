@@ -194,8 +194,11 @@ def validated(model: type[BaseModel], data, source: str):
 def split_system(name: str) -> tuple[str, int]:
     """A system name and the expert replicas its plan is compiled with: "ag-ep+r8" -> ("ag-ep", 8) (dataflow compile
     --replicas 8: the same copies for every system that names them, each choosing among them its own way),
-    "streaming" -> ("streaming", 0); a malformed suffix gives -1."""
+    "streaming" -> ("streaming", 0); a malformed suffix gives -1. "streaming+r8s": the streaming engine choosing
+    among the copies by the barrier baselines' static rule (lab/static_replicas.py StaticCopies, an ablation)."""
     base, sep, n = name.partition("+r")
+    if base == STREAMING and n.endswith("s"):
+        n = n[:-1]
     return base, (int(n) if n.isdigit() else -1) if sep else 0
 
 

@@ -10,6 +10,33 @@ from __future__ import annotations
 import torch
 
 
+class StaticCopies:
+    """An ablation for the streaming engine (RunOptions.engine_setup; picklable, so rank processes apply it too): its
+    homes choose copies by the barrier baselines' static rule instead of measured turnaround (the bench's
+    `streaming+rNs`), which tells what the live choice adds to the replicas themselves."""
+
+    def __call__(self, engine) -> None:
+        if engine._replica is not None:
+            from lowering.plan import Placement
+            tables = static_owners(Placement(expert_rank=engine.cfg.expert_rank, replicas=engine.cfg.replicas),
+                                   engine.cfg.world_size)
+            engine._replica = _Fixed([t[engine.rank].numpy() if t.numel() else None for t in tables])
+
+
+class _Fixed:
+    def __init__(self, owners: list) -> None:
+        self.table = owners
+
+    def owners(self, layer: int, ids, now: float):
+        return self.table[layer]
+
+    def sent(self, gid: int, now: float) -> None:
+        pass
+
+    def returned(self, rank: int, rows, now: float) -> None:
+        pass
+
+
 def static_owners(placement, ranks: int) -> list[torch.Tensor]:
     """Per layer, int64 [ranks, E]: row h is the rank home h sends expert e's rows to ([0, 0] for dense layers), from
     a plan's Placement. A barrier EP runs attention on every rank: a disaggregated placement is refused."""

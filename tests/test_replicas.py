@@ -142,3 +142,31 @@ def test_the_cost_model_charges_each_further_distinct_expert():
     assert c.duration("expert", 4, experts=3) == pytest.approx(100e-6 + 4e-6 + 20e-6)
     assert c.duration("expert", 4) == c.duration("expert", 4, experts=1) == pytest.approx(104e-6)
     assert c.duration("attn", 4, experts=3) == CostModel().duration("attn", 4)  # attention: no experts
+
+
+def test_bench_runs_every_system_on_its_own_replicas_side_by_side(tmp_path):
+    """`NAME+rN` systems run on the plan compiled with N replicas, `streaming+rNs` with the static choice; every cell
+    finishes every request and the systems without a suffix run on the plain plan."""
+    from graph_ir.spec import load_spec
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
+    cfg = BenchConfig.model_validate({
+        "ranks": 3, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
+        "workload": {"lengths": "fixed:8:6", "requests": 12, "rate": 2000},
+        "cost": {"expert_per_expert_us": 10},
+        "systems": ["streaming", "streaming+r8", "streaming+r8s", "ag-ep+r8"], "policies": ["defrag"],
+        "baseline": "ag-ep+r8",
+        "scenarios": {"clean": {"latency_us": 40},
+                      "slow-link": {"latency_us": 40, "bursts": [{"period_ms": 2, "duty": 1.0, "extra_delay_us": 2000,
+                                                                   "links": [[0, 1], [1, 0]]}]}},
+    })
+    doc = run_bench(cfg, load_spec("models/specs/tiny.yaml"), tmp_path)
+    by = {(r["label"], r["scenario"]): r for r in doc["results"]}
+    assert sorted({label for label, _ in by}) == ["ag-ep+r8", "streaming+r8/defrag", "streaming+r8s/defrag",
+                                                  "streaming/defrag"]
+    assert all(r["output_tokens"] == 12 * 6 and r["unfinished"] == 0 for r in doc["results"])
+    # the link 0 <-> 1 is slow all the time: live choice stops sending rows over it, static choice cannot
+    assert by["streaming+r8/defrag", "slow-link"]["tokens_per_s"] > by["streaming+r8s/defrag", "slow-link"]["tokens_per_s"]
+    with pytest.raises(Exception, match="unknown system"):
+        run_bench(cfg.model_copy(update={"systems": ["ag-ep+r8s"], "baseline": "ag-ep+r8s"}),
+                  load_spec("models/specs/tiny.yaml"), tmp_path / "x")
