@@ -94,10 +94,11 @@ def test_live_choice_routes_around_a_slow_link():
     assert sent["replicas"] < sent["plain"]
 
 
-def test_replicas_keep_the_reference_tokens_in_rank_processes_under_chaos():
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_replicas_keep_the_reference_tokens_in_rank_processes_under_chaos(ranks):
     spec, _, _ = model(NAME)
-    plan = replicated(3, False)
-    wl = [(make_requests(spec.vocab_size, 6, seed=40 + i), RunOptions(policy=p, kv_blocks=128))
+    plan = replicated(ranks, ranks == 2)
+    wl = [(make_requests(spec.vocab_size, 6, seed=40 * ranks + i), RunOptions(policy=p, kv_blocks=128))
           for i, p in enumerate(sorted(POLICIES))]
     results = run_workloads_multiprocess(plan, wl, chaos=ChaosDelays(seed=4, max_delay_s=0.003, probability=0.5),
                                          timeout=80)
