@@ -42,7 +42,7 @@ from lab.network import Network
 
 SIM_DEVICE_MEMORY_GIB = 141.0   # an H200: a simulated rank's memory unless the config says otherwise
 from lab.lengths import length_distribution
-from lab.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
+from lab.report import BatchRecord, QueueDepths, RequestRecord, RunRecord, environment, write_report
 from runtime.core.requests import Request
 
 
@@ -61,7 +61,7 @@ class _Probe:
     """What the bench observes of a run from outside: bytes per link, queue depths over time."""
     clock: object = None
     link_bytes: dict = field(default_factory=dict)
-    queue: list = field(default_factory=list)
+    queue: QueueDepths = field(default_factory=QueueDepths)
 
 
 class _DepthRecorder:
@@ -77,7 +77,7 @@ class _DepthRecorder:
 
     def choose(self, views, next_of):
         t = self.probe.clock.now()
-        self.probe.queue.extend(QueueSample(t, self.rank, s, v.depth) for s, v in enumerate(views))
+        self.probe.queue.add(t, self.rank, [v.depth for v in views])
         return self.inner.choose(views, next_of)
 
 
