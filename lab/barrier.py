@@ -143,6 +143,8 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     def admit(now: float) -> None:
         while pending and pending[-1].arrival <= now:
             admission.submit(pending.pop())
+        if not admission.waiting:
+            return  # (called at every event: no list of every rank's free pages then, as Cluster._release)
         free = [kv.allocator.free_blocks for kv in kvs]
         for req, home in admission.admit(free):
             if not kvs[home].reserve(req.rid, req.kv_tokens):

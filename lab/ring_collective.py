@@ -106,7 +106,7 @@ def ring_reduce(partials: list, offsets: list[int]):
     R = len(partials)
     P = torch.stack(partials)                                  # [R, N, ...]
     n = P.shape[1]
-    chunk = torch.repeat_interleave(torch.arange(R), torch.tensor(np.diff(offsets), dtype=torch.long), output_size=n)
+    chunk = torch.from_numpy(np.repeat(np.arange(R, dtype=np.int64), np.diff(offsets)))
     rows = torch.arange(n)
     acc = P[(chunk + 1) % R, rows]
     for j in range(2, R + 1):
