@@ -397,9 +397,12 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
               weights=None) -> dict:
     """Run the whole matrix and write the report into `out_dir`. Returns the report document."""
     check_config(cfg)
-    from lowering.plan import compile_plan
+    from lowering.plan import MAX_CPU_RANKS, compile_plan
     memory = cfg.device_memory_gib if cfg.device_memory_gib or cfg.executor != "sim" else SIM_DEVICE_MEMORY_GIB
-    plan = compile_plan(spec, cfg.ranks, device_memory_gib=memory)
+    # A simulated cluster beyond the CPU's rank cap (one process per CPU rank) is planned as the GPUs it stands for;
+    # up to the cap the plan stays a CPU one, so every recorded bench keeps its plan.
+    device = "cuda" if cfg.executor == "sim" and cfg.ranks > MAX_CPU_RANKS else "cpu"
+    plan = compile_plan(spec, cfg.ranks, device=device, device_memory_gib=memory)
     router = _router(cfg, spec)  # None: the model's own router
     requests = _requests(cfg, spec, base_dir)
     scenarios = {name: from_config(c or {}, name, base_dir) for name, c in cfg.scenarios.items()}
