@@ -402,6 +402,8 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
     # A simulated cluster beyond the CPU's rank cap (one process per CPU rank) is planned as the GPUs it stands for;
     # up to the cap the plan stays a CPU one, so every recorded bench keeps its plan.
     device = "cuda" if cfg.executor == "sim" and cfg.ranks > MAX_CPU_RANKS else "cpu"
+    if device == "cuda" and not cfg.device_memory_gib:
+        memory = 1e4   # (as benchmarks/sim_scale.py: at 1,024 ranks a plan's graphs and workspace alone are ~390 GiB)
     plan = compile_plan(spec, cfg.ranks, device=device, device_memory_gib=memory)
     router = _router(cfg, spec)  # None: the model's own router
     requests = _requests(cfg, spec, base_dir)
