@@ -105,6 +105,10 @@ def ring_reduce(partials: list, offsets: list[int]):
     import torch
     R = len(partials)
     P = torch.stack(partials)                                  # [R, N, ...]
+    if not P.any() and not torch.signbit(P).any():
+        # every partial +0 (the sim executor's experts): any order of sums gives +0, without the R adds (~10 ms a
+        # layer at 1,024 ranks)
+        return torch.zeros_like(P[0])
     n = P.shape[1]
     chunk = torch.from_numpy(np.repeat(np.arange(R, dtype=np.int64), np.diff(offsets)))
     rows = torch.arange(n)
