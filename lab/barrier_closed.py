@@ -28,13 +28,15 @@ def run_closed(gens: list, ctxs: list, clk, cost, pricer, admit, pending: list, 
     values: list = [None] * R
     joined: dict = {}
     idle: set[int] = set()
-    left = R
+    left, arrival_due = R, False
     while left:
+        if pending and not arrival_due and (not heap or pending[-1].arrival < heap[0][0]):
+            heapq.heappush(heap, (pending[-1].arrival, -1))   # an arrival is an event (admitted at its time)
+            arrival_due = True
         if not heap:
-            if not pending:
-                raise RuntimeError(f"barrier run stalled: ranks idle {sorted(idle)}, none computing, no arrival due")
-            heap.append((pending[-1].arrival, -1))   # only an arrival can wake the idle ranks
+            raise RuntimeError(f"barrier run stalled: ranks idle {sorted(idle)}, none computing, no arrival due")
         t, r = heapq.heappop(heap)
+        arrival_due = arrival_due and r >= 0
         clk.advance_to(max(t, clk.now()))
         now = clk.now()
         admit(now)

@@ -208,6 +208,7 @@ def test_closed_form_collectives_equal_the_message_level_ones(model, ranks, gpus
     msg, closed = runs[False], runs[True]
     assert [q.output for q in closed.requests] == [q.output for q in msg.requests]
     assert [q.token_times for q in closed.requests] == [q.token_times for q in msg.requests]
+    assert [q.t_admit for q in closed.requests] == [q.t_admit for q in msg.requests]
     assert closed.elapsed == msg.elapsed and closed.link_bytes == msg.link_bytes
     batches = lambda res: [(b.kind, b.layer, b.rows, b.t_start, b.t_end) for m in res.ranks for b in m.batches]  # noqa: E731
     assert batches(closed) == batches(msg)
