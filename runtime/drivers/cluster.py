@@ -219,8 +219,9 @@ class Cluster:
         idle rank whose last decision found nothing runnable and whose state has not changed since would decide
         nothing again (Engine.next_batch's idle skip), so its skipped visits are owed to its policy's repeat_idle
         and paid when next visited (`_repeat_idle`). Same events, same order, same results as visiting every idle
-        rank at every event, which cost O(ranks) per event: 83% of a 64-rank, 1-request-per-rank simulation's host
-        time in session 24 (benchmarks/results/session22_sim_scaling.md)."""
+        rank at every event, which cost O(ranks) per event: 4.5M next_batch calls (49 of 120 s under cProfile) for
+        147k events in a 64-rank, 1-request-per-rank simulation (benchmarks/results/session22_sim_scaling.md, session
+        24), where this driver takes 0.14M."""
         clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
         until, R = self.options.until, self.world_size
         busy: list[Optional[tuple[float, Optional[Batch]]]] = [None] * R
