@@ -83,7 +83,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 compute_scale: Optional[Callable[[int, float], float]] = None,
                 kv_blocks: Optional[int] = None, home_policy: Optional[str] = None,
                 stall_timeout_s: float = 60.0, decode_only: bool = False,
-                row_bytes: Optional[int] = None) -> BarrierResult:
+                row_bytes: Optional[int] = None, closed_form: Optional[bool] = None) -> BarrierResult:
     """Serve `requests` (arriving at their `arrival` times) with synchronous EP on `plan`'s ranks,
     all in this process.
 
@@ -95,6 +95,8 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     call and `collective_send_cpu` per message on the virtual clock. `row_bytes`: bytes the link
     model charges per tensor row (to model a model's hidden size with a small or simulated one);
     None charges the tensor's real bytes. `decode_only`: random prompt KV, no prefill compute.
+    `closed_form`: price each collective whole (lab/barrier_closed.py) instead of message by message; None: where
+    it applies (virtual clock, `ag`, ring, a lab/network.py Network whose effects are bursts).
     """
     if clock not in ("virtual", "wall"):
         raise ValueError(f"clock {clock!r}; valid: virtual, wall")
@@ -130,12 +132,21 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
 
     for c in ctxs:
         c.more_coming = more_coming
+    from lab.network import Network
+    from lab.ring_collective import RingPricer
+    net = getattr(link_delay, "__self__", None)
+    fits = (clock == "virtual" and mode == "ag" and cost.collective_algo == "ring" and isinstance(net, Network)
+            and net.send_free and link_delay.__func__ is Network.delay and RingPricer.supports(net))
+    if closed_form and not fits:
+        raise ValueError("closed_form needs the virtual clock, mode ag, ring collectives and a Network of bursts")
     states = [_RankState(rank_loop(c, mode)) for c in ctxs]
     inbox: list[dict] = [dict() for _ in range(R)]
 
     def admit(now: float) -> None:
         while pending and pending[-1].arrival <= now:
             admission.submit(pending.pop())
+        if not admission.waiting:
+            return  # (called at every event: no list of every rank's free pages then, as Cluster._release)
         free = [kv.allocator.free_blocks for kv in kvs]
         for req, home in admission.admit(free):
             if not kvs[home].reserve(req.rid, req.kv_tokens):
@@ -195,6 +206,13 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
         return moved
 
     t_first = min((q.arrival for q in requests), default=0.0)
+    if fits and closed_form is not False:
+        from lab.barrier_closed import run_closed
+        for c in ctxs:
+            c.closed_form = True
+        run_closed([rank_loop(c, mode) for c in ctxs], ctxs, clk, cost, RingPricer(net, R), admit, pending,
+                   more_coming, compute_scale, row_bytes, link_bytes)
+        states = []
     last_progress = time.perf_counter()
     while not all(s.done for s in states):
         moved = True

@@ -27,6 +27,7 @@ ZeroMQ + gloo transport (lab/barrier_mp.py).
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional
 
@@ -70,7 +71,36 @@ class Idle:
     """Nothing to do anywhere: wait until new work may exist (the next arrival or admission)."""
 
 
-Op = Compute | Send | Gather | Idle
+@dataclass(slots=True)
+class Collective:
+    """A whole ring collective at once, for the closed-form driver (lab/barrier_closed.py): every rank yields it
+    with the same tag; "ag" resumes with a Gathered of every rank's (meta, tensor), "rs" (reduce-scatter of
+    `tensor` by `offsets`) with this rank's summed rows. Priced by lab/ring_collective.py."""
+    kind: str
+    tag: tuple
+    meta: dict
+    tensor: Optional[torch.Tensor]
+    offsets: Optional[list] = None
+
+
+class Gathered:
+    """An all-gather's result, one object shared by every rank: each rank's meta and tensor by rank, and what ranks
+    derive from them alike (the global batch, its counts) computed once (`shared`), not R times over R ranks."""
+
+    def __init__(self, metas: list, tensors: list) -> None:
+        self.metas, self.tensors, self._cache = metas, tensors, {}
+
+    def __getitem__(self, p: int):
+        from runtime.transport.base import Arrival
+        return Arrival(p, self.metas[p], self.tensors[p])
+
+    def shared(self, key: str, make: Callable):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+Op = Compute | Send | Gather | Idle | Collective
 
 
 @dataclass
@@ -91,6 +121,7 @@ class RankContext:
     more_coming: Callable[[], bool] = lambda: False
     algo: str = "direct"            # collectives: "ring" (R-1 hops in sequence) or "direct" (one hop to all)
     decode_only: bool = False       # paper's throughput mode: random prompt KV, no prefill compute
+    closed_form: bool = False       # collectives as one Collective op each (lab/barrier_closed.py)
 
 
 def step_batch(live: list, started: set, decode_only: bool, kv) -> tuple[list, list, list, list]:
@@ -136,14 +167,20 @@ def rank_loop(ctx: RankContext, mode: str) -> Generator[Op, object, None]:
         # -- step 0: agree on the global batch shape (and on stopping) -------------------------------
         more = ctx.more_coming()
         got = yield from _allgather(ctx, ("cnt", step), {"n": T, "more": more}, None, "ag")
-        counts = [T if p == me else got[p].meta["n"] for p in range(R)]
+        if isinstance(got, Gathered):   # (counts and offsets once for all ranks: O(R), not O(R^2) per rank)
+            counts, offsets, more_any = got.shared("counts", lambda: (
+                [m["n"] for m in got.metas], [0, *accumulate(m["n"] for m in got.metas)],
+                any(m["more"] for m in got.metas)))
+        else:
+            counts = [T if p == me else got[p].meta["n"] for p in range(R)]
+            offsets = [sum(counts[:p]) for p in range(R + 1)]
+            more_any = any(got[p].meta["more"] for p in got)
         step += 1
         if sum(counts) == 0:
-            if not more and not any(got[p].meta["more"] for p in got):
+            if not more and not more_any:
                 return
             yield Idle()
             continue
-        offsets = [sum(counts[:p]) for p in range(R + 1)]
         for req in live:
             started.add(req.rid)
         # -- the layers -------------------------------------------------------------------------------
@@ -224,6 +261,8 @@ def _allgather(ctx: RankContext, tag: tuple, meta: dict, tensor, fixed: Optional
         yield Compute(f"coll:{fixed}", -1, 0, 0.0)
     if R == 1:
         return {}
+    if ctx.closed_form:
+        return (yield Collective("ag", tag, meta, tensor))
     if ctx.algo == "direct":
         for p in range(R):
             if p != me:
@@ -249,6 +288,8 @@ def _reduce_scatter(ctx: RankContext, tag: tuple, partial, offsets):
     chunk = lambda c: partial[offsets[c]:offsets[c + 1]]  # noqa: E731
     if R == 1:
         return chunk(me).clone()
+    if ctx.closed_form:
+        return (yield Collective("rs", tag, {}, partial, offsets))
     if ctx.algo == "direct":
         for p in range(R):
             if p != me:
@@ -275,19 +316,28 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     R, me, ex = ctx.world_size, ctx.rank, ctx.executor
     ids, w = ids.cpu(), w.cpu()  # routing is host metadata (a no-op for the executors' CPU tensors)
     xr = _hidden(ctx, x)
-    got = yield from _allgather(ctx, ("ag",) + tag, {"ids": ids.tolist(), "w": w.tolist()}, xr, "ag")
-    xs, idss, ws = [], [], []
-    for p in range(R):  # rank order: every rank assembles the same global batch
-        if p == me:
-            xs.append(xr), idss.append(ids), ws.append(w)
-        else:
-            a = got[p]
-            xs.append(a.tensor)
-            idss.append(torch.tensor(a.meta["ids"], dtype=torch.int64).reshape(-1, ids.shape[1]))
-            ws.append(torch.tensor(a.meta["w"], dtype=torch.float32).reshape(-1, ids.shape[1]))
-    x_all, ids_all, w_all = torch.cat(xs), torch.cat(idss), torch.cat(ws)
-    home = torch.repeat_interleave(torch.arange(R), torch.tensor(counts))  # each row's home rank
-    mine = (ctx.owners[layer][home[:, None], ids_all] == me).nonzero()  # (token, slot) pairs, row-major = slot order
+    # (in process, the closed form moves the routing as tensors: the same values as the lists a wire carries)
+    routing = {"ids": ids, "w": w} if ctx.closed_form else {"ids": ids.tolist(), "w": w.tolist()}
+    got = yield from _allgather(ctx, ("ag",) + tag, routing, xr, "ag")
+    if isinstance(got, Gathered):   # the global batch, assembled once for every rank
+        x_all, ids_all, w_all = got.shared("batch", lambda: (
+            torch.cat(got.tensors), torch.cat([m["ids"] for m in got.metas]), torch.cat([m["w"] for m in got.metas])))
+    else:
+        xs, idss, ws = [], [], []
+        for p in range(R):  # rank order: every rank assembles the same global batch
+            if p == me:
+                xs.append(xr), idss.append(ids), ws.append(w)
+            else:
+                a = got[p]
+                xs.append(a.tensor)
+                idss.append(torch.tensor(a.meta["ids"], dtype=torch.int64).reshape(-1, ids.shape[1]))
+                ws.append(torch.tensor(a.meta["w"], dtype=torch.float32).reshape(-1, ids.shape[1]))
+        x_all, ids_all, w_all = torch.cat(xs), torch.cat(idss), torch.cat(ws)
+    # each (token, slot)'s rank: the owner table of the token's home (static replicas: lab/static_replicas.py)
+    def owners():
+        return ctx.owners[layer][torch.repeat_interleave(torch.arange(R), torch.tensor(counts))[:, None], ids_all]
+    own = got.shared("own", owners) if isinstance(got, Gathered) else owners()
+    mine = (own == me).nonzero()              # (token, slot) pairs, row-major = slot order
     t_idx, s_idx = mine[:, 0], mine[:, 1]
     dev = x_all.device  # rows stay on the executor's device; routing metadata is on the host
     t0 = time.perf_counter()

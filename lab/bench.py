@@ -43,7 +43,7 @@ from lab.network import Network
 SIM_DEVICE_MEMORY_GIB = 141.0   # an H200: a simulated rank's memory unless the config says otherwise
 from lab.lengths import length_distribution
 from lab.static_replicas import StaticCopies
-from lab.report import BatchRecord, QueueSample, RequestRecord, RunRecord, environment, write_report
+from lab.report import BatchRecord, QueueDepths, RequestRecord, RunRecord, environment, write_report
 from runtime.core.requests import Request
 
 
@@ -62,7 +62,7 @@ class _Probe:
     """What the bench observes of a run from outside: bytes per link, queue depths over time."""
     clock: object = None
     link_bytes: dict = field(default_factory=dict)
-    queue: list = field(default_factory=list)
+    queue: QueueDepths = field(default_factory=QueueDepths)
 
 
 class _DepthRecorder:
@@ -78,7 +78,7 @@ class _DepthRecorder:
 
     def choose(self, views, next_of):
         t = self.probe.clock.now()
-        self.probe.queue.extend(QueueSample(t, self.rank, s, v.depth) for s, v in enumerate(views))
+        self.probe.queue.add(t, self.rank, [v.depth for v in views])
         return self.inner.choose(views, next_of)
 
 
@@ -420,10 +420,17 @@ def run_bench(cfg: BenchConfig, spec, out_dir: str | Path, base_dir: Optional[Pa
               weights=None) -> dict:
     """Run the whole matrix and write the report into `out_dir`. Returns the report document."""
     check_config(cfg)
-    from lowering.plan import compile_plan
+    from lowering.plan import MAX_CPU_RANKS, compile_plan
     memory = cfg.device_memory_gib if cfg.device_memory_gib or cfg.executor != "sim" else SIM_DEVICE_MEMORY_GIB
-    # one plan per replica count the systems name (split_system); the same placement otherwise
-    plans = {n: compile_plan(spec, cfg.ranks, device_memory_gib=memory, **({"replicas": n} if n else {}))
+    # A simulated cluster beyond the CPU's rank cap (one process per CPU rank) is planned as the GPUs it stands for;
+    # up to the cap the plan stays a CPU one, so every recorded bench keeps its plan.
+    device = "cuda" if cfg.executor == "sim" and cfg.ranks > MAX_CPU_RANKS else "cpu"
+    if device == "cuda" and not cfg.device_memory_gib:
+        memory = 1e4   # (as benchmarks/sim_scale.py: at 1,024 ranks a plan's graphs and workspace alone are ~390 GiB)
+    # one plan per replica count the systems name (split_system), the same placement otherwise; replicas take the
+    # host-routed dispatch (the sim executor runs that one anyway)
+    plans = {n: compile_plan(spec, cfg.ranks, device=device, device_memory_gib=memory,
+                             **({"replicas": n, "dispatch": "host"} if n else {}))
              for n in sorted({split_system(s)[1] for s in cfg.systems} | {0})}
     router = _router(cfg, spec)  # None: the model's own router
     requests = _requests(cfg, spec, base_dir)

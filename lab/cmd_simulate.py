@@ -101,8 +101,14 @@ def register(app: typer.Typer) -> None:
                                                           "traces (OUT/traces/trace-POLICY-SCENARIO-r0.json)"),
     ) -> None:
         """Streaming vs barrier EP on a virtual cluster of N GPUs, clean and disturbed; write a report."""
+        import torch
+
         from dataflow.cmd_compile import resolve_model
         from lab.cmd_bench import run_and_print
+        # One torch thread: the simulation's tensors are tiny and its loop is one Python thread; on the 2-core VM,
+        # torch's 2-thread path for a [1024, 4] index (all-gather EP's global batch at 1,024 ranks) took 5-10 ms
+        # against 27 us on one thread (session 24).
+        torch.set_num_threads(1)
         spec, _ = resolve_model(model)
         cfg = simulate_config(model, spec, ranks, gpus_per_node, scenario or ["clean", "slow-nic"], costs,
                               requests_per_rank, new_tokens, [s.strip() for s in systems.split(",") if s.strip()])

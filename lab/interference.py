@@ -34,7 +34,9 @@ ANY = -1  # wildcard rank in link selectors and traces ("*" in files)
 def _covers(links: Optional[frozenset[tuple[int, int]]], src: int, dst: int) -> bool:
     if links is None:
         return True
-    return any((s in (ANY, src)) and (d in (ANY, dst)) for s, d in links)
+    # some (s, d) with s in (ANY, src) and d in (ANY, dst): four lookups, not a scan of every pair (a scan per
+    # message was 3% of a 256-rank simulation's host time, session 24)
+    return (src, dst) in links or (ANY, dst) in links or (src, ANY) in links or (ANY, ANY) in links
 
 
 def _links(spec: Optional[Iterable[Sequence[int]]]) -> Optional[frozenset[tuple[int, int]]]:

@@ -183,3 +183,32 @@ def test_barrier_in_processes_equals_in_process(model):
     got = {q.rid: q for q in res.results[0]["requests"]}
     assert [got[q.rid].output for q in want.requests] == [q.output for q in want.requests]
     assert all(len(got[q.rid].token_times) == MAX_NEW for q in want.requests)
+
+
+@pytest.mark.parametrize("ranks, gpus_per_node", [(4, 2), (8, 2)])
+@pytest.mark.parametrize("burst", [False, True])
+def test_closed_form_collectives_equal_the_message_level_ones(model, ranks, gpus_per_node, burst):
+    """lab/barrier_closed.py prices each ring collective whole; the message-level driver sends its R x (R - 1)
+    messages through the same network model. Same recursion, same floats: the same tokens, batch times and bytes.
+    (Exact equality is the check, not a tolerance: any difference would be a modelling difference, not rounding.)"""
+    from lab.network import Network, Topology
+    spec, w, prompts, want = model
+    spec = spec.model_copy(update={"experts": spec.experts.model_copy(update={"num_experts": 8})})
+    plan = compile_plan(spec, ranks)
+    ring = BarrierCostModel(collective_algo="ring", collective_fixed={"ag": 20e-6, "ar": 10e-6, "a2a": 0.0})
+    topo = Topology(gpus_per_node, 2e-6, 400.0, 5e-6, 50.0)
+    effects = (Bursts(period_s=2e-3, duty=0.5, extra_delay_s=300e-6, bandwidth_gbps=1.0,
+                      links=frozenset({(ranks - 1, -1), (-1, ranks - 1)})),) if burst else ()
+    runs = {}
+    for closed in (False, True):
+        net = Network(topo, LinkSchedule(effects=effects), ranks)
+        runs[closed] = run_barrier(plan, TorchExecutor(spec, random_weights(spec)), _requests(prompts), "ag",
+                                   kv_blocks=32, link_delay=net.delay, cost_model=ring, closed_form=closed,
+                                   row_bytes=4096)
+    msg, closed = runs[False], runs[True]
+    assert [q.output for q in closed.requests] == [q.output for q in msg.requests]
+    assert [q.token_times for q in closed.requests] == [q.token_times for q in msg.requests]
+    assert [q.t_admit for q in closed.requests] == [q.t_admit for q in msg.requests]
+    assert closed.elapsed == msg.elapsed and closed.link_bytes == msg.link_bytes
+    batches = lambda res: [(b.kind, b.layer, b.rows, b.t_start, b.t_end) for m in res.ranks for b in m.batches]  # noqa: E731
+    assert batches(closed) == batches(msg)

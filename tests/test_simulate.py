@@ -54,6 +54,11 @@ def test_a_16_gpu_cluster_runs_through_simulate_and_reports(tmp_path):
     assert doc["config"]["network"]["gpus_per_node"] == 2 and (out / "report.md").exists()
     slow = {r["label"]: r for r in doc["results"] if r["scenario"] == "slow-nic"}
     assert all(r["loss_vs_clean"] > 0 for r in slow.values())   # virtual clock: the slow NIC costs every system
+    # issue 34's scale table reads these per cell: tokens/s, ITL p99, the ratio to all-gather EP
+    for r in doc["results"]:
+        assert r["tokens_per_s"] > 0 and r["itl_p99_ms"] > 0 and r["ratio_vs_baseline"] > 0, r
+        assert r["itl_p50_ms"] <= r["itl_p99_ms"] and r["total_link_bytes"] > 0
+    assert {r["ratio_vs_baseline"] for r in doc["results"] if r["label"] == "ag-ep"} == {1.0}
     for scenario in ("clean", "slow-nic"):   # --trace: streaming's predicted schedule, one Perfetto file per cell
         trace = json.loads((out / "traces" / f"trace-defrag-{scenario}-r0.json").read_text())
         batches = [e for e in trace["traceEvents"] if e.get("ph") == "X"]

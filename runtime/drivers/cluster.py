@@ -12,6 +12,7 @@ Two loops over the same engines:
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -24,7 +25,7 @@ from runtime.core.engine import Batch, Engine, config_from_plan
 from runtime.observability.metrics import BATCH_LOG, summarize
 from runtime.core.requests import Request
 from runtime.drivers.admission import Admission
-from runtime.core.scheduler import make_policy
+from runtime.core.scheduler import Defrag, Policy, make_policy
 from runtime.observability.trace import TRACE_BATCHES, TraceRecorder
 from runtime.transport.inproc import DelayFn, InprocHub
 
@@ -106,19 +107,23 @@ class Cluster:
                                    options.home_policy or plan.placement.home_policy, plan.placement.homes(len(self.engines)))
 
     # ------------------------------------------------------------------ shared pieces
-    def _release(self, pending: list[Request], now: float) -> None:
+    def _release(self, pending: list[Request], now: float) -> list[int]:
+        """Admit the requests due by `now` that fit; the ranks they went to."""
         while pending and pending[-1].arrival <= now:
             self.admission.submit(pending.pop())
         if not self.admission.waiting:
-            return  # (a virtual-clock run calls this at every event: no list of every rank's free pages then)
+            return []  # (a virtual-clock run calls this at every event: no list of every rank's free pages then)
         free = [e.free_blocks() for e in self.engines]
+        homes = []
         for req, home in self.admission.admit(free):
             if not self.engines[home].admit(req):
                 raise RuntimeError(f"rank {home} refused request {req.name!r} after admission placed it there")
+            homes.append(home)
+        return homes
 
-    def _collect(self, done: list[Request], total: int) -> bool:
+    def _collect(self, done: list[Request], total: int, ranks: Optional[list[int]] = None) -> bool:
         got = False
-        for e in self.engines:
+        for e in self.engines if ranks is None else [self.engines[r] for r in ranks]:
             f = e.take_finished()
             if f:
                 done.extend(f)
@@ -209,17 +214,33 @@ class Cluster:
             time.sleep(min(max(gap, 0.0), 0.001))
 
     def _run_virtual(self, pending: list[Request], done: list[Request], total: int) -> None:
+        """Events in time order; at each: (1) batches ending now complete, in rank order; (2) arrivals are admitted;
+        (3) idle ranks receive and start their next batch, in rank order; (4) the clock jumps to the next batch end,
+        delivery to an idle rank, wave-hold expiry or arrival. Step 3 visits only the idle ranks something happened
+        to (a batch ended, mail is due, a request admitted, a hold or deferred batch pending, not yet visited): an
+        idle rank whose last decision found nothing runnable and whose state has not changed since would decide
+        nothing again (Engine.next_batch's idle skip), so its skipped visits are owed to its policy's repeat_idle
+        and paid when next visited (`_repeat_idle`). Same events, same order, same results as visiting every idle
+        rank at every event, which cost O(ranks) per event: 4.5M next_batch calls (49 of 120 s under cProfile) for
+        147k events in a 64-rank, 1-request-per-rank simulation (benchmarks/results/session22_sim_scaling.md, session
+        24), where this driver takes 0.14M."""
         clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
-        until = self.options.until
-        busy: list[Optional[tuple[float, Batch]]] = [None] * self.world_size
+        until, R = self.options.until, self.world_size
+        busy: list[Optional[tuple[float, Optional[Batch]]]] = [None] * R
+        ends: list[tuple[float, int]] = []       # heap: (end, rank) of every busy rank
+        mail = hub.arrivals = []                 # heap: (delivery, seq, dst) of every message sent
+        held: list[list] = [[] for _ in range(R)]  # mail of a busy rank, not an event until it is idle
+        settled: dict[int, int] = {}             # idle rank -> the event at which it last found nothing to do
+        restless, touched, carry, it = set(range(R)), [], set(), 0
         while True:
+            it += 1
             now = clock.now()
-            # 1. batches ending now complete (rank order: deterministic)
-            for r, b in enumerate(busy):
-                if b is not None and b[0] <= now:
-                    busy[r] = None
-                    if b[1] is None:
-                        continue  # the end of a batch's send tail (below)
+            freed = []
+            while ends and ends[0][0] <= now:
+                freed.append(heapq.heappop(ends)[1])
+            for r in sorted(freed):
+                b, busy[r] = busy[r], None
+                if b[1] is not None:
                     sent = hub.messages
                     engines[r].complete(b[1])
                     sent = hub.messages - sent
@@ -230,23 +251,48 @@ class Cluster:
                         tail = cost.with_sends(device, sent) - device
                         if tail > 0:
                             busy[r] = (now + tail, None)
-            self._collect(done, total)
+                            heapq.heappush(ends, (now + tail, r))
+                            continue
+                for m in held[r]:
+                    heapq.heappush(mail, m)
+                held[r].clear()
+            self._collect(done, total, sorted(set(freed).union(touched)))
             if len(done) == total:
                 return
-            # 2. arrivals due now are admitted (KV freed by step 1 is visible)
-            self._release(pending, now)
-            # 3. idle ranks receive and start their next batch
-            for r, e in enumerate(engines):
-                if busy[r] is None:
-                    e.poll()
-                    batch = e.next_batch()
-                    if batch is not None:
-                        e.execute(batch)
-                        busy[r] = (now + cost.duration(batch.stage.kind, batch.rows, _experts(batch, cost)), batch)
-            # 4. jump to the next event: a batch end, a delivery to an idle rank, or an arrival
-            events = [b[0] for b in busy if b is not None]
-            events += [t for r, t in enumerate(hub.next_delivery_per_rank()) if t is not None and busy[r] is None]
-            events += [now + e.hold_s for r, e in enumerate(engines) if busy[r] is None and e.hold_s > 0]
+            todo = set(freed) | set(self._release(pending, now)) | restless | carry
+            carry = set()
+            todo = [r for r in todo if busy[r] is None]
+            heapq.heapify(todo)
+            touched = []
+            while todo or (mail and mail[0][0] <= now):
+                if mail and mail[0][0] <= now:  # mail due: its rank is visited in this pass, or the next
+                    d = heapq.heappop(mail)[2]
+                    if busy[d] is None:
+                        (carry.add(d) if touched and d <= touched[-1] else heapq.heappush(todo, d))
+                    continue
+                r = heapq.heappop(todo)
+                if touched and r == touched[-1]:
+                    continue
+                touched.append(r)
+                e = engines[r]
+                if r in settled:
+                    _repeat_idle(e.policy, it - settled.pop(r) - 1)
+                e.poll()
+                batch = e.next_batch()
+                restless.discard(r)
+                if batch is not None:
+                    e.execute(batch)
+                    busy[r] = (now + cost.duration(batch.stage.kind, batch.rows, _experts(batch, cost)), batch)
+                    heapq.heappush(ends, (busy[r][0], r))
+                elif e._idle_at == e._changes[0] and not e.hold_s and not e.deferred:
+                    settled[r] = it
+                else:
+                    restless.add(r)
+            events = [ends[0][0]] if ends else []
+            while mail and busy[mail[0][2]] is not None:
+                held[mail[0][2]].append(heapq.heappop(mail))
+            events += [mail[0][0]] if mail else []
+            events += [now + engines[r].hold_s for r in restless if engines[r].hold_s > 0]
             if pending:
                 events.append(pending[-1].arrival)
             if not events:
@@ -255,6 +301,20 @@ class Cluster:
             if until is not None and t_next > until:
                 return
             clock.advance_to(max(t_next, now))
+
+
+def _repeat_idle(policy, n: int) -> None:
+    """`n` skipped idle decisions' policy updates at once. Defrag's (and Aging's) repeat_idle is periodic after
+    `history` calls (every snapshot slot then holds the last one and only the next slot turns), so at most
+    2 x history calls give the same state; the base policy's is a no-op."""
+    rep = policy.repeat_idle
+    fn = getattr(rep, "__func__", None)
+    if fn is Policy.repeat_idle:
+        return
+    if fn is Defrag.repeat_idle and n > rep.__self__.history:
+        n = rep.__self__.history + (n - rep.__self__.history) % rep.__self__.history
+    for _ in range(n):
+        rep()
 
 
 def build_executor(plan, options: RunOptions, weights=None):

@@ -34,6 +34,7 @@ class InprocHub:
         self._seq = 0
         self._in_flight = [0] * world_size  # per source
         self.messages = 0
+        self.arrivals: Optional[list] = None  # the virtual-clock driver's heap of (delivery, seq, dst), when it keeps one
 
     def transports(self) -> list["InprocTransport"]:
         return [InprocTransport(self, r) for r in range(self.world_size)]
@@ -52,6 +53,8 @@ class InprocHub:
         self._last[(src, dst)] = t
         self._seq += 1
         heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None else None))
+        if self.arrivals is not None:
+            heapq.heappush(self.arrivals, (t, self._seq, dst))
         self._in_flight[src] += 1
         self.messages += 1
 
