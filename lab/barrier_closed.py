@@ -58,7 +58,7 @@ def run_closed(gens: list, ctxs: list, clk, cost, pricer, admit, pending: list, 
                 if op.kind.startswith("coll:"):   # a collective's fixed cost: busy, no batch recorded
                     heapq.heappush(heap, (now + cost.duration(op.kind, 0), r))
                     break
-                dur = cost.duration(op.kind, op.rows) * scale
+                dur = cost.duration(op.kind, op.rows, op.experts) * scale
                 ctxs[r].metrics.on_batch(BatchRecord(r, -1, op.kind, op.layer, op.rows, now, now + dur, 0.0), ())
                 heapq.heappush(heap, (now + dur, r))
                 break
