@@ -8,7 +8,7 @@
 - the size budgets: the runtime core (runtime/core, executors, transport) at most 5,000 code lines, no product file
   over 500 lines, and the product under a ceiling that only goes down. Issue 30's target for the product is 12,000
   code lines; it was 13,431 when this test came (issue 32's families, latent MLA and FP8 had added ~1,000), 12,846
-  at the end of session 22 and 11,982 in session 23. Lower PRODUCT_CODE_LINES when a change makes room; a feature
+  at the end of session 22, 11,982 in session 23 and 12,285 in session 24. Lower PRODUCT_CODE_LINES when a change makes room; a feature
   that needs more is paid for by cuts, or raising the ceiling is a decision recorded (with its reason) on the
   feature's issue. Code lines as cloc counts them: blank lines, comments and docstrings are free, so a comment
   that says why never costs budget.
@@ -27,7 +27,11 @@ PRODUCT = ("dataflow", "graph_ir", "lowering", "runtime", "kernels", "models")
 NOT_PRODUCT = ("lab", "benchmarks", "tests")
 SETTINGS = Path("runtime/settings.py")
 ENV_NAMES = ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv")
-PRODUCT_CODE_LINES = 12_000  # the ceiling (module docstring): issue 30's target, met in session 23 (11,982)
+# The ceiling (module docstring): issue 30's target of 12,000, met in session 23 (11,982), raised in session 24 to 12,300
+# by decisions recorded on issues 33 (the graph-driven lowering with replicas and attention ranks, replica choice at
+# dispatch, admission by attention ranks: ~+265 after 37 lines of cuts) and 34 (the virtual-clock driver's event
+# heaps: +51); product at 12,285 then.
+PRODUCT_CODE_LINES = 12_300
 RUNTIME_CORE = ("runtime/core", "runtime/executors", "runtime/transport")
 RUNTIME_CORE_CODE_LINES = 5_000
 FILE_LINES = 500
