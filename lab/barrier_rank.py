@@ -333,12 +333,18 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
                 idss.append(torch.tensor(a.meta["ids"], dtype=torch.int64).reshape(-1, ids.shape[1]))
                 ws.append(torch.tensor(a.meta["w"], dtype=torch.float32).reshape(-1, ids.shape[1]))
         x_all, ids_all, w_all = torch.cat(xs), torch.cat(idss), torch.cat(ws)
-    # each (token, slot)'s rank: the owner table of the token's home (static replicas: lab/static_replicas.py)
-    def owners():
-        return ctx.owners[layer][torch.repeat_interleave(torch.arange(R), torch.tensor(counts))[:, None], ids_all]
-    own = got.shared("own", owners) if isinstance(got, Gathered) else owners()
-    mine = (own == me).nonzero()              # (token, slot) pairs, row-major = slot order
-    t_idx, s_idx = mine[:, 0], mine[:, 1]
+    # The (token, slot) pairs each rank computes, row-major (= slot order within a token): each pair's rank is the
+    # owner table of the token's home (static replicas: lab/static_replicas.py); one stable sort by rank serves every
+    # rank a slice (in process, once per collective: a scan of the global batch per rank was 42% of a 1,024-rank
+    # simulation's profile in session 24; this was not re-timed at 1,024 ranks, and at 256 x 10 steps both are ~15-20 s)
+    def by_rank():
+        own = ctx.owners[layer][torch.repeat_interleave(torch.arange(R), torch.tensor(counts))[:, None], ids_all]
+        order = torch.sort(own.reshape(-1), stable=True)
+        return order.indices, torch.searchsorted(order.values, torch.arange(R + 1))
+    order, start = got.shared("by_rank", by_rank) if isinstance(got, Gathered) else by_rank()
+    flat = order[start[me]:start[me + 1]]
+    k = ids_all.shape[1]
+    t_idx, s_idx = flat // k, flat % k
     dev = x_all.device  # rows stay on the executor's device; routing metadata is on the host
     t0 = time.perf_counter()
     t_dev = t_idx.to(dev)
