@@ -35,7 +35,7 @@ def ring_rank(env, rows: int, hidden: int, collectives: int, compute_us: float, 
     set_rank_threads(env, on_gpu=False)
     init_distributed(env.rank, env.world_size, "gloo")
     me, R = env.rank, env.world_size
-    nxt, prv = (me + 1) % R, (me - 1) % R
+    nxt = (me + 1) % R
     inbox: dict = {}
     x = torch.randn(rows, hidden)
     a = torch.randn(64, 64)

@@ -27,7 +27,7 @@ class _Fixed:
     def __init__(self, owners: list) -> None:
         self.table = owners
 
-    def owners(self, layer: int, ids, now: float):
+    def owners(self, layer: int, now: float):
         return self.table[layer]
 
     def sent(self, gid: int, now: float) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import networkx as nx
-from pydantic import BaseModel
 
 from graph_ir.graph import to_text
 from lowering.capture import plan_capture

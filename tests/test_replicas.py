@@ -38,31 +38,30 @@ def test_the_rule_sends_rows_to_the_copy_that_turns_them_around_soonest():
     T = 1 << 32  # merge group g's rows have tags g << 32 ... (runtime/core/merge.py TAG_SHIFT)
     # 3 ranks, layer 0: expert 0 on rank 1 with a copy on 2; expert 1 on rank 0, not replicated
     rc = ReplicaChoice([[1, 0]], [[[2], []]], rank=0, world=3)
-    ids = np.array([[0, 1], [0, 1]])
-    assert rc.owners(0, ids, 0.0).tolist() == [1, 0]  # nothing measured: a tie, to the lower rank
+    assert rc.owners(0, 0.0).tolist() == [1, 0]  # nothing measured: a tie, to the lower rank
     rc.sent(gid=7, now=0.0)
     rc.returned(1, (7 * T, 2), now=0.010)  # rank 1 took 10 ms
     rc.returned(2, np.array([7 * T + 2]), now=0.001)  # rank 2 took 1 ms (the array form of tags)
-    assert rc.owners(0, ids, 0.001).tolist() == [2, 0]
+    assert rc.owners(0, 0.001).tolist() == [2, 0]
     rc.sent(gid=8, now=0.002)
     for _ in range(20):  # rank 2 becomes slow, rank 1 recovered
         rc.returned(2, (8 * T, 1), now=0.050)
         rc.returned(1, (8 * T, 1), now=0.0021)
-    assert rc.owners(0, ids, 0.050).tolist() == [1, 0]
+    assert rc.owners(0, 0.050).tolist() == [1, 0]
     # an estimate not refreshed decays (HALF_LIFE_S), so a rank once slow gets rows again
     rc = ReplicaChoice([[1]], [[[2]]], rank=0, world=3)
     rc.sent(0, 0.0)
     rc.returned(1, (0, 1), 0.010)
     rc.returned(2, (0, 1), 0.002)
-    assert rc.owners(0, np.array([[0]]), 0.010).tolist() == [2]
+    assert rc.owners(0, 0.010).tolist() == [2]
     later = 0.010 + 10 * HALF_LIFE_S
     rc.sent(1, later - 0.002)
     rc.returned(2, (1 << 32, 1), later)  # rank 2 measured again; rank 1's old estimate has decayed 1,000-fold
-    assert rc.owners(0, np.array([[0]]), later).tolist() == [1]
+    assert rc.owners(0, later).tolist() == [1]
     # ties go to this rank (no link), and a layer without copies keeps its owner table as it is
     rc = ReplicaChoice([[1], [1]], [[[0]], []], rank=0, world=2)
-    assert rc.owners(0, np.array([[0]]), 0.0).tolist() == [0]
-    assert rc.owners(1, np.array([[0]]), 0.0) is rc.owner[1]
+    assert rc.owners(0, 0.0).tolist() == [0]
+    assert rc.owners(1, 0.0) is rc.owner[1]
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES) + HELD[:1])

@@ -72,7 +72,7 @@ class ExpertDispatch:
         # The order, its inverse and the merge's packed device inputs come from one compiled call.
         T, k = ids.shape
         replica = self._replica
-        owner = self._expert_rank[layer] if replica is None else replica.owners(layer, ids, self.clock.now())
+        owner = self._expert_rank[layer] if replica is None else replica.owners(layer, self.clock.now())
         plan = plan_dispatch(ids, weights, owner, self.cfg.world_size)
         g = open_group(weights, plan=plan)
         if replica is not None:

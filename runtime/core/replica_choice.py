@@ -37,8 +37,8 @@ class ReplicaChoice:
         self.measured_at = np.zeros(world)
         self._sent_at = np.zeros(_SLOTS)
 
-    def owners(self, layer: int, ids: np.ndarray, now: float) -> np.ndarray:
-        """The expert -> rank table for one batch of routed ids [T, k] (the owner table where nothing is replicated)."""
+    def owners(self, layer: int, now: float) -> np.ndarray:
+        """The expert -> rank table for a batch of `layer` dispatched now (the owner table where nothing is replicated)."""
         held = self.copies.get(layer)
         if held is None:
             return self.owner[layer]
