@@ -348,11 +348,11 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     dev = x_all.device  # rows stay on the executor's device; routing metadata is on the host
     t0 = time.perf_counter()
     t_dev = t_idx.to(dev)
-    y = ex.experts(layer, x_all.index_select(0, t_dev), ids_all[t_idx, s_idx].tolist())
+    experts = ids_all[t_idx, s_idx].tolist()
+    y = ex.experts(layer, x_all.index_select(0, t_dev), experts)
     partial = torch.zeros(x_all.shape[0], x_all.shape[1], dtype=torch.float32, device=dev)
     partial.index_add_(0, t_dev, y.float() * w_all[t_idx, s_idx, None].to(dev))
-    yield Compute("expert", layer, int(t_idx.numel()), time.perf_counter() - t0,
-                  len(set(ids_all[t_idx, s_idx].tolist())))
+    yield Compute("expert", layer, int(t_idx.numel()), time.perf_counter() - t0, len(set(experts)))
     # all-reduce, part 1: reduce-scatter to the home ranks
     acc = yield from _reduce_scatter(ctx, ("rs",) + tag, partial, offsets)
     # all-reduce, part 2: all-gather of the reduced rows (the half DP attention throws away)

@@ -143,7 +143,10 @@ def add_copies(owner: list[int], load: list[float], ranks: range, copies: int, l
     reps: list[list[int]] = [[] for _ in owner]
     # equal loads: the owners' first experts first, then their second ones...: in id order, the last owner's experts
     # came last, when every other rank was full (with a uniform load on 4 ranks, 8 copies gave rank 0 three, rank 3 one)
-    nth = {e: sum(1 for x in owner[:e] if x == owner[e]) for e in range(len(owner))}
+    seen: dict[int, int] = {}
+    nth = {}
+    for e, o in enumerate(owner):
+        nth[e] = seen[o] = seen.get(o, -1) + 1
     experts = [(-load[e], nth[e], e) for e in range(len(owner)) if limit[e] > 0]
     free = [(rank_load[r], held[r], r) for r in ranks if room[r] > 0]
     heapq.heapify(experts)

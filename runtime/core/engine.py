@@ -137,9 +137,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         self.merge = MergeTable(k, self._whole_groups())
         # expert -> rank per layer as an array, for dispatching a whole batch at once
         self._expert_rank = [np.asarray(er, dtype=np.int64) for er in cfg.expert_rank]
-        # ranks holding each layer's experts (replicas included)
-        self._owners = [sorted(set(er).union(*(cfg.replicas[l] if cfg.replicas else ()))) for l, er in
-                        enumerate(cfg.expert_rank)]
+        self._owners = [np.unique(er).tolist() for er in self._expert_rank]  # ranks holding each layer's experts
         # replicated experts: the copy each batch's rows go to is chosen at dispatch (runtime/core/replica_choice.py)
         self._replica = ReplicaChoice(cfg.expert_rank, cfg.replicas, cfg.rank, cfg.world_size) if cfg.replicas \
             else None

@@ -27,14 +27,21 @@ class ReplicaChoice:
     def __init__(self, expert_rank: list[list[int]], replicas: list[list[list[int]]], rank: int, world: int) -> None:
         self.rank = rank
         self.owner = [np.asarray(er, dtype=np.int64) for er in expert_rank]
-        # per layer: the replicated experts and their copies (owner first); layers without copies are absent
-        self.copies: dict[int, list[tuple[int, list[int]]]] = {}
+        # per layer with copies: (the replicated experts [n], their copies [n, most copies]), each row in the order
+        # ties go (this rank first, then ascending), padded with `world`, whose estimate is infinite; layers without
+        # copies are absent. One argmin per batch picks every copy (a Python min per expert cost ~1 us each on the
+        # dispatch path).
+        self.copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for layer, reps in enumerate(replicas):
-            held = [(e, [int(expert_rank[layer][e]), *r]) for e, r in enumerate(reps) if r]
+            held = [(e, sorted({int(expert_rank[layer][e]), *r}, key=lambda c: (c != rank, c)))
+                    for e, r in enumerate(reps) if r]
             if held:
-                self.copies[layer] = held
-        self.turnaround = np.zeros(world)  # seconds
-        self.measured_at = np.zeros(world)
+                width = max(len(c) for _, c in held)
+                self.copies[layer] = (np.array([e for e, _ in held]),
+                                      np.array([c + [world] * (width - len(c)) for _, c in held]))
+        self.turnaround = np.zeros(world + 1)  # seconds; [world]: the padding, never chosen
+        self.turnaround[world] = np.inf
+        self.measured_at = np.zeros(world + 1)
         self._sent_at = np.zeros(_SLOTS)
 
     def owners(self, layer: int, now: float) -> np.ndarray:
@@ -42,10 +49,10 @@ class ReplicaChoice:
         held = self.copies.get(layer)
         if held is None:
             return self.owner[layer]
-        est = self.turnaround * 0.5 ** ((now - self.measured_at) / HALF_LIFE_S)
+        experts, copies = held
+        est = (self.turnaround * 0.5 ** ((now - self.measured_at) / HALF_LIFE_S))[copies]
         owner = self.owner[layer].copy()
-        for e, ranks in held:
-            owner[e] = min(ranks, key=lambda r: (est[r], r != self.rank, r))
+        owner[experts] = copies[np.arange(len(experts)), est.argmin(axis=1)]  # (argmin: the first of equal ones)
         return owner
 
     def sent(self, gid: int, now: float) -> None:
