@@ -1,5 +1,5 @@
 """Writes the simulator validation's inputs (benchmarks/results/sim_validation.md): GPT-OSS-20B cut to 8 layers as a
-spec file, and the two-H200 runs' request lists (benchmarks/gpu_ep_bench.py make_requests with its seed: 2 ranks x C
+spec file, and the H200 runs' request lists (benchmarks/gpu_ep_bench.py make_requests with its seed: ranks x C
 requests, ShareGPT prompts clipped to 1024, new tokens uniform 64..128) as prompts JSONL for the bench's workload.
 
     python benchmarks/sim_validation/make_inputs.py
@@ -24,13 +24,15 @@ def main() -> None:
     (OUT / "gpt-oss-20b-L8.yaml").write_text(
         "# GPT-OSS-20B cut to its first 8 layers (graph_ir.spec.cut_layers), as benchmarks/gpu_ep_bench.py runs it\n"
         + yaml.safe_dump(spec.model_dump(exclude_none=True), sort_keys=False))
-    for C in (256, 512):
-        reqs = make_requests(spec, C * 2, 0 + C, 1024, 64, 128)   # gpu_ep_bench: seed + C, --max-prompt, --new-tokens
-        with open(OUT / f"h200_C{C}_requests.jsonl", "w") as f:
+    # the two-rank runs 113/114, and the one-rank barrier-host run of session 25 (benchmarks/results/h200/README.md)
+    for ranks, C in ((2, 256), (2, 512), (1, 256), (1, 512)):
+        reqs = make_requests(spec, C * ranks, 0 + C, 1024, 64, 128)  # gpu_ep_bench: seed + C, --max-prompt, --new-tokens
+        name = f"h200_C{C}" if ranks == 2 else f"h200_1rank_C{C}"
+        with open(OUT / f"{name}_requests.jsonl", "w") as f:
             for q in reqs:
                 f.write(json.dumps({"id": q.name, "prompt_token_ids": q.prompt, "max_new_tokens": q.max_new_tokens})
                         + "\n")
-        print(f"C={C}: {len(reqs)} requests, mean prompt {sum(len(q.prompt) for q in reqs) / len(reqs):.2f}, "
+        print(f"{name}: {len(reqs)} requests, mean prompt {sum(len(q.prompt) for q in reqs) / len(reqs):.2f}, "
               f"{sum(q.max_new_tokens for q in reqs)} new tokens")
 
 
