@@ -26,6 +26,8 @@ ap.add_argument("--max-new", type=int); ap.add_argument("--peak-window", type=fl
 ap.add_argument("--far", action="store_true", help="every expert's copy on the far half (as replicas_far/far_copies.py)")
 ap.add_argument("--oracle", default="none", help="none | always | burst: homes off node 1 never pick a copy on ranks "
                 "2-3 (always, or while a burst is on, from 3 ms before it starts)")
+ap.add_argument("--choice", default="live", help="live (as shipped) | stuck (outstanding rows' age bounds the turnaround)")
+ap.add_argument("--timeline", type=float, help="print 2 ms bins of one 20 ms burst period starting here (ms)")
 a = ap.parse_args()
 
 import numpy as np
@@ -61,6 +63,52 @@ if a.mode != "base":   # the closed-form ring mirrors lab/network.py's floats: p
     import lab.ring_collective as lrc
     lrc.RingPricer.supports = staticmethod(lambda network: False)
 
+if a.choice == "stuck":   # session 24's idea again: the age of a rank's oldest outstanding rows bounds its turnaround
+    import runtime.core.expert_dispatch as ed
+    import runtime.core.replica_choice as rc
+    from runtime.core.merge import TAG_SHIFT as _TS
+    _plan = ed.plan_dispatch
+    LAST = {}
+
+    def plan_dispatch(ids, weights, owner, world):
+        p = _plan(ids, weights, owner, world)
+        LAST["counts"] = p.counts
+        return p
+    ed.plan_dispatch = plan_dispatch
+    _sent, _ret, _own = rc.ReplicaChoice.sent, rc.ReplicaChoice.returned, rc.ReplicaChoice.owners
+
+    def sent(self, gid, now):
+        _sent(self, gid, now)
+        if not hasattr(self, "out_rows"):
+            self.out_rows = np.zeros(len(self.turnaround)); self.since = np.full(len(self.turnaround), np.inf)
+        c = np.asarray(LAST["counts"], dtype=np.float64)
+        c[self.rank] = 0
+        fresh = (c > 0) & (self.out_rows[:len(c)] == 0)
+        self.since[:len(c)][fresh] = now
+        self.out_rows[:len(c)] += c
+
+    def returned(self, rank, rows, now):
+        _ret(self, rank, rows, now)
+        if rank == self.rank or not hasattr(self, "out_rows"):
+            return
+        n = rows[1] if type(rows) is tuple else len(rows)
+        self.out_rows[rank] = max(0.0, self.out_rows[rank] - n)
+        first = rows[0] if type(rows) is tuple else int(rows[0])
+        self.since[rank] = np.inf if self.out_rows[rank] == 0 else max(self.since[rank], self._sent_at[(first >> _TS) % (1 << 16)])
+
+    def owners(self, layer, now):
+        if not hasattr(self, "out_rows"):
+            return _own(self, layer, now)
+        saved = self.turnaround.copy(); saved_at = self.measured_at.copy()
+        age = np.where(self.out_rows > 0, now - self.since, 0.0)
+        bound = age > self.turnaround * 0.5 ** ((now - self.measured_at) / rc.HALF_LIFE_S)
+        self.turnaround[bound] = age[bound]; self.measured_at[bound] = now
+        try:
+            return _own(self, layer, now)
+        finally:
+            self.turnaround[:] = saved; self.measured_at[:] = saved_at
+    rc.ReplicaChoice.sent, rc.ReplicaChoice.returned, rc.ReplicaChoice.owners = sent, returned, owners
+
 RESULTS = []
 import runtime.drivers.cluster as rdc
 _run = rdc.Cluster.run
@@ -68,7 +116,7 @@ _run = rdc.Cluster.run
 
 def run(self, requests):
     res = _run(self, requests)
-    RESULTS.append(res.requests)
+    RESULTS.append((res.requests, [b for e in self.engines for b in e.metrics.batches]))
     return res
 rdc.Cluster.run = run
 
@@ -89,14 +137,17 @@ def per_request(reqs):
                      "finish_max_ms": round(float(max(r.t_finish for r in rs)) * 1e3, 1)}
     return out
 
-STATS = []   # one dict per Network built (one per cell run)
+STATS = []
+LOGS = []    # per Network: (send time, src node, dst node, disturbed, receive-port wait)   # one dict per Network built (one per cell run)
 _init = ln.Network.__init__
 
 
 def init(self, topology, link, ranks):
     _init(self, topology, link, ranks)
     self.st = defaultdict(float)
+    self.log = []
     STATS.append(self.st)
+    LOGS.append(self.log)
 
 
 def delay(self, src, dst, nbytes, t):
@@ -124,6 +175,8 @@ def delay(self, src, dst, nbytes, t):
         self.recv_free[nd] = first + tx
         wait = first - own
         d = first + tx - t
+    if a.timeline is not None:
+        self.log.append((t, ns, nd, extra > 0, wait))
     key = "dist" if extra else "clean"
     st[f"recv_wait_{key}"] += wait
     st[f"n_{key}"] += 1
@@ -162,8 +215,28 @@ if a.peak_window:
 if upd:
     cfg = BenchConfig.model_validate({**cfg.model_dump(), **upd})
 doc = run_bench(cfg, load_spec(cfg.model), a.out)
+def timeline(reqs, batches, log, t0, step=0.002):
+    """One burst period in 2 ms bins: what crosses node 1's NIC, how long undisturbed messages into the far nodes
+    wait at their receive port, the expert batches the far ranks start, the tokens each kind of home samples."""
+    home = {}
+    print(f"   {'bin ms':>11} | {'n1->far':>7} {'far->far':>8} {'port wait us (far->far)':>23} | "
+          f"{'far xbatches':>12} {'rows':>5} {'n1 xb':>5} {'rows':>5} | {'tok n1':>6} {'tok far':>7}")
+    for i in range(int(round(0.02 / step))):
+        lo, hi = t0 + i * step, t0 + (i + 1) * step
+        m = [x for x in log if lo <= x[0] < hi]
+        n1f = sum(1 for x in m if x[1] == 1 and x[2] != 1)
+        ff = [x[4] for x in m if x[1] != 1 and x[2] != 1 and not x[3]]
+        xb = [b.rows for b in batches if b.kind == "expert" and lo <= b.t_start < hi and b.rank not in (2, 3)]
+        x1 = [b.rows for b in batches if b.kind == "expert" and lo <= b.t_start < hi and b.rank in (2, 3)]
+        tn1 = sum(1 for r in reqs if r.home in (2, 3) for t in r.token_times if lo <= t < hi)
+        tf = sum(1 for r in reqs if r.home not in (2, 3) for t in r.token_times if lo <= t < hi)
+        on = "*" if ((lo % 0.02) < 0.006) else " "
+        print(f"   {lo*1e3:5.0f}-{hi*1e3:3.0f}{on} | {n1f:7d} {len(ff):8d} {np.mean(ff)*1e6 if ff else 0:23.0f} | "
+              f"{len(xb):12d} {np.mean(xb) if xb else 0:5.1f} {len(x1):5d} {np.mean(x1) if x1 else 0:5.1f} | {tn1:6d} {tf:7d}")
+
+
 streaming = iter(RESULTS)
-for r, st in zip(doc["results"], STATS if STATS else [{}] * len(doc["results"])):
+for r, st, log in zip(doc["results"], STATS, LOGS):
     s = {k: (round(v * 1e3, 1) if "wait" in k and not k.startswith("n_") else int(v)) for k, v in sorted(st.items())}
     print(r["label"], r["scenario"], "tok/s", round(r["tokens_per_s"], 1), "peak", r["peak_tokens_per_s"],
           "loss", round(r.get("loss_vs_clean") or 0, 4), "busy", round(r["busy_fraction"], 3),
@@ -171,4 +244,7 @@ for r, st in zip(doc["results"], STATS if STATS else [{}] * len(doc["results"]))
           "dur", round(r["duration_s"], 3), "xbatch", round(r["batches"]["expert"]["mean_size"], 1))
     print("   port waits (ms):", s)
     if r["system"].startswith("streaming"):
-        print("   per request:", per_request(next(streaming)))
+        reqs, batches = next(streaming)
+        print("   per request:", per_request(reqs))
+        if a.timeline is not None:
+            timeline(reqs, batches, log, a.timeline / 1e3)
