@@ -28,7 +28,10 @@ ap.add_argument("--oracle", default="none", help="none | always | burst: homes o
                 "2-3 (always, or while a burst is on, from 3 ms before it starts)")
 ap.add_argument("--choice", default="live", help="live (as shipped) | stuck (outstanding rows' age bounds the turnaround)")
 ap.add_argument("--timeline", type=float, help="print 2 ms bins of one 20 ms burst period starting here (ms)")
+ap.add_argument("--w0-ms", type=float, default=-3.0, help="oracle burst: mask node 1 from this long after a burst starts")
+ap.add_argument("--w1-ms", type=float, default=6.0, help="oracle burst: ... until this long after it starts")
 a = ap.parse_args()
+a.w0, a.w1 = a.w0_ms / 1e3, a.w1_ms / 1e3
 
 import numpy as np
 import lowering.plan as lp
@@ -47,7 +50,7 @@ if a.oracle != "none":
     _owners = rc.ReplicaChoice.owners
 
     def owners(self, layer, now):
-        if self.rank not in (2, 3) and (a.oracle == "always" or ((now + 0.003) % 0.02) < 0.009):
+        if self.rank not in (2, 3) and (a.oracle == "always" or ((now - a.w0) % 0.02) < a.w1 - a.w0):
             held = self.copies.get(layer)
             if held is not None:
                 saved = self.turnaround[[2, 3]].copy()
