@@ -30,6 +30,7 @@ ap.add_argument("--choice", default="live", help="live (as shipped) | stuck (out
 ap.add_argument("--timeline", type=float, help="print 2 ms bins of one 20 ms burst period starting here (ms)")
 ap.add_argument("--w0-ms", type=float, default=-3.0, help="oracle burst: mask node 1 from this long after a burst starts")
 ap.add_argument("--w1-ms", type=float, default=6.0, help="oracle burst: ... until this long after it starts")
+ap.add_argument("--periods", action="store_true", help="print expert batches and tokens per 20 ms period")
 a = ap.parse_args()
 a.w0, a.w1 = a.w0_ms / 1e3, a.w1_ms / 1e3
 
@@ -238,6 +239,21 @@ def timeline(reqs, batches, log, t0, step=0.002):
               f"{len(xb):12d} {np.mean(xb) if xb else 0:5.1f} {len(x1):5d} {np.mean(x1) if x1 else 0:5.1f} | {tn1:6d} {tf:7d}")
 
 
+def periods(reqs, batches):
+    """Per 20 ms burst period: expert batches (count, mean rows), tokens sampled, and how spread the requests'
+    token times are (the distinct 1 ms bins they fall into: a lockstep wave fills 2-3 bins)."""
+    end = max(r.t_finish for r in reqs)
+    rows = []
+    for k in range(int(end / 0.02) + 1):
+        lo, hi = k * 0.02, (k + 1) * 0.02
+        xb = [b.rows for b in batches if b.kind == "expert" and lo <= b.t_start < hi]
+        tt = [t for r in reqs for t in r.token_times if lo <= t < hi]
+        bins = len({int(t * 1e3) for t in tt})
+        rows.append(f"{k*20:3d}: {len(xb):4d} x {np.mean(xb) if xb else 0:5.1f} rows, {len(tt):5d} tok, {bins:2d} bins")
+    for i in range(0, len(rows), 3):
+        print("     " + " | ".join(rows[i:i + 3]))
+
+
 streaming = iter(RESULTS)
 for r, st, log in zip(doc["results"], STATS, LOGS):
     s = {k: (round(v * 1e3, 1) if "wait" in k and not k.startswith("n_") else int(v)) for k, v in sorted(st.items())}
@@ -249,5 +265,7 @@ for r, st, log in zip(doc["results"], STATS, LOGS):
     if r["system"].startswith("streaming"):
         reqs, batches = next(streaming)
         print("   per request:", per_request(reqs))
+        if a.periods:
+            periods(reqs, batches)
         if a.timeline is not None:
             timeline(reqs, batches, log, a.timeline / 1e3)
