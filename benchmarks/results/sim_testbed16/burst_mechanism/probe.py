@@ -30,7 +30,7 @@ ap.add_argument("--choice", default="live", help="live (as shipped) | stuck (out
 ap.add_argument("--timeline", type=float, help="print 2 ms bins of one 20 ms burst period starting here (ms)")
 ap.add_argument("--w0-ms", type=float, default=-3.0, help="oracle burst: mask node 1 from this long after a burst starts")
 ap.add_argument("--w1-ms", type=float, default=6.0, help="oracle burst: ... until this long after it starts")
-ap.add_argument("--policies", help="comma list of policy strings (the config's: defrag)")
+ap.add_argument("--policies", help="semicolon list of policy strings (the config's: defrag)")
 ap.add_argument("--periods", action="store_true", help="print expert batches and tokens per 20 ms period")
 a = ap.parse_args()
 a.w0, a.w1 = a.w0_ms / 1e3, a.w1_ms / 1e3
@@ -211,7 +211,7 @@ if a.systems:
     if cfg.baseline not in upd["systems"]:
         upd["baseline"] = upd["systems"][0]
 if a.policies:
-    upd["policies"] = a.policies.split(",")
+    upd["policies"] = a.policies.split(";")
 if a.scenarios:
     upd["scenarios"] = {k: v for k, v in cfg.scenarios.items() if k in a.scenarios.split(",")}
 wl = {k: v for k, v in (("requests", a.requests), ("rate", a.rate), ("max_new_tokens", a.max_new)) if v}
