@@ -14,11 +14,16 @@ caps from the scenario's effects on the (src, dst) link):
     same node:  delay = intra_latency + extra + nbytes / min(intra_bw, cap)             (no shared port)
     two nodes:  tx    = nbytes / min(nic_bw, cap)
                 start = max(t, send_free[n_src]);           send_free[n_src] = start + tx
-                first = max(start + nic_latency + extra, recv_free[n_dst]);   recv_free[n_dst] = first + tx
-                delay = first + tx - t
+                first = max(start + nic_latency, recv_free[n_dst]);   recv_free[n_dst] = first + tx
+                delay = first + tx + extra - t
 
 (bytes stream through: the receiver's port takes the message while the sender's still sends it, so an idle path
-costs latency + tx once, not twice). Full duplex: a NIC's send and receive queues are separate. A `Network` keeps
+costs latency + tx once, not twice). Full duplex: a NIC's send and receive queues are separate. A disturbance's
+extra delay lies between the ports (a congested switch, a paused path): the message books both ports as it would
+have and lands `extra` later, so it holds up only its own link (whose FIFO keeps later messages behind it), not the
+receiving node's port. Adding it before the receive port (until session 25) booked that port at the late arrival,
+in send order: every message into a node that got one delayed message from a disturbed node waited behind it,
+so a latency burst on one node's NIC stalled every node (benchmarks/results/sim_testbed16/README.md, session 25). A `Network` keeps
 its ports' state, so each run builds its own, and its calls come in time order, as the virtual clock
 makes them. The barrier baselines send their collectives as point-to-point messages through the same function
 (lab/barrier.py), so a collective is priced by its algorithm over this topology.
@@ -64,7 +69,7 @@ class Network:
         tx = transfer_s(nbytes, min(topo.nic_gbps, cap))
         start = max(t, self.send_free[ns])
         self.send_free[ns] = start + tx
-        first = max(start + topo.nic_latency_s + extra, self.recv_free[nd])
+        first = max(start + topo.nic_latency_s, self.recv_free[nd])
         self.recv_free[nd] = first + tx
-        return first + tx - t
+        return first + tx + extra - t
 

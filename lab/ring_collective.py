@@ -54,9 +54,9 @@ def _ring(start, chunk_bytes, shift, gpus_per_node, intra_lat, intra_gbps, nic_l
                 tx = nb * 8.0 / (bw * 1e9) if math.isfinite(bw) else 0.0
                 st = max(t, send_free[ns])
                 send_free[ns] = st + tx
-                first = max(st + nic_lat + extra, recv_free[nd])
+                first = max(st + nic_lat, recv_free[nd])
                 recv_free[nd] = first + tx
-                delay = first + tx - t
+                delay = first + tx + extra - t
             arr = max(t + delay, last[r])          # the link's FIFO (runtime/transport/inproc.py)
             last[r] = arr
             a[d_rank] = arr

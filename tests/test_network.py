@@ -40,6 +40,16 @@ def test_the_scenarios_disturbances_lie_on_the_topologys_links():
     assert net.delay(4, 0, MB, 0.007) == pytest.approx(5e-6 + TX)                        # other link, burst off
 
 
+def test_a_delayed_message_holds_up_its_link_not_the_receiving_port():
+    """A burst's extra delay lies between the ports: other nodes' messages into the same node pass the delayed one
+    (a receive port takes messages as they arrive), while its own link's FIFO (the transport's) keeps order."""
+    inter = from_config({"bursts": [{"period_ms": 10, "duty": 0.5, "extra_delay_us": 2000, "links": [[2, -1]]}]})
+    net = Network(TOPO, inter.link, ranks=8)
+    assert net.delay(2, 0, MB, 0.001) == pytest.approx(5e-6 + TX + 2e-3)     # node 1 -> node 0, in the burst
+    assert net.delay(4, 0, MB, 0.001) == pytest.approx(5e-6 + 2 * TX)        # node 2 -> node 0: its tx queue only
+    assert net.delay(6, 0, MB, 0.004) == pytest.approx(5e-6 + TX)            # later: the port is free, not held
+
+
 def _bench(tmp_path, network):
     from graph_ir.spec import load_spec
     from lab.bench import run_bench
