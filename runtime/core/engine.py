@@ -48,7 +48,7 @@ from runtime import settings
 from runtime.core.attention_stage import AttentionStage
 from runtime.core.batch_choice import Batch, BatchChoice
 from runtime.core.dispatch_plan import warm_up as warm_up_dispatch
-from runtime.core.expert_dispatch import MSG_EXPERT_IN, MSG_EXPERT_OUT, MSG_EXPERT_ROUTED, ExpertDispatch
+from runtime.core.expert_dispatch import MSG_EXPERT_IN, MSG_EXPERT_OUT, MSG_EXPERT_ROUTED, MSG_NONE, ExpertDispatch
 from runtime.core.expert_wire import decode_ids, decode_tags, id_dtype
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 from runtime.core.merge import MergeTable
@@ -162,6 +162,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         # Wave hold (runtime/core/scheduler.py): rows each home announced it will still send to this rank's
         # expert(l) ([layer] -> {home: rows}), and how long the last HOLD decision may wait.
         self._announced: list[dict[int, float]] = [{} for _ in range(cfg.num_layers)]
+        self._promised: dict[int, set[int]] = {}  # layer -> ranks this home's hold_ahead told to expect rows there
         self.hold_s = 0.0
         # Asynchronous sampling (runtime/core/sample_stage.py) with an executor that starts sample batches
         # (sample_batch_start): a sample batch whose tokens are still on their way to the host waits in `deferred`
@@ -290,6 +291,8 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         elif t == MSG_EXPERT_ROUTED:
             self._enqueue_routed(meta["layer"], meta["home"], tensor, meta["rows"][0], meta.get("more", 0.0),
                                  "d" in meta)
+        elif t == MSG_NONE:
+            self._announced[meta["layer"]].pop(meta["home"], None)
         elif t == MSG_EXPERT_OUT:
             if self._replica is not None:
                 self._replica.returned(src, meta["rows"], self.clock.now())

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 MSG_EXPERT_IN = "x"  # home -> expert owner: routed rows
 MSG_EXPERT_OUT = "y"  # expert owner -> home: expert output rows
 MSG_EXPERT_ROUTED = "r"  # home -> expert owner: a whole attention batch's payload (device-routed dispatch)
+MSG_NONE = "n"  # home -> expert owner: none of the rows its hold_ahead announced for this layer come there
 
 
 def _holds_decode(batch: Batch) -> bool:
@@ -111,6 +112,15 @@ class ExpertDispatch:
                     meta["d"] = 1
                 self.transport.send(d, meta, xd)
             off += c
+        # hold_ahead's announcements are estimates: an owner told at layer - 1 to expect rows here that got none
+        # hears so (else its wave hold waits for them until its bound, at every batch, until this home sends it rows
+        # of this layer again: benchmarks/NOTES.md §38)
+        for d in self._promised.pop(layer, ()):
+            if not plan.counts[d]:
+                none = {"t": MSG_NONE, "layer": layer, "home": self.rank}
+                self.on_message(d, none, None) if d == self.rank else self.transport.send(d, none, None)
+        if announce_next:
+            self._promised.setdefault(layer + 1, set()).update(np.flatnonzero(plan.counts).tolist())
         tm.lap("send+enqueue")
 
     def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of,
@@ -207,8 +217,7 @@ class ExpertDispatch:
         decode lane; on the wire, meta key "d")."""
         self._announced[layer][home] = more
         if nxt:
-            ahead = self._announced[layer + 1]
-            ahead[home] = ahead.get(home, 0.0) + nxt
+            self._announced[layer + 1][home] = self._announced[layer + 1].get(home, 0.0) + nxt
         tags = np.asarray(tags, dtype=np.int64)
         self.queues[self.expert_stage[layer]].push(
             ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags), decode))
