@@ -33,7 +33,9 @@ item's extra wait <= hold_us, and a policy string can carry the parameters: "def
 tells every owner the rows the same tokens will bring to expert(l+1), so an owner holds the wave of one
 home at expert(l+1) for another home's wave that is on its way. Two homes' waves that reach a layer at
 different times then merge into one expert batch instead of running one each (on 2 x H200 at C=256 an
-expert stage ran ~1.8 batches per layer-step: one per home).
+expert stage ran ~1.8 batches per layer-step: one per home). The announcement is an estimate (this layer's
+rows per owner): an owner that the same tokens' rows at l+1 then skip is told so (expert_dispatch.MSG_NONE); else it
+held every batch of that stage to the bound until the home sent it rows of l+1 again (benchmarks/NOTES.md §38).
 """
 from __future__ import annotations
 

@@ -89,6 +89,7 @@ MESSAGES: dict[str, dict[str, tuple]] = {
     "r": {"t": (_STR, True), "layer": (_INT, True), "home": (_INT, True), "rows": (_SEQ, True), "more": (_NUM, True),
           "d": (_INT, False)},
     "y": {"t": (_STR, True), "layer": (_INT, True), "rows": (_ROWS, True)},
+    "n": {"t": (_STR, True), "layer": (_INT, True), "home": (_INT, True)},
     # rank-process control
     "ready": {"t": (_STR, True), "kv_blocks": (_INT, True), "w": (_INT, True)},
     "sync": {"t": (_STR, True), "now": (_NUM, True), "w": (_INT, True)},
