@@ -117,8 +117,10 @@ class ExpertDispatch:
         # of this layer again: benchmarks/NOTES.md §38)
         for d in self._promised.pop(layer, ()):
             if not plan.counts[d]:
-                none = {"t": MSG_NONE, "layer": layer, "home": self.rank}
-                self.on_message(d, none, None) if d == self.rank else self.transport.send(d, none, None)
+                if d == self.rank:
+                    self._announced[layer].pop(d, None)
+                else:
+                    self.transport.send(d, {"t": MSG_NONE, "layer": layer, "home": self.rank}, None)
         if announce_next:
             self._promised.setdefault(layer + 1, set()).update(np.flatnonzero(plan.counts).tolist())
         tm.lap("send+enqueue")
