@@ -83,7 +83,8 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 compute_scale: Optional[Callable[[int, float], float]] = None,
                 kv_blocks: Optional[int] = None, home_policy: Optional[str] = None,
                 stall_timeout_s: float = 60.0, decode_only: bool = False,
-                row_bytes: Optional[int] = None, closed_form: Optional[bool] = None) -> BarrierResult:
+                row_bytes: Optional[int] = None, closed_form: Optional[bool] = None,
+                lockstep: Optional[bool] = None) -> BarrierResult:
     """Serve `requests` (arriving at their `arrival` times) with synchronous EP on `plan`'s ranks,
     all in this process.
 
@@ -96,7 +97,9 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     model charges per tensor row (to model a model's hidden size with a small or simulated one);
     None charges the tensor's real bytes. `decode_only`: random prompt KV, no prefill compute.
     `closed_form`: price each collective whole (lab/barrier_closed.py) instead of message by message; None: where
-    it applies (virtual clock, `ag`, ring, a lab/network.py Network whose effects are bursts).
+    it applies (virtual clock, `ag`, ring, a lab/network.py Network whose effects are bursts). `lockstep` (closed form
+    only): once no request can be admitted any more, run each decode step's layers for every rank at once
+    (lab/barrier_closed.py Lockstep; same results); None: with the simulated executor.
     """
     if clock not in ("virtual", "wall"):
         raise ValueError(f"clock {clock!r}; valid: virtual, wall")
@@ -207,11 +210,19 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
 
     t_first = min((q.arrival for q in requests), default=0.0)
     if fits and closed_form is not False:
-        from lab.barrier_closed import run_closed
+        from lab.barrier_closed import Lockstep, lockstep_fits, run_closed
         for c in ctxs:
             c.closed_form = True
-        run_closed([rank_loop(c, mode) for c in ctxs], ctxs, clk, cost, RingPricer(net, R), admit, pending,
-                   more_coming, compute_scale, row_bytes, link_bytes)
+        pricer = RingPricer(net, R)
+        if lockstep is None:
+            lockstep = lockstep_fits(executor)
+        elif lockstep and not lockstep_fits(executor):
+            raise ValueError("lockstep needs the simulated executor (runtime/executors/sim_executor.py)")
+        steps = Lockstep(spec, executor, route, owners, ctxs, cost, compute_scale, pricer, row_bytes,
+                         link_bytes) if lockstep else None
+        run_closed([rank_loop(c, mode) for c in ctxs], ctxs, clk, cost, pricer, admit, pending,
+                   more_coming, compute_scale, row_bytes, link_bytes, steps,
+                   lambda: not pending and not admission.waiting)
         states = []
     last_progress = time.perf_counter()
     while not all(s.done for s in states):

@@ -89,6 +89,8 @@ class Gathered:
 
     def __init__(self, metas: list, tensors: list) -> None:
         self.metas, self.tensors, self._cache = metas, tensors, {}
+        self.lockstep = False   # (the step's count all-gather) the driver runs this step's layers whole: Layers
+
 
     def __getitem__(self, p: int):
         from runtime.transport.base import Arrival
@@ -100,7 +102,22 @@ class Gathered:
         return self._cache[key]
 
 
-Op = Compute | Send | Gather | Idle | Collective
+@dataclass(slots=True)
+class Layers:
+    """The closed-form driver's lockstep step (lab/barrier_closed.py run_layers): this rank's share of one decode step's
+    whole layer stack, which the driver runs for every rank at once (the same ops, costs and collectives as the
+    per-layer path below, in one pass over the ranks per layer instead of R coroutines per layer). Yielded only
+    when the step's count all-gather says so (Gathered.lockstep); resumes with the rank's last hidden rows (None
+    without rows)."""
+    h: Optional[torch.Tensor]
+    positions: list
+    segments: list
+    seq_of_row: list
+    counts: list
+    offsets: list
+
+
+Op = Compute | Send | Gather | Idle | Collective | Layers
 
 
 @dataclass
@@ -185,7 +202,10 @@ def rank_loop(ctx: RankContext, mode: str) -> Generator[Op, object, None]:
             started.add(req.rid)
         # -- the layers -------------------------------------------------------------------------------
         h = ex.embed(tokens) if T else None
-        for layer in range(spec.num_layers):
+        lockstep = isinstance(got, Gathered) and got.lockstep
+        if lockstep:
+            h = yield Layers(h, positions, segments, seq_of_row, counts, offsets)
+        for layer in range(0 if lockstep else spec.num_layers):
             if T:
                 (h_res, x), dt = _timed(ex.attention, layer, h, positions, segments, ctx.kv)
             else:
