@@ -90,6 +90,7 @@ def run_closed(gens: list, ctxs: list, clk, cost, pricer, admit, pending: list, 
                 idle.add(r)
                 break
             raise TypeError(f"rank {r}: {type(op).__name__} in a closed-form run (collectives only)")
+    pricer.bytes_into(link_bytes)
 
 
 def _finish(joined: dict, pricer, row_bytes, link_bytes: dict) -> list:
@@ -117,12 +118,8 @@ def _finish(joined: dict, pricer, row_bytes, link_bytes: dict) -> list:
 
 def _price(pricer, start: np.ndarray, chunk: np.ndarray, shift: int, link_bytes: dict) -> np.ndarray:
     """Leave times of one ring collective, and its bytes added to `link_bytes`."""
-    R = len(chunk)
     leave = pricer.leave(start, chunk, shift)
-    total = int(chunk.sum())
-    for r in range(R):   # bytes on link r -> r+1: every chunk but the one r+1 (all-gather) or r (reduce-scatter) holds
-        key = f"{r}->{(r + 1) % R}"
-        link_bytes[key] = link_bytes.get(key, 0) + total - int(chunk[(r + 1 - shift) % R])
+    pricer.count_bytes(chunk, shift)   # (added to `link_bytes` at the end of the run: pricer.bytes_into)
     return leave
 
 
