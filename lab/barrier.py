@@ -130,8 +130,18 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                         algo=cost.collective_algo, decode_only=decode_only)
             for r in range(R)]
 
+    has_new: set[int] = set()   # ranks admitted to since they last took their new requests (a superset: pruned here)
+
+    def any_new() -> bool:
+        """any(c.new for c in ctxs) (every rank asks at every step: O(R), not O(R) per rank)."""
+        for r in list(has_new):
+            if ctxs[r].new:
+                return True
+            has_new.discard(r)
+        return False
+
     def more_coming() -> bool:
-        return bool(pending) or admission.waiting > 0 or any(c.new for c in ctxs)
+        return bool(pending) or admission.waiting > 0 or any_new()
 
     for c in ctxs:
         c.more_coming = more_coming
@@ -156,6 +166,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 raise RuntimeError(f"rank {home} has no KV for {req.name!r} after admission placed it there")
             req.home, req.t_admit = home, now
             ctxs[home].new.append(req)
+            has_new.add(home)
 
     def advance(r: int) -> bool:
         """Run rank r's coroutine until it blocks; True if it moved."""
@@ -170,7 +181,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 st.waiting, value = None, box
             elif st.idle:
                 # Wake when work exists somewhere, a peer already moved on, or nothing can come.
-                if not (any(c.new for c in ctxs) or inbox[r] or not more_coming()):
+                if not (any_new() or inbox[r] or not more_coming()):
                     return moved
                 st.idle = False
             elif st.ready_at > now:
@@ -222,7 +233,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                          link_bytes) if lockstep else None
         run_closed([rank_loop(c, mode) for c in ctxs], ctxs, clk, cost, pricer, admit, pending,
                    more_coming, compute_scale, row_bytes, link_bytes, steps,
-                   lambda: not pending and not admission.waiting)
+                   lambda: not pending and not admission.waiting, any_new)
         states = []
     last_progress = time.perf_counter()
     while not all(s.done for s in states):

@@ -23,9 +23,12 @@ from runtime.observability.metrics import BatchRecord
 
 
 def run_closed(gens: list, ctxs: list, clk, cost, pricer, admit, pending: list, more_coming, compute_scale,
-               row_bytes, link_bytes: dict, lockstep: Optional["Lockstep"] = None, quiet=None) -> None:
+               row_bytes, link_bytes: dict, lockstep: Optional["Lockstep"] = None, quiet=None, any_new=None) -> None:
     """Run every rank's coroutine (`gens`) to its end on the virtual clock `clk`. `lockstep`: run a decode step's
-    layers for all ranks at once (Lockstep.run) whenever `quiet()` says no admission can happen any more."""
+    layers for all ranks at once (Lockstep.run) whenever `quiet()` says no admission can happen any more. `any_new()`:
+    whether a rank has admitted requests it has not taken yet (None: asks every rank)."""
+    if any_new is None:
+        any_new = lambda: any(c.new for c in ctxs)  # noqa: E731
     R = len(gens)
     heap = [(0.0, r) for r in range(R)]
     values: list = [None] * R
@@ -44,7 +47,7 @@ def run_closed(gens: list, ctxs: list, clk, cost, pricer, admit, pending: list, 
         clk.advance_to(max(t, clk.now()))
         now = clk.now()
         admit(now)
-        if idle and (any(c.new for c in ctxs) or not more_coming()):
+        if idle and (any_new() or not more_coming()):
             for q in sorted(idle):
                 heapq.heappush(heap, (now, q))
             idle.clear()
