@@ -392,14 +392,21 @@ def _a2a_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, share
     own = owner[ids] if ids.numel() else torch.zeros(0, k, dtype=torch.int64)
     xr = _hidden(ctx, x)
     dev = xr.device  # rows move with index ops on the executor's device; routing lists stay on the host
-    outgoing = {}
     yield Compute("coll:a2a", layer, 0, 0.0)
-    for p in range(R):
-        pairs = (own == p).nonzero()                       # (token, slot), slot order within a token
-        toks, mrow = torch.unique(pairs[:, 0], sorted=True, return_inverse=True)
-        meta = list(zip(mrow.tolist(), *pairs.t().tolist(), ids[pairs[:, 0], pairs[:, 1]].tolist())) \
-            if len(pairs) else []                          # (msg row, home token, slot, expert)
-        outgoing[p] = (meta, xr.index_select(0, toks.to(dev)) if len(toks) else xr[:0])
+    # Per destination p, its (token, slot) pairs row-major (slot order within a token) as
+    # (msg row, home token, slot, expert), and its rows: the distinct tokens, sorted. One pass over the pairs,
+    # not a scan of them per destination (R torch ops per rank per layer, most of them for no pair).
+    by_dst: dict[int, list[int]] = {}
+    for f, p in enumerate(own.reshape(-1).tolist()):
+        by_dst.setdefault(p, []).append(f)
+    ids_flat = ids.reshape(-1).tolist()
+    empty = xr[:0]
+    outgoing = [([], empty)] * R
+    for p, fl in by_dst.items():
+        toks = sorted({f // k for f in fl})
+        row = {t: i for i, t in enumerate(toks)}
+        meta = [(row[f // k], f // k, f % k, ids_flat[f]) for f in fl]
+        outgoing[p] = (meta, xr.index_select(0, torch.tensor(toks, dtype=torch.long, device=dev)))
     for p in range(R):
         if p != me:
             yield Send(p, {"tag": ("d",) + tag, "rows": outgoing[p][0]}, outgoing[p][1])
