@@ -15,6 +15,7 @@ runs them in rank processes over our transport, lab/barrier_dist.py over real to
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional, Sequence
@@ -236,23 +237,47 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                    lambda: not pending and not admission.waiting, any_new)
         states = []
     last_progress = time.perf_counter()
-    while not all(s.done for s in states):
+    # On the virtual clock a pass visits only the ranks that can move: those with mail delivered now (the hub's heap
+    # of arrivals says which), and those not blocked on a collective (computing or idle); a rank waiting for
+    # messages that did not come returns from advance() untouched, so skipping it changes nothing. Same passes,
+    # same ranks moving in the same (rank) order as visiting all R ranks at every event, at O(ranks that move).
+    virtual = clock == "virtual"
+    if virtual:
+        hub.arrivals = []
+    alive = {r for r, s in enumerate(states) if not s.done}
+    free = set(alive)   # alive and not waiting for a collective's messages
+    while alive:
         moved = True
         while moved:
             admit(clk.now())
-            for r in range(R):
+            if virtual:
+                now, mail = clk.now(), set()
+                while hub.arrivals and hub.arrivals[0][0] <= now:
+                    mail.add(heapq.heappop(hub.arrivals)[2])
+                visit = sorted(free | mail)
+            else:
+                mail, visit = range(R), range(R)
+            for r in sorted(mail) if virtual else mail:
                 for a in transports[r].poll():
                     inbox[r].setdefault(a.meta["tag"], {})[a.src] = a
             moved = False
-            for r in range(R):
+            for r in visit:
                 moved |= advance(r)
+                st = states[r]
+                if st.done:
+                    alive.discard(r)
+                    free.discard(r)
+                elif st.waiting is None:
+                    free.add(r)
+                else:
+                    free.discard(r)
             if moved:
                 last_progress = time.perf_counter()
-        if all(s.done for s in states):
+        if not alive:
             break
         now = clk.now()
-        events = [s.ready_at for s in states if not s.done and s.waiting is None and not s.idle]
-        nd = hub.next_delivery()
+        events = [states[r].ready_at for r in free if not states[r].idle]
+        nd = (hub.arrivals[0][0] if hub.arrivals else None) if virtual else hub.next_delivery()
         if nd is not None:
             events.append(nd)
         if pending:
