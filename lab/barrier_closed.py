@@ -152,6 +152,7 @@ class Lockstep:
         self.fixed_ag, self.fixed_ar = cost.duration("coll:ag", 0), cost.duration("coll:ar", 0)
 
     def _duration(self, kind: str, rows: int, experts: int = 1) -> float:
+        # (the cost models are frozen dataclasses: a duration is a function of its arguments, worth remembering)
         key = (kind, rows, experts)
         d = self._dur.get(key)
         if d is None:
