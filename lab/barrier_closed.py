@@ -182,7 +182,7 @@ class Lockstep:
         positions = [p for r in live for p in ops[r].positions]
         seq_of_row = [s for r in live for s in ops[r].seq_of_row]
         segments = [(rid, offsets[r] + start, n) for r in live for rid, start, n in ops[r].segments]
-        home = torch.repeat_interleave(torch.arange(R), torch.from_numpy(counts_np))
+        home = torch.from_numpy(np.repeat(np.arange(R, dtype=np.int64), counts_np))
         k = spec.experts.top_k
         N = offsets[-1]
         for layer in range(spec.num_layers):

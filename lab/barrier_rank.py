@@ -31,6 +31,7 @@ from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional
 
+import numpy as np
 import torch
 
 from runtime.core.kv_cache import PagedKVStore
@@ -358,7 +359,10 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     # rank a slice (in process, once per collective: a scan of the global batch per rank was 42% of a 1,024-rank
     # simulation's profile in session 24; this was not re-timed at 1,024 ranks, and at 256 x 10 steps both are ~15-20 s)
     def by_rank():
-        own = ctx.owners[layer][torch.repeat_interleave(torch.arange(R), torch.tensor(counts))[:, None], ids_all]
+        # (each row's home rank; numpy's repeat: torch's repeat_interleave took ~4 ms a call in `lab bench`, whose
+        # torch runs 2 threads on this loaded 2-core VM, ~40% of a 4-rank all-gather EP cell)
+        home = torch.from_numpy(np.repeat(np.arange(R, dtype=np.int64), counts))
+        own = ctx.owners[layer][home[:, None], ids_all]
         order = torch.sort(own.reshape(-1), stable=True)
         return order.indices, torch.searchsorted(order.values, torch.arange(R + 1))
     order, start = got.shared("by_rank", by_rank) if isinstance(got, Gathered) else by_rank()
