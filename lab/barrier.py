@@ -15,6 +15,7 @@ runs them in rank processes over our transport, lab/barrier_dist.py over real to
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional, Sequence
@@ -83,7 +84,8 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 compute_scale: Optional[Callable[[int, float], float]] = None,
                 kv_blocks: Optional[int] = None, home_policy: Optional[str] = None,
                 stall_timeout_s: float = 60.0, decode_only: bool = False,
-                row_bytes: Optional[int] = None, closed_form: Optional[bool] = None) -> BarrierResult:
+                row_bytes: Optional[int] = None, closed_form: Optional[bool] = None,
+                lockstep: Optional[bool] = None) -> BarrierResult:
     """Serve `requests` (arriving at their `arrival` times) with synchronous EP on `plan`'s ranks,
     all in this process.
 
@@ -96,7 +98,9 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
     model charges per tensor row (to model a model's hidden size with a small or simulated one);
     None charges the tensor's real bytes. `decode_only`: random prompt KV, no prefill compute.
     `closed_form`: price each collective whole (lab/barrier_closed.py) instead of message by message; None: where
-    it applies (virtual clock, `ag`, ring, a lab/network.py Network whose effects are bursts).
+    it applies (virtual clock, `ag`, ring, a lab/network.py Network whose effects are bursts). `lockstep` (closed form
+    only): once no request can be admitted any more, run each decode step's layers for every rank at once
+    (lab/barrier_closed.py Lockstep; same results); None: with the simulated executor.
     """
     if clock not in ("virtual", "wall"):
         raise ValueError(f"clock {clock!r}; valid: virtual, wall")
@@ -127,8 +131,19 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                         algo=cost.collective_algo, decode_only=decode_only)
             for r in range(R)]
 
+    has_new: set[int] = set()   # ranks admitted to since they last took their new requests (a superset: pruned here)
+
+    def any_new() -> bool:
+        """any(c.new for c in ctxs), asking only the ranks admitted to (every rank asks at every step: a scan of all R
+        ranks each time was O(R^2) a step at 1,024 ranks)."""
+        for r in list(has_new):
+            if ctxs[r].new:
+                return True
+            has_new.discard(r)
+        return False
+
     def more_coming() -> bool:
-        return bool(pending) or admission.waiting > 0 or any(c.new for c in ctxs)
+        return bool(pending) or admission.waiting > 0 or any_new()
 
     for c in ctxs:
         c.more_coming = more_coming
@@ -153,6 +168,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 raise RuntimeError(f"rank {home} has no KV for {req.name!r} after admission placed it there")
             req.home, req.t_admit = home, now
             ctxs[home].new.append(req)
+            has_new.add(home)
 
     def advance(r: int) -> bool:
         """Run rank r's coroutine until it blocks; True if it moved."""
@@ -167,7 +183,7 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
                 st.waiting, value = None, box
             elif st.idle:
                 # Wake when work exists somewhere, a peer already moved on, or nothing can come.
-                if not (any(c.new for c in ctxs) or inbox[r] or not more_coming()):
+                if not (any_new() or inbox[r] or not more_coming()):
                     return moved
                 st.idle = False
             elif st.ready_at > now:
@@ -207,30 +223,62 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
 
     t_first = min((q.arrival for q in requests), default=0.0)
     if fits and closed_form is not False:
-        from lab.barrier_closed import run_closed
+        from lab.barrier_closed import Lockstep, lockstep_fits, run_closed
         for c in ctxs:
             c.closed_form = True
-        run_closed([rank_loop(c, mode) for c in ctxs], ctxs, clk, cost, RingPricer(net, R), admit, pending,
-                   more_coming, compute_scale, row_bytes, link_bytes)
+        pricer = RingPricer(net, R)
+        if lockstep is None:
+            lockstep = lockstep_fits(executor)
+        elif lockstep and not lockstep_fits(executor):
+            raise ValueError("lockstep needs the simulated executor (runtime/executors/sim_executor.py)")
+        steps = Lockstep(spec, executor, route, owners, ctxs, cost, compute_scale, pricer, row_bytes,
+                         link_bytes) if lockstep else None
+        run_closed([rank_loop(c, mode) for c in ctxs], ctxs, clk, cost, pricer, admit, pending,
+                   more_coming, compute_scale, row_bytes, link_bytes, steps,
+                   lambda: not pending and not admission.waiting, any_new)
         states = []
     last_progress = time.perf_counter()
-    while not all(s.done for s in states):
+    # On the virtual clock a pass visits only the ranks that can move: those with mail delivered now (the hub's heap
+    # of arrivals says which), and those not blocked on a collective (computing or idle); a rank waiting for
+    # messages that did not come returns from advance() untouched, so skipping it changes nothing. Same passes,
+    # same ranks moving in the same (rank) order as visiting all R ranks at every event, at O(ranks that move).
+    virtual = clock == "virtual"
+    if virtual:
+        hub.arrivals = []
+    alive = {r for r, s in enumerate(states) if not s.done}
+    free = set(alive)   # alive and not waiting for a collective's messages
+    while alive:
         moved = True
         while moved:
             admit(clk.now())
-            for r in range(R):
+            if virtual:
+                now, mail = clk.now(), set()
+                while hub.arrivals and hub.arrivals[0][0] <= now:
+                    mail.add(heapq.heappop(hub.arrivals)[2])
+                visit = sorted(free | mail)
+            else:
+                mail, visit = range(R), range(R)
+            for r in sorted(mail) if virtual else mail:
                 for a in transports[r].poll():
                     inbox[r].setdefault(a.meta["tag"], {})[a.src] = a
             moved = False
-            for r in range(R):
+            for r in visit:
                 moved |= advance(r)
+                st = states[r]
+                if st.done:
+                    alive.discard(r)
+                    free.discard(r)
+                elif st.waiting is None:
+                    free.add(r)
+                else:
+                    free.discard(r)
             if moved:
                 last_progress = time.perf_counter()
-        if all(s.done for s in states):
+        if not alive:
             break
         now = clk.now()
-        events = [s.ready_at for s in states if not s.done and s.waiting is None and not s.idle]
-        nd = hub.next_delivery()
+        events = [states[r].ready_at for r in free if not states[r].idle]
+        nd = (hub.arrivals[0][0] if hub.arrivals else None) if virtual else hub.next_delivery()
         if nd is not None:
             events.append(nd)
         if pending:

@@ -31,6 +31,7 @@ from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional
 
+import numpy as np
 import torch
 
 from runtime.core.kv_cache import PagedKVStore
@@ -89,6 +90,8 @@ class Gathered:
 
     def __init__(self, metas: list, tensors: list) -> None:
         self.metas, self.tensors, self._cache = metas, tensors, {}
+        self.lockstep = False   # (the step's count all-gather) the driver runs this step's layers whole: Layers
+
 
     def __getitem__(self, p: int):
         from runtime.transport.base import Arrival
@@ -100,7 +103,22 @@ class Gathered:
         return self._cache[key]
 
 
-Op = Compute | Send | Gather | Idle | Collective
+@dataclass(slots=True)
+class Layers:
+    """The closed-form driver's lockstep step (lab/barrier_closed.py run_layers): this rank's share of one decode step's
+    whole layer stack, which the driver runs for every rank at once (the same ops, costs and collectives as the
+    per-layer path below, in one pass over the ranks per layer instead of R coroutines per layer). Yielded only
+    when the step's count all-gather says so (Gathered.lockstep); resumes with the rank's last hidden rows (None
+    without rows)."""
+    h: Optional[torch.Tensor]
+    positions: list
+    segments: list
+    seq_of_row: list
+    counts: list
+    offsets: list
+
+
+Op = Compute | Send | Gather | Idle | Collective | Layers
 
 
 @dataclass
@@ -185,7 +203,10 @@ def rank_loop(ctx: RankContext, mode: str) -> Generator[Op, object, None]:
             started.add(req.rid)
         # -- the layers -------------------------------------------------------------------------------
         h = ex.embed(tokens) if T else None
-        for layer in range(spec.num_layers):
+        lockstep = isinstance(got, Gathered) and got.lockstep
+        if lockstep:
+            h = yield Layers(h, positions, segments, seq_of_row, counts, offsets)
+        for layer in range(0 if lockstep else spec.num_layers):
             if T:
                 (h_res, x), dt = _timed(ex.attention, layer, h, positions, segments, ctx.kv)
             else:
@@ -338,7 +359,10 @@ def _ag_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, shared
     # rank a slice (in process, once per collective: a scan of the global batch per rank was 42% of a 1,024-rank
     # simulation's profile in session 24; this was not re-timed at 1,024 ranks, and at 256 x 10 steps both are ~15-20 s)
     def by_rank():
-        own = ctx.owners[layer][torch.repeat_interleave(torch.arange(R), torch.tensor(counts))[:, None], ids_all]
+        # (each row's home rank; numpy's repeat: torch's repeat_interleave took ~4 ms a call in `lab bench`, whose
+        # torch runs 2 threads on this loaded 2-core VM, ~40% of a 4-rank all-gather EP cell)
+        home = torch.from_numpy(np.repeat(np.arange(R, dtype=np.int64), counts))
+        own = ctx.owners[layer][home[:, None], ids_all]
         order = torch.sort(own.reshape(-1), stable=True)
         return order.indices, torch.searchsorted(order.values, torch.arange(R + 1))
     order, start = got.shared("by_rank", by_rank) if isinstance(got, Gathered) else by_rank()
@@ -372,14 +396,21 @@ def _a2a_layer(ctx: RankContext, layer: int, tag: tuple, x, ids, w, h_res, share
     own = owner[ids] if ids.numel() else torch.zeros(0, k, dtype=torch.int64)
     xr = _hidden(ctx, x)
     dev = xr.device  # rows move with index ops on the executor's device; routing lists stay on the host
-    outgoing = {}
     yield Compute("coll:a2a", layer, 0, 0.0)
-    for p in range(R):
-        pairs = (own == p).nonzero()                       # (token, slot), slot order within a token
-        toks, mrow = torch.unique(pairs[:, 0], sorted=True, return_inverse=True)
-        meta = list(zip(mrow.tolist(), *pairs.t().tolist(), ids[pairs[:, 0], pairs[:, 1]].tolist())) \
-            if len(pairs) else []                          # (msg row, home token, slot, expert)
-        outgoing[p] = (meta, xr.index_select(0, toks.to(dev)) if len(toks) else xr[:0])
+    # Per destination p, its (token, slot) pairs row-major (slot order within a token) as
+    # (msg row, home token, slot, expert), and its rows: the distinct tokens, sorted. One pass over the pairs,
+    # not a scan of them per destination (R torch ops per rank per layer, most of them for no pair).
+    by_dst: dict[int, list[int]] = {}
+    for f, p in enumerate(own.reshape(-1).tolist()):
+        by_dst.setdefault(p, []).append(f)
+    ids_flat = ids.reshape(-1).tolist()
+    empty = xr[:0]
+    outgoing = [([], empty)] * R
+    for p, fl in by_dst.items():
+        toks = sorted({f // k for f in fl})
+        row = {t: i for i, t in enumerate(toks)}
+        meta = [(row[f // k], f // k, f % k, ids_flat[f]) for f in fl]
+        outgoing[p] = (meta, xr.index_select(0, torch.tensor(toks, dtype=torch.long, device=dev)))
     for p in range(R):
         if p != me:
             yield Send(p, {"tag": ("d",) + tag, "rows": outgoing[p][0]}, outgoing[p][1])

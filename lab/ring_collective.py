@@ -13,7 +13,8 @@ lab/network.py's model with the scenario's bursts, evaluated the same way (same 
 latency + extra + bytes / bandwidth; across nodes the NIC's send and receive queues. A ring sends every node's
 NIC one flow (its last GPU to the next node's first), so each port's queue sees its messages in step order here as
 in the message-level run, and the ports, like each link's FIFO, carry their state from one collective to the next.
-The recursion is R x (R - 1) float updates in one numba loop: ~11 ms at 1,024 ranks, where the message-level driver
+The recursion is R x (R - 1) float updates in one numba loop: ~11 ms at 1,024 ranks (session 24; ~3x less with the
+per-collective tables of session 25), where the message-level driver
 took minutes per decode step (session 23: ~14 min for one 64-rank cell).
 """
 from __future__ import annotations
@@ -33,25 +34,53 @@ def _ring(start, chunk_bytes, shift, gpus_per_node, intra_lat, intra_gbps, nic_l
     R = start.shape[0]
     s = start.copy()
     a = np.empty(R)
-    for i in range(R - 1):
+    # Per rank and per chunk, what does not change from step to step (the same float operations, done once): the
+    # link's nodes, whether a burst may touch it, and each chunk's wire time at the link's healthy bandwidth (what
+    # the loop computes with no burst on: min(gbps, inf) is gbps). Integer divisions and modulos out of the R^2 loop.
+    node = np.empty(R, dtype=np.int64)
+    for r in range(R):
+        node[r] = r // gpus_per_node
+    touched = np.zeros(R, dtype=np.bool_)
+    for b in range(period.shape[0]):
         for r in range(R):
-            d_rank = (r + 1) % R
+            if cover[b, r]:
+                touched[r] = True
+    tx_intra = np.empty(R)
+    tx_nic = np.empty(R)
+    bw_i, bw_n = min(intra_gbps, math.inf), min(nic_gbps, math.inf)
+    for c in range(R):
+        nb = chunk_bytes[c]
+        tx_intra[c] = nb * 8.0 / (bw_i * 1e9) if math.isfinite(bw_i) else 0.0
+        tx_nic[c] = nb * 8.0 / (bw_n * 1e9) if math.isfinite(bw_n) else 0.0
+    for i in range(R - 1):
+        ci = -i - shift          # chunk (r - i - shift) mod R, without a modulo per rank
+        while ci < 0:
+            ci += R
+        for r in range(R):
+            d_rank = r + 1 if r + 1 < R else 0
             t = s[r]
-            nb = chunk_bytes[(r - i - shift) % R]
             extra, c = 0.0, math.inf
-            for b in range(period.shape[0]):     # LinkSchedule.disturbance: effects in order
-                d = 0.0
-                if cover[b, r] and ((t - phase[b]) % period[b]) < duty[b] * period[b]:
-                    d = extra_s[b]
-                    c = min(c, cap[b])
-                extra += d
-            ns, nd = r // gpus_per_node, d_rank // gpus_per_node
+            if touched[r]:
+                for b in range(period.shape[0]):     # LinkSchedule.disturbance: effects in order
+                    d = 0.0
+                    if cover[b, r] and ((t - phase[b]) % period[b]) < duty[b] * period[b]:
+                        d = extra_s[b]
+                        c = min(c, cap[b])
+                    extra += d
+            ns, nd = node[r], node[d_rank]
             if ns == nd:
-                bw = min(intra_gbps, c)
-                delay = intra_lat + extra + (nb * 8.0 / (bw * 1e9) if math.isfinite(bw) else 0.0)
+                if c == math.inf:
+                    tx = tx_intra[ci]
+                else:
+                    bw = min(intra_gbps, c)
+                    tx = chunk_bytes[ci] * 8.0 / (bw * 1e9) if math.isfinite(bw) else 0.0
+                delay = intra_lat + extra + tx
             else:
-                bw = min(nic_gbps, c)
-                tx = nb * 8.0 / (bw * 1e9) if math.isfinite(bw) else 0.0
+                if c == math.inf:
+                    tx = tx_nic[ci]
+                else:
+                    bw = min(nic_gbps, c)
+                    tx = chunk_bytes[ci] * 8.0 / (bw * 1e9) if math.isfinite(bw) else 0.0
                 st = max(t, send_free[ns])
                 send_free[ns] = st + tx
                 first = max(st + nic_lat, recv_free[nd])
@@ -60,6 +89,9 @@ def _ring(start, chunk_bytes, shift, gpus_per_node, intra_lat, intra_gbps, nic_l
             arr = max(t + delay, last[r])          # the link's FIFO (runtime/transport/inproc.py)
             last[r] = arr
             a[d_rank] = arr
+            ci += 1
+            if ci == R:
+                ci = 0
         for r in range(R):
             s[r] = max(s[r], a[r])
     return s
@@ -83,6 +115,26 @@ class RingPricer:
         from lab.interference import _covers
         self.cover = np.array([[_covers(b.links, r, (r + 1) % ranks) for r in range(ranks)] for b in bursts],
                               dtype=np.bool_).reshape(len(bursts), ranks)
+
+        self.link_bytes = np.zeros(ranks, dtype=np.int64)   # bytes on link r -> r+1 so far
+        self.priced = 0
+        self._held = {sh: (np.arange(ranks) + 1 - sh) % ranks for sh in (0, 1)}
+
+    def count_bytes(self, chunk_bytes: np.ndarray, shift: int) -> None:
+        """One collective's bytes on every link r -> r+1: every chunk but the one r+1 (all-gather, shift 0) or r
+        (reduce-scatter, shift 1) already holds."""
+        self.link_bytes += int(chunk_bytes.sum()) - chunk_bytes[self._held[shift]]
+        self.priced += 1
+
+    def bytes_into(self, link_bytes: dict) -> None:
+        """Add the bytes counted so far to `link_bytes` ({"src->dst": bytes}, as the message-level driver counts)."""
+        if self.priced:
+            R = self.ranks
+            for r, b in enumerate(self.link_bytes.tolist()):
+                key = f"{r}->{(r + 1) % R}"
+                link_bytes[key] = link_bytes.get(key, 0) + b
+        self.link_bytes[:] = 0
+        self.priced = 0
 
     @staticmethod
     def supports(network) -> bool:

@@ -212,3 +212,48 @@ def test_closed_form_collectives_equal_the_message_level_ones(model, ranks, gpus
     assert closed.elapsed == msg.elapsed and closed.link_bytes == msg.link_bytes
     batches = lambda res: [(b.kind, b.layer, b.rows, b.t_start, b.t_end) for m in res.ranks for b in m.batches]  # noqa: E731
     assert batches(closed) == batches(msg)
+
+
+@pytest.mark.parametrize("router_kind", ["sim", "zipf"])
+@pytest.mark.parametrize("kv_blocks", [64, 6])
+def test_lockstep_layers_equal_the_per_rank_coroutines(model, router_kind, kv_blocks, monkeypatch):
+    """lab/barrier_closed.py Lockstep runs a decode step's layers for every rank at once (the simulated executor, once
+    no request can be admitted any more); the rank coroutines run them layer by layer, and the message-level driver
+    message by message. All three: the same tokens, token and admission times, batches and link bytes. Arrivals
+    spread over the run and (kv_blocks=6) requests that wait for KV keep the first steps on the coroutines."""
+    from lab import barrier_closed
+    from lab.network import Network, Topology
+    from runtime.executors.sim_executor import SimExecutor
+    spec = model[0].model_copy(update={"experts": model[0].experts.model_copy(update={"num_experts": 8})})
+    ranks = 8
+    plan = compile_plan(spec, ranks)
+    ring = BarrierCostModel(collective_algo="ring", collective_fixed={"ag": 20e-6, "ar": 10e-6, "a2a": 0.0},
+                            expert_per_expert=3e-6)
+    topo = Topology(2, 2e-6, 400.0, 5e-6, 50.0)
+    effects = (Bursts(period_s=2e-3, duty=0.5, extra_delay_s=300e-6, bandwidth_gbps=1.0,
+                      links=frozenset({(5, -1), (-1, 5)})),)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, spec.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 20, (20,), generator=g)]
+    calls = []
+    run = barrier_closed.Lockstep.run
+    monkeypatch.setattr(barrier_closed.Lockstep, "run", lambda self, joined: calls.append(1) or run(self, joined))
+    runs = {}
+    for how in ("message", "coroutines", "lockstep"):
+        inner = SimExecutor.for_spec(spec, seed=3)
+        zipf = ZipfRouting(spec.experts.num_experts, spec.experts.top_k, s=1.2, seed=3) if router_kind == "zipf" else None
+        ex = KeyedRoutingExecutor(inner, zipf) if zipf is not None else inner
+        reqs = [Request(i, f"r{i}", p, 3 + i % 7, ignore_eos=True, arrival=2e-4 * i) for i, p in enumerate(prompts)]
+        net = Network(topo, LinkSchedule(effects=effects), ranks)
+        runs[how] = run_barrier(plan, ex, reqs, "ag", kv_blocks=kv_blocks, link_delay=net.delay, cost_model=ring,
+                                router=zipf, closed_form=how != "message", lockstep=how == "lockstep",
+                                row_bytes=4096)
+    assert calls, "the lockstep path never ran"
+    batches = lambda res: [(b.kind, b.layer, b.rows, b.t_start, b.t_end) for m in res.ranks for b in m.batches]  # noqa: E731
+    for how in ("coroutines", "lockstep"):
+        got, want = runs[how], runs["message"]
+        assert [q.output for q in got.requests] == [q.output for q in want.requests]
+        assert [q.token_times for q in got.requests] == [q.token_times for q in want.requests]
+        assert [q.t_admit for q in got.requests] == [q.t_admit for q in want.requests]
+        assert got.elapsed == want.elapsed and got.link_bytes == want.link_bytes
+        assert batches(got) == batches(want)
