@@ -78,7 +78,7 @@ class _DepthRecorder:
 
     def choose(self, views, next_of):
         t = self.probe.clock.now()
-        self.probe.queue.add(t, self.rank, [v.depth for v in views])
+        self.probe.queue.add(t, self.rank, views.depths)  # (the engine's StageViews: a fresh list per decision)
         return self.inner.choose(views, next_of)
 
 
@@ -138,18 +138,21 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         from runtime.drivers.cluster import Cluster, RunOptions
 
         host_free = [0.0] * cfg.ranks     # when each rank's host is done issuing its previous sends
+        sent_bytes: dict[int, int] = {}   # src * ranks + dst -> bytes (probe.link_bytes's keys made once, at the end)
+        R, row_bytes, send_cpu = cfg.ranks, cfg.row_bytes, cost.send_cpu if not wall else 0.0
 
         def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock)
-            if cfg.row_bytes is not None:
-                nbytes = len(meta.get("rows", ())) * cfg.row_bytes
-            count(src, dst, nbytes)
-            now = cluster.clock.now()
+            if row_bytes is not None:
+                nbytes = len(meta.get("rows", ())) * row_bytes
+            key = src * R + dst
+            sent_bytes[key] = sent_bytes.get(key, 0) + nbytes
+            now = clock.now()
             # A batch's messages leave one after the other, send_cpu apart (the cluster charges
             # the same host time to the sender's rank; runtime/executors/cost_model.py).
             depart = now
-            if cost.send_cpu and not wall:
+            if send_cpu:
                 depart = max(now, host_free[src])
-                host_free[src] = depart + cost.send_cpu
+                host_free[src] = depart + send_cpu
             return (depart - now) + link_delay(src, dst, nbytes, depart)
 
         scaled = _ScaledCost(cost, inter)
@@ -159,11 +162,13 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
                                                StaticCopies() if cell.system.endswith("s") else None),
                           batch_log=None)  # the report reads every batch
         cluster = Cluster(plan, executor, opts)
-        probe.clock = cluster.clock
+        probe.clock = clock = cluster.clock
         for e in cluster.engines:
             e.policy = _DepthRecorder(e.policy, e.rank, probe)
             _slow_rank(e, scaled, inter, wall)
         res = cluster.run(reqs)
+        for key, nbytes in sent_bytes.items():
+            count(key // R, key % R, nbytes)
         if cfg.trace_dir is not None:  # the streaming schedule as Perfetto shows it (runtime/observability/trace.py)
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{cell.policy}-{cell.scenario}-r{cell.repeat}")
             Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)

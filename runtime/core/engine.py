@@ -128,8 +128,9 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         # would otherwise pay for both on every look).
         self._changes = [0]
         self._idle_at = -1  # self._changes when the last decision found nothing runnable
-        self.queues = [MuQueue(s.id, s.kind, s.layer, s.cap, 1.0 / k if s.kind == "expert" else 1.0, self._changes)
-                       for s in cfg.stages]
+        self._active: set[int] = set()  # ids of the non-empty queues (MuQueue keeps it)
+        self.queues = [MuQueue(s.id, s.kind, s.layer, s.cap, 1.0 / k if s.kind == "expert" else 1.0, self._changes,
+                               self._active) for s in cfg.stages]
         self.attn_stage = {s.layer: s.id for s in cfg.stages if s.kind == "attn"}
         self.expert_stage = {s.layer: s.id for s in cfg.stages if s.kind == "expert"}
         self.sample_stage = next(s.id for s in cfg.stages if s.kind == "sample")

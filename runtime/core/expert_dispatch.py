@@ -92,10 +92,9 @@ class ExpertDispatch:
         announce_next = self.policy.hold_ahead and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
         decode = _holds_decode(batch)
         tm.lap("gather")
-        off = 0
-        for d, c in enumerate(plan.counts.tolist()):
-            if not c:
-                continue
+        dests = np.flatnonzero(plan.counts)  # (no loop over every rank: that was O(world) per batch)
+        cs = plan.counts[dests]
+        for d, c, off in zip(dests.tolist(), cs.tolist(), (np.cumsum(cs) - cs).tolist()):
             xd, ed = x_sorted[off:off + c], experts[off:off + c]
             more = ahead * c / T
             nxt = float(c) if announce_next else 0.0
@@ -110,7 +109,6 @@ class ExpertDispatch:
                 if decode:
                     meta["d"] = 1
                 self.transport.send(d, meta, xd)
-            off += c
         tm.lap("send+enqueue")
 
     def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of,

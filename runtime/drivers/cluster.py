@@ -83,7 +83,8 @@ class Cluster:
         self.clock = VirtualClock() if options.clock == "virtual" else WallClock()
         if options.clock not in ("wall", "virtual"):
             raise ValueError(f"clock {options.clock!r}; valid: wall, virtual")
-        self.hub = InprocHub(self.world_size, self.clock, options.delay, options.delay_seed)  # knows delivery times
+        self.hub = InprocHub(self.world_size, self.clock, options.delay, options.delay_seed,  # knows delivery times
+                             copy=not getattr(executor, "fresh_outputs", False))
         self.transports = self.hub.transports()
         self.trace = TraceRecorder(TRACE_BATCHES * self.world_size) if options.trace else None
         cfgs = [config_from_plan(plan, r, options.kv_blocks) for r in range(self.world_size)]

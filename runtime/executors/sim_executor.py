@@ -21,7 +21,9 @@ _MOD = float(2 ** 40)  # keep values exact in float64
 
 
 class SimExecutor(ExecutorBase):
-    """Host-routed dispatch only (no experts_routed), sampling on the host (no sample_batch_start)."""
+    """Host-routed dispatch only (no experts_routed), sampling on the host (no sample_batch_start). Every tensor it
+    returns is a new one (torch ops out of place, no buffers kept): `fresh_outputs`."""
+    fresh_outputs = True
 
     def __init__(self, num_experts: int, top_k: int, vocab_size: int, eos_token_ids=(), seed: int = 0) -> None:
         if top_k > num_experts:

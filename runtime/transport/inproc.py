@@ -5,7 +5,10 @@ Used by the tests, the in-process `dataflow run --in-process`, and the simulator
 per-link latency and jitter reproducibly. Per (src, dst) FIFO order holds even with random delays:
 a message never becomes deliverable before the one sent before it on the same link.
 
-Tensors are cloned at send, as a real wire would copy them: the sender may reuse its buffers.
+Tensors are cloned at send, as a real wire would copy them: the sender may reuse its buffers. `copy=False` (an
+executor whose outputs are all new tensors, ExecutorBase.fresh_outputs, e.g. the simulator's) sends them as they are:
+the engine writes no tensor it sent or received (expert rows are read by the owner's batch, outputs copied into the
+home's merge buffer).
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ DelayFn = Callable[[int, int, dict, int, random.Random], float]
 class InprocHub:
     """The shared 'network' of one in-process cluster."""
 
-    def __init__(self, world_size: int, clock, delay: Optional[DelayFn] = None, seed: int = 0) -> None:
-        self.world_size = world_size
+    def __init__(self, world_size: int, clock, delay: Optional[DelayFn] = None, seed: int = 0,
+                 copy: bool = True) -> None:
+        self.world_size, self.copy = world_size, copy
         self.clock = clock
         self.delay = delay
         self.rng = random.Random(seed)
@@ -52,7 +56,7 @@ class InprocHub:
         t = max(t, self._last.get((src, dst), t))  # per-link FIFO
         self._last[(src, dst)] = t
         self._seq += 1
-        heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None else None))
+        heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None and self.copy else tensor))
         if self.arrivals is not None:
             heapq.heappush(self.arrivals, (t, self._seq, dst))
         self._in_flight[src] += 1
