@@ -359,6 +359,12 @@ class MergeTable:
                 return _NONE
             g.missing[:] = 0
             done, rows = self._decode_arrays(len(g.rids))[1], g.rows  # every segment (0 .. S-1, shared, read-only)
+        elif len(g.missing) == 1:  # one segment (a one-row decode batch, one prompt chunk): no per-position count
+            m = int(g.missing[0]) - (p.stop - p.start if type(p) is slice else len(p))
+            g.missing[0] = m
+            if m:
+                return _NONE
+            done, rows = self._decode_arrays(1)[1], int(g.n[0])
         else:
             dec = np.bincount(g.seg_of_pos[p], minlength=len(g.missing))
             g.missing -= dec

@@ -234,13 +234,16 @@ class Defrag(Policy):
     def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
         return self._decide(self.scores(views, next_of), views)
 
-    def repeat_idle(self) -> None:
-        """The snapshot the skipped decision would have taken: the depths are those of the last one (no queue changed)."""
+    def repeat_idle(self, n: int = 1) -> None:
+        """The snapshots `n` skipped decisions would have taken: the depths are those of the last one (no queue
+        changed). After `history` of them every slot holds that one, so more only turn the slot."""
         if self._ring is None or not self._filled:
             return
-        self._ring[self._next_slot] = self._ring[(self._next_slot - 1) % self.history]
-        self._next_slot = (self._next_slot + 1) % self.history
-        self._filled = min(self._filled + 1, self.history)
+        last, h = self._ring[(self._next_slot - 1) % self.history], self.history
+        for i in range(min(n, h)):
+            self._ring[(self._next_slot + i) % h] = last
+        self._next_slot = (self._next_slot + n) % h
+        self._filled = min(self._filled + n, h)
 
 
 class Aging(Defrag):

@@ -257,7 +257,9 @@ class Cluster:
                 for m in held[r]:
                     heapq.heappush(mail, m)
                 held[r].clear()
-            self._collect(done, total, sorted(set(freed).union(touched)))
+            fin = [r for r in freed if engines[r].finished] + [r for r in touched if engines[r].finished]
+            if fin:
+                self._collect(done, total, sorted(set(fin)))
             if len(done) == total:
                 return
             todo = set(freed) | set(self._release(pending, now)) | restless | carry
@@ -305,17 +307,15 @@ class Cluster:
 
 
 def _repeat_idle(policy, n: int) -> None:
-    """`n` skipped idle decisions' policy updates at once. Defrag's (and Aging's) repeat_idle is periodic after
-    `history` calls (every snapshot slot then holds the last one and only the next slot turns), so at most
-    2 x history calls give the same state; the base policy's is a no-op."""
+    """`n` skipped idle decisions' policy updates at once: Defrag's (and Aging's) repeat_idle takes the count (its
+    state after n of them in one step); the base policy's is a no-op; any other is called n times."""
     rep = policy.repeat_idle
     fn = getattr(rep, "__func__", None)
-    if fn is Policy.repeat_idle:
-        return
-    if fn is Defrag.repeat_idle and n > rep.__self__.history:
-        n = rep.__self__.history + (n - rep.__self__.history) % rep.__self__.history
-    for _ in range(n):
-        rep()
+    if fn is Defrag.repeat_idle:
+        rep(n)
+    elif fn is not Policy.repeat_idle:
+        for _ in range(n):
+            rep()
 
 
 def build_executor(plan, options: RunOptions, weights=None):
