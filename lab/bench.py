@@ -71,6 +71,8 @@ class _DepthRecorder:
     def __init__(self, inner, rank: int, probe: _Probe):
         self.inner, self.rank, self.probe = inner, rank, probe
         self.name = inner.name
+        # what the engine reads at every decision, as attributes (no __getattr__ call each time)
+        self.hold_fill, self.hold_ahead, self.repeat_idle = inner.hold_fill, inner.hold_ahead, inner.repeat_idle
 
     def __getattr__(self, name: str):
         # everything else (params(), the wave hold's hold_fill that the engine reads) is the policy's
@@ -216,7 +218,8 @@ class _ScaledCost:
         self.rank, self.now = 0, 0.0
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
-        return self.inner.duration(kind, rows, experts) * self.inter.compute_scale(self.rank, self.now)
+        d = self.inner.duration(kind, rows, experts)
+        return d * self.inter.compute_scale(self.rank, self.now) if self.inter.slow else d
 
     def __getattr__(self, name):   # send_cpu, with_sends, collective_*: not scaled (not compute)
         return getattr(self.inner, name)

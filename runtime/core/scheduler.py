@@ -78,6 +78,8 @@ class Decision:
 
 def _best(scores: dict[int, float]) -> int:
     # max score, ties to the lowest stage index
+    if len(scores) == 1:
+        return next(iter(scores))
     return min(scores, key=lambda s: (-scores[s], s))
 
 

@@ -233,13 +233,17 @@ class Cluster:
         held: list[list] = [[] for _ in range(R)]  # mail of a busy rank, not an event until it is idle
         settled: dict[int, int] = {}             # idle rank -> the event at which it last found nothing to do
         restless, touched, carry, it = set(range(R)), [], set(), 0
+        heappush, heappop = heapq.heappush, heapq.heappop
+        send_cpu, per_expert = getattr(cost, "send_cpu", 0.0), getattr(cost, "expert_per_expert", 0.0)
+        duration = cost.duration
         while True:
             it += 1
             now = clock.now()
             freed = []
             while ends and ends[0][0] <= now:
-                freed.append(heapq.heappop(ends)[1])
-            for r in sorted(freed):
+                freed.append(heappop(ends)[1])
+            freed.sort()  # (a rank is in `ends` once at most: no duplicates)
+            for r in freed:
                 b, busy[r] = busy[r], None
                 if b[1] is not None:
                     sent = hub.messages
@@ -247,33 +251,38 @@ class Cluster:
                     sent = hub.messages - sent
                     # The sender's host cost of the messages this batch issued (cost.send_cpu each):
                     # the rank stays busy for what its device time did not hide.
-                    if sent and getattr(cost, "send_cpu", 0.0):
+                    if sent and send_cpu:
                         device = b[0] - b[1].t_start
                         tail = cost.with_sends(device, sent) - device
                         if tail > 0:
                             busy[r] = (now + tail, None)
-                            heapq.heappush(ends, (now + tail, r))
+                            heappush(ends, (now + tail, r))
                             continue
-                for m in held[r]:
-                    heapq.heappush(mail, m)
-                held[r].clear()
+                if held[r]:
+                    for m in held[r]:
+                        heappush(mail, m)
+                    held[r].clear()
             fin = [r for r in freed if engines[r].finished] + [r for r in touched if engines[r].finished]
             if fin:
                 self._collect(done, total, sorted(set(fin)))
             if len(done) == total:
                 return
-            todo = set(freed) | set(self._release(pending, now)) | restless | carry
-            carry = set()
-            todo = [r for r in todo if busy[r] is None]
-            heapq.heapify(todo)
+            released = self._release(pending, now) if pending or self.admission.waiting else ()
+            if released or restless or carry:
+                todo = set(freed) | set(released) | restless | carry
+                carry = set()
+                todo = [r for r in todo if busy[r] is None]
+                heapq.heapify(todo)
+            else:  # (freed is sorted: a heap already)
+                todo = [r for r in freed if busy[r] is None]
             touched = []
             while todo or (mail and mail[0][0] <= now):
                 if mail and mail[0][0] <= now:  # mail due: its rank is visited in this pass, or the next
-                    d = heapq.heappop(mail)[2]
+                    d = heappop(mail)[2]
                     if busy[d] is None:
-                        (carry.add(d) if touched and d <= touched[-1] else heapq.heappush(todo, d))
+                        (carry.add(d) if touched and d <= touched[-1] else heappush(todo, d))
                     continue
-                r = heapq.heappop(todo)
+                r = heappop(todo)
                 if touched and r == touched[-1]:
                     continue
                 touched.append(r)
@@ -282,25 +291,29 @@ class Cluster:
                     _repeat_idle(e.policy, it - settled.pop(r) - 1)
                 e.poll()
                 batch = e.next_batch()
-                restless.discard(r)
+                if restless:
+                    restless.discard(r)
                 if batch is not None:
                     e.execute(batch)
-                    busy[r] = (now + cost.duration(batch.stage.kind, batch.rows, _experts(batch, cost)), batch)
-                    heapq.heappush(ends, (busy[r][0], r))
+                    end = now + duration(batch.stage.kind, batch.rows, _experts(batch) if per_expert else 1)
+                    busy[r] = (end, batch)
+                    heappush(ends, (end, r))
                 elif e._idle_at == e._changes[0] and not e.hold_s and not e.deferred:
                     settled[r] = it
                 else:
                     restless.add(r)
-            events = [ends[0][0]] if ends else []
             while mail and busy[mail[0][2]] is not None:
-                held[mail[0][2]].append(heapq.heappop(mail))
-            events += [mail[0][0]] if mail else []
-            events += [now + engines[r].hold_s for r in restless if engines[r].hold_s > 0]
-            if pending:
-                events.append(pending[-1].arrival)
-            if not events:
+                held[mail[0][2]].append(heappop(mail))
+            t_next = ends[0][0] if ends else None
+            if mail and (t_next is None or mail[0][0] < t_next):
+                t_next = mail[0][0]
+            if restless:
+                t_next = min([now + engines[r].hold_s for r in restless if engines[r].hold_s > 0]
+                             + ([] if t_next is None else [t_next]), default=None)
+            if pending and (t_next is None or pending[-1].arrival < t_next):
+                t_next = pending[-1].arrival
+            if t_next is None:
                 raise self._stalled("no batch running, nothing in flight, no arrival due")
-            t_next = min(events)
             if until is not None and t_next > until:
                 return
             clock.advance_to(max(t_next, now))
@@ -345,9 +358,9 @@ def _build_executor(plan, options: RunOptions, weights=None):
     return TorchExecutor(plan.spec, w)
 
 
-def _experts(batch, cost) -> int:
-    """Distinct experts of a host-routed expert batch, where the cost model charges them (expert_per_expert); else 1."""
-    if not cost.expert_per_expert or batch.stage.kind != "expert" or not hasattr(batch.items[0], "expert"):
+def _experts(batch) -> int:
+    """Distinct experts of a host-routed expert batch (where the cost model charges them: expert_per_expert); else 1."""
+    if batch.stage.kind != "expert" or not hasattr(batch.items[0], "expert"):
         return 1
     return len(np.unique(np.concatenate([it.expert for it in batch.items])))
 

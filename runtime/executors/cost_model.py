@@ -39,11 +39,14 @@ class CostModel:
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
         """Seconds of a batch of `rows` rows (an expert batch: of `experts` distinct experts)."""
-        fixed, per_row = {"attn": (self.attn_fixed, self.attn_per_row),
-                          "expert": (self.expert_fixed, self.expert_per_row),
-                          "sample": (self.sample_fixed, self.sample_per_row)}[kind]
-        more = self.expert_per_expert * (experts - 1) if kind == "expert" and experts > 1 else 0.0
-        return fixed + per_row * rows + more
+        if kind == "expert":
+            more = self.expert_per_expert * (experts - 1) if experts > 1 else 0.0
+            return self.expert_fixed + self.expert_per_row * rows + more
+        if kind == "attn":
+            return self.attn_fixed + self.attn_per_row * rows
+        if kind == "sample":
+            return self.sample_fixed + self.sample_per_row * rows
+        raise KeyError(kind)
 
     def with_sends(self, device: float, messages: int) -> float:
         """How long a batch of `device` seconds that then issues `messages` sends holds its rank."""
