@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from array import array
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
+
+import numpy as np
 
 from graph_ir.errors import UserError
 from lab.arrivals import PoissonArrivals, sample_requests
@@ -57,12 +60,72 @@ class Cell:
     repeat: int = 0      # round of the matrix (0 .. repeats - 1)
 
 
+class SparseDepths(QueueDepths):
+    """Every decision's queue depths, kept sparse: per decision its time and rank, per non-empty stage its depth (a
+    list of ~73 depths per decision was ~0.7 kB: ~10 GB for the ~15M decisions of 1,024 ranks x 100 tokens, and the
+    report's per-sample arrays of them 1.1G samples). `arrays()` gives one sample per (time bin, rank, stage) of the
+    report's heatmap (lab/report.py queue_depth_grid: `bins` equal bins between the first and the last decision): the
+    mean depth of that rank's decisions in that bin, at the time of one of them (the first decision's time and the last
+    one's are among them, so the heatmap's bins are the same). The heatmap made from them equals the one made from
+    every decision bit for bit: each bin's sum runs over the same depths in the same order (np.bincount, as np.add.at
+    did), divided by the same count."""
+    bins = 100  # report.queue_depth_grid's default
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._time, self._who, self._count = array("d"), array("q"), array("q")  # per decision
+        self._stage, self._depth = array("q"), array("d")  # per non-empty stage of a decision
+        self._stages = 0
+
+    def record(self, t: float, rank: int, views) -> None:
+        """A decision's views (the engine's StageViews: `active` the non-empty stages, `depths` every stage's)."""
+        self._time.append(t)
+        self._who.append(rank)
+        self._count.append(len(views.active))
+        self._stages = len(views.depths)
+        for sid in views.active:
+            self._stage.append(sid)
+            self._depth.append(views.depths[sid])
+
+    def __len__(self) -> int:
+        return len(self._time) * self._stages
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        t, rk = np.frombuffer(self._time), np.frombuffer(self._who, dtype=np.int64)
+        if not len(t):
+            return t, rk, rk, t
+        edges = np.linspace(t.min(), t.max() + 1e-12, self.bins + 1)
+        b = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, self.bins - 1)
+        R, S = int(rk.max()) + 1, self._stages
+        cell = b * R + rk  # per decision
+        cells, cell_of, n = np.unique(cell, return_inverse=True, return_counts=True)
+        # each cell's time: its first decision's in the first bin, its last one's elsewhere (so both ends are there)
+        first = np.full(len(cells), len(t))
+        np.minimum.at(first, cell_of, np.arange(len(t)))
+        last = np.zeros(len(cells), dtype=np.int64)
+        np.maximum.at(last, cell_of, np.arange(len(t)))
+        at = t[np.where(cells // R == 0, first, last)]
+        # the non-empty stages' sums per (cell, stage), in decision order
+        key = np.repeat(cell_of, np.frombuffer(self._count, dtype=np.int64)) * S + np.frombuffer(self._stage, dtype=np.int64)
+        keys, key_of = np.unique(key, return_inverse=True)
+        mean = np.bincount(key_of, weights=np.frombuffer(self._depth), minlength=len(keys)) / n[keys // S]
+        c, st = keys // S, keys % S
+        # cells with no non-empty stage: one zero sample (their mean is 0; the grid keeps their rank), and one zero
+        # sample of the last stage where no cell has it (the grid has every stage)
+        empty = np.setdiff1d(np.arange(len(cells)), c)
+        c, st, mean = np.concatenate([c, empty]), np.concatenate([st, np.zeros(len(empty), np.int64)]), \
+            np.concatenate([mean, np.zeros(len(empty))])
+        if S - 1 not in st:
+            c, st, mean = np.append(c, 0), np.append(st, S - 1), np.append(mean, 0.0)
+        return at[c], cells[c] % R, st, mean
+
+
 @dataclass
 class _Probe:
     """What the bench observes of a run from outside: bytes per link, queue depths over time."""
     clock: object = None
     link_bytes: dict = field(default_factory=dict)
-    queue: QueueDepths = field(default_factory=QueueDepths)
+    queue: QueueDepths = field(default_factory=SparseDepths)
 
 
 class _DepthRecorder:
@@ -80,7 +143,7 @@ class _DepthRecorder:
 
     def choose(self, views, next_of):
         t = self.probe.clock.now()
-        self.probe.queue.add(t, self.rank, views.depths)  # (the engine's StageViews: a fresh list per decision)
+        self.probe.queue.record(t, self.rank, views)
         return self.inner.choose(views, next_of)
 
 

@@ -325,15 +325,14 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             out["tokens"] = pending.tokens()
         now = self.clock.now()
         t0 = batch.t_start
-        rec = BatchRecord(self.rank, batch.stage.id, batch.stage.kind, batch.stage.layer, batch.rows,
-                          t0, now, t0 - min(it.t_enq for it in batch.items))
+        stage, kind = batch.stage, batch.stage.kind
+        waits = [t0 - it.t_enq for it in batch.items]  # (max(waits) == t0 - the earliest t_enq: rounding is monotone)
+        rec = BatchRecord(self.rank, stage.id, kind, stage.layer, batch.rows, t0, now, max(waits))
         # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.
-        counts = [it.segments if batch.stage.kind == "attn" else it.n for it in batch.items]
-        self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], counts)
+        counts = [it.segments if kind == "attn" else it.n for it in batch.items]
+        self.metrics.on_batch(rec, waits, counts)
         if self.trace is not None:
-            self.trace.batch(self.rank, batch.stage.name, batch.t_start, now,
-                             {"rows": batch.rows, "items": len(batch.items)})
-        kind = batch.stage.kind
+            self.trace.batch(self.rank, stage.name, batch.t_start, now, {"rows": batch.rows, "items": len(batch.items)})
         if kind == "attn":
             self._complete_attn(batch)
         elif kind == "expert":

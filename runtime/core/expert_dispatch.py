@@ -94,16 +94,17 @@ class ExpertDispatch:
         tm.lap("gather")
         dests = np.flatnonzero(plan.counts)  # (no loop over every rank: that was O(world) per batch)
         cs = plan.counts[dests]
+        wire_e, size = encode_ids(experts, self._id_dtype), self._id_dtype.itemsize  # (every destination's, at once)
         for d, c, off in zip(dests.tolist(), cs.tolist(), (np.cumsum(cs) - cs).tolist()):
-            xd, ed = x_sorted[off:off + c], experts[off:off + c]
+            xd = x_sorted[off:off + c]
             more = ahead * c / T
             nxt = float(c) if announce_next else 0.0
             if d == self.rank:
                 td = np.arange(tag0 + off, tag0 + off + c, dtype=np.int64)
-                self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more, nxt, decode)
+                self._enqueue_expert_rows(layer, self.rank, td, experts[off:off + c], xd, more, nxt, decode)
             else:
                 meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (tag0 + off, c),
-                        "e": encode_ids(ed, self._id_dtype), "more": more}  # wire forms: runtime/core/expert_wire.py
+                        "e": wire_e[off * size:(off + c) * size], "more": more}  # wire forms: runtime/core/expert_wire.py
                 if nxt:
                     meta["next"] = nxt
                 if decode:

@@ -341,10 +341,15 @@ class MergeTable:
         g = self._groups.get(gid)
         if g is None or p0 + n > len(g.filled):
             return None
-        filled = g.filled[p0:p0 + n]
-        if filled.any():
-            return None
-        filled[:] = True
+        if n == 1:  # (numpy scalar reads: a slice and any() cost ~1.5 us per message)
+            if g.filled[p0]:
+                return None
+            g.filled[p0] = True
+        else:
+            filled = g.filled[p0:p0 + n]
+            if filled.any():
+                return None
+            filled[:] = True
         g.nfilled += n
         if not landed:
             g.y[p0:p0 + n].copy_(y)

@@ -55,9 +55,10 @@ class StageView:
 
 class StageViews(list):
     """The engine's views (a StageView per stage) with what it knew while making them: `depths` (every stage's depth,
-    a fresh list: the defragmenting policies keep it as their snapshot) and `runnable` (the runnable stage ids,
-    ascending), so a policy does not rebuild both from ~73 views per decision."""
-    __slots__ = ("depths", "runnable")
+    a list nothing writes to: the defragmenting policies keep it as their snapshot), `runnable` (the runnable stage
+    ids, ascending) and `active` (the non-empty ones, ascending), so a policy does not rebuild them from ~73 views per
+    decision."""
+    __slots__ = ("depths", "runnable", "active")
 
 
 HOLD = -1  # Decision.stage when every candidate is held: run nothing for up to `hold_s`

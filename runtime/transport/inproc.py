@@ -34,7 +34,7 @@ class InprocHub:
         self.delay = delay
         self.rng = random.Random(seed)
         self._inbox: list[list] = [[] for _ in range(world_size)]  # heaps of (t, seq, src, meta, tensor)
-        self._last: dict[tuple[int, int], float] = {}
+        self._last: dict[int, float] = {}  # src * world_size + dst -> the link's last delivery time
         self._seq = 0
         self._in_flight = [0] * world_size  # per source
         self.messages = 0
@@ -46,15 +46,17 @@ class InprocHub:
     def _send(self, src: int, dst: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         if not 0 <= dst < self.world_size:
             raise ValueError(f"rank {src} sent to rank {dst}, world size is {self.world_size}")
-        nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
         t = self.clock.now()
         if self.delay is not None:
-            d = float(self.delay(src, dst, meta, nbytes, self.rng))
+            d = float(self.delay(src, dst, meta, tensor.nbytes if tensor is not None else 0, self.rng))
             if d < 0:
                 raise ValueError(f"delay hook returned {d} < 0 for {src}->{dst}")
             t += d
-        t = max(t, self._last.get((src, dst), t))  # per-link FIFO
-        self._last[(src, dst)] = t
+        link = src * self.world_size + dst
+        last = self._last.get(link)
+        if last is not None and last > t:  # per-link FIFO
+            t = last
+        self._last[link] = t
         self._seq += 1
         heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None and self.copy else tensor))
         if self.arrivals is not None:
