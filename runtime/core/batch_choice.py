@@ -35,18 +35,11 @@ class Batch:
 class BatchChoice:
     """The Engine's scheduling decisions (module docstring)."""
 
-    _no_views: Optional[StageViews] = None  # views() when every queue is empty
-
     def views(self) -> StageViews:
         """One StageView per stage for the policy. Most stages are empty at any moment: they share one
         read-only view, and only the non-empty ones (the queues' shared `_active` set) are visited; `incoming` (the
         wave hold's) is computed only where the policy reads it, on runnable stages."""
         n = len(self.queues)
-        if not self._active:  # every queue empty: one shared, read-only StageViews (its `depths` too)
-            if self._no_views is None:
-                self._no_views = StageViews([_EMPTY_VIEW] * n)
-                self._no_views.depths, self._no_views.runnable, self._no_views.active = [0.0] * n, [], []
-            return self._no_views
         now = self.clock.now()
         hold = self.policy.hold_fill > 0
         out, depths, runnable, active = StageViews([_EMPTY_VIEW] * n), [0.0] * n, [], sorted(self._active)

@@ -223,8 +223,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
 
     def oldest_wait(self) -> float:
         """How long the longest-waiting queued item has waited so far (0 when all queues are empty)."""
-        now = self.clock.now()
-        return max((now - q.oldest_enqueue() for q in self.queues if len(q)), default=0.0)
+        return max((self.clock.now() - q.oldest_enqueue() for q in self.queues if len(q)), default=0.0)
 
     def take_finished(self) -> list[Request]:
         out, self.finished = self.finished, []
@@ -304,12 +303,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
     def execute(self, batch: Batch) -> None:
         """Run the batch's math on the executor (results kept on the batch; nothing dispatched)."""
         kind = batch.stage.kind
-        if kind == "attn":
-            self._exec_attn(batch)
-        elif kind == "expert":
-            self._exec_expert(batch)
-        else:
-            self._exec_sample(batch)
+        (self._exec_attn if kind == "attn" else self._exec_expert if kind == "expert" else self._exec_sample)(batch)
 
     def complete(self, batch: Batch) -> None:
         """The batch finished (now): record it and dispatch its outputs to their next stages. A sample
@@ -333,9 +327,5 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         self.metrics.on_batch(rec, waits, counts)
         if self.trace is not None:
             self.trace.batch(self.rank, stage.name, batch.t_start, now, {"rows": batch.rows, "items": len(batch.items)})
-        if kind == "attn":
-            self._complete_attn(batch)
-        elif kind == "expert":
-            self._complete_expert(batch)
-        else:
-            self._complete_sample(batch)
+        (self._complete_attn if kind == "attn" else self._complete_expert if kind == "expert" else
+         self._complete_sample)(batch)

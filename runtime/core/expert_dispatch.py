@@ -163,11 +163,9 @@ class ExpertDispatch:
             batch.out["y"] = self.executor.experts_routed(layer, [it.payload for it in items], owned, out=into)
             batch.out["landed"] = into is not None
             return
-        if len(items) == 1:
-            x, ids = items[0].x, items[0].expert
-        else:  # row blocks: the executor concatenates them where the batch's input lives
-            x = [it.x for it in items]
-            ids = np.concatenate([it.expert for it in items])
+        # several row blocks: the executor concatenates them where the batch's input lives
+        x, ids = (items[0].x, items[0].expert) if len(items) == 1 else \
+            ([it.x for it in items], np.concatenate([it.expert for it in items]))
         batch.out["y"] = self.executor.experts(batch.stage.layer, x, torch.from_numpy(ids))
 
     def _complete_expert(self, batch: Batch) -> None:

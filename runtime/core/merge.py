@@ -341,15 +341,10 @@ class MergeTable:
         g = self._groups.get(gid)
         if g is None or p0 + n > len(g.filled):
             return None
-        if n == 1:  # (numpy scalar reads: a slice and any() cost ~1.5 us per message)
-            if g.filled[p0]:
-                return None
-            g.filled[p0] = True
-        else:
-            filled = g.filled[p0:p0 + n]
-            if filled.any():
-                return None
-            filled[:] = True
+        filled = g.filled[p0:p0 + n]
+        if filled[0] if n == 1 else filled.any():  # (a one-row part: a scalar read; any() costs ~1.5 us)
+            return None
+        filled[:] = True
         g.nfilled += n
         if not landed:
             g.y[p0:p0 + n].copy_(y)
@@ -365,8 +360,7 @@ class MergeTable:
             g.missing[:] = 0
             done, rows = self._decode_arrays(len(g.rids))[1], g.rows  # every segment (0 .. S-1, shared, read-only)
         elif len(g.missing) == 1:  # one segment (a one-row decode batch, one prompt chunk): no per-position count
-            m = int(g.missing[0]) - (p.stop - p.start if type(p) is slice else len(p))
-            g.missing[0] = m
+            m = g.missing[0] = int(g.missing[0]) - (p.stop - p.start if type(p) is slice else len(p))
             if m:
                 return _NONE
             done, rows = self._decode_arrays(1)[1], int(g.n[0])

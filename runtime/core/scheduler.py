@@ -79,9 +79,7 @@ class Decision:
 
 def _best(scores: dict[int, float]) -> int:
     # max score, ties to the lowest stage index
-    if len(scores) == 1:
-        return next(iter(scores))
-    return min(scores, key=lambda s: (-scores[s], s))
+    return next(iter(scores)) if len(scores) == 1 else min(scores, key=lambda s: (-scores[s], s))
 
 
 class Policy:
@@ -192,10 +190,8 @@ class Defrag(Policy):
 
     def scores(self, views: list[StageView], next_of: list[int]) -> dict[int, float]:
         n = len(views)
-        if type(views) is StageViews:
-            q, cand = views.depths, views.runnable
-        else:
-            q, cand = [v.depth for v in views], [s for s, v in enumerate(views) if v.runnable]
+        q, cand = (views.depths, views.runnable) if type(views) is StageViews else \
+            ([v.depth for v in views], [s for s, v in enumerate(views) if v.runnable])
         if self._ring is None or len(self._ring[0]) != n:
             self._ring = [[0.0] * n for _ in range(self.history)]
             self._filled, self._next_slot = 0, 0
@@ -245,8 +241,7 @@ class Defrag(Policy):
         last, h = self._ring[(self._next_slot - 1) % self.history], self.history
         for i in range(min(n, h)):
             self._ring[(self._next_slot + i) % h] = last
-        self._next_slot = (self._next_slot + n) % h
-        self._filled = min(self._filled + n, h)
+        self._next_slot, self._filled = (self._next_slot + n) % h, min(self._filled + n, h)
 
 
 class Aging(Defrag):

@@ -12,8 +12,9 @@ Two loops over the same engines:
 """
 from __future__ import annotations
 
-import heapq
+import math
 import time
+from heapq import heappop, heappush
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -233,9 +234,7 @@ class Cluster:
         held: list[list] = [[] for _ in range(R)]  # mail of a busy rank, not an event until it is idle
         settled: dict[int, int] = {}             # idle rank -> the event at which it last found nothing to do
         restless, touched, carry, it = set(range(R)), [], set(), 0
-        heappush, heappop = heapq.heappush, heapq.heappop
-        send_cpu, per_expert = getattr(cost, "send_cpu", 0.0), getattr(cost, "expert_per_expert", 0.0)
-        duration = cost.duration
+        send_cpu, per_expert, duration = getattr(cost, "send_cpu", 0.0), getattr(cost, "expert_per_expert", 0.0), cost.duration
         while True:
             it += 1
             now = clock.now()
@@ -258,23 +257,17 @@ class Cluster:
                             busy[r] = (now + tail, None)
                             heappush(ends, (now + tail, r))
                             continue
-                if held[r]:
-                    for m in held[r]:
-                        heappush(mail, m)
-                    held[r].clear()
-            fin = [r for r in freed if engines[r].finished] + [r for r in touched if engines[r].finished]
-            if fin:
-                self._collect(done, total, sorted(set(fin)))
+                for m in held[r]:
+                    heappush(mail, m)
+                held[r].clear()
+            if any(engines[r].finished for r in freed) or any(engines[r].finished for r in touched):
+                self._collect(done, total, sorted(set(freed).union(touched)))
             if len(done) == total:
                 return
             released = self._release(pending, now) if pending or self.admission.waiting else ()
-            if released or restless or carry:
-                todo = set(freed) | set(released) | restless | carry
-                carry = set()
-                todo = [r for r in todo if busy[r] is None]
-                heapq.heapify(todo)
-            else:  # (freed is sorted: a heap already)
-                todo = [r for r in freed if busy[r] is None]
+            todo = [r for r in (sorted(set(freed).union(released, restless, carry)) if released or restless or carry
+                                else freed) if busy[r] is None]  # (sorted: a heap)
+            carry = set()
             touched = []
             while todo or (mail and mail[0][0] <= now):
                 if mail and mail[0][0] <= now:  # mail due: its rank is visited in this pass, or the next
@@ -291,28 +284,21 @@ class Cluster:
                     _repeat_idle(e.policy, it - settled.pop(r) - 1)
                 e.poll()
                 batch = e.next_batch()
-                if restless:
-                    restless.discard(r)
+                restless.discard(r)
                 if batch is not None:
                     e.execute(batch)
-                    end = now + duration(batch.stage.kind, batch.rows, _experts(batch) if per_expert else 1)
-                    busy[r] = (end, batch)
-                    heappush(ends, (end, r))
+                    busy[r] = (now + duration(batch.stage.kind, batch.rows, _experts(batch) if per_expert else 1), batch)
+                    heappush(ends, (busy[r][0], r))
                 elif e._idle_at == e._changes[0] and not e.hold_s and not e.deferred:
                     settled[r] = it
                 else:
                     restless.add(r)
             while mail and busy[mail[0][2]] is not None:
                 held[mail[0][2]].append(heappop(mail))
-            t_next = ends[0][0] if ends else None
-            if mail and (t_next is None or mail[0][0] < t_next):
-                t_next = mail[0][0]
-            if restless:
-                t_next = min([now + engines[r].hold_s for r in restless if engines[r].hold_s > 0]
-                             + ([] if t_next is None else [t_next]), default=None)
-            if pending and (t_next is None or pending[-1].arrival < t_next):
-                t_next = pending[-1].arrival
-            if t_next is None:
+            t_next = min(ends[0][0] if ends else math.inf, mail[0][0] if mail else math.inf,
+                         pending[-1].arrival if pending else math.inf,
+                         *[now + engines[r].hold_s for r in restless if engines[r].hold_s > 0])
+            if t_next == math.inf:
                 raise self._stalled("no batch running, nothing in flight, no arrival due")
             if until is not None and t_next > until:
                 return

@@ -98,7 +98,6 @@ class ExecutorBase:
     route_on_device: Optional[bool] = None  # no choice of its own: the engine follows the plan and the options
     supports_device_routing = False  # experts_routed() is not implemented
     last_prepare: Optional[dict] = None  # what the last prepare() measured (a driver reports it)
-    fresh_outputs = False  # True: no tensor it returns is ever written again (the in-process hub then sends uncopied)
 
     def route_arrays(self, layer: int, x: Tensor) -> tuple:
         return self.route(layer, x)

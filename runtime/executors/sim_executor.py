@@ -44,19 +44,17 @@ class SimExecutor(ExecutorBase):
             # fmod with remainder's sign rule, as torch.remainder), one torch call instead of six
             h_res = torch.tensor([[(r[0] * 1_000_003 + p * 7919 + layer) % _MOD] for r, p in zip(h.tolist(), positions)],
                                  dtype=torch.float64)
-            return h_res, h_res
-        pos = torch.tensor(positions, dtype=torch.float64).unsqueeze(1)
-        h_res = torch.remainder(h * 1_000_003 + pos * 7919 + layer, _MOD)
+        else:
+            h_res = torch.remainder(h * 1_000_003 + torch.tensor(positions, dtype=torch.float64).unsqueeze(1) * 7919
+                                    + layer, _MOD)
         return h_res, h_res
 
     def dense_mlp(self, layer: int, x: Tensor) -> Tensor:
         return torch.zeros_like(x)
 
     def route(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
-        ids = []
-        for v in x[:, 0].tolist():
-            rng = random.Random(hash((self.seed, layer, v)))
-            ids.append(rng.sample(range(self.num_experts), self.top_k))
+        ids = [random.Random(hash((self.seed, layer, v))).sample(range(self.num_experts), self.top_k)
+               for v in x[:, 0].tolist()]
         ids_t = torch.tensor(ids, dtype=torch.long).reshape(x.shape[0], self.top_k)
         return ids_t, torch.full((x.shape[0], self.top_k), 1.0 / self.top_k, dtype=torch.float32)
 

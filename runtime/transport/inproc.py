@@ -53,9 +53,7 @@ class InprocHub:
                 raise ValueError(f"delay hook returned {d} < 0 for {src}->{dst}")
             t += d
         link = src * self.world_size + dst
-        last = self._last.get(link)
-        if last is not None and last > t:  # per-link FIFO
-            t = last
+        t = max(t, self._last.get(link, t))  # per-link FIFO
         self._last[link] = t
         self._seq += 1
         heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None and self.copy else tensor))
@@ -75,9 +73,6 @@ class InprocHub:
     def next_delivery(self) -> Optional[float]:
         """Earliest time any undelivered message becomes deliverable (None when nothing is in flight)."""
         return min((box[0][0] for box in self._inbox if box), default=None)
-
-    def next_delivery_per_rank(self) -> list[Optional[float]]:
-        return [box[0][0] if box else None for box in self._inbox]
 
     def in_flight(self) -> int:
         return sum(self._in_flight)
