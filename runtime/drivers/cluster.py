@@ -126,8 +126,7 @@ class Cluster:
     def _collect(self, done: list[Request], total: int, ranks: Optional[list[int]] = None) -> bool:
         got = False
         for e in self.engines if ranks is None else [self.engines[r] for r in ranks]:
-            f = e.take_finished()
-            if f:
+            if f := e.take_finished():
                 done.extend(f)
                 got = True
                 if self._out is not None:
@@ -226,7 +225,7 @@ class Cluster:
         rank at every event, which cost O(ranks) per event: 4.5M next_batch calls (49 of 120 s under cProfile) for
         147k events in a 64-rank, 1-request-per-rank simulation (benchmarks/results/session22_sim_scaling.md, session
         24), where this driver takes 0.14M."""
-        clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
+        clock, engines, hub, cost, inbox = self.clock, self.engines, self.hub, self.options.cost_model, self.hub._inbox
         until, R = self.options.until, self.world_size
         busy: list[Optional[tuple[float, Optional[Batch]]]] = [None] * R
         ends: list[tuple[float, int]] = []       # heap: (end, rank) of every busy rank
@@ -282,7 +281,8 @@ class Cluster:
                 e = engines[r]
                 if r in settled:
                     _repeat_idle(e.policy, it - settled.pop(r) - 1)
-                e.poll()
+                if inbox[r] and inbox[r][0][0] <= now:  # (a poll that would find nothing is skipped)
+                    e.poll()
                 batch = e.next_batch()
                 restless.discard(r)
                 if batch is not None:
