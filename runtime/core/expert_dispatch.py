@@ -177,7 +177,8 @@ class ExpertDispatch:
         for it in items:
             by_home.setdefault(it.home, []).append((row, row + it.out_rows, it))
             row += it.out_rows
-        for dst in sorted(by_home, key=lambda d: (d == self.rank, d)):  # other homes' first (they wait for them)
+        # other homes' first (they wait for them)
+        for dst in sorted(by_home, key=lambda d: (d == self.rank, d)) if len(by_home) > 1 else by_home:
             parts = by_home[dst]
             # The rows' merge tags in the wire form: usually one run, bookkept with slices (MergeTable.add), 3 ints
             # on the wire. A device-routed item's tags are a run by construction (no array made and scanned for it).
