@@ -297,7 +297,7 @@ class Cluster:
                 held[mail[0][2]].append(heappop(mail))
             t_next = min(ends[0][0] if ends else math.inf, mail[0][0] if mail else math.inf,
                          pending[-1].arrival if pending else math.inf,
-                         *[now + engines[r].hold_s for r in restless if engines[r].hold_s > 0])
+                         *([now + engines[r].hold_s for r in restless if engines[r].hold_s > 0] if restless else ()))
             if t_next == math.inf:
                 raise self._stalled("no batch running, nothing in flight, no arrival due")
             if until is not None and t_next > until:
