@@ -24,6 +24,7 @@ by `Interference.compute_scale(rank, now)`.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 from array import array
@@ -231,7 +232,17 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         for e in cluster.engines:
             e.policy = _DepthRecorder(e.policy, e.rank, probe)
             _slow_rank(e, scaled, inter, wall)
-        res = cluster.run(reqs)
+        # No cyclic GC during a virtual-clock run: it makes almost no cyclic garbage (153 objects in a 64-rank x 100-token
+        # run), and the collections kept scanning the growing batch records: 18% of that run's CPU time. (GC pauses
+        # stay part of a wall-clock run's timing.)
+        collecting = gc.isenabled()
+        if not wall:
+            gc.disable()
+        try:
+            res = cluster.run(reqs)
+        finally:
+            if collecting:
+                gc.enable()
         for key, nbytes in sent_bytes.items():
             count(key // R, key % R, nbytes)
         if cfg.trace_dir is not None:  # the streaming schedule as Perfetto shows it (runtime/observability/trace.py)
