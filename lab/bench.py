@@ -24,13 +24,17 @@ by `Interference.compute_scale(rank, now)`.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
+from array import array
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
+
+import numpy as np
 
 from graph_ir.errors import UserError
 from lab.arrivals import PoissonArrivals, sample_requests
@@ -57,12 +61,72 @@ class Cell:
     repeat: int = 0      # round of the matrix (0 .. repeats - 1)
 
 
+class SparseDepths(QueueDepths):
+    """Every decision's queue depths, kept sparse: per decision its time and rank, per non-empty stage its depth (a
+    list of ~73 depths per decision was ~0.7 kB: ~10 GB for the ~15M decisions of 1,024 ranks x 100 tokens, and the
+    report's per-sample arrays of them 1.1G samples). `arrays()` gives one sample per (time bin, rank, stage) of the
+    report's heatmap (lab/report.py queue_depth_grid: `bins` equal bins between the first and the last decision): the
+    mean depth of that rank's decisions in that bin, at the time of one of them (the first decision's time and the last
+    one's are among them, so the heatmap's bins are the same). The heatmap made from them equals the one made from
+    every decision bit for bit: each bin's sum runs over the same depths in the same order (np.bincount, as np.add.at
+    did), divided by the same count."""
+    bins = 100  # report.queue_depth_grid's default
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._time, self._who, self._count = array("d"), array("q"), array("q")  # per decision
+        self._stage, self._depth = array("q"), array("d")  # per non-empty stage of a decision
+        self._stages = 0
+
+    def record(self, t: float, rank: int, views) -> None:
+        """A decision's views (the engine's StageViews: `active` the non-empty stages, `depths` every stage's)."""
+        self._time.append(t)
+        self._who.append(rank)
+        self._count.append(len(views.active))
+        self._stages = len(views.depths)
+        for sid in views.active:
+            self._stage.append(sid)
+            self._depth.append(views.depths[sid])
+
+    def __len__(self) -> int:
+        return len(self._time) * self._stages
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        t, rk = np.frombuffer(self._time), np.frombuffer(self._who, dtype=np.int64)
+        if not len(t):
+            return t, rk, rk, t
+        edges = np.linspace(t.min(), t.max() + 1e-12, self.bins + 1)
+        b = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, self.bins - 1)
+        R, S = int(rk.max()) + 1, self._stages
+        cell = b * R + rk  # per decision
+        cells, cell_of, n = np.unique(cell, return_inverse=True, return_counts=True)
+        # each cell's time: its first decision's in the first bin, its last one's elsewhere (so both ends are there)
+        first = np.full(len(cells), len(t))
+        np.minimum.at(first, cell_of, np.arange(len(t)))
+        last = np.zeros(len(cells), dtype=np.int64)
+        np.maximum.at(last, cell_of, np.arange(len(t)))
+        at = t[np.where(cells // R == 0, first, last)]
+        # the non-empty stages' sums per (cell, stage), in decision order
+        key = np.repeat(cell_of, np.frombuffer(self._count, dtype=np.int64)) * S + np.frombuffer(self._stage, dtype=np.int64)
+        keys, key_of = np.unique(key, return_inverse=True)
+        mean = np.bincount(key_of, weights=np.frombuffer(self._depth), minlength=len(keys)) / n[keys // S]
+        c, st = keys // S, keys % S
+        # cells with no non-empty stage: one zero sample (their mean is 0; the grid keeps their rank), and one zero
+        # sample of the last stage where no cell has it (the grid has every stage)
+        empty = np.setdiff1d(np.arange(len(cells)), c)
+        c, st, mean = np.concatenate([c, empty]), np.concatenate([st, np.zeros(len(empty), np.int64)]), \
+            np.concatenate([mean, np.zeros(len(empty))])
+        if S - 1 not in st:
+            c, st, mean = np.append(c, 0), np.append(st, S - 1), np.append(mean, 0.0)
+        return at[c], cells[c] % R, st, mean
+
+
 @dataclass
 class _Probe:
     """What the bench observes of a run from outside: bytes per link, queue depths over time."""
     clock: object = None
     link_bytes: dict = field(default_factory=dict)
-    queue: QueueDepths = field(default_factory=QueueDepths)
+    queue: QueueDepths = field(default_factory=SparseDepths)
 
 
 class _DepthRecorder:
@@ -71,6 +135,8 @@ class _DepthRecorder:
     def __init__(self, inner, rank: int, probe: _Probe):
         self.inner, self.rank, self.probe = inner, rank, probe
         self.name = inner.name
+        # what the engine reads at every decision, as attributes (no __getattr__ call each time)
+        self.hold_fill, self.hold_ahead, self.repeat_idle = inner.hold_fill, inner.hold_ahead, inner.repeat_idle
 
     def __getattr__(self, name: str):
         # everything else (params(), the wave hold's hold_fill that the engine reads) is the policy's
@@ -78,7 +144,7 @@ class _DepthRecorder:
 
     def choose(self, views, next_of):
         t = self.probe.clock.now()
-        self.probe.queue.add(t, self.rank, [v.depth for v in views])
+        self.probe.queue.record(t, self.rank, views)
         return self.inner.choose(views, next_of)
 
 
@@ -138,18 +204,21 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         from runtime.drivers.cluster import Cluster, RunOptions
 
         host_free = [0.0] * cfg.ranks     # when each rank's host is done issuing its previous sends
+        sent_bytes: dict[int, int] = {}   # src * ranks + dst -> bytes (probe.link_bytes's keys made once, at the end)
+        R, row_bytes, send_cpu = cfg.ranks, cfg.row_bytes, cost.send_cpu if not wall else 0.0
 
         def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock)
-            if cfg.row_bytes is not None:
-                nbytes = len(meta.get("rows", ())) * cfg.row_bytes
-            count(src, dst, nbytes)
-            now = cluster.clock.now()
+            if row_bytes is not None:
+                nbytes = len(meta.get("rows", ())) * row_bytes
+            key = src * R + dst
+            sent_bytes[key] = sent_bytes.get(key, 0) + nbytes
+            now = clock.now()
             # A batch's messages leave one after the other, send_cpu apart (the cluster charges
             # the same host time to the sender's rank; runtime/executors/cost_model.py).
             depart = now
-            if cost.send_cpu and not wall:
+            if send_cpu:
                 depart = max(now, host_free[src])
-                host_free[src] = depart + cost.send_cpu
+                host_free[src] = depart + send_cpu
             return (depart - now) + link_delay(src, dst, nbytes, depart)
 
         scaled = _ScaledCost(cost, inter)
@@ -159,11 +228,23 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
                                                StaticCopies() if cell.system.endswith("s") else None),
                           batch_log=None)  # the report reads every batch
         cluster = Cluster(plan, executor, opts)
-        probe.clock = cluster.clock
+        probe.clock = clock = cluster.clock
         for e in cluster.engines:
             e.policy = _DepthRecorder(e.policy, e.rank, probe)
             _slow_rank(e, scaled, inter, wall)
-        res = cluster.run(reqs)
+        # No cyclic GC during a virtual-clock run: it makes almost no cyclic garbage (153 objects in a 64-rank x 100-token
+        # run), and the collections kept scanning the growing batch records: 18% of that run's CPU time. (GC pauses
+        # stay part of a wall-clock run's timing.)
+        collecting = gc.isenabled()
+        if not wall:
+            gc.disable()
+        try:
+            res = cluster.run(reqs)
+        finally:
+            if collecting:
+                gc.enable()
+        for key, nbytes in sent_bytes.items():
+            count(key // R, key % R, nbytes)
         if cfg.trace_dir is not None:  # the streaming schedule as Perfetto shows it (runtime/observability/trace.py)
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{cell.policy}-{cell.scenario}-r{cell.repeat}")
             Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
@@ -211,7 +292,8 @@ class _ScaledCost:
         self.rank, self.now = 0, 0.0
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
-        return self.inner.duration(kind, rows, experts) * self.inter.compute_scale(self.rank, self.now)
+        d = self.inner.duration(kind, rows, experts)
+        return d * self.inter.compute_scale(self.rank, self.now) if self.inter.slow else d
 
     def __getattr__(self, name):   # send_cpu, with_sends, collective_*: not scaled (not compute)
         return getattr(self.inner, name)

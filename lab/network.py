@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lab.interference import LinkSchedule, transfer_s
+from lab.interference import ANY, LinkSchedule, transfer_s
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,23 @@ class Network:
         nodes = math.ceil(ranks / topology.gpus_per_node)
         self.send_free = [0.0] * nodes
         self.recv_free = [0.0] * nodes
+        # Ranks no effect can touch: every effect names its links, and none names this rank (as a source or a
+        # destination, ANY aside). A message between two of them has no disturbance; its effects are not asked.
+        named = [getattr(e, "links", None) for e in link.effects]
+        self._quiet = None
+        if all(ls is not None and (ANY, ANY) not in ls for ls in named):
+            touched = {r for ls in named for pair in ls for r in pair}
+            self._quiet = [r not in touched for r in range(ranks)]
 
     def delay(self, src: int, dst: int, nbytes: int, t: float) -> float:
         """Seconds from `send` at time `t` until the message is fully at `dst`; books the ports it crosses."""
         if src == dst:
             return 0.0
         topo = self.topology
-        extra, cap = self.link.disturbance(src, dst, t)
-        ns, nd = topo.node(src), topo.node(dst)
+        quiet = self._quiet
+        extra, cap = (0.0, math.inf) if quiet is not None and quiet[src] and quiet[dst] else \
+            self.link.disturbance(src, dst, t)
+        ns, nd = src // topo.gpus_per_node, dst // topo.gpus_per_node
         if ns == nd:
             return topo.intra_latency_s + extra + transfer_s(nbytes, min(topo.intra_gbps, cap))
         tx = transfer_s(nbytes, min(topo.nic_gbps, cap))

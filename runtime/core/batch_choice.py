@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from runtime.core.queues import AttnItem, MuQueue
-from runtime.core.scheduler import HOLD, StageView
+from runtime.core.scheduler import HOLD, StageView, StageViews
 
 if TYPE_CHECKING:
     from runtime.core.engine import StageInfo
@@ -35,21 +35,23 @@ class Batch:
 class BatchChoice:
     """The Engine's scheduling decisions (module docstring)."""
 
-    def views(self) -> list[StageView]:
+    def views(self) -> StageViews:
         """One StageView per stage for the policy. Most stages are empty at any moment: they share one
-        read-only view; `incoming` (the wave hold's) is computed only where the policy reads it, on
-        runnable stages."""
+        read-only view, and only the non-empty ones (the queues' shared `_active` set) are visited; `incoming` (the
+        wave hold's) is computed only where the policy reads it, on runnable stages."""
+        n = len(self.queues)
         now = self.clock.now()
         hold = self.policy.hold_fill > 0
-        out = []
-        for sid, q in enumerate(self.queues):
-            if not q.rows:  # (an attribute: len(q) is a method call, 17-73 per decision)
-                out.append(_EMPTY_VIEW)
-                continue
+        out, depths, runnable, active = StageViews([_EMPTY_VIEW] * n), [0.0] * n, [], sorted(self._active)
+        for sid in active:
+            q = self.queues[sid]
             v = StageView(q.depth, q.has_eligible(self._eligibility(sid)), now - q.oldest_enqueue())
-            if hold and v.runnable:
-                v.incoming = self._incoming(sid)
-            out.append(v)
+            if v.runnable:
+                runnable.append(sid)
+                if hold:
+                    v.incoming = self._incoming(sid)
+            out[sid], depths[sid] = v, v.depth
+        out.depths, out.runnable, out.active = depths, runnable, active
         return out
 
     def _incoming(self, sid: int) -> float:
@@ -66,7 +68,7 @@ class BatchChoice:
             return self.queues[self.sample_stage].depth + self.merge.open_rows(last)
         return float(self.merge.open_rows(st.layer - 1))
 
-    def _decode_overdue(self, chosen: MuQueue, views: list[StageView]) -> Optional[int]:
+    def _decode_overdue(self, chosen: MuQueue, views: StageViews) -> Optional[int]:
         """The stage to run instead of `chosen`'s batch when that would hold prompt rows alone: the runnable stage
         whose decode rows have waited longest, if that is at least `decode_wait_bound` (else None). Decode-only
         serving returns at the first line (the chosen queue's decode lane).
@@ -79,9 +81,7 @@ class BatchChoice:
         if chosen.has_eligible_decode(self._eligibility(chosen.stage_id)):
             return None
         now, best, best_wait = self.clock.now(), None, self.decode_wait_bound
-        for sid, v in enumerate(views):
-            if not v.runnable:
-                continue
+        for sid in views.runnable:
             q = self.queues[sid]
             t = q.decode_enqueue()
             if t is not None and now - t >= best_wait and q.has_eligible_decode(self._eligibility(sid)):

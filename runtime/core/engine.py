@@ -128,8 +128,9 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         # would otherwise pay for both on every look).
         self._changes = [0]
         self._idle_at = -1  # self._changes when the last decision found nothing runnable
-        self.queues = [MuQueue(s.id, s.kind, s.layer, s.cap, 1.0 / k if s.kind == "expert" else 1.0, self._changes)
-                       for s in cfg.stages]
+        self._active: set[int] = set()  # ids of the non-empty queues (MuQueue keeps it)
+        self.queues = [MuQueue(s.id, s.kind, s.layer, s.cap, 1.0 / k if s.kind == "expert" else 1.0, self._changes,
+                               self._active) for s in cfg.stages]
         self.attn_stage = {s.layer: s.id for s in cfg.stages if s.kind == "attn"}
         self.expert_stage = {s.layer: s.id for s in cfg.stages if s.kind == "expert"}
         self.sample_stage = next(s.id for s in cfg.stages if s.kind == "sample")
@@ -223,8 +224,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
 
     def oldest_wait(self) -> float:
         """How long the longest-waiting queued item has waited so far (0 when all queues are empty)."""
-        now = self.clock.now()
-        return max((now - q.oldest_enqueue() for q in self.queues if len(q)), default=0.0)
+        return max((self.clock.now() - q.oldest_enqueue() for q in self.queues if len(q)), default=0.0)
 
     def take_finished(self) -> list[Request]:
         out, self.finished = self.finished, []
@@ -306,12 +306,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
     def execute(self, batch: Batch) -> None:
         """Run the batch's math on the executor (results kept on the batch; nothing dispatched)."""
         kind = batch.stage.kind
-        if kind == "attn":
-            self._exec_attn(batch)
-        elif kind == "expert":
-            self._exec_expert(batch)
-        else:
-            self._exec_sample(batch)
+        (self._exec_attn if kind == "attn" else self._exec_expert if kind == "expert" else self._exec_sample)(batch)
 
     def complete(self, batch: Batch) -> None:
         """The batch finished (now): record it and dispatch its outputs to their next stages. A sample
@@ -327,18 +322,13 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
             out["tokens"] = pending.tokens()
         now = self.clock.now()
         t0 = batch.t_start
-        rec = BatchRecord(self.rank, batch.stage.id, batch.stage.kind, batch.stage.layer, batch.rows,
-                          t0, now, t0 - min(it.t_enq for it in batch.items))
+        stage, kind = batch.stage, batch.stage.kind
+        waits = [t0 - it.t_enq for it in batch.items]  # (max(waits) == t0 - the earliest t_enq: rounding is monotone)
+        rec = BatchRecord(self.rank, stage.id, kind, stage.layer, batch.rows, t0, now, max(waits))
         # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.
-        counts = [it.segments if batch.stage.kind == "attn" else it.n for it in batch.items]
-        self.metrics.on_batch(rec, [t0 - it.t_enq for it in batch.items], counts)
+        counts = [it.segments if kind == "attn" else it.n for it in batch.items]
+        self.metrics.on_batch(rec, waits, counts)
         if self.trace is not None:
-            self.trace.batch(self.rank, batch.stage.name, batch.t_start, now,
-                             {"rows": batch.rows, "items": len(batch.items)})
-        kind = batch.stage.kind
-        if kind == "attn":
-            self._complete_attn(batch)
-        elif kind == "expert":
-            self._complete_expert(batch)
-        else:
-            self._complete_sample(batch)
+            self.trace.batch(self.rank, stage.name, batch.t_start, now, {"rows": batch.rows, "items": len(batch.items)})
+        (self._complete_attn if kind == "attn" else self._complete_expert if kind == "expert" else
+         self._complete_sample)(batch)

@@ -93,25 +93,24 @@ class ExpertDispatch:
         announce_next = self.policy.hold_ahead and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
         decode = _holds_decode(batch)
         tm.lap("gather")
-        off = 0
-        for d, c in enumerate(plan.counts.tolist()):
-            if not c:
-                continue
-            xd, ed = x_sorted[off:off + c], experts[off:off + c]
+        dests = np.flatnonzero(plan.counts)  # (no loop over every rank: that was O(world) per batch)
+        cs = plan.counts[dests]
+        wire_e, size = encode_ids(experts, self._id_dtype), self._id_dtype.itemsize  # (every destination's, at once)
+        for d, c, off in zip(dests.tolist(), cs.tolist(), (np.cumsum(cs) - cs).tolist()):
+            xd = x_sorted[off:off + c]
             more = ahead * c / T
             nxt = float(c) if announce_next else 0.0
             if d == self.rank:
                 td = np.arange(tag0 + off, tag0 + off + c, dtype=np.int64)
-                self._enqueue_expert_rows(layer, self.rank, td, ed, xd, more, nxt, decode)
+                self._enqueue_expert_rows(layer, self.rank, td, experts[off:off + c], xd, more, nxt, decode)
             else:
                 meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (tag0 + off, c),
-                        "e": encode_ids(ed, self._id_dtype), "more": more}  # wire forms: runtime/core/expert_wire.py
+                        "e": wire_e[off * size:(off + c) * size], "more": more}  # wire forms: runtime/core/expert_wire.py
                 if nxt:
                     meta["next"] = nxt
                 if decode:
                     meta["d"] = 1
                 self.transport.send(d, meta, xd)
-            off += c
         # hold_ahead's announcements are estimates: an owner told at layer - 1 to expect rows here that got none
         # hears so (else its wave hold waits for them until its bound, at every batch, until this home sends it rows
         # of this layer again: benchmarks/NOTES.md §38)
@@ -122,7 +121,7 @@ class ExpertDispatch:
                 else:
                     self.transport.send(d, {"t": MSG_NONE, "layer": layer, "home": self.rank}, None)
         if announce_next:
-            self._promised.setdefault(layer + 1, set()).update(np.flatnonzero(plan.counts).tolist())
+            self._promised.setdefault(layer + 1, set()).update(dests.tolist())
         tm.lap("send+enqueue")
 
     def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of,
@@ -176,11 +175,9 @@ class ExpertDispatch:
             batch.out["y"] = self.executor.experts_routed(layer, [it.payload for it in items], owned, out=into)
             batch.out["landed"] = into is not None
             return
-        if len(items) == 1:
-            x, ids = items[0].x, items[0].expert
-        else:  # row blocks: the executor concatenates them where the batch's input lives
-            x = [it.x for it in items]
-            ids = np.concatenate([it.expert for it in items])
+        # several row blocks: the executor concatenates them where the batch's input lives
+        x, ids = (items[0].x, items[0].expert) if len(items) == 1 else \
+            ([it.x for it in items], np.concatenate([it.expert for it in items]))
         batch.out["y"] = self.executor.experts(batch.stage.layer, x, torch.from_numpy(ids))
 
     def _complete_expert(self, batch: Batch) -> None:
@@ -192,7 +189,8 @@ class ExpertDispatch:
         for it in items:
             by_home.setdefault(it.home, []).append((row, row + it.out_rows, it))
             row += it.out_rows
-        for dst in sorted(by_home, key=lambda d: (d == self.rank, d)):  # other homes' first (they wait for them)
+        # other homes' first (they wait for them)
+        for dst in sorted(by_home, key=lambda d: (d == self.rank, d)) if len(by_home) > 1 else by_home:
             parts = by_home[dst]
             # The rows' merge tags in the wire form: usually one run, bookkept with slices (MergeTable.add), 3 ints
             # on the wire. A device-routed item's tags are a run by construction (no array made and scanned for it).

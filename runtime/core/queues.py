@@ -165,12 +165,13 @@ class MuQueue:
     one-row last chunk, in the decode lane, waits for its earlier chunks' eligibility), and expert rows have none.
     A sample queue has one lane: every row there is about to give a token."""
 
-    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "_decode", "rows", "_pushes")
+    __slots__ = ("stage_id", "kind", "layer", "cap", "token_weight", "_items", "_decode", "rows", "_pushes", "_active")
 
     def __init__(self, stage_id: int, kind: str, layer: int, cap: int, token_weight: float = 1.0,
-                 pushes: Optional[list[int]] = None) -> None:
+                 pushes: Optional[list[int]] = None, active: Optional[set] = None) -> None:
         """`pushes`: a one-element counter that every push increments (shared by a rank's queues: the engine's
-        cue that a stage may have become runnable)."""
+        cue that a stage may have become runnable). `active`: a set (shared by a rank's queues) that holds the stage
+        ids of the non-empty ones (the engine's views visit only those)."""
         self.stage_id = stage_id
         self.kind = kind
         self.layer = layer
@@ -180,6 +181,7 @@ class MuQueue:
         self._decode: Optional[deque] = deque() if kind in ("attn", "expert") else None
         self.rows = 0  # rows queued (0 exactly when empty: only items with rows are pushed); push and take keep it
         self._pushes = pushes
+        self._active = set() if active is None else active
 
     def _lanes(self) -> tuple:
         return (self._items,) if self._decode is None else (self._decode, self._items)
@@ -217,6 +219,7 @@ class MuQueue:
             else:
                 self._items.append(item)
             self.rows += item.n
+            self._active.add(self.stage_id)
             if self._pushes is not None:
                 self._pushes[0] += 1
 
@@ -236,6 +239,8 @@ class MuQueue:
             if full:
                 break
         self.rows -= rows
+        if not self.rows:
+            self._active.discard(self.stage_id)
         return out
 
     def _take_lane(self, items: deque, out: list, rows: int, eligible) -> tuple[int, bool]:

@@ -12,8 +12,9 @@ Two loops over the same engines:
 """
 from __future__ import annotations
 
-import heapq
+import math
 import time
+from heapq import heappop, heappush
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -83,7 +84,8 @@ class Cluster:
         self.clock = VirtualClock() if options.clock == "virtual" else WallClock()
         if options.clock not in ("wall", "virtual"):
             raise ValueError(f"clock {options.clock!r}; valid: wall, virtual")
-        self.hub = InprocHub(self.world_size, self.clock, options.delay, options.delay_seed)  # knows delivery times
+        self.hub = InprocHub(self.world_size, self.clock, options.delay, options.delay_seed,  # knows delivery times
+                             copy=not getattr(executor, "fresh_outputs", False))
         self.transports = self.hub.transports()
         self.trace = TraceRecorder(TRACE_BATCHES * self.world_size) if options.trace else None
         cfgs = [config_from_plan(plan, r, options.kv_blocks) for r in range(self.world_size)]
@@ -124,8 +126,7 @@ class Cluster:
     def _collect(self, done: list[Request], total: int, ranks: Optional[list[int]] = None) -> bool:
         got = False
         for e in self.engines if ranks is None else [self.engines[r] for r in ranks]:
-            f = e.take_finished()
-            if f:
+            if f := e.take_finished():
                 done.extend(f)
                 got = True
                 if self._out is not None:
@@ -224,7 +225,7 @@ class Cluster:
         rank at every event, which cost O(ranks) per event: 4.5M next_batch calls (49 of 120 s under cProfile) for
         147k events in a 64-rank, 1-request-per-rank simulation (benchmarks/results/session22_sim_scaling.md, session
         24), where this driver takes 0.14M."""
-        clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
+        clock, engines, hub, cost, inbox = self.clock, self.engines, self.hub, self.options.cost_model, self.hub._inbox
         until, R = self.options.until, self.world_size
         busy: list[Optional[tuple[float, Optional[Batch]]]] = [None] * R
         ends: list[tuple[float, int]] = []       # heap: (end, rank) of every busy rank
@@ -232,13 +233,15 @@ class Cluster:
         held: list[list] = [[] for _ in range(R)]  # mail of a busy rank, not an event until it is idle
         settled: dict[int, int] = {}             # idle rank -> the event at which it last found nothing to do
         restless, touched, carry, it = set(range(R)), [], set(), 0
+        send_cpu, per_expert, duration = getattr(cost, "send_cpu", 0.0), getattr(cost, "expert_per_expert", 0.0), cost.duration
         while True:
             it += 1
             now = clock.now()
             freed = []
             while ends and ends[0][0] <= now:
-                freed.append(heapq.heappop(ends)[1])
-            for r in sorted(freed):
+                freed.append(heappop(ends)[1])
+            freed.sort()  # (a rank is in `ends` once at most: no duplicates)
+            for r in freed:
                 b, busy[r] = busy[r], None
                 if b[1] is not None:
                     sent = hub.messages
@@ -246,75 +249,72 @@ class Cluster:
                     sent = hub.messages - sent
                     # The sender's host cost of the messages this batch issued (cost.send_cpu each):
                     # the rank stays busy for what its device time did not hide.
-                    if sent and getattr(cost, "send_cpu", 0.0):
+                    if sent and send_cpu:
                         device = b[0] - b[1].t_start
                         tail = cost.with_sends(device, sent) - device
                         if tail > 0:
                             busy[r] = (now + tail, None)
-                            heapq.heappush(ends, (now + tail, r))
+                            heappush(ends, (now + tail, r))
                             continue
                 for m in held[r]:
-                    heapq.heappush(mail, m)
+                    heappush(mail, m)
                 held[r].clear()
-            self._collect(done, total, sorted(set(freed).union(touched)))
+            if any(engines[r].finished for r in freed) or any(engines[r].finished for r in touched):
+                self._collect(done, total, sorted(set(freed).union(touched)))
             if len(done) == total:
                 return
-            todo = set(freed) | set(self._release(pending, now)) | restless | carry
+            released = self._release(pending, now) if pending or self.admission.waiting else ()
+            todo = [r for r in (sorted(set(freed).union(released, restless, carry)) if released or restless or carry
+                                else freed) if busy[r] is None]  # (sorted: a heap)
             carry = set()
-            todo = [r for r in todo if busy[r] is None]
-            heapq.heapify(todo)
             touched = []
             while todo or (mail and mail[0][0] <= now):
                 if mail and mail[0][0] <= now:  # mail due: its rank is visited in this pass, or the next
-                    d = heapq.heappop(mail)[2]
+                    d = heappop(mail)[2]
                     if busy[d] is None:
-                        (carry.add(d) if touched and d <= touched[-1] else heapq.heappush(todo, d))
+                        (carry.add(d) if touched and d <= touched[-1] else heappush(todo, d))
                     continue
-                r = heapq.heappop(todo)
+                r = heappop(todo)
                 if touched and r == touched[-1]:
                     continue
                 touched.append(r)
                 e = engines[r]
                 if r in settled:
                     _repeat_idle(e.policy, it - settled.pop(r) - 1)
-                e.poll()
+                if inbox[r] and inbox[r][0][0] <= now:  # (a poll that would find nothing is skipped)
+                    e.poll()
                 batch = e.next_batch()
                 restless.discard(r)
                 if batch is not None:
                     e.execute(batch)
-                    busy[r] = (now + cost.duration(batch.stage.kind, batch.rows, _experts(batch, cost)), batch)
-                    heapq.heappush(ends, (busy[r][0], r))
+                    busy[r] = (now + duration(batch.stage.kind, batch.rows, _experts(batch) if per_expert else 1), batch)
+                    heappush(ends, (busy[r][0], r))
                 elif e._idle_at == e._changes[0] and not e.hold_s and not e.deferred:
                     settled[r] = it
                 else:
                     restless.add(r)
-            events = [ends[0][0]] if ends else []
             while mail and busy[mail[0][2]] is not None:
-                held[mail[0][2]].append(heapq.heappop(mail))
-            events += [mail[0][0]] if mail else []
-            events += [now + engines[r].hold_s for r in restless if engines[r].hold_s > 0]
-            if pending:
-                events.append(pending[-1].arrival)
-            if not events:
+                held[mail[0][2]].append(heappop(mail))
+            t_next = min(ends[0][0] if ends else math.inf, mail[0][0] if mail else math.inf,
+                         pending[-1].arrival if pending else math.inf,
+                         *([now + engines[r].hold_s for r in restless if engines[r].hold_s > 0] if restless else ()))
+            if t_next == math.inf:
                 raise self._stalled("no batch running, nothing in flight, no arrival due")
-            t_next = min(events)
             if until is not None and t_next > until:
                 return
             clock.advance_to(max(t_next, now))
 
 
 def _repeat_idle(policy, n: int) -> None:
-    """`n` skipped idle decisions' policy updates at once. Defrag's (and Aging's) repeat_idle is periodic after
-    `history` calls (every snapshot slot then holds the last one and only the next slot turns), so at most
-    2 x history calls give the same state; the base policy's is a no-op."""
+    """`n` skipped idle decisions' policy updates at once: Defrag's (and Aging's) repeat_idle takes the count (its
+    state after n of them in one step); the base policy's is a no-op; any other is called n times."""
     rep = policy.repeat_idle
     fn = getattr(rep, "__func__", None)
-    if fn is Policy.repeat_idle:
-        return
-    if fn is Defrag.repeat_idle and n > rep.__self__.history:
-        n = rep.__self__.history + (n - rep.__self__.history) % rep.__self__.history
-    for _ in range(n):
-        rep()
+    if fn is Defrag.repeat_idle:
+        rep(n)
+    elif fn is not Policy.repeat_idle:
+        for _ in range(n):
+            rep()
 
 
 def build_executor(plan, options: RunOptions, weights=None):
@@ -344,9 +344,9 @@ def _build_executor(plan, options: RunOptions, weights=None):
     return TorchExecutor(plan.spec, w)
 
 
-def _experts(batch, cost) -> int:
-    """Distinct experts of a host-routed expert batch, where the cost model charges them (expert_per_expert); else 1."""
-    if not cost.expert_per_expert or batch.stage.kind != "expert" or not hasattr(batch.items[0], "expert"):
+def _experts(batch) -> int:
+    """Distinct experts of a host-routed expert batch (where the cost model charges them: expert_per_expert); else 1."""
+    if batch.stage.kind != "expert" or not hasattr(batch.items[0], "expert"):
         return 1
     return len(np.unique(np.concatenate([it.expert for it in batch.items])))
 

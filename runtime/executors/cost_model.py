@@ -23,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+_FIELDS = {k: (f"{k}_fixed", f"{k}_per_row") for k in ("attn", "expert", "sample")}
+
+
 @dataclass(frozen=True)
 class CostModel:
     attn_fixed: float = 60e-6
@@ -39,11 +42,9 @@ class CostModel:
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
         """Seconds of a batch of `rows` rows (an expert batch: of `experts` distinct experts)."""
-        fixed, per_row = {"attn": (self.attn_fixed, self.attn_per_row),
-                          "expert": (self.expert_fixed, self.expert_per_row),
-                          "sample": (self.sample_fixed, self.sample_per_row)}[kind]
+        fixed, per_row = _FIELDS[kind]  # (no dict of tuples made per call)
         more = self.expert_per_expert * (experts - 1) if kind == "expert" and experts > 1 else 0.0
-        return fixed + per_row * rows + more
+        return getattr(self, fixed) + getattr(self, per_row) * rows + more
 
     def with_sends(self, device: float, messages: int) -> float:
         """How long a batch of `device` seconds that then issues `messages` sends holds its rank."""

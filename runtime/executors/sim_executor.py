@@ -21,7 +21,9 @@ _MOD = float(2 ** 40)  # keep values exact in float64
 
 
 class SimExecutor(ExecutorBase):
-    """Host-routed dispatch only (no experts_routed), sampling on the host (no sample_batch_start)."""
+    """Host-routed dispatch only (no experts_routed), sampling on the host (no sample_batch_start). Every tensor it
+    returns is a new one (torch ops out of place, no buffers kept): `fresh_outputs`."""
+    fresh_outputs = True
 
     def __init__(self, num_experts: int, top_k: int, vocab_size: int, eos_token_ids=(), seed: int = 0) -> None:
         if top_k > num_experts:
@@ -38,18 +40,21 @@ class SimExecutor(ExecutorBase):
         return torch.tensor(token_ids, dtype=torch.float64).unsqueeze(1)
 
     def attention(self, layer: int, h: Tensor, positions: list[int], segments, kv) -> tuple[Tensor, Tensor]:
-        pos = torch.tensor(positions, dtype=torch.float64).unsqueeze(1)
-        h_res = torch.remainder(h * 1_000_003 + pos * 7919 + layer, _MOD)
+        if len(positions) <= 16:  # a few rows: the same float64 operations on Python floats (bit for bit: float % is
+            # fmod with remainder's sign rule, as torch.remainder), one torch call instead of six
+            h_res = torch.tensor([[(r[0] * 1_000_003 + p * 7919 + layer) % _MOD] for r, p in zip(h.tolist(), positions)],
+                                 dtype=torch.float64)
+        else:
+            h_res = torch.remainder(h * 1_000_003 + torch.tensor(positions, dtype=torch.float64).unsqueeze(1) * 7919
+                                    + layer, _MOD)
         return h_res, h_res
 
     def dense_mlp(self, layer: int, x: Tensor) -> Tensor:
         return torch.zeros_like(x)
 
     def route(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
-        ids = []
-        for v in x[:, 0].tolist():
-            rng = random.Random(hash((self.seed, layer, v)))
-            ids.append(rng.sample(range(self.num_experts), self.top_k))
+        ids = [random.Random(hash((self.seed, layer, v))).sample(range(self.num_experts), self.top_k)
+               for v in x[:, 0].tolist()]
         ids_t = torch.tensor(ids, dtype=torch.long).reshape(x.shape[0], self.top_k)
         return ids_t, torch.full((x.shape[0], self.top_k), 1.0 / self.top_k, dtype=torch.float32)
 

@@ -5,7 +5,10 @@ Used by the tests, the in-process `dataflow run --in-process`, and the simulator
 per-link latency and jitter reproducibly. Per (src, dst) FIFO order holds even with random delays:
 a message never becomes deliverable before the one sent before it on the same link.
 
-Tensors are cloned at send, as a real wire would copy them: the sender may reuse its buffers.
+Tensors are cloned at send, as a real wire would copy them: the sender may reuse its buffers. `copy=False` (an
+executor whose outputs are all new tensors, ExecutorBase.fresh_outputs, e.g. the simulator's) sends them as they are:
+the engine writes no tensor it sent or received (expert rows are read by the owner's batch, outputs copied into the
+home's merge buffer).
 """
 from __future__ import annotations
 
@@ -24,13 +27,14 @@ DelayFn = Callable[[int, int, dict, int, random.Random], float]
 class InprocHub:
     """The shared 'network' of one in-process cluster."""
 
-    def __init__(self, world_size: int, clock, delay: Optional[DelayFn] = None, seed: int = 0) -> None:
-        self.world_size = world_size
+    def __init__(self, world_size: int, clock, delay: Optional[DelayFn] = None, seed: int = 0,
+                 copy: bool = True) -> None:
+        self.world_size, self.copy = world_size, copy
         self.clock = clock
         self.delay = delay
         self.rng = random.Random(seed)
         self._inbox: list[list] = [[] for _ in range(world_size)]  # heaps of (t, seq, src, meta, tensor)
-        self._last: dict[tuple[int, int], float] = {}
+        self._last: dict[int, float] = {}  # src * world_size + dst -> the link's last delivery time
         self._seq = 0
         self._in_flight = [0] * world_size  # per source
         self.messages = 0
@@ -42,17 +46,17 @@ class InprocHub:
     def _send(self, src: int, dst: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         if not 0 <= dst < self.world_size:
             raise ValueError(f"rank {src} sent to rank {dst}, world size is {self.world_size}")
-        nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
         t = self.clock.now()
         if self.delay is not None:
-            d = float(self.delay(src, dst, meta, nbytes, self.rng))
+            d = float(self.delay(src, dst, meta, tensor.nbytes if tensor is not None else 0, self.rng))
             if d < 0:
                 raise ValueError(f"delay hook returned {d} < 0 for {src}->{dst}")
             t += d
-        t = max(t, self._last.get((src, dst), t))  # per-link FIFO
-        self._last[(src, dst)] = t
+        link = src * self.world_size + dst
+        t = max(t, self._last.get(link, t))  # per-link FIFO
+        self._last[link] = t
         self._seq += 1
-        heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None else None))
+        heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None and self.copy else tensor))
         if self.arrivals is not None:
             heapq.heappush(self.arrivals, (t, self._seq, dst))
         self._in_flight[src] += 1
@@ -69,9 +73,6 @@ class InprocHub:
     def next_delivery(self) -> Optional[float]:
         """Earliest time any undelivered message becomes deliverable (None when nothing is in flight)."""
         return min((box[0][0] for box in self._inbox if box), default=None)
-
-    def next_delivery_per_rank(self) -> list[Optional[float]]:
-        return [box[0][0] if box else None for box in self._inbox]
 
     def in_flight(self) -> int:
         return sum(self._in_flight)
