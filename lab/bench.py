@@ -208,8 +208,9 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         R, row_bytes, send_cpu = cfg.ranks, cfg.row_bytes, cost.send_cpu if not wall else 0.0
 
         def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock)
-            if row_bytes is not None:
-                nbytes = len(meta.get("rows", ())) * row_bytes
+            if row_bytes is not None:   # rows: merge tags, (first, count) or an array (runtime/core/expert_wire.py)
+                rows = meta.get("rows", ())
+                nbytes = (rows[1] if type(rows) is tuple else len(rows)) * row_bytes
             key = src * R + dst
             sent_bytes[key] = sent_bytes.get(key, 0) + nbytes
             now = clock.now()

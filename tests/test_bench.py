@@ -200,6 +200,27 @@ def test_bench_prompts_file_and_decode_only(tmp_path):
     assert all(v % 5760 == 0 for r in doc["results"] for v in r["link_bytes"].values())
 
 
+
+def test_row_bytes_prices_every_row_a_message_carries(tmp_path):
+    """row_bytes stands in for the real rows' size: with the simulated executor's own size (one float64 per row) every
+    link carries exactly the bytes of the run without it. (A message's merge tags travel as (first, count): pricing
+    it by len() of that pair made every message 2 rows, whatever it carried.)"""
+    from graph_ir.spec import load_spec
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
+    spec = load_spec("models/specs/tiny.yaml")
+    docs = []
+    for row_bytes in (None, 8):
+        cfg = BenchConfig.model_validate({
+            "ranks": 3, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05, "row_bytes": row_bytes,
+            "workload": {"lengths": "fixed:6:5", "requests": 24, "rate": 1e6, "decode_only": True},
+            "routing": {"kind": "zipf", "s": 1.0}, "policies": ["defrag"], "systems": ["streaming"], "baseline": "streaming",
+            "scenarios": {"clean": {"latency_us": 10, "bandwidth_gbps": 1}}})
+        docs.append(run_bench(cfg, spec, tmp_path / f"out{row_bytes}"))
+    real, priced = (d["results"][0] for d in docs)
+    assert real["link_bytes"] == priced["link_bytes"] and sum(real["link_bytes"].values()) > 24 * 5 * 8
+    assert real["tokens_per_s"] == priced["tokens_per_s"]
+
 def test_defrag_history_weight_stage_in_front_of_a_steady_queue():
     """H6's case (benchmarks/results/cpu_bench.md): with H(e0) ~ Q(e0) the paper's score runs a 1-token
     attn(0) before a 10-token expert(0); history_weight=0 (H dropped) runs the big queue."""
