@@ -115,11 +115,9 @@ class ExpertDispatch:
         # hears so (else its wave hold waits for them until its bound, at every batch, until this home sends it rows
         # of this layer again: benchmarks/NOTES.md §38)
         for d in self._promised.pop(layer, ()):
-            if not plan.counts[d]:
-                if d == self.rank:
-                    self._announced[layer].pop(d, None)
-                else:
-                    self.transport.send(d, {"t": MSG_NONE, "layer": layer, "home": self.rank}, None)
+            if not plan.counts[d]:  # (this rank itself hears it at once, as it takes its own rows)
+                deliver = self.on_message if d == self.rank else self.transport.send
+                deliver(d, {"t": MSG_NONE, "layer": layer, "home": self.rank}, None)
         if announce_next:
             self._promised.setdefault(layer + 1, set()).update(dests.tolist())
         tm.lap("send+enqueue")
