@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional, Sequence
 
+from graph_ir.errors import UserError
 from lab.barrier_rank import Compute, Gather, RankContext, Send, rank_loop
 from lab.static_replicas import static_owners
 from runtime.core.clock import VirtualClock, WallClock
@@ -154,6 +155,10 @@ def run_barrier(plan, executor, requests: Sequence[Request], mode: str = "ag", *
             and net.send_free and link_delay.__func__ is Network.delay and RingPricer.supports(net))
     if closed_form and not fits:
         raise ValueError("closed_form needs the virtual clock, mode ag, ring collectives and a Network of bursts")
+    effects = getattr(getattr(net, "link", net), "effects", ())   # (a Network's or a flat LinkSchedule's)
+    if not (fits and closed_form is not False) and any(getattr(e, "collectives", "hops") == "stall" for e in effects):
+        raise UserError("bursts with `collectives: stall` are priced for all-gather EP's ring collectives on a "
+                        "network of nodes only (the closed form, lab/barrier_closed.py); use hops here")
     states = [_RankState(rank_loop(c, mode)) for c in ctxs]
     inbox: list[dict] = [dict() for _ in range(R)]
 

@@ -115,13 +115,15 @@ def _finish(joined: dict, pricer, row_bytes, link_bytes: dict) -> list:
         acc = ring_reduce([op.tensor for op in ops], offs)
         shift, values = 1, [acc[offs[r]:offs[r + 1]] for r in range(R)]
     chunk = np.array(nbytes, dtype=np.int64)
-    leave = _price(pricer, start, chunk, shift, link_bytes)
+    leave = _price(pricer, start, chunk, shift, link_bytes, stall=ops[0].tag[0] in ("ag", "rs"))
     return list(zip(leave.tolist(), values))
 
 
-def _price(pricer, start: np.ndarray, chunk: np.ndarray, shift: int, link_bytes: dict) -> np.ndarray:
-    """Leave times of one ring collective, and its bytes added to `link_bytes`."""
-    leave = pricer.leave(start, chunk, shift)
+def _price(pricer, start: np.ndarray, chunk: np.ndarray, shift: int, link_bytes: dict, stall: bool = False
+           ) -> np.ndarray:
+    """Leave times of one ring collective, and its bytes added to `link_bytes`. `stall`: it is a dispatch all-gather
+    or an all-reduce (its reduce-scatter half), which "stall" bursts hold up at entry (Bursts.collectives)."""
+    leave = pricer.leave(pricer.stall(start) if stall and pricer.stalls else start, chunk, shift)
     pricer.count_bytes(chunk, shift)   # (added to `link_bytes` at the end of the run: pricer.bytes_into)
     return leave
 
@@ -199,7 +201,7 @@ class Lockstep:
             # dispatch: all-gather of every rank's rows and routing
             per_row = self.row_bytes if self.row_bytes is not None else x.shape[1] * x.element_size()
             t_np = np.array(t) + self.fixed_ag
-            leave = _price(self.pricer, t_np, counts_np * per_row, 0, self.link_bytes)
+            leave = _price(self.pricer, t_np, counts_np * per_row, 0, self.link_bytes, stall=True)
             # every rank's (token, slot) pairs, row-major, grouped by rank (one stable sort, as _ag_layer's by_rank)
             own = owners[home[:, None], ids].reshape(-1)
             order = torch.sort(own, stable=True)
@@ -221,7 +223,8 @@ class Lockstep:
                 P.index_add_(0, order.values * N + t_idx, yw)
                 acc = ring_reduce(list(P.view(R, N, x.shape[1])), offsets)
             per_row = self.row_bytes if self.row_bytes is not None else acc.shape[1] * acc.element_size()
-            leave = _price(self.pricer, np.array(t) + self.fixed_ar, counts_np * per_row, 1, self.link_bytes)
+            leave = _price(self.pricer, np.array(t) + self.fixed_ar, counts_np * per_row, 1, self.link_bytes,
+                           stall=True)
             # part 2: all-gather of the reduced rows
             leave = _price(self.pricer, leave, counts_np * per_row, 0, self.link_bytes)
             t = leave.tolist()

@@ -59,6 +59,12 @@ class Bursts:
     bandwidth_gbps: Optional[float] = None
     phase_s: float = 0.0
     links: Optional[frozenset[tuple[int, int]]] = None   # None = every link; (src, dst), -1 = any
+    # How the barrier baselines' ring collectives meet it. "hops": every ring message pays it, as on a delayed link.
+    # "stall": a rank entering a dispatch all-gather or an all-reduce while a covered link of its own is in a burst
+    # first waits `extra_delay_s` once, the step's count exchange and the rings' messages not at all: how
+    # benchmarks/gpu_ep_bench.py emulates bursts for them (lab/dist_scenarios.py BurstDelays.collective), to replay
+    # its recorded runs (benchmarks/results/sim_validation.md, session 25). Streaming's messages pay it either way.
+    collectives: str = "hops"
 
     def __post_init__(self) -> None:
         if not self.period_s > 0:
@@ -69,6 +75,8 @@ class Bursts:
             raise UserError(f"burst extra delay must be >= 0 s, got {self.extra_delay_s}")
         if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
             raise UserError(f"burst bandwidth cap must be > 0 Gbit/s, got {self.bandwidth_gbps}")
+        if self.collectives not in ("hops", "stall"):
+            raise UserError(f"burst collectives must be hops or stall, got {self.collectives!r}")
 
     def active(self, t: float) -> bool:
         return ((t - self.phase_s) % self.period_s) < self.duty * self.period_s
@@ -263,7 +271,7 @@ def from_config(cfg: dict, name: str = "scenario", base_dir: Path | None = None)
 
         latency_us: 50          # healthy link latency
         bandwidth_gbps: 100     # healthy link bandwidth
-        bursts:   [{period_ms, duty, extra_delay_us, bandwidth_gbps, phase_ms, links: [[0, 1]]}]
+        bursts:   [{period_ms, duty, extra_delay_us, bandwidth_gbps, phase_ms, links: [[0, 1]], collectives}]
         jitter:   {median_us, sigma, seed, window_ms, links}
         trace:    path/to/bandwidth.csv   (t_start, src, dst, gbps; '*' = any rank)
         slow_ranks: [{rank, factor, period_ms, duty, phase_ms}]
@@ -274,11 +282,12 @@ def from_config(cfg: dict, name: str = "scenario", base_dir: Path | None = None)
         raise UserError(f"scenario {name!r}: unknown field(s) {sorted(unknown)}; valid: {sorted(known)}")
     effects: list[Effect] = []
     for b in cfg.get("bursts", []) or []:
-        _check_keys(b, {"period_ms", "duty", "extra_delay_us", "bandwidth_gbps", "phase_ms", "links"}, name, "bursts")
+        _check_keys(b, {"period_ms", "duty", "extra_delay_us", "bandwidth_gbps", "phase_ms", "links", "collectives"},
+                    name, "bursts")
         effects.append(Bursts(period_s=b["period_ms"] * 1e-3, duty=b["duty"],
                               extra_delay_s=b.get("extra_delay_us", 0.0) * 1e-6,
                               bandwidth_gbps=b.get("bandwidth_gbps"), phase_s=b.get("phase_ms", 0.0) * 1e-3,
-                              links=_links(b.get("links"))))
+                              links=_links(b.get("links")), collectives=b.get("collectives", "hops")))
     if cfg.get("jitter"):
         j = cfg["jitter"]
         _check_keys(j, {"median_us", "sigma", "seed", "window_ms", "links"}, name, "jitter")

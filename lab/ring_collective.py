@@ -113,8 +113,11 @@ class RingPricer:
         self.cap = np.array([math.inf if b.bandwidth_gbps is None else b.bandwidth_gbps for b in bursts])
         self.phase = np.array([b.phase_s for b in bursts], dtype=np.float64)
         from lab.interference import _covers
-        self.cover = np.array([[_covers(b.links, r, (r + 1) % ranks) for r in range(ranks)] for b in bursts],
-                              dtype=np.bool_).reshape(len(bursts), ranks)
+        self.cover = np.array([[b.collectives == "hops" and _covers(b.links, r, (r + 1) % ranks) for r in range(ranks)]
+                               for b in bursts], dtype=np.bool_).reshape(len(bursts), ranks)
+        # "stall" bursts: which ranks have a covered link of their own, to or from any peer (Bursts.collectives)
+        self.stalls = [(b, np.array([any(_covers(b.links, r, p) or _covers(b.links, p, r) for p in range(ranks) if p != r)
+                                     for r in range(ranks)])) for b in bursts if b.collectives == "stall"]
 
         self.link_bytes = np.zeros(ranks, dtype=np.int64)   # bytes on link r -> r+1 so far
         self.priced = 0
@@ -135,6 +138,15 @@ class RingPricer:
                 link_bytes[key] = link_bytes.get(key, 0) + b
         self.link_bytes[:] = 0
         self.priced = 0
+
+    def stall(self, start: np.ndarray) -> np.ndarray:
+        """When each rank, entering a collective at `start[r]`, is done with the "stall" bursts' waits (the largest
+        extra of those active on one of its links then, as BurstDelays.collective)."""
+        wait = np.zeros_like(start)
+        for b, mine in self.stalls:
+            on = mine & (((start - b.phase_s) % b.period_s) < b.duty * b.period_s)
+            wait = np.maximum(wait, np.where(on, b.extra_delay_s, 0.0))
+        return start + wait
 
     @staticmethod
     def supports(network) -> bool:

@@ -81,3 +81,30 @@ def test_a_network_is_virtual_only_and_owns_latency_and_bandwidth():
     with pytest.raises(UserError, match="scenario 'clean' sets latency_us"):
         check_config(BenchConfig.model_validate({**base, "scenarios": {"clean": {"latency_us": 10}}}))
     check_config(BenchConfig.model_validate(base))
+
+
+def test_stall_bursts_hold_a_barrier_collective_once_at_entry(tmp_path):
+    """`collectives: stall` (how the GPU bench emulates a burst for the barrier baselines): every dispatch all-gather
+    and all-reduce waits the extra delay once; with `hops` every ring message pays it, the step's count exchange too.
+    Two ranks, 3 layers, a burst that never ends: +2 x 3 ms a step against +(3 x 3 + 1) ms."""
+    from graph_ir.errors import UserError
+    from graph_ir.spec import load_spec
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
+
+    def burst(mode):
+        return {"bursts": [{"period_ms": 10, "duty": 1.0, "extra_delay_us": 1000, "collectives": mode}]}
+    cfg = BenchConfig.model_validate({
+        "ranks": 2, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05, "network": {"gpus_per_node": 2},
+        "workload": {"lengths": "fixed:6:5", "requests": 8, "rate": 1e9, "decode_only": True},
+        "routing": {"kind": "zipf", "s": 1.0}, "cost": {"collective_algo": "ring"}, "policies": ["defrag"],
+        "systems": ["ag-ep"], "baseline": "ag-ep", "scenarios": {"clean": {}, "hops": burst("hops"),
+                                                                  "stall": burst("stall")}})
+    spec = load_spec("models/specs/tiny.yaml")
+    assert spec.num_layers == 3
+    itl = {r["scenario"]: r["itl_p50_ms"] for r in run_bench(cfg, spec, tmp_path)["results"]}
+    assert itl["hops"] - itl["clean"] == pytest.approx(10.0, abs=0.01)
+    assert itl["stall"] - itl["clean"] == pytest.approx(6.0, abs=0.01)
+    bad = cfg.model_copy(update={"systems": ["a2a-ep"], "baseline": "a2a-ep"})   # priced message by message
+    with pytest.raises(UserError, match="collectives: stall"):
+        run_bench(bad, spec, tmp_path / "a2a")
