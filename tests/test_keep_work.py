@@ -189,6 +189,15 @@ def test_killed_rank_keeps_every_finished_request(tmp_path):
     assert {r.name for r in err.unfinished} == {r.name for r in reqs} - {x["id"] for x in lines}
 
 
+def _line_count(path) -> int:
+    """Lines written so far; 0 while the file is absent (the output check before the run creates and removes it, so
+    exists() then read_text() can race)."""
+    try:
+        return path.read_text().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
 def test_cli_killed_rank_exits_1_and_keeps_the_lines(tmp_path):
     res = subprocess.run(DATAFLOW + ["compile", "tiny", "--ranks", "2"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60)
@@ -210,7 +219,7 @@ def test_cli_killed_rank_exits_1_and_keeps_the_lines(tmp_path):
     out = tmp_path / "out.jsonl"
     try:
         deadline = time.monotonic() + 120
-        while not (out.exists() and out.read_text().count("\n") >= 10):  # some finished: kill rank 1 now
+        while _line_count(out) < 10:  # some finished: kill rank 1 now
             assert p.poll() is None, "".join(err)
             assert time.monotonic() < deadline, "".join(err)
             time.sleep(0.05)
