@@ -45,6 +45,21 @@ class HostCost(_Strict):
     per_row_us: float = Field(0.0, ge=0)
 
 
+class MessageLatency(_Strict):
+    """The streaming transport's own time to hand a message to an idle receiver, beyond the link's (the header and
+    payload through the rank processes' send, receive and wake-up; lab/message_log.py measures it in a real run):
+    floor_us + a lognormal of median median_us and shape sigma, drawn per message from the run's seeded stream. The
+    barrier baselines' collectives have theirs in collective_send_cpu_us and the scenario's link latency."""
+    floor_us: float = Field(0.0, ge=0)
+    median_us: float = Field(0.0, ge=0)
+    sigma: float = Field(0.0, ge=0)
+
+    def draw(self, rng) -> float:
+        """Seconds for one message."""
+        jitter = self.median_us * (rng.lognormvariate(0.0, self.sigma) if self.sigma else 1.0)
+        return (self.floor_us + jitter) * 1e-6
+
+
 class CostConfig(_Strict):
     attn_fixed_us: float = 60.0
     attn_per_row_us: float = 1.0
@@ -65,6 +80,7 @@ class CostConfig(_Strict):
     # host code per batch is their own (lab/barrier_rank.py); None: the same as `host`.
     host: dict[str, HostCost] = Field(default_factory=dict)
     barrier_host: Optional[dict[str, HostCost]] = None
+    message_latency: Optional[MessageLatency] = None  # streaming messages only; None: the link's latency alone
 
     def model(self, barrier: bool = False) -> CostModel:
         bad = set(self.collective_fixed_us) - {"ag", "ar", "a2a"}
@@ -211,6 +227,9 @@ def check_config(cfg: BenchConfig) -> None:
         raise UserError(f"baseline {cfg.baseline!r} is not among the systems {cfg.systems}")
     if cfg.clean_scenario not in cfg.scenarios:
         raise UserError(f"clean scenario {cfg.clean_scenario!r} is not among the scenarios {list(cfg.scenarios)}")
+    if cfg.cost.message_latency is not None and cfg.network is not None:
+        raise UserError("cost.message_latency is a host's own delivery time, for a config without `network` (a "
+                        "topology prices its links' latency itself)")
     if cfg.network is not None:
         if cfg.clock != "virtual":
             raise UserError(f"network: a topology with queues is modelled on the virtual clock only (clock is "

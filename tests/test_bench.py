@@ -221,6 +221,37 @@ def test_row_bytes_prices_every_row_a_message_carries(tmp_path):
     assert real["link_bytes"] == priced["link_bytes"] and sum(real["link_bytes"].values()) > 24 * 5 * 8
     assert real["tokens_per_s"] == priced["tokens_per_s"]
 
+def test_message_latency_takes_the_place_of_the_links_latency_for_streaming_messages_only(tmp_path):
+    """cost.message_latency (a measured delivery time of the streaming transport, lab/message_log.py): a fixed one
+    (sigma 0) in place of the scenario's latency_us gives streaming the run where the scenario says that latency
+    (to rounding); the barrier's collectives keep the scenario's. With a `network` (a topology pricing its own
+    links) it is refused."""
+    from graph_ir.errors import UserError
+    from graph_ir.spec import load_spec
+    from lab.bench import run_bench
+    from lab.bench_config import BenchConfig
+
+    def run(latency_us, message_latency, name, **extra):
+        cfg = BenchConfig.model_validate({
+            "ranks": 3, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
+            "workload": {"lengths": "fixed:6:5", "requests": 24, "rate": 1e6, "decode_only": True},
+            "routing": {"kind": "zipf", "s": 1.0}, "policies": ["defrag"], "systems": ["streaming", "ag-ep"],
+            "baseline": "ag-ep", "cost": {"message_latency": message_latency} if message_latency else {},
+            "scenarios": {"clean": {"latency_us": latency_us}}, **extra})
+        return {r["system"]: r for r in run_bench(cfg, spec, tmp_path / name)["results"]}
+    spec = load_spec("models/specs/tiny.yaml")
+    near, far = run(50, None, "near"), run(3000, None, "far")
+    measured = run(3000, {"floor_us": 30, "median_us": 20}, "measured")
+    assert measured["streaming"]["tokens_per_s"] == pytest.approx(near["streaming"]["tokens_per_s"], rel=1e-12)
+    assert measured["ag-ep"]["tokens_per_s"] == far["ag-ep"]["tokens_per_s"] != near["ag-ep"]["tokens_per_s"]
+    noisy = run(3000, {"floor_us": 30, "median_us": 20, "sigma": 1.0}, "noisy")
+    assert noisy["streaming"]["tokens_per_s"] != near["streaming"]["tokens_per_s"]
+    assert noisy["streaming"]["tokens_per_s"] == run(3000, {"floor_us": 30, "median_us": 20, "sigma": 1.0},
+                                                     "again")["streaming"]["tokens_per_s"]  # seeded: a rerun is equal
+    with pytest.raises(UserError, match="message_latency .* without `network`"):
+        run(3000, {"floor_us": 30}, "net", network={"gpus_per_node": 1})
+
+
 def test_defrag_history_weight_stage_in_front_of_a_steady_queue():
     """H6's case (benchmarks/results/cpu_bench.md): with H(e0) ~ Q(e0) the paper's score runs a 1-token
     attn(0) before a 10-token expert(0); history_weight=0 (H dropped) runs the big queue."""

@@ -1,0 +1,107 @@
+"""The one-way latency of a streaming run's messages in real rank processes, under the run's own load: one streaming
+cell of a `clock: process` bench config, every send and receive logged (lab/message_log.py), matched per (src, dst)
+in order. Prints the run's tokens/s and the latency of the messages that reached a rank waiting in an idle poll
+(the poll began before the send: what the simulator's `latency_us` models; a busy rank's mail waits for its batch
+in both) next to all messages'.
+
+    python benchmarks/sim_validation/message_latency.py benchmarks/cpu_bench_process_slowrank.yaml [SCENARIO] [-o DIR]
+"""
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def latencies(log_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(every message's latency, the idle-receiver ones'), seconds."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for path in sorted(log_dir.glob("rank*.tsv")):
+        me = int(path.stem[4:])
+        for line in path.read_text().splitlines():
+            f = line.split()
+            if f[0] == "S":
+                sends[(me, int(f[1]))].append(float(f[2]))
+            else:
+                recvs[(int(f[1]), me)].append((float(f[2]), float(f[3])))
+    every, idle = [], []
+    for key, rs in recvs.items():
+        for t_send, (t_recv, t_poll) in zip(sends[key], rs):  # FIFO per (src, dst): the k-th send is the k-th receive
+            every.append(t_recv - t_send)
+            if t_poll <= t_send:
+                idle.append(t_recv - t_send)
+    return np.array(every), np.array(idle)
+
+
+def describe(x: np.ndarray) -> dict:
+    q = np.percentile(x, [10, 50, 90, 99]) * 1e6 if len(x) else [float("nan")] * 4
+    return {"n": int(len(x)), "mean_us": float(x.mean() * 1e6) if len(x) else None,
+            **{f"p{p}_us": float(v) for p, v in zip((10, 50, 90, 99), q)}}
+
+
+def fit(x: np.ndarray) -> dict:
+    """A scenario's `latency_us` + lognormal `jitter` (lab/interference.py) with the quantiles of `x`: the floor and
+    the lognormal's median and sigma that match the 5th..95th percentiles best (least squares over a grid of floors;
+    for each floor, the lognormal of the shifted quantiles by a line fit in normal scores)."""
+    from statistics import NormalDist
+    ps = np.arange(5, 96, 5)
+    q = np.percentile(x, ps) * 1e6
+    z = np.array([NormalDist().inv_cdf(p / 100) for p in ps])
+    best = None
+    for floor in np.linspace(0, q[0] * 0.99, 100):
+        logs = np.log(q - floor)
+        sigma, mu = np.polyfit(z, logs, 1)
+        err = float(np.sum((floor + np.exp(mu + sigma * z) - q) ** 2))
+        if best is None or err < best[0]:
+            best = (err, floor, float(np.exp(mu)), float(sigma))
+    _, floor, median, sigma = best
+    return {"latency_us": round(floor), "jitter": {"median_us": round(median), "sigma": round(sigma, 3)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("scenario", nargs="?")
+    ap.add_argument("-o", "--out", type=Path, help="keep the per-rank logs here (default: a temporary directory)")
+    args = ap.parse_args()
+    from dataflow.cmd_compile import resolve_model
+    from lab.bench import WallLinkDelays, WallSlowRanks, _requests, _router, _setups
+    from lab.bench_config import load_config
+    from lab.interference import from_config
+    from lab.message_log import MessageLog
+    from lab.routing_override import RoutedBy
+    from lowering.plan import compile_plan
+    from runtime.core.requests import Request
+    from runtime.drivers.cluster import RunOptions
+    from runtime.drivers.multiproc import run_workloads_multiprocess
+    cfg = load_config(args.config)
+    scenario = args.scenario or cfg.clean_scenario
+    spec, _ = resolve_model(cfg.model)
+    plan = compile_plan(spec, cfg.ranks)
+    router = _router(cfg, spec)
+    inter = from_config(cfg.scenarios[scenario] or {}, scenario, None)
+    reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
+            for q in _requests(cfg, spec, None)]
+    out = args.out or Path(tempfile.mkdtemp(prefix="msglat-"))
+    out.mkdir(parents=True, exist_ok=True)
+    opts = RunOptions(policy=cfg.policies[0], clock="wall", kv_blocks=cfg.kv_blocks,
+                      executor_wrapper=None if router is None else RoutedBy(router),
+                      engine_setup=_setups(WallSlowRanks(inter) if inter.slow else None, MessageLog(str(out))))
+    t0 = time.perf_counter()
+    res = run_workloads_multiprocess(plan, [(reqs, opts)], chaos=WallLinkDelays(inter), timeout=600.0)[0]
+    every, idle = latencies(out)
+    print(json.dumps({"scenario": scenario, "tokens_per_s": res.metrics["tokens_per_s"],
+                      "wall_s": time.perf_counter() - t0, "messages": res.metrics["messages"], "logs": str(out),
+                      "idle_receiver": describe(idle), "every": describe(every),
+                      "fit_idle_receiver": fit(idle)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
