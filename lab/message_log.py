@@ -1,5 +1,5 @@
 """Every message's send and receive time in real rank processes, for measuring the one-way latency a streaming
-run's messages actually see (benchmarks/sim_validation/message_latency.py): the simulator's `latency_us` is an
+run's messages actually see (benchmarks/sim_validation/inrun_costs.py): the simulator's `latency_us` is an
 input, and on an oversubscribed CPU host it is set by thread wake-ups under the run's own load, which no
 ping-pong bench reproduces.
 

@@ -1,13 +1,19 @@
-"""The one-way latency of a streaming run's messages in real rank processes, under the run's own load: one streaming
-cell of a `clock: process` bench config, every send and receive logged (lab/message_log.py), matched per (src, dst)
-in order. Prints the run's tokens/s and the latency of the messages that reached a rank waiting in an idle poll
-(the poll began before the send: what the simulator's `latency_us` models; a busy rank's mail waits for its batch
-in both) next to all messages'.
+"""What a streaming run's messages and host work cost in real rank processes, under the run's own load (the CPU cost
+profile's streaming inputs, lab/costs/cpu_tiny.yaml): one streaming cell of a `clock: process` bench config with
+1. every send and receive logged (lab/message_log.py), matched per (src, dst) in order: the one-way latency of the
+   messages that reached a rank waiting in an idle poll (the poll began before the send: what the simulator's
+   message latency models; a busy rank's mail waits for its batch in both), next to all messages', and a floor +
+   lognormal fitted to it (cost.message_latency);
+2. the serving loop's phase timers (the profile_ranks option, no cProfile): CPU per send call (cost.send_cpu_us) and
+   the host per batch outside execute and sends (complete, feed of arrivals, next_batch, poll, tick, finish notices:
+   cost.host, the same for every kind).
 
-    python benchmarks/sim_validation/message_latency.py benchmarks/cpu_bench_process_slowrank.yaml [SCENARIO] [-o DIR]
+    python benchmarks/sim_validation/inrun_costs.py benchmarks/cpu_bench_process_slowrank.yaml [SCENARIO] [-o DIR]
 """
 import argparse
 import json
+import os
+import re
 import sys
 import tempfile
 import time
@@ -65,6 +71,23 @@ def fit(x: np.ndarray) -> dict:
     return {"latency_us": round(floor), "jitter": {"median_us": round(median), "sigma": round(sigma, 3)}}
 
 
+def phases(log_dir: Path) -> dict:
+    """Per send call and per batch host, us, over every rank's phase table (rank_profile.PhaseTimes.report)."""
+    total: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    batches = 0
+    for path in sorted(log_dir.glob("rank*.phases.txt")):
+        text = path.read_text()
+        batches += int(re.search(r"loop iterations, (\d+) batches", text).group(1))
+        for name, n, ms in re.findall(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+[\d.]+$", text, re.M):
+            total[name] += float(ms) * 1e3
+            calls[name] += int(n)
+    host = sum(v for k, v in total.items() if not k.startswith(("execute:", "idle_wait", "hold_wait", "(")))
+    host -= total["(send)"]  # (nested in complete, feed and finish)
+    return {"send_cpu_us": round(total["(send)"] / calls["(send)"], 1), "host_per_batch_us": round(host / batches, 1),
+            "batches": batches, "phase_us": {k: round(v / calls[k], 1) for k, v in sorted(total.items())}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
@@ -89,8 +112,11 @@ def main() -> None:
     inter = from_config(cfg.scenarios[scenario] or {}, scenario, None)
     reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
             for q in _requests(cfg, spec, None)]
-    out = args.out or Path(tempfile.mkdtemp(prefix="msglat-"))
+    out = args.out or Path(tempfile.mkdtemp(prefix="inrun-"))
     out.mkdir(parents=True, exist_ok=True)
+    # (settings reach the rank processes through the environment, as DATAFLOW_OPTIONS does from a shell)
+    os.environ["DATAFLOW_OPTIONS"] = json.dumps({"profile_ranks": "all", "profile_cprofile": False,
+                                                 "profile_out": str(out / "rank{rank}.prof")})
     opts = RunOptions(policy=cfg.policies[0], clock="wall", kv_blocks=cfg.kv_blocks,
                       executor_wrapper=None if router is None else RoutedBy(router),
                       engine_setup=_setups(WallSlowRanks(inter) if inter.slow else None, MessageLog(str(out))))
@@ -100,7 +126,7 @@ def main() -> None:
     print(json.dumps({"scenario": scenario, "tokens_per_s": res.metrics["tokens_per_s"],
                       "wall_s": time.perf_counter() - t0, "messages": res.metrics["messages"], "logs": str(out),
                       "idle_receiver": describe(idle), "every": describe(every),
-                      "fit_idle_receiver": fit(idle)}, indent=1))
+                      "fit_idle_receiver": fit(idle), "phases": phases(out)}, indent=1))
 
 
 if __name__ == "__main__":
