@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 _EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
 
 
-@dataclass
+@dataclass(slots=True)
 class Batch:
     """A stage's batch from its choice to its completion: the items taken from the queue, and what the executor
     returned for them (`out`)."""
@@ -39,18 +39,16 @@ class BatchChoice:
         """One StageView per stage for the policy. Most stages are empty at any moment: they share one
         read-only view, and only the non-empty ones (the queues' shared `_active` set) are visited; `incoming` (the
         wave hold's) is computed only where the policy reads it, on runnable stages."""
-        n = len(self.queues)
-        now = self.clock.now()
-        hold = self.policy.hold_fill > 0
+        n, now, hold, queues, chunked = len(self.queues), self.clock.now(), self.policy.hold_fill > 0, self.queues, self._chunked
         out, depths, runnable, active = StageViews([_EMPTY_VIEW] * n), [0.0] * n, [], sorted(self._active)
-        for sid in active:
-            q = self.queues[sid]
-            v = StageView(q.depth, q.has_eligible(self._eligibility(sid)), now - q.oldest_enqueue())
+        for sid in active:  # (a non-empty queue has rows: without a chunked prompt in flight it is runnable)
+            q = queues[sid]
+            d = depths[sid] = q.rows * q.token_weight  # (MuQueue.depth)
+            v = out[sid] = StageView(d, not chunked or q.has_eligible(self._eligible.get(sid)), now - q.oldest_enqueue())
             if v.runnable:
                 runnable.append(sid)
                 if hold:
                     v.incoming = self._incoming(sid)
-            out[sid], depths[sid] = v, v.depth
         out.depths, out.runnable, out.active = depths, runnable, active
         return out
 
@@ -123,7 +121,7 @@ class BatchChoice:
         if not items:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
                                f"nothing runnable")
-        rows = sum(it.n for it in items)
+        rows = items[0].n if len(items) == 1 else sum(it.n for it in items)
         if stage.kind == "attn" and rows >= stage.cap and q.rows:  # the cap cut a wave
             if q.rows < stage.cap // 4:
                 self.metrics.attn_small_remainders += 1

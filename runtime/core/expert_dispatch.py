@@ -93,11 +93,9 @@ class ExpertDispatch:
         announce_next = self.policy.hold_ahead and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
         decode = _holds_decode(batch)
         tm.lap("gather")
-        dests = np.flatnonzero(plan.counts)  # (no loop over every rank: that was O(world) per batch)
-        cs = plan.counts[dests]
         wire_e, size = encode_ids(experts, self._id_dtype), self._id_dtype.itemsize  # (every destination's, at once)
-        for d, c, off in zip(dests.tolist(), cs.tolist(), (np.cumsum(cs) - cs).tolist()):
-            xd = x_sorted[off:off + c]
+        off = 0  # (the destinations with rows only: a loop over every rank was O(world) per batch)
+        for d, c, xd in zip(plan.dests, plan.sizes, x_sorted.split_with_sizes(plan.sizes)):  # (one call for the views)
             more = ahead * c / T
             nxt = float(c) if announce_next else 0.0
             if d == self.rank:
@@ -111,6 +109,7 @@ class ExpertDispatch:
                 if decode:
                     meta["d"] = 1
                 self.transport.send(d, meta, xd)
+            off += c
         # hold_ahead's announcements are estimates: an owner told at layer - 1 to expect rows here that got none
         # hears so (else its wave hold waits for them until its bound, at every batch, until this home sends it rows
         # of this layer again: benchmarks/NOTES.md §38)
@@ -119,7 +118,7 @@ class ExpertDispatch:
                 deliver = self.on_message if d == self.rank else self.transport.send
                 deliver(d, {"t": MSG_NONE, "layer": layer, "home": self.rank}, None)
         if announce_next:
-            self._promised.setdefault(layer + 1, set()).update(dests.tolist())
+            self._promised.setdefault(layer + 1, set()).update(plan.dests)
         tm.lap("send+enqueue")
 
     def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of,
