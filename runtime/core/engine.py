@@ -49,7 +49,7 @@ from runtime.core.attention_stage import AttentionStage
 from runtime.core.batch_choice import Batch, BatchChoice
 from runtime.core.dispatch_plan import warm_up as warm_up_dispatch
 from runtime.core.expert_dispatch import MSG_EXPERT_IN, MSG_EXPERT_OUT, MSG_EXPERT_ROUTED, MSG_NONE, ExpertDispatch
-from runtime.core.expert_wire import decode_ids, decode_tags, id_dtype
+from runtime.core.expert_wire import decode_ids, id_dtype
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 from runtime.core.merge import MergeTable
 from runtime.core.queues import AttnItem, MuQueue
@@ -285,7 +285,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
     def on_message(self, src: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         t = meta["t"]
         if t == MSG_EXPERT_IN:
-            self._enqueue_expert_rows(meta["layer"], meta["home"], decode_tags(meta["rows"]),
+            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"],  # (tags in either wire form)
                                       decode_ids(meta["e"], self._id_dtype), tensor, meta.get("more", 0.0),
                                       meta.get("next", 0.0), "d" in meta)
         elif t == MSG_EXPERT_ROUTED:

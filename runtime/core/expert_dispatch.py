@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from runtime.core.dispatch_plan import plan_dispatch
-from runtime.core.expert_wire import encode_ids, encode_tags
+from runtime.core.expert_wire import decode_tags, encode_ids, encode_tags
 from runtime.core.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.core.queues import ExpertItem, RoutedItem, is_decode
 from runtime.executors.device_index import to_device
@@ -99,8 +99,7 @@ class ExpertDispatch:
             more = ahead * c / T
             nxt = float(c) if announce_next else 0.0
             if d == self.rank:
-                td = np.arange(tag0 + off, tag0 + off + c, dtype=np.int64)
-                self._enqueue_expert_rows(layer, self.rank, td, experts[off:off + c], xd, more, nxt, decode)
+                self._enqueue_expert_rows(layer, self.rank, (tag0 + off, c), experts[off:off + c], xd, more, nxt, decode)
             else:
                 meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (tag0 + off, c),
                         "e": wire_e[off * size:(off + c) * size], "more": more}  # wire forms: runtime/core/expert_wire.py
@@ -194,10 +193,11 @@ class ExpertDispatch:
             if len(parts) == 1:
                 a, b, it = parts[0]
                 part = y if a == 0 and b == row else y[a:b]
-                rows = (it.tag0, it.out_rows) if type(it) is RoutedItem else encode_tags(it.tag)
+                rows = (it.tag0, it.out_rows) if type(it) is RoutedItem else \
+                    it.tag if type(it.tag) is tuple else encode_tags(it.tag)
             else:
                 part = torch.cat([y[a:b] for a, b, _ in parts])
-                rows = encode_tags(np.concatenate([it.tag for _, _, it in parts]))
+                rows = encode_tags(np.concatenate([decode_tags(it.tag) for _, _, it in parts]))
             if dst == self.rank:
                 if self._replica is not None:
                     self._replica.returned(dst, rows, self.clock.now())
@@ -215,9 +215,9 @@ class ExpertDispatch:
         self._announced[layer][home] = more
         if nxt:
             self._announced[layer + 1][home] = self._announced[layer + 1].get(home, 0.0) + nxt
-        tags = np.asarray(tags, dtype=np.int64)
+        tags, experts = tags if type(tags) is tuple else np.asarray(tags, dtype=np.int64), np.asarray(experts, dtype=np.int64)
         self.queues[self.expert_stage[layer]].push(
-            ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags), decode))
+            ExpertItem(home, layer, x, tags, experts, self.clock.now(), len(experts), decode))
 
     def _enqueue_routed(self, layer: int, home: int, payload: torch.Tensor, tag0: int, more: float = 0.0,
                         decode: bool = False) -> None:
