@@ -92,7 +92,7 @@ def _plan(ids, weights, owner, world):
 
 def _weights32(weights) -> np.ndarray:
     if type(weights) is not np.ndarray:  # a CPU tensor (the torch executors' route())
-        weights = weights.to(torch.float32).numpy()
+        weights = (weights if weights.dtype == torch.float32 else weights.to(torch.float32)).numpy()
     return weights if weights.dtype == np.float32 else weights.astype(np.float32)
 
 

@@ -320,9 +320,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
                 return
             del out["pending"]
             out["tokens"] = pending.tokens()
-        now = self.clock.now()
-        t0 = batch.t_start
-        stage, kind = batch.stage, batch.stage.kind
+        now, t0, stage, kind = self.clock.now(), batch.t_start, batch.stage, batch.stage.kind
         waits = [t0 - it.t_enq for it in batch.items]  # (max(waits) == t0 - the earliest t_enq: rounding is monotone)
         rec = BatchRecord(self.rank, stage.id, kind, stage.layer, batch.rows, t0, now, max(waits))
         # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.

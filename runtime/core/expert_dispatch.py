@@ -62,8 +62,7 @@ class ExpertDispatch:
         """Host-routed dispatch: each owner gets its routed rows, one message per destination per batch."""
         tm = self._dispatch_timer
         out = batch.out
-        weights = rows_of(out["weights"])
-        ids = rows_of(out["ids"])
+        weights, ids = rows_of(out["weights"]), rows_of(out["ids"])
         if type(ids) is not np.ndarray:
             ids = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
         # Dispatch: the destination of every (row, slot), flat index f = row * k + slot; rows of a
@@ -177,9 +176,7 @@ class ExpertDispatch:
         batch.out["y"] = self.executor.experts(batch.stage.layer, x, torch.from_numpy(ids))
 
     def _complete_expert(self, batch: Batch) -> None:
-        layer = batch.stage.layer
-        y = batch.out["y"]
-        items = batch.items
+        layer, y, items = batch.stage.layer, batch.out["y"], batch.items
         by_home: dict[int, list[tuple[int, int, object]]] = {}  # home -> [(first row, end row, item)]
         row = 0
         for it in items:
