@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from runtime.core.queues import AttnItem, MuQueue
+from runtime.core.queues import AttnItem
 from runtime.core.scheduler import HOLD, StageView, StageViews
 
 if TYPE_CHECKING:
@@ -66,18 +66,16 @@ class BatchChoice:
             return self.queues[self.sample_stage].depth + self.merge.open_rows(last)
         return float(self.merge.open_rows(st.layer - 1))
 
-    def _decode_overdue(self, chosen: MuQueue, views: StageViews) -> Optional[int]:
-        """The stage to run instead of `chosen`'s batch when that would hold prompt rows alone: the runnable stage
-        whose decode rows have waited longest, if that is at least `decode_wait_bound` (else None). Decode-only
-        serving returns at the first line (the chosen queue's decode lane).
+    def _decode_overdue(self, views: StageViews) -> Optional[int]:
+        """The stage to run instead of the chosen batch, which would hold prompt rows alone (next_batch asks only
+        then: decode-only serving never does): the runnable stage whose decode rows have waited longest, if that is at
+        least `decode_wait_bound` (else None).
 
         Why: a policy that scores queue depth (defrag) sweeps the prompts queued at a layer before the decode wave
         behind them moves on (ITL p99 0.5-1.1 s on the H200 with 2-8k-token prompts arriving;
         benchmarks/prefill_flood_sim.py). With the guard a token waits at most about the bound per stage (2 x
         layers + 1 stages) behind prompts. Decode-only serving never picks a prompt-only batch, so it decides as
         the policy does."""
-        if chosen.has_eligible_decode(self._eligibility(chosen.stage_id)):
-            return None
         now, best, best_wait = self.clock.now(), None, self.decode_wait_bound
         for sid in views.runnable:
             q = self.queues[sid]
@@ -111,8 +109,8 @@ class BatchChoice:
             return None
         stage = self.stages[decision.stage]
         q = self.queues[stage.id]
-        if stage.kind != "sample" and self.decode_wait_bound:
-            overdue = self._decode_overdue(q, views)
+        if stage.kind != "sample" and self.decode_wait_bound and not q.has_eligible_decode(self._eligibility(stage.id)):
+            overdue = self._decode_overdue(views)
             if overdue is not None:  # (the trace shows the policy's scores with the stage that ran)
                 stage, q = self.stages[overdue], self.queues[overdue]
                 self.metrics.prompt_yields += 1
