@@ -75,6 +75,19 @@ def _splitmix64_inplace(z: np.ndarray, tmp: Optional[np.ndarray] = None) -> np.n
     return z
 
 
+_M64 = (1 << 64) - 1
+# Up to this many tokens a batch's keys are hashed in Python ints (the same SplitMix64, masked to 64 bits: the same
+# bits): ~1 us a token, where the numpy passes cost ~20 small-array calls a batch (~25 us at one row).
+_PY_TOKENS = 8
+
+
+def _splitmix64(z: int) -> int:
+    """`_splitmix64_inplace` of one key, a Python int in 0 .. 2^64 - 1."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
 
 
 def _key64(value: Hashable) -> int:
@@ -104,6 +117,8 @@ class ZipfRouting:
     _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _bases: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _dev_tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _seeded: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # request -> sm(key ^ seed)
+    _no_shift: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # T -> zeros (no drift)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -186,24 +201,48 @@ class ZipfRouting:
     def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
                  positions: Sequence[int], steps: Optional[Sequence[int]] = None):
         T, k = len(seq_ids), self.top_k
-        pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(T))
-        step = pos if steps is None else np.asarray(steps, dtype=np.int64).reshape(T)
         # One 64-bit key per token, then per (token, expert) a uniform in (0, 1) from its hash:
         #   base = sm(sm(sm(req ^ seed) ^ pos) ^ layer),  h = sm(base ^ expert),
         #   u = ((h >> 11) + 0.5) / 2^53,  score = logp - log(-log(u))      (sm = SplitMix64),
         # and Gumbel-top-k of the scores, compiled (lab/zipf_kernel.py: same bits as
         # the numpy passes it replaced).
-        base = self._request_keys(seq_ids, T)                 # a fresh array: ours to overwrite
-        base ^= self._seed64
-        _splitmix64_inplace(base)
-        base ^= pos.view(np.uint64)                            # == astype(uint64): two's complement
-        _splitmix64_inplace(base)
-        base ^= np.uint64(layer)
-        _splitmix64_inplace(base)
+        if T <= _PY_TOKENS:
+            base, shifts = self._small_keys(layer, seq_ids, positions, steps, T)
+        else:
+            pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(T))
+            step = pos if steps is None else np.asarray(steps, dtype=np.int64).reshape(T)
+            base = self._request_keys(seq_ids, T)                 # a fresh array: ours to overwrite
+            base ^= self._seed64
+            _splitmix64_inplace(base)
+            base ^= pos.view(np.uint64)                            # == astype(uint64): two's complement
+            _splitmix64_inplace(base)
+            base ^= np.uint64(layer)
+            _splitmix64_inplace(base)
+            shifts = self._shifts(step)
         idx = np.empty((T, k), dtype=np.int64)
         w = np.empty((T, k))
-        zipf_topk(base, self._table(layer), self._shifts(step), k, idx, w)
+        zipf_topk(base, self._table(layer), shifts, k, idx, w)
         return torch.from_numpy(idx), torch.from_numpy(w.astype(np.float32))
+
+    def _small_keys(self, layer: int, seq_ids: Sequence[Hashable], positions: Sequence[int],
+                    steps: Optional[Sequence[int]], T: int) -> tuple[np.ndarray, np.ndarray]:
+        """(base, shifts) of a few tokens, computed in Python ints: the numpy path's values bit for bit (a position's
+        uint64 is its two's complement; numpy's integer // and % floor as Python's do)."""
+        seeded = self._seeded
+        base = []
+        for r, p in zip(seq_ids, positions):
+            b = seeded.get(r)
+            if b is None:
+                b = seeded[r] = _splitmix64(int(self._request_keys((r,), 1)[0]) ^ (self.seed & _M64))
+            base.append(_splitmix64(_splitmix64(b ^ (int(p) & _M64)) ^ layer))
+        if self.drift_every:
+            E, de, ds = self.num_experts, self.drift_every, self.drift_stride
+            shifts = np.array([(int(s) // de * ds) % E for s in (positions if steps is None else steps)], dtype=np.int64)
+        else:
+            shifts = self._no_shift.get(T)
+            if shifts is None:
+                shifts = self._no_shift[T] = np.zeros(T, dtype=np.int64)
+        return np.array(base, dtype=np.uint64), shifts
 
 
 # ---- replay and record ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from runtime.core.queues import AttnItem, MuQueue
+from runtime.core.queues import AttnItem
 from runtime.core.scheduler import HOLD, StageView, StageViews
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 _EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
 
 
-@dataclass
+@dataclass(slots=True)
 class Batch:
     """A stage's batch from its choice to its completion: the items taken from the queue, and what the executor
     returned for them (`out`)."""
@@ -39,18 +39,16 @@ class BatchChoice:
         """One StageView per stage for the policy. Most stages are empty at any moment: they share one
         read-only view, and only the non-empty ones (the queues' shared `_active` set) are visited; `incoming` (the
         wave hold's) is computed only where the policy reads it, on runnable stages."""
-        n = len(self.queues)
-        now = self.clock.now()
-        hold = self.policy.hold_fill > 0
+        n, now, hold, queues, chunked = len(self.queues), self.clock.now(), self.policy.hold_fill > 0, self.queues, self._chunked
         out, depths, runnable, active = StageViews([_EMPTY_VIEW] * n), [0.0] * n, [], sorted(self._active)
-        for sid in active:
-            q = self.queues[sid]
-            v = StageView(q.depth, q.has_eligible(self._eligibility(sid)), now - q.oldest_enqueue())
+        for sid in active:  # (a non-empty queue has rows: without a chunked prompt in flight it is runnable)
+            q = queues[sid]
+            d = depths[sid] = q.rows * q.token_weight  # (MuQueue.depth)
+            v = out[sid] = StageView(d, not chunked or q.has_eligible(self._eligible.get(sid)), now - q.oldest_enqueue())
             if v.runnable:
                 runnable.append(sid)
                 if hold:
                     v.incoming = self._incoming(sid)
-            out[sid], depths[sid] = v, v.depth
         out.depths, out.runnable, out.active = depths, runnable, active
         return out
 
@@ -68,18 +66,16 @@ class BatchChoice:
             return self.queues[self.sample_stage].depth + self.merge.open_rows(last)
         return float(self.merge.open_rows(st.layer - 1))
 
-    def _decode_overdue(self, chosen: MuQueue, views: StageViews) -> Optional[int]:
-        """The stage to run instead of `chosen`'s batch when that would hold prompt rows alone: the runnable stage
-        whose decode rows have waited longest, if that is at least `decode_wait_bound` (else None). Decode-only
-        serving returns at the first line (the chosen queue's decode lane).
+    def _decode_overdue(self, views: StageViews) -> Optional[int]:
+        """The stage to run instead of the chosen batch, which would hold prompt rows alone (next_batch asks only
+        then: decode-only serving never does): the runnable stage whose decode rows have waited longest, if that is at
+        least `decode_wait_bound` (else None).
 
         Why: a policy that scores queue depth (defrag) sweeps the prompts queued at a layer before the decode wave
         behind them moves on (ITL p99 0.5-1.1 s on the H200 with 2-8k-token prompts arriving;
         benchmarks/prefill_flood_sim.py). With the guard a token waits at most about the bound per stage (2 x
         layers + 1 stages) behind prompts. Decode-only serving never picks a prompt-only batch, so it decides as
         the policy does."""
-        if chosen.has_eligible_decode(self._eligibility(chosen.stage_id)):
-            return None
         now, best, best_wait = self.clock.now(), None, self.decode_wait_bound
         for sid in views.runnable:
             q = self.queues[sid]
@@ -113,8 +109,8 @@ class BatchChoice:
             return None
         stage = self.stages[decision.stage]
         q = self.queues[stage.id]
-        if stage.kind != "sample" and self.decode_wait_bound:
-            overdue = self._decode_overdue(q, views)
+        if stage.kind != "sample" and self.decode_wait_bound and not q.has_eligible_decode(self._eligibility(stage.id)):
+            overdue = self._decode_overdue(views)
             if overdue is not None:  # (the trace shows the policy's scores with the stage that ran)
                 stage, q = self.stages[overdue], self.queues[overdue]
                 self.metrics.prompt_yields += 1
@@ -123,7 +119,7 @@ class BatchChoice:
         if not items:
             raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
                                f"nothing runnable")
-        rows = sum(it.n for it in items)
+        rows = items[0].n if len(items) == 1 else sum(it.n for it in items)
         if stage.kind == "attn" and rows >= stage.cap and q.rows:  # the cap cut a wave
             if q.rows < stage.cap // 4:
                 self.metrics.attn_small_remainders += 1

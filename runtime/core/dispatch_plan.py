@@ -2,7 +2,8 @@
 
 After an attention batch the home rank knows each row's top-k experts (`ids` [R, k]) and weights. The dispatch
 needs, derived from them and the layer's expert -> rank table (`owner`):
-- `counts[d]`: pairs bound for rank d (one message per destination, destinations in rank order);
+- `counts[d]`: pairs bound for rank d (one message per destination, destinations in rank order); `dests` and `sizes`:
+  the ranks with pairs, ascending, and their counts, as lists (the dispatch loops over them, not over every rank);
 - `order[p]`: the flat index f = row * k + slot at dispatch position p, pairs of one destination contiguous and
   in ascending f (a stable sort by destination: runtime/core/merge.py addresses expert outputs by p);
 - `inv[row, slot]`: the position p of each pair (the combine's row_index), the inverse of `order`;
@@ -34,6 +35,8 @@ class DispatchPlan:
     inv: Optional[np.ndarray]  # int64 [R, k]; None with order
     experts: np.ndarray  # int64 [R*k]: expert id at each dispatch position
     packed: np.ndarray  # int64: [order // k, inv,] weights as fp32 pairs (without order: the weights only)
+    dests: list = ()  # ranks with pairs, ascending
+    sizes: list = ()  # pairs bound for each of dests
 
     @property
     def row_of_pos(self) -> Optional[np.ndarray]:
@@ -44,7 +47,7 @@ class DispatchPlan:
 @numba.njit(cache=True)
 def _plan(ids, weights, owner, world):
     """Counting sort of the pairs by owner rank (stable: ascending f within a rank). Returns (counts, order,
-    inv, experts, packed, bad): bad >= 0 is the flat index of an expert id outside the owner table (nothing
+    inv, experts, packed, dests, bad): bad >= 0 is the flat index of an expert id outside the owner table (nothing
     else is then valid)."""
     R, k = ids.shape
     n = R * k
@@ -56,7 +59,7 @@ def _plan(ids, weights, owner, world):
             e = ids[i, j]
             if e < 0 or e >= E or owner[e] < 0 or owner[e] >= world:
                 return counts, np.empty(0, np.int64), np.empty((0, k), np.int64), np.empty(0, np.int64), \
-                    np.empty(0, np.int64), i * k + j
+                    np.empty(0, np.int64), np.empty(0, np.int64), i * k + j
             counts[owner[e]] += 1
     nxt = np.empty(world, np.int64)
     acc = 0
@@ -84,26 +87,27 @@ def _plan(ids, weights, owner, world):
     for i in range(R):
         for j in range(k):
             w[i * k + j] = weights[i, j]
-    return counts, order, inv, experts, packed, -1
+    return counts, order, inv, experts, packed, np.flatnonzero(counts), -1
 
 
 def _weights32(weights) -> np.ndarray:
     if type(weights) is not np.ndarray:  # a CPU tensor (the torch executors' route())
-        weights = weights.to(torch.float32).numpy()
+        weights = (weights if weights.dtype == torch.float32 else weights.to(torch.float32)).numpy()
     return weights if weights.dtype == np.float32 else weights.astype(np.float32)
 
 
 def plan_dispatch(ids: np.ndarray, weights, owner: np.ndarray, world: int) -> DispatchPlan:
     """The plan of a batch whose pairs go to `owner[ids]` (ids [R, k] int, weights [R, k], owner [E] int64)."""
-    counts, order, inv, experts, packed, bad = _plan(ids, _weights32(weights), owner, world)
+    counts, order, inv, experts, packed, dests, bad = _plan(ids, _weights32(weights), owner, world)
     if bad >= 0:
         k = ids.shape[1]
         e = int(ids[bad // k, bad % k])
         raise ValueError(f"routing row {bad // k} slot {bad % k}: expert id {e} has no owner rank "
                          f"(valid ids 0..{len(owner) - 1}, owners 0..{world - 1})")
-    if np.count_nonzero(counts) > 1:
-        return DispatchPlan(counts, order, inv, experts, packed)
-    return DispatchPlan(counts, None, None, experts, packed[2 * len(order):])
+    sizes = counts[dests].tolist()
+    if len(sizes) > 1:
+        return DispatchPlan(counts, order, inv, experts, packed, dests.tolist(), sizes)
+    return DispatchPlan(counts, None, None, experts, packed[2 * len(order):], dests.tolist(), sizes)
 
 
 def pack_weights(weights) -> np.ndarray:

@@ -49,7 +49,7 @@ from runtime.core.attention_stage import AttentionStage
 from runtime.core.batch_choice import Batch, BatchChoice
 from runtime.core.dispatch_plan import warm_up as warm_up_dispatch
 from runtime.core.expert_dispatch import MSG_EXPERT_IN, MSG_EXPERT_OUT, MSG_EXPERT_ROUTED, MSG_NONE, ExpertDispatch
-from runtime.core.expert_wire import decode_ids, decode_tags, id_dtype
+from runtime.core.expert_wire import decode_ids, id_dtype
 from runtime.core.kv_cache import BlockAllocator, PagedKVStore
 from runtime.core.merge import MergeTable
 from runtime.core.queues import AttnItem, MuQueue
@@ -285,7 +285,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
     def on_message(self, src: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
         t = meta["t"]
         if t == MSG_EXPERT_IN:
-            self._enqueue_expert_rows(meta["layer"], meta["home"], decode_tags(meta["rows"]),
+            self._enqueue_expert_rows(meta["layer"], meta["home"], meta["rows"],  # (tags in either wire form)
                                       decode_ids(meta["e"], self._id_dtype), tensor, meta.get("more", 0.0),
                                       meta.get("next", 0.0), "d" in meta)
         elif t == MSG_EXPERT_ROUTED:
@@ -320,9 +320,7 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
                 return
             del out["pending"]
             out["tokens"] = pending.tokens()
-        now = self.clock.now()
-        t0 = batch.t_start
-        stage, kind = batch.stage, batch.stage.kind
+        now, t0, stage, kind = self.clock.now(), batch.t_start, batch.stage, batch.stage.kind
         waits = [t0 - it.t_enq for it in batch.items]  # (max(waits) == t0 - the earliest t_enq: rounding is monotone)
         rec = BatchRecord(self.rank, stage.id, kind, stage.layer, batch.rows, t0, now, max(waits))
         # Queueing delay per item: a segment counts once, a block of expert/sample rows once per row.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from runtime.core.dispatch_plan import plan_dispatch
-from runtime.core.expert_wire import encode_ids, encode_tags
+from runtime.core.expert_wire import decode_tags, encode_ids, encode_tags
 from runtime.core.merge import TAG_SHIFT, MergeGroup, MergeTable
 from runtime.core.queues import ExpertItem, RoutedItem, is_decode
 from runtime.executors.device_index import to_device
@@ -62,8 +62,7 @@ class ExpertDispatch:
         """Host-routed dispatch: each owner gets its routed rows, one message per destination per batch."""
         tm = self._dispatch_timer
         out = batch.out
-        weights = rows_of(out["weights"])
-        ids = rows_of(out["ids"])
+        weights, ids = rows_of(out["weights"]), rows_of(out["ids"])
         if type(ids) is not np.ndarray:
             ids = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
         # Dispatch: the destination of every (row, slot), flat index f = row * k + slot; rows of a
@@ -93,16 +92,13 @@ class ExpertDispatch:
         announce_next = self.policy.hold_ahead and layer + 1 < self.cfg.num_layers and self.cfg.expert_rank[layer + 1]
         decode = _holds_decode(batch)
         tm.lap("gather")
-        dests = np.flatnonzero(plan.counts)  # (no loop over every rank: that was O(world) per batch)
-        cs = plan.counts[dests]
         wire_e, size = encode_ids(experts, self._id_dtype), self._id_dtype.itemsize  # (every destination's, at once)
-        for d, c, off in zip(dests.tolist(), cs.tolist(), (np.cumsum(cs) - cs).tolist()):
-            xd = x_sorted[off:off + c]
+        off = 0  # (the destinations with rows only: a loop over every rank was O(world) per batch)
+        for d, c, xd in zip(plan.dests, plan.sizes, x_sorted.split_with_sizes(plan.sizes)):  # (one call for the views)
             more = ahead * c / T
             nxt = float(c) if announce_next else 0.0
             if d == self.rank:
-                td = np.arange(tag0 + off, tag0 + off + c, dtype=np.int64)
-                self._enqueue_expert_rows(layer, self.rank, td, experts[off:off + c], xd, more, nxt, decode)
+                self._enqueue_expert_rows(layer, self.rank, (tag0 + off, c), experts[off:off + c], xd, more, nxt, decode)
             else:
                 meta = {"t": MSG_EXPERT_IN, "layer": layer, "home": self.rank, "rows": (tag0 + off, c),
                         "e": wire_e[off * size:(off + c) * size], "more": more}  # wire forms: runtime/core/expert_wire.py
@@ -111,6 +107,7 @@ class ExpertDispatch:
                 if decode:
                     meta["d"] = 1
                 self.transport.send(d, meta, xd)
+            off += c
         # hold_ahead's announcements are estimates: an owner told at layer - 1 to expect rows here that got none
         # hears so (else its wave hold waits for them until its bound, at every batch, until this home sends it rows
         # of this layer again: benchmarks/NOTES.md §38)
@@ -119,7 +116,7 @@ class ExpertDispatch:
                 deliver = self.on_message if d == self.rank else self.transport.send
                 deliver(d, {"t": MSG_NONE, "layer": layer, "home": self.rank}, None)
         if announce_next:
-            self._promised.setdefault(layer + 1, set()).update(dests.tolist())
+            self._promised.setdefault(layer + 1, set()).update(plan.dests)
         tm.lap("send+enqueue")
 
     def _dispatch_routed(self, batch: Batch, layer: int, open_group, rows_of,
@@ -179,9 +176,7 @@ class ExpertDispatch:
         batch.out["y"] = self.executor.experts(batch.stage.layer, x, torch.from_numpy(ids))
 
     def _complete_expert(self, batch: Batch) -> None:
-        layer = batch.stage.layer
-        y = batch.out["y"]
-        items = batch.items
+        layer, y, items = batch.stage.layer, batch.out["y"], batch.items
         by_home: dict[int, list[tuple[int, int, object]]] = {}  # home -> [(first row, end row, item)]
         row = 0
         for it in items:
@@ -195,10 +190,11 @@ class ExpertDispatch:
             if len(parts) == 1:
                 a, b, it = parts[0]
                 part = y if a == 0 and b == row else y[a:b]
-                rows = (it.tag0, it.out_rows) if type(it) is RoutedItem else encode_tags(it.tag)
+                rows = (it.tag0, it.out_rows) if type(it) is RoutedItem else \
+                    it.tag if type(it.tag) is tuple else encode_tags(it.tag)
             else:
                 part = torch.cat([y[a:b] for a, b, _ in parts])
-                rows = encode_tags(np.concatenate([it.tag for _, _, it in parts]))
+                rows = encode_tags(np.concatenate([decode_tags(it.tag) for _, _, it in parts]))
             if dst == self.rank:
                 if self._replica is not None:
                     self._replica.returned(dst, rows, self.clock.now())
@@ -216,9 +212,9 @@ class ExpertDispatch:
         self._announced[layer][home] = more
         if nxt:
             self._announced[layer + 1][home] = self._announced[layer + 1].get(home, 0.0) + nxt
-        tags = np.asarray(tags, dtype=np.int64)
+        tags, experts = tags if type(tags) is tuple else np.asarray(tags, dtype=np.int64), np.asarray(experts, dtype=np.int64)
         self.queues[self.expert_stage[layer]].push(
-            ExpertItem(home, layer, x, tags, np.asarray(experts, dtype=np.int64), self.clock.now(), len(tags), decode))
+            ExpertItem(home, layer, x, tags, experts, self.clock.now(), len(experts), decode))
 
     def _enqueue_routed(self, layer: int, home: int, payload: torch.Tensor, tag0: int, more: float = 0.0,
                         decode: bool = False) -> None:

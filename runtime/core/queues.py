@@ -86,7 +86,7 @@ class ExpertItem:
     home: int
     layer: int
     x: torch.Tensor  # [n, H]
-    tag: np.ndarray  # int64 [n]
+    tag: np.ndarray | tuple  # int64 [n], or the run (first, n) as it came (expert_wire's form: no array made and scanned)
     expert: np.ndarray  # int64 [n]
     t_enq: float
     n: int
@@ -99,10 +99,10 @@ class ExpertItem:
 
     def split(self, m: int) -> tuple["ExpertItem", "ExpertItem"]:
         """(first m rows, the rest): the batch cap cut this block."""
-        return (ExpertItem(self.home, self.layer, self.x[:m], self.tag[:m], self.expert[:m], self.t_enq, m,
-                           self.decode),
-                ExpertItem(self.home, self.layer, self.x[m:], self.tag[m:], self.expert[m:], self.t_enq, self.n - m,
-                           self.decode))
+        t = self.tag
+        head, rest = ((t[0], m), (t[0] + m, t[1] - m)) if type(t) is tuple else (t[:m], t[m:])
+        return (ExpertItem(self.home, self.layer, self.x[:m], head, self.expert[:m], self.t_enq, m, self.decode),
+                ExpertItem(self.home, self.layer, self.x[m:], rest, self.expert[m:], self.t_enq, self.n - m, self.decode))
 
 
 @dataclass(slots=True)
@@ -235,9 +235,10 @@ class MuQueue:
         out: list = []
         rows = 0
         for items in self._lanes():
-            rows, full = self._take_lane(items, out, rows, eligible)
-            if full:
-                break
+            if items:  # (an empty lane: nothing to call for)
+                rows, full = self._take_lane(items, out, rows, eligible)
+                if full:
+                    break
         self.rows -= rows
         if not self.rows:
             self._active.discard(self.stage_id)

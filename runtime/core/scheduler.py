@@ -180,7 +180,7 @@ class Defrag(Policy):
         self.history_weight = history_weight
         warm_up()  # the kernel's one-time load happens here, before any run's clock starts
         self._ring: Optional[list[list[float]]] = None  # [history][stages] last queue-depth snapshots
-        self._filled = self._next_slot = 0
+        self._filled = self._next_slot = self._idle = 0  # _idle: skipped decisions since the last snapshot (repeat_idle)
         self._next_of_src: Optional[list[int]] = None
         self._next_of: Optional[np.ndarray] = None
 
@@ -198,8 +198,20 @@ class Defrag(Policy):
             self._ring = [[0.0] * n for _ in range(self.history)]
             self._filled, self._next_slot = 0, 0
         # The mean over the ring does not depend on the snapshots' order, so a ring buffer serves.
-        if len(cand) <= _PY_CANDIDATES:
-            out = {s: self._score(s, q, next_of) for s in cand}
+        if len(cand) <= _PY_CANDIDATES:  # score_kernel.defrag_scores's operations in its order (H: the mean of the
+            # filled snapshots, summed in slot order), inline: no call per candidate
+            out, filled, delta, hw = {}, self._filled, self.delta, self.history_weight
+            snapshots = self._ring[:filled]
+            for s in cand:
+                score, t, w = q[s], s, 1.0
+                for _ in range(self.lookahead):
+                    t = next_of[t]
+                    w *= delta
+                    acc = 0.0
+                    for snap in snapshots:
+                        acc += snap[t]
+                    score += w * (q[t] + hw * (acc / filled if filled else 0.0))
+                out[s] = score
         else:
             if self._next_of_src is not next_of:  # the engine passes one list for its whole life
                 self._next_of_src, self._next_of = next_of, np.asarray(next_of, dtype=np.int64)
@@ -212,37 +224,24 @@ class Defrag(Policy):
         # H is the *recent past*: snapshot after scoring so the current depth is not counted twice.
         self._ring[self._next_slot] = q
         self._next_slot = (self._next_slot + 1) % self.history
-        self._filled = min(self._filled + 1, self.history)
+        self._filled, self._idle = min(self._filled + 1, self.history), 0
         return out
 
-    def _score(self, s: int, q: list[float], next_of: list[int]) -> float:
-        """Stage s's score, with score_kernel.defrag_scores's operations in its order (H: the mean of the filled
-        snapshots, summed in slot order)."""
-        ring, filled, delta, hw = self._ring, self._filled, self.delta, self.history_weight
-        score, t, w = q[s], s, 1.0
-        for _ in range(self.lookahead):
-            t = next_of[t]
-            w *= delta
-            h = 0.0
-            if filled:
-                acc = 0.0
-                for i in range(filled):
-                    acc += ring[i][t]
-                h = acc / filled
-            score += w * (q[t] + hw * h)
-        return score
-
     def choose(self, views: list[StageView], next_of: list[int]) -> Optional[Decision]:
-        return self._decide(self.scores(views, next_of), views)
+        scores = self.scores(views, next_of)  # (without a hold: _decide's first answer, one call fewer)
+        return Decision(_best(scores), scores) if scores and self.hold_fill <= 0 else self._decide(scores, views)
 
     def repeat_idle(self, n: int = 1) -> None:
         """The snapshots `n` skipped decisions would have taken: the depths are those of the last one (no queue
         changed). After `history` of them every slot holds that one, so more only turn the slot."""
         if self._ring is None or not self._filled:
             return
-        last, h = self._ring[(self._next_slot - 1) % self.history], self.history
-        for i in range(min(n, h)):
-            self._ring[(self._next_slot + i) % h] = last
+        h = self.history
+        if self._idle < h:  # (after h of them every slot holds the last snapshot: nothing more to copy)
+            last = self._ring[(self._next_slot - 1) % h]
+            for i in range(min(n, h)):
+                self._ring[(self._next_slot + i) % h] = last
+            self._idle += n
         self._next_slot, self._filled = (self._next_slot + n) % h, min(self._filled + n, h)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,9 +42,9 @@ class SimExecutor(ExecutorBase):
 
     def attention(self, layer: int, h: Tensor, positions: list[int], segments, kv) -> tuple[Tensor, Tensor]:
         if len(positions) <= 16:  # a few rows: the same float64 operations on Python floats (bit for bit: float % is
-            # fmod with remainder's sign rule, as torch.remainder), one torch call instead of six
-            h_res = torch.tensor([[(r[0] * 1_000_003 + p * 7919 + layer) % _MOD] for r, p in zip(h.tolist(), positions)],
-                                 dtype=torch.float64)
+            # fmod with remainder's sign rule, as torch.remainder), in a numpy array (torch.tensor of a list: ~2 us more)
+            vals = [(r[0] * 1_000_003 + p * 7919 + layer) % _MOD for r, p in zip(h.tolist(), positions)]
+            h_res = torch.from_numpy(np.array(vals, dtype=np.float64).reshape(-1, 1))
         else:
             h_res = torch.remainder(h * 1_000_003 + torch.tensor(positions, dtype=torch.float64).unsqueeze(1) * 7919
                                     + layer, _MOD)
