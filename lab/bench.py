@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from collections import defaultdict
 import math
 from array import array
 import re
@@ -204,22 +205,25 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         from runtime.drivers.cluster import Cluster, RunOptions
 
         host_free = [0.0] * cfg.ranks     # when each rank's host is done issuing its previous sends
-        sent_bytes: dict[int, int] = {}   # src * ranks + dst -> bytes (probe.link_bytes's keys made once, at the end)
+        # src * ranks + dst -> bytes (probe.link_bytes's keys made once, at the end)
+        sent_bytes: dict[int, int] = defaultdict(int)
         R, row_bytes, send_cpu = cfg.ranks, cfg.row_bytes, cost.send_cpu if not wall else 0.0
 
-        def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock)
+        def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock; called
+            # for every message: no call or tuple it can do without)
             if row_bytes is not None:   # rows: merge tags, (first, count) or an array (runtime/core/expert_wire.py)
                 rows = meta.get("rows", ())
                 nbytes = (rows[1] if type(rows) is tuple else len(rows)) * row_bytes
-            key = src * R + dst
-            sent_bytes[key] = sent_bytes.get(key, 0) + nbytes
+            sent_bytes[src * R + dst] += nbytes
             now = clock.now()
+            if not send_cpu:
+                return 0.0 + link_delay(src, dst, nbytes, now)  # ((depart - now) + ..., depart = now)
             # A batch's messages leave one after the other, send_cpu apart (the cluster charges
             # the same host time to the sender's rank; runtime/executors/cost_model.py).
-            depart = now
-            if send_cpu:
-                depart = max(now, host_free[src])
-                host_free[src] = depart + send_cpu
+            depart = host_free[src]
+            if now >= depart:  # (max(now, host_free[src]))
+                depart = now
+            host_free[src] = depart + send_cpu
             return (depart - now) + link_delay(src, dst, nbytes, depart)
 
         scaled = _ScaledCost(cost, inter)
