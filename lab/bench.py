@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections import defaultdict
 import math
 from array import array
 import re
@@ -81,13 +80,14 @@ class SparseDepths(QueueDepths):
 
     def record(self, t: float, rank: int, views) -> None:
         """A decision's views (the engine's StageViews: `active` the non-empty stages, `depths` every stage's)."""
+        active, depths = views.active, views.depths
         self._time.append(t)
         self._who.append(rank)
-        self._count.append(len(views.active))
-        self._stages = len(views.depths)
-        for sid in views.active:
-            self._stage.append(sid)
-            self._depth.append(views.depths[sid])
+        self._count.append(len(active))
+        self._stages = len(depths)
+        if active:  # (one or two stages, at every decision: extends, not an append per stage)
+            self._stage.extend(active)
+            self._depth.extend([depths[sid] for sid in active])
 
     def __len__(self) -> int:
         return len(self._time) * self._stages
@@ -205,8 +205,9 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         from runtime.drivers.cluster import Cluster, RunOptions
 
         host_free = [0.0] * cfg.ranks     # when each rank's host is done issuing its previous sends
-        # src * ranks + dst -> bytes (probe.link_bytes's keys made once, at the end)
-        sent_bytes: dict[int, int] = defaultdict(int)
+        # src * ranks + dst -> bytes, None where nothing was sent (probe.link_bytes's keys made once, at the end; a
+        # list: a dict's get and set per message cost more, its entries scattered over memory)
+        sent_bytes: list[Optional[int]] = [None] * (cfg.ranks * cfg.ranks)
         R, row_bytes, send_cpu = cfg.ranks, cfg.row_bytes, cost.send_cpu if not wall else 0.0
 
         def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock; called
@@ -214,7 +215,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
             if row_bytes is not None:   # rows: merge tags, (first, count) or an array (runtime/core/expert_wire.py)
                 rows = meta.get("rows", ())
                 nbytes = (rows[1] if type(rows) is tuple else len(rows)) * row_bytes
-            sent_bytes[src * R + dst] += nbytes
+            sent = sent_bytes[key := src * R + dst]
+            sent_bytes[key] = nbytes if sent is None else sent + nbytes
             now = clock.now()
             if not send_cpu:
                 return 0.0 + link_delay(src, dst, nbytes, now)  # ((depart - now) + ..., depart = now)
@@ -248,8 +250,9 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         finally:
             if collecting:
                 gc.enable()
-        for key, nbytes in sent_bytes.items():
-            count(key // R, key % R, nbytes)
+        for key, nbytes in enumerate(sent_bytes):
+            if nbytes is not None:
+                count(key // R, key % R, nbytes)
         if cfg.trace_dir is not None:  # the streaming schedule as Perfetto shows it (runtime/observability/trace.py)
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{cell.policy}-{cell.scenario}-r{cell.repeat}")
             Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
@@ -295,6 +298,7 @@ class _ScaledCost:
     def __init__(self, inner: CostModel, inter: Interference):
         self.inner, self.inter = inner, inter
         self.rank, self.now = 0, 0.0
+        self.with_sends = inner.with_sends  # (read at every batch end: an attribute, not a __getattr__ call)
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
         d = self.inner.duration(kind, rows, experts)

@@ -95,11 +95,9 @@ class MergeTable:
     attention stage for the rest of its wave anyway."""
 
     def __init__(self, top_k: int, whole_groups: bool = False) -> None:
-        self.top_k = top_k
-        self.whole_groups = whole_groups
+        self.top_k, self.whole_groups = top_k, whole_groups
         self._groups: dict[int, MergeGroup] = {}
-        self._next_gid = 0
-        self._open_segments = 0
+        self._next_gid = self._open_segments = 0
         self._open_rows: dict[int, int] = {}  # layer -> rows of segments still waiting (wave hold)
         self._holder_layouts: dict[tuple, tuple] = {}  # (R, holders, device) -> holder groups' fixed inputs
         # y buffers (with the events that marked them ready) of groups that left the table, by (shape, dtype, device),

@@ -78,9 +78,7 @@ class RunResult:
 
 class Cluster:
     def __init__(self, plan, executor, options: RunOptions):
-        self.plan = plan
-        self.options = options
-        self.world_size = plan.cluster.ranks
+        self.plan, self.options, self.world_size = plan, options, plan.cluster.ranks
         self.clock = VirtualClock() if options.clock == "virtual" else WallClock()
         if options.clock not in ("wall", "virtual"):
             raise ValueError(f"clock {options.clock!r}; valid: wall, virtual")
@@ -124,15 +122,13 @@ class Cluster:
         return homes
 
     def _collect(self, done: list[Request], total: int, ranks: Optional[list[int]] = None) -> bool:
-        got = False
+        before = len(done)
         for e in self.engines if ranks is None else [self.engines[r] for r in ranks]:
             if f := e.take_finished():
                 done.extend(f)
-                got = True
-                if self._out is not None:
-                    for req in f:
-                        self._out.write(req)
-        if got and self.options.progress:
+                for req in f if self._out is not None else ():
+                    self._out.write(req)
+        if (got := len(done) > before) and self.options.progress:
             self.options.progress(len(done), total, sum(e.metrics.tokens for e in self.engines))
         return got
 
@@ -203,9 +199,7 @@ class Cluster:
             if clock.now() - last_progress > self.options.stall_timeout_s:
                 raise self._stalled(f"no progress for {self.options.stall_timeout_s} s")
             # Nothing runnable: wait for the next arrival or delivery, in slices of at most 1 ms.
-            wake = [pending[-1].arrival] if pending else []
-            if self.hub.next_delivery() is not None:
-                wake.append(self.hub.next_delivery())
+            wake = ([pending[-1].arrival] if pending else []) + [t for t in [self.hub.next_delivery()] if t is not None]
             wake += [now + e.hold_s for e in engines if e.hold_s > 0]  # wave holds expire
             wake += [now + 0.0002 for e in engines if e.deferred]  # sample tokens or routing on their way to the host
             if not wake and not self.admission.waiting:
@@ -257,8 +251,8 @@ class Cluster:
                             busy[r] = (now + tail, None)
                             heappush(ends, (now + tail, r))
                             continue
-                for m in held[r]:
-                    heappush(mail, m)
+                for m in held[r]:  # (due now: straight to its visit this pass, as the mail loop would put it)
+                    due[r].append(m) if m[0] <= now else heappush(mail, m)
                 held[r].clear()
             if finishing:  # some rank this event freed or the last one visited has finished requests
                 self._collect(done, total, sorted(set(freed).union(touched)))

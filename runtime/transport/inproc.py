@@ -35,12 +35,12 @@ class InprocHub:
 
     def __init__(self, world_size: int, clock, delay: Optional[DelayFn] = None, seed: int = 0,
                  copy: bool = True) -> None:
-        self.world_size, self.copy = world_size, copy
-        self.clock = clock
-        self.delay = delay
+        self.world_size, self.copy, self.clock, self.delay = world_size, copy, clock, delay
         self.rng = random.Random(seed)
         self._inbox: list[list] = [[] for _ in range(world_size)]  # heaps of (t, seq, dst, src, meta, tensor)
-        self._last: dict[int, float] = {}  # src * world_size + dst -> the link's last delivery time
+        # src * world_size + dst -> the link's last delivery time (a list: a dict's get and set per message cost more,
+        # its entries scattered over memory)
+        self._last = [float("-inf")] * (world_size * world_size)
         self._seq = 0
         self._in_flight = [0] * world_size  # per source
         self.messages = 0
@@ -60,7 +60,7 @@ class InprocHub:
                 raise ValueError(f"delay hook returned {d} < 0 for {src}->{dst}")
             t += d
         link = src * self.world_size + dst
-        t = self._last[link] = max(t, self._last.get(link, t))  # per-link FIFO
+        t = self._last[link] = max(t, self._last[link])  # per-link FIFO
         self._seq += 1
         msg = (t, self._seq, dst, src, meta, tensor.clone() if tensor is not None and self.copy else tensor)
         heapq.heappush(self._inbox[dst] if self.mail is None else self.mail, msg)
@@ -87,9 +87,7 @@ class InprocHub:
 
 class InprocTransport(Transport):
     def __init__(self, hub: InprocHub, rank: int) -> None:
-        self.hub = hub
-        self.rank = rank
-        self.world_size = hub.world_size
+        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
         self.send = partial(hub._send, rank)  # send(dst, meta, tensor), without a Python frame of its own per message
 
     def poll(self) -> list[Arrival]:
