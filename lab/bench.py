@@ -299,6 +299,8 @@ class _ScaledCost:
         self.inner, self.inter = inner, inter
         self.rank, self.now = 0, 0.0
         self.with_sends = inner.with_sends  # (read at every batch end: an attribute, not a __getattr__ call)
+        if not inter.slow:  # nothing to scale: the cost model's own duration, without a call of this one per batch
+            self.duration = inner.duration
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
         d = self.inner.duration(kind, rows, experts)
