@@ -409,6 +409,10 @@ def _in_process_runs(cfg: BenchConfig, spec, plans: dict, requests: list[Request
         run = run_cell(cell, cfg, plans[split_system(cell.system)[1]], executor, requests, router,
                        scenarios[cell.scenario])
         run.extra["bench_wall_s"] = time.perf_counter() - t0
+        # The cell's cluster is garbage now, in reference cycles (an engine and its transport's recv_into): free it
+        # here, not at whatever full pass of the cyclic GC comes next, so the next cell or the report does not pile up
+        # on top of it (at 1,024 ranks the report's peak memory moved by ~0.2 GB with the GC's timing; session 26).
+        gc.collect()
         run.repeat = cell.repeat
         runs.append(run)
         if progress:
