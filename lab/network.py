@@ -56,6 +56,9 @@ class Network:
         nodes = math.ceil(ranks / topology.gpus_per_node)
         self.send_free = [0.0] * nodes
         self.recv_free = [0.0] * nodes
+        # bits per second of a healthy link (transfer_s's divisor; None: unbounded, no transfer time)
+        self._intra_bps = topology.intra_gbps * 1e9 if math.isfinite(topology.intra_gbps) else None
+        self._nic_bps = topology.nic_gbps * 1e9 if math.isfinite(topology.nic_gbps) else None
         # Ranks no effect can touch: every effect names its links, and none names this rank (as a source or a
         # destination, ANY aside). A message between two of them has no disturbance; its effects are not asked.
         named = [getattr(e, "links", None) for e in link.effects]
@@ -65,20 +68,28 @@ class Network:
             self._quiet = [r not in touched for r in range(ranks)]
 
     def delay(self, src: int, dst: int, nbytes: int, t: float) -> float:
-        """Seconds from `send` at time `t` until the message is fully at `dst`; books the ports it crosses."""
+        """Seconds from `send` at time `t` until the message is fully at `dst`; books the ports it crosses. (Called
+        for every message of a simulation: transfer_s inlined, max() as comparisons, the same float operations.)"""
         if src == dst:
             return 0.0
-        topo = self.topology
-        quiet = self._quiet
-        extra, cap = (0.0, math.inf) if quiet is not None and quiet[src] and quiet[dst] else \
-            self.link.disturbance(src, dst, t)
+        topo, quiet = self.topology, self._quiet
         ns, nd = src // topo.gpus_per_node, dst // topo.gpus_per_node
-        if ns == nd:
-            return topo.intra_latency_s + extra + transfer_s(nbytes, min(topo.intra_gbps, cap))
-        tx = transfer_s(nbytes, min(topo.nic_gbps, cap))
-        start = max(t, self.send_free[ns])
+        if quiet is not None and quiet[src] and quiet[dst]:  # no disturbance: the healthy bandwidth (extra 0.0 adds
+            if ns == nd:                                     # nothing to a sum's bits)
+                return topo.intra_latency_s + (nbytes * 8.0 / self._intra_bps if self._intra_bps is not None else 0.0)
+            extra, tx = 0.0, nbytes * 8.0 / self._nic_bps if self._nic_bps is not None else 0.0
+        else:
+            extra, cap = self.link.disturbance(src, dst, t)
+            if ns == nd:
+                return topo.intra_latency_s + extra + transfer_s(nbytes, min(topo.intra_gbps, cap))
+            tx = transfer_s(nbytes, min(topo.nic_gbps, cap))
+        start = self.send_free[ns]
+        if t > start:
+            start = t
         self.send_free[ns] = start + tx
-        first = max(start + topo.nic_latency_s, self.recv_free[nd])
+        first, arrive = self.recv_free[nd], start + topo.nic_latency_s
+        if arrive > first:
+            first = arrive
         self.recv_free[nd] = first + tx
         return first + tx + extra - t
 

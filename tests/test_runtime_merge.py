@@ -278,3 +278,19 @@ def test_a_decode_group_shares_read_only_per_segment_arrays_and_completes_like_o
     assert [d[0][1].tolist() for d in done] == [[0, 1, 2, 3]] * 2
     assert torch.equal(MergeTable.combine_inputs(a)[0], MergeTable.combine_inputs(c)[0])
     assert table.open_rows(1) == 4  # b is still open
+
+
+@pytest.mark.parametrize("dtype,part_dtype", [(torch.float32, torch.float32), (torch.float64, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16)])
+def test_a_parts_copy_lands_the_same_through_numpy_or_torch(dtype, part_dtype):
+    """A part's rows are copied into a host buffer through numpy (y_host) when buffer and part share a dtype numpy
+    has, else with torch's copy_ (bfloat16, or a part to cast): the same values land either way."""
+    k, H = 2, 3
+    table = MergeTable(k)
+    g = table.open(1, [7], [10], [10], np.array([2]), torch.zeros(2, H, dtype=dtype), None, torch.ones(2, k))
+    assert (g.y_host is not None) == (dtype != torch.bfloat16)
+    parts = [torch.arange(n * H, dtype=part_dtype).view(n, H) + 10 * p0 for p0, n in ((0, 1), (1, 2), (3, 1))]
+    for (p0, n), y in zip(((0, 1), (1, 2), (3, 1)), parts):
+        done = table.add(((g.gid << TAG_SHIFT) + p0, n), y)
+    assert [d.tolist() for _, d in done] == [[0]] and len(table) == 0
+    assert torch.equal(g.y, torch.cat(parts).to(dtype))

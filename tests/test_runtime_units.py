@@ -2,6 +2,8 @@
 ordering, the wire forms, host staging, the decision shortcut (the merge table's: tests/test_runtime_merge.py)."""
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 import torch
@@ -155,6 +157,27 @@ def test_inproc_fifo_per_link_under_random_delays():
             got[a.src].append(a.meta["i"])
     assert got[0] == list(range(50)) and got[1] == list(range(50))
     assert t[0].pending() == 0
+
+
+def test_inproc_hub_hands_whole_messages_to_a_driver_that_takes_delivery():
+    """With `mail` set (the virtual-clock driver's), every message goes onto that one heap whole, (delivery, seq, dst,
+    src, meta, tensor), in per-link FIFO order under random delays, and nothing into the inboxes; in flight until the
+    driver hands it over."""
+    clock = VirtualClock()
+    hub = InprocHub(3, clock, delay=lambda s, d, m, n, rng: rng.uniform(0, 1e-3), seed=3)
+    hub.mail = []
+    t = hub.transports()
+    for i in range(50):
+        t[0].send(2, {"i": i}, torch.tensor([i]))
+        t[1].send(2, {"i": i}, None)
+    assert hub.in_flight() == 100 and not any(hub._inbox) and len(hub.mail) == 100
+    got = {0: [], 1: []}
+    while hub.mail:
+        when, _, dst, src, meta, tensor = heapq.heappop(hub.mail)
+        assert dst == 2 and (tensor is None) == (src == 1) and when >= clock.now()
+        clock.advance_to(when)
+        got[src].append(meta["i"])
+    assert got[0] == list(range(50)) and got[1] == list(range(50))
 
 
 def test_expert_wire_forms_round_trip():

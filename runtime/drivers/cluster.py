@@ -78,9 +78,7 @@ class RunResult:
 
 class Cluster:
     def __init__(self, plan, executor, options: RunOptions):
-        self.plan = plan
-        self.options = options
-        self.world_size = plan.cluster.ranks
+        self.plan, self.options, self.world_size = plan, options, plan.cluster.ranks
         self.clock = VirtualClock() if options.clock == "virtual" else WallClock()
         if options.clock not in ("wall", "virtual"):
             raise ValueError(f"clock {options.clock!r}; valid: wall, virtual")
@@ -124,15 +122,13 @@ class Cluster:
         return homes
 
     def _collect(self, done: list[Request], total: int, ranks: Optional[list[int]] = None) -> bool:
-        got = False
+        before = len(done)
         for e in self.engines if ranks is None else [self.engines[r] for r in ranks]:
             if f := e.take_finished():
                 done.extend(f)
-                got = True
-                if self._out is not None:
-                    for req in f:
-                        self._out.write(req)
-        if got and self.options.progress:
+                for req in f if self._out is not None else ():
+                    self._out.write(req)
+        if (got := len(done) > before) and self.options.progress:
             self.options.progress(len(done), total, sum(e.metrics.tokens for e in self.engines))
         return got
 
@@ -143,8 +139,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ run
     def run(self, requests: list[Request]) -> RunResult:
-        rids = [r.rid for r in requests]
-        if len(set(rids)) != len(rids):
+        if len({r.rid for r in requests}) != len(requests):
             raise ValueError("request ids (rid) must be unique")
         # Latest arrival first so the next due request is pop()-ed from the end.
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)
@@ -204,9 +199,7 @@ class Cluster:
             if clock.now() - last_progress > self.options.stall_timeout_s:
                 raise self._stalled(f"no progress for {self.options.stall_timeout_s} s")
             # Nothing runnable: wait for the next arrival or delivery, in slices of at most 1 ms.
-            wake = [pending[-1].arrival] if pending else []
-            if self.hub.next_delivery() is not None:
-                wake.append(self.hub.next_delivery())
+            wake = ([pending[-1].arrival] if pending else []) + [t for t in [self.hub.next_delivery()] if t is not None]
             wake += [now + e.hold_s for e in engines if e.hold_s > 0]  # wave holds expire
             wake += [now + 0.0002 for e in engines if e.deferred]  # sample tokens or routing on their way to the host
             if not wake and not self.admission.waiting:
@@ -225,14 +218,15 @@ class Cluster:
         rank at every event, which cost O(ranks) per event: 4.5M next_batch calls (49 of 120 s under cProfile) for
         147k events in a 64-rank, 1-request-per-rank simulation (benchmarks/results/session22_sim_scaling.md, session
         24), where this driver takes 0.14M."""
-        clock, engines, hub, cost, inbox = self.clock, self.engines, self.hub, self.options.cost_model, self.hub._inbox
-        until, R = self.options.until, self.world_size
+        clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
+        until, R, in_flight = self.options.until, self.world_size, hub._in_flight
         busy: list[Optional[tuple[float, Optional[Batch]]]] = [None] * R
         ends: list[tuple[float, int]] = []       # heap: (end, rank) of every busy rank
-        mail = hub.arrivals = []                 # heap: (delivery, seq, dst) of every message sent
+        mail = hub.mail = []                     # heap: (delivery, seq, dst, src, meta, tensor): every message sent
         held: list[list] = [[] for _ in range(R)]  # mail of a busy rank, not an event until it is idle
+        due: list[list] = [[] for _ in range(R)]  # mail delivered, handed to the rank's engine at its next visit
         settled: dict[int, int] = {}             # idle rank -> the event at which it last found nothing to do
-        restless, touched, carry, it = set(range(R)), [], set(), 0
+        restless, touched, carry, it, finishing = set(range(R)), [], set(), 0, False
         send_cpu, per_expert, duration = getattr(cost, "send_cpu", 0.0), getattr(cost, "expert_per_expert", 0.0), cost.duration
         while True:
             it += 1
@@ -247,6 +241,7 @@ class Cluster:
                     sent = hub.messages
                     engines[r].complete(b[1])
                     sent = hub.messages - sent
+                    finishing = finishing or bool(engines[r].finished)  # (requests finish in a complete or a visit)
                     # The sender's host cost of the messages this batch issued (cost.send_cpu each):
                     # the rank stays busy for what its device time did not hide.
                     if sent and send_cpu:
@@ -256,11 +251,12 @@ class Cluster:
                             busy[r] = (now + tail, None)
                             heappush(ends, (now + tail, r))
                             continue
-                for m in held[r]:
-                    heappush(mail, m)
+                for m in held[r]:  # (due now: straight to its visit this pass, as the mail loop would put it)
+                    due[r].append(m) if m[0] <= now else heappush(mail, m)
                 held[r].clear()
-            if any(engines[r].finished for r in freed) or any(engines[r].finished for r in touched):
+            if finishing:  # some rank this event freed or the last one visited has finished requests
                 self._collect(done, total, sorted(set(freed).union(touched)))
+                finishing = False
             if len(done) == total:
                 return
             released = self._release(pending, now) if pending or self.admission.waiting else ()
@@ -270,7 +266,8 @@ class Cluster:
             touched = []
             while todo or (mail and mail[0][0] <= now):
                 if mail and mail[0][0] <= now:  # mail due: its rank is visited in this pass, or the next
-                    d = heappop(mail)[2]
+                    m = heappop(mail)
+                    due[d := m[2]].append(m)
                     if busy[d] is None:
                         (carry.add(d) if touched and d <= touched[-1] else heappush(todo, d))
                     continue
@@ -279,10 +276,13 @@ class Cluster:
                     continue
                 touched.append(r)
                 e = engines[r]
-                if r in settled:
-                    _repeat_idle(e.policy, it - settled.pop(r) - 1)
-                if inbox[r] and inbox[r][0][0] <= now:  # (a poll that would find nothing is skipped)
-                    e.poll()
+                if (at := settled.pop(r, None)) is not None and it - at > 1:
+                    _repeat_idle(e.policy, it - at - 1)  # (none owed when it decided at the last event)
+                if box := due[r]:  # what Engine.poll would get, in delivery order (a busy rank's held mail, pushed
+                    due[r] = []       # back when it finished, may be earlier than some that came due while it ran)
+                    for _, _, _, src, meta, tensor in (sorted(box) if len(box) > 1 else box):
+                        in_flight[src] -= 1
+                        e.on_message(src, meta, tensor)
                 batch = e.next_batch()
                 restless.discard(r)
                 if batch is not None:
@@ -293,6 +293,7 @@ class Cluster:
                     settled[r] = it
                 else:
                     restless.add(r)
+                finishing = finishing or bool(e.finished)
             while mail and busy[mail[0][2]] is not None:
                 held[mail[0][2]].append(heappop(mail))
             t_next = min(ends[0][0] if ends else math.inf, mail[0][0] if mail else math.inf,

@@ -9,11 +9,17 @@ Tensors are cloned at send, as a real wire would copy them: the sender may reuse
 executor whose outputs are all new tensors, ExecutorBase.fresh_outputs, e.g. the simulator's) sends them as they are:
 the engine writes no tensor it sent or received (expert rows are read by the owner's batch, outputs copied into the
 home's merge buffer).
+
+The virtual-clock driver takes delivery itself (`mail`, runtime/drivers/cluster.py): each message then goes onto
+one heap of (delivery, seq, dst, src, meta, tensor) that the driver pops and hands to the destination's engine at its
+visit, instead of into a per-rank inbox plus a wake-up heap that the driver, the transport's poll and the engine's
+poll each walked again (a message's trip was ~15 Python calls; session 26).
 """
 from __future__ import annotations
 
 import heapq
 import random
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -29,16 +35,17 @@ class InprocHub:
 
     def __init__(self, world_size: int, clock, delay: Optional[DelayFn] = None, seed: int = 0,
                  copy: bool = True) -> None:
-        self.world_size, self.copy = world_size, copy
-        self.clock = clock
-        self.delay = delay
+        self.world_size, self.copy, self.clock, self.delay = world_size, copy, clock, delay
         self.rng = random.Random(seed)
-        self._inbox: list[list] = [[] for _ in range(world_size)]  # heaps of (t, seq, src, meta, tensor)
-        self._last: dict[int, float] = {}  # src * world_size + dst -> the link's last delivery time
+        self._inbox: list[list] = [[] for _ in range(world_size)]  # heaps of (t, seq, dst, src, meta, tensor)
+        # src * world_size + dst -> the link's last delivery time (a list: a dict's get and set per message cost more,
+        # its entries scattered over memory)
+        self._last = [float("-inf")] * (world_size * world_size)
         self._seq = 0
         self._in_flight = [0] * world_size  # per source
         self.messages = 0
-        self.arrivals: Optional[list] = None  # the virtual-clock driver's heap of (delivery, seq, dst), when it keeps one
+        self.arrivals: Optional[list] = None  # a virtual-clock driver's heap of (delivery, seq, dst), when it keeps one
+        self.mail: Optional[list] = None  # heap of whole messages (module doc), when the driver delivers them
 
     def transports(self) -> list["InprocTransport"]:
         return [InprocTransport(self, r) for r in range(self.world_size)]
@@ -53,10 +60,10 @@ class InprocHub:
                 raise ValueError(f"delay hook returned {d} < 0 for {src}->{dst}")
             t += d
         link = src * self.world_size + dst
-        t = max(t, self._last.get(link, t))  # per-link FIFO
-        self._last[link] = t
+        t = self._last[link] = max(t, self._last[link])  # per-link FIFO
         self._seq += 1
-        heapq.heappush(self._inbox[dst], (t, self._seq, src, meta, tensor.clone() if tensor is not None and self.copy else tensor))
+        msg = (t, self._seq, dst, src, meta, tensor.clone() if tensor is not None and self.copy else tensor)
+        heapq.heappush(self._inbox[dst] if self.mail is None else self.mail, msg)
         if self.arrivals is not None:
             heapq.heappush(self.arrivals, (t, self._seq, dst))
         self._in_flight[src] += 1
@@ -65,7 +72,7 @@ class InprocHub:
     def _poll(self, dst: int) -> list[Arrival]:
         box, now, out = self._inbox[dst], self.clock.now(), []
         while box and box[0][0] <= now:
-            _, _, src, meta, tensor = heapq.heappop(box)
+            _, _, _, src, meta, tensor = heapq.heappop(box)
             self._in_flight[src] -= 1
             out.append(Arrival(src, meta, tensor))
         return out
@@ -80,12 +87,8 @@ class InprocHub:
 
 class InprocTransport(Transport):
     def __init__(self, hub: InprocHub, rank: int) -> None:
-        self.hub = hub
-        self.rank = rank
-        self.world_size = hub.world_size
-
-    def send(self, dst: int, meta: dict, tensor: Optional[torch.Tensor]) -> None:
-        self.hub._send(self.rank, dst, meta, tensor)
+        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
+        self.send = partial(hub._send, rank)  # send(dst, meta, tensor), without a Python frame of its own per message
 
     def poll(self) -> list[Arrival]:
         return self.hub._poll(self.rank)
