@@ -8,6 +8,8 @@ transport `send` and `poll` and appends one line per event to DIR/rank{rank}.tsv
     S <dst> <t>                     a send to another rank, at its call
     R <src> <t> <poll_start>        a message from another rank handed to the engine by a poll that started at
                                     poll_start (a blocking idle poll starts before the message exists)
+    E <t>                           a batch's end (its complete returned): a message that reached a busy rank is
+                                    handed over after it, at once or after more batches
 Times are time.perf_counter() (CLOCK_MONOTONIC: one time base for every process on a Linux host). The transport
 hands messages FIFO per source, so the k-th S from a to b is the k-th R from a at b."""
 from __future__ import annotations
@@ -31,7 +33,7 @@ class MessageLog:
             f.flush()
             lines.clear()
         atexit.register(flush)
-        inner_send, inner_poll, clock = tr.send, tr.poll, time.perf_counter
+        inner_send, inner_poll, inner_complete, clock = tr.send, tr.poll, engine.complete, time.perf_counter
 
         def send(dst, meta, tensor=None):
             if dst != rank:
@@ -47,4 +49,8 @@ class MessageLog:
                 if len(lines) > 4096:
                     flush()
             return out
-        tr.send, tr.poll = send, poll
+        def complete(batch):
+            out = inner_complete(batch)
+            lines.append(f"E {clock():.7f}\n")
+            return out
+        tr.send, tr.poll, engine.complete = send, poll, complete

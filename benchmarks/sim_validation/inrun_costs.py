@@ -26,17 +26,25 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def latencies(log_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(every message's latency, the idle-receiver ones'), seconds."""
-    sends, recvs = defaultdict(list), defaultdict(list)
+def read_logs(log_dir: Path) -> tuple[dict, dict, dict]:
+    """(sends per (src, dst): times; hand-overs per (src, dst): (time, poll start); batch ends per rank: times)."""
+    sends, recvs, ends = defaultdict(list), defaultdict(list), defaultdict(list)
     for path in sorted(log_dir.glob("rank*.tsv")):
         me = int(path.stem[4:])
         for line in path.read_text().splitlines():
             f = line.split()
             if f[0] == "S":
                 sends[(me, int(f[1]))].append(float(f[2]))
-            else:
+            elif f[0] == "R":
                 recvs[(int(f[1]), me)].append((float(f[2]), float(f[3])))
+            else:
+                ends[me].append(float(f[1]))
+    return sends, recvs, ends
+
+
+def latencies(log_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(every message's latency, the idle-receiver ones'), seconds."""
+    sends, recvs, _ = read_logs(log_dir)
     every, idle = [], []
     for key, rs in recvs.items():
         for t_send, (t_recv, t_poll) in zip(sends[key], rs):  # FIFO per (src, dst): the k-th send is the k-th receive
@@ -44,6 +52,27 @@ def latencies(log_dir: Path) -> tuple[np.ndarray, np.ndarray]:
             if t_poll <= t_send:
                 idle.append(t_recv - t_send)
     return np.array(every), np.array(idle)
+
+
+def busy_receivers(log_dir: Path, floor_s: float) -> dict:
+    """Messages handed to a rank that was not waiting for them: how many of the receiver's batches ended between the
+    earliest it could have landed (send + the idle-receiver floor) and its hand-over (1: at the end of the batch it
+    landed in, as the simulator delivers; 2+: batches later), and the time from the last of those ends to the
+    hand-over."""
+    sends, recvs, ends = read_logs(log_dir)
+    counts, after = [], []
+    for (src, dst), rs in recvs.items():
+        e = np.array(ends[dst])
+        for t_send, (t_recv, t_poll) in zip(sends[(src, dst)], rs):
+            if t_poll <= t_send:
+                continue
+            lo, hi = np.searchsorted(e, t_send + floor_s), np.searchsorted(e, t_recv)
+            counts.append(hi - lo)
+            if hi > lo:
+                after.append(t_recv - e[hi - 1])
+    c = np.array(counts)
+    return {"n": int(len(c)), "batch_ends_between": {str(k): int((c == k).sum()) for k in range(4)} | {"4+": int((c >= 4).sum())},
+            "after_last_end": describe(np.array(after))}
 
 
 def describe(x: np.ndarray) -> dict:
@@ -126,7 +155,9 @@ def main() -> None:
     print(json.dumps({"scenario": scenario, "tokens_per_s": res.metrics["tokens_per_s"],
                       "wall_s": time.perf_counter() - t0, "messages": res.metrics["messages"], "logs": str(out),
                       "idle_receiver": describe(idle), "every": describe(every),
-                      "fit_idle_receiver": fit(idle), "phases": phases(out)}, indent=1))
+                      "fit_idle_receiver": fit(idle), "phases": phases(out),
+                      "busy_receiver": busy_receivers(out, float(np.percentile(idle, 5)) if len(idle) else 0.0)},
+                     indent=1))
 
 
 if __name__ == "__main__":
