@@ -123,34 +123,15 @@ def main() -> None:
     ap.add_argument("scenario", nargs="?")
     ap.add_argument("-o", "--out", type=Path, help="keep the per-rank logs here (default: a temporary directory)")
     args = ap.parse_args()
-    from dataflow.cmd_compile import resolve_model
-    from lab.bench import WallLinkDelays, WallSlowRanks, _requests, _router, _setups
-    from lab.bench_config import load_config
-    from lab.interference import from_config
     from lab.message_log import MessageLog
-    from lab.routing_override import RoutedBy
-    from lowering.plan import compile_plan
-    from runtime.core.requests import Request
-    from runtime.drivers.cluster import RunOptions
-    from runtime.drivers.multiproc import run_workloads_multiprocess
-    cfg = load_config(args.config)
-    scenario = args.scenario or cfg.clean_scenario
-    spec, _ = resolve_model(cfg.model)
-    plan = compile_plan(spec, cfg.ranks)
-    router = _router(cfg, spec)
-    inter = from_config(cfg.scenarios[scenario] or {}, scenario, None)
-    reqs = [Request(q.rid, q.name, list(q.prompt), q.max_new_tokens, ignore_eos=True, arrival=q.arrival)
-            for q in _requests(cfg, spec, None)]
+    from process_metrics import run_streaming_cell
     out = args.out or Path(tempfile.mkdtemp(prefix="inrun-"))
     out.mkdir(parents=True, exist_ok=True)
     # (settings reach the rank processes through the environment, as DATAFLOW_OPTIONS does from a shell)
     os.environ["DATAFLOW_OPTIONS"] = json.dumps({"profile_ranks": "all", "profile_cprofile": False,
                                                  "profile_out": str(out / "rank{rank}.prof")})
-    opts = RunOptions(policy=cfg.policies[0], clock="wall", kv_blocks=cfg.kv_blocks,
-                      executor_wrapper=None if router is None else RoutedBy(router),
-                      engine_setup=_setups(WallSlowRanks(inter) if inter.slow else None, MessageLog(str(out))))
     t0 = time.perf_counter()
-    res = run_workloads_multiprocess(plan, [(reqs, opts)], chaos=WallLinkDelays(inter), timeout=600.0)[0]
+    scenario, res = run_streaming_cell(args.config, args.scenario, MessageLog(str(out)))
     every, idle = latencies(out)
     print(json.dumps({"scenario": scenario, "tokens_per_s": res.metrics["tokens_per_s"],
                       "wall_s": time.perf_counter() - t0, "messages": res.metrics["messages"], "logs": str(out),

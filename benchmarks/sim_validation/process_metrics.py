@@ -12,9 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def main() -> None:
+def run_streaming_cell(config: str, scenario=None, engine_setup=None):
+    """(scenario, the run's RunResult): the config's streaming cell in real rank processes, with its scenario's link
+    delays and slow ranks, and `engine_setup` (a picklable hook, run in each rank process) after them."""
     from dataflow.cmd_compile import resolve_model
-    from lab.bench import WallLinkDelays, WallSlowRanks, _requests, _router
+    from lab.bench import WallLinkDelays, WallSlowRanks, _requests, _router, _setups
     from lab.routing_override import RoutedBy
     from lab.bench_config import load_config
     from lab.interference import from_config
@@ -22,8 +24,8 @@ def main() -> None:
     from runtime.core.requests import Request
     from runtime.drivers.cluster import RunOptions
     from runtime.drivers.multiproc import run_workloads_multiprocess
-    cfg = load_config(sys.argv[1])
-    scenario = sys.argv[2] if len(sys.argv) > 2 else cfg.clean_scenario
+    cfg = load_config(config)
+    scenario = scenario or cfg.clean_scenario
     spec, _ = resolve_model(cfg.model)
     plan = compile_plan(spec, cfg.ranks)
     router = _router(cfg, spec)
@@ -33,9 +35,13 @@ def main() -> None:
             for q in requests]
     opts = RunOptions(policy=cfg.policies[0], clock="wall", kv_blocks=cfg.kv_blocks,
                       executor_wrapper=None if router is None else RoutedBy(router),
-                      engine_setup=WallSlowRanks(inter) if inter.slow else None)
+                      engine_setup=_setups(WallSlowRanks(inter) if inter.slow else None, engine_setup))
+    return scenario, run_workloads_multiprocess(plan, [(reqs, opts)], chaos=WallLinkDelays(inter), timeout=600.0)[0]
+
+
+def main() -> None:
     t0 = time.perf_counter()
-    res = run_workloads_multiprocess(plan, [(reqs, opts)], chaos=WallLinkDelays(inter), timeout=600.0)[0]
+    _, res = run_streaming_cell(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
     m = dict(res.metrics)
     m["wall_s"] = time.perf_counter() - t0
     print(json.dumps(m, indent=1, default=str))

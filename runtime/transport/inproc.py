@@ -5,10 +5,10 @@ Used by the tests, the in-process `dataflow run --in-process`, and the simulator
 per-link latency and jitter reproducibly. Per (src, dst) FIFO order holds even with random delays:
 a message never becomes deliverable before the one sent before it on the same link.
 
-Tensors are cloned at send, as a real wire would copy them: the sender may reuse its buffers. `copy=False` (an
-executor whose outputs are all new tensors, ExecutorBase.fresh_outputs, e.g. the simulator's) sends them as they are:
-the engine writes no tensor it sent or received (expert rows are read by the owner's batch, outputs copied into the
-home's merge buffer).
+Tensors are cloned at send, as a real wire would copy them: the sender may reuse its buffers. `copy=False` (for an
+executor whose outputs are all new tensors, which says so with `fresh_outputs = True` as SimExecutor does) sends them
+as they are: the engine writes no tensor it sent or received (expert rows are read by the owner's batch, outputs
+copied into the home's merge buffer).
 
 The virtual-clock driver takes delivery itself (`mail`, runtime/drivers/cluster.py): each message then goes onto
 one heap of (delivery, seq, dst, src, meta, tensor) that the driver pops and hands to the destination's engine at its
