@@ -200,6 +200,13 @@ class ZipfRouting:
 
     def __call__(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
                  positions: Sequence[int], steps: Optional[Sequence[int]] = None):
+        idx, w = self.arrays(layer, x, seq_ids, positions, steps)
+        return torch.from_numpy(idx), torch.from_numpy(w)
+
+    def arrays(self, layer: int, x: Optional[torch.Tensor], seq_ids: Sequence[Hashable],
+               positions: Sequence[int], steps: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+        """__call__'s answer as numpy arrays (int64 ids, float32 weights): what the host-routed dispatch takes
+        (KeyedRoutingExecutor.route_arrays: no tensors made here and read back as arrays, three torch calls less)."""
         T, k = len(seq_ids), self.top_k
         # One 64-bit key per token, then per (token, expert) a uniform in (0, 1) from its hash:
         #   base = sm(sm(sm(req ^ seed) ^ pos) ^ layer),  h = sm(base ^ expert),
@@ -222,7 +229,7 @@ class ZipfRouting:
         idx = np.empty((T, k), dtype=np.int64)
         w = np.empty((T, k))
         zipf_topk(base, self._table(layer), shifts, k, idx, w)
-        return torch.from_numpy(idx), torch.from_numpy(w.astype(np.float32))
+        return idx, w.astype(np.float32)
 
     def _small_keys(self, layer: int, seq_ids: Sequence[Hashable], positions: Sequence[int],
                     steps: Optional[Sequence[int]], T: int) -> tuple[np.ndarray, np.ndarray]:
@@ -387,9 +394,13 @@ class KeyedRoutingExecutor:
         self._inner = inner
         self._router = router
         self._keys: Optional[tuple[list, list[int]]] = None
+        self._arrays = getattr(router, "arrays", None)  # the router's numpy form (ZipfRouting.arrays), if it has one
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        value = getattr(self._inner, name)
+        if getattr(value, "__self__", None) is self._inner:  # a method of the executor's: kept here, so the engine's
+            self.__dict__[name] = value                       # next calls of it (per batch) skip this lookup
+        return value
 
     def attention(self, layer: int, h, positions, segments, kv):
         if len(segments) == len(positions):  # decode: one row per segment
@@ -402,15 +413,19 @@ class KeyedRoutingExecutor:
         return self._inner.attention(layer, h, positions, segments, kv)
 
     def route(self, layer: int, x):
+        return self._ask(self._router, layer, x)
+
+    # The routing the engine's dispatches send is this wrapper's (route()), never the inner executor's graph's:
+    # the host-routed dispatch takes route()'s ids and weights (as numpy arrays where the router makes them so),
+    # the device-routed one packs them with the rows.
+    def route_arrays(self, layer: int, x):
+        return self._ask(self._arrays or self._router, layer, x)
+
+    def _ask(self, router: Callable, layer: int, x):
         if self._keys is None or len(self._keys[0]) != x.shape[0]:
             raise RuntimeError("KeyedRoutingExecutor.route needs the rows of the preceding attention call")
         seq_ids, positions = self._keys
-        return self._router(layer, x, seq_ids, positions)
-
-    # The routing the engine's dispatches send is this wrapper's (route()), never the inner executor's graph's:
-    # the host-routed dispatch takes route()'s ids and weights, the device-routed one packs them with the rows.
-    def route_arrays(self, layer: int, x):
-        return self.route(layer, x)
+        return router(layer, x, seq_ids, positions)
 
     def routed_payload(self, layer: int, x):
         from runtime.core.routed_rows import pack

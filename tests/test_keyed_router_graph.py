@@ -91,9 +91,9 @@ def _served(where: str, monkeypatch):
     w = random_weights(spec)
     plan = compile_plan(spec, 2)
     seen = []
-    # Whoever answers the engine: the executor itself (graph; route_arrays, numpy), or the wrapper that calls
-    # the router (host; route(), tensors).
-    answers, method = (CudaExecutor, "route_arrays") if where == "graph" else (KeyedRoutingExecutor, "route")
+    # Whoever answers the engine (route_arrays, numpy arrays or tensors): the executor itself (graph), or the wrapper
+    # that calls the router (host).
+    answers, method = (CudaExecutor if where == "graph" else KeyedRoutingExecutor), "route_arrays"
     real = getattr(answers, method)
 
     def spy(self, layer, x):

@@ -178,9 +178,7 @@ class AttentionStage:
             sel = np.asarray(keep, dtype=np.int64)
 
         def rows_of(t):
-            if sel is None:
-                return t
-            return t[sel] if type(t) is np.ndarray else t.index_select(0, to_device(sel, t.device))
+            return t if sel is None else t[sel] if type(t) is np.ndarray else t.index_select(0, to_device(sel, t.device))
 
         nxt = batch.stage.next
         if "h_next" in out:  # a dense layer: no experts
@@ -190,8 +188,7 @@ class AttentionStage:
         # The batch's merge group, opened below with its dispatch order (host-routed) or its holders (device-routed).
         shared = rows_of(out["shared"]) if out["shared"] is not None else None
         n = np.asarray(ns, dtype=np.int64) if multi else None  # (None: one row each. A list -> array is ~1 us per 30 rows)
-        open_group = partial(self.merge.open, layer, rids, pos0s, first, n,
-                             rows_of(out["h_res"]), shared)
+        open_group = partial(self.merge.open, layer, rids, pos0s, first, n, rows_of(out["h_res"]), shared)
         if "payload" in out:
             self._dispatch_routed(batch, layer, open_group, rows_of, sent)
         else:

@@ -17,8 +17,6 @@ from runtime.core.scheduler import HOLD, StageView, StageViews
 if TYPE_CHECKING:
     from runtime.core.engine import StageInfo
 
-_EMPTY_VIEW = StageView(0.0, False, 0.0)  # every empty stage's view (shared: nothing writes to it)
-
 
 @dataclass(slots=True)
 class Batch:
@@ -37,10 +35,12 @@ class BatchChoice:
 
     def views(self) -> StageViews:
         """One StageView per stage for the policy. Most stages are empty at any moment: they share one
-        read-only view, and only the non-empty ones (the queues' shared `_active` set) are visited; `incoming` (the
-        wave hold's) is computed only where the policy reads it, on runnable stages."""
-        n, now, hold, queues, chunked = len(self.queues), self.clock.now(), self.policy.hold_fill > 0, self.queues, self._chunked
-        out, depths, runnable, active = StageViews([_EMPTY_VIEW] * n), [0.0] * n, [], sorted(self._active)
+        read-only view (Engine._no_views), and only the non-empty ones (the queues' shared `_active` set) are visited;
+        `incoming` (the wave hold's) is computed only where the policy reads it, on runnable stages."""
+        if not self._active:  # every stage empty (a quarter of the decisions in a 1-request-per-rank simulation)
+            return self._no_views  # (read-only, as every view in it: a policy keeps `depths`, never writes it)
+        now, hold, queues, chunked = self.clock.now(), self.policy.hold_fill > 0, self.queues, self._chunked
+        out, depths, runnable, active = StageViews(self._no_views), self._no_views.depths.copy(), [], sorted(self._active)
         for sid in active:  # (a non-empty queue has rows: without a chunked prompt in flight it is runnable)
             q = queues[sid]
             d = depths[sid] = q.rows * q.token_weight  # (MuQueue.depth)
@@ -117,8 +117,7 @@ class BatchChoice:
         items = q.take(self._eligibility(stage.id))
         tm.lap("take")
         if not items:
-            raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has "
-                               f"nothing runnable")
+            raise RuntimeError(f"rank {self.rank}: policy {self.policy.name} chose {stage.name}, which has nothing runnable")
         rows = items[0].n if len(items) == 1 else sum(it.n for it in items)
         if stage.kind == "attn" and rows >= stage.cap and q.rows:  # the cap cut a wave
             if q.rows < stage.cap // 4:

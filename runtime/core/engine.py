@@ -57,7 +57,7 @@ from runtime.core.replica_choice import ReplicaChoice
 from runtime.core.requests import Request
 from runtime.core.routed_rows import use_device_routing
 from runtime.core.sample_stage import SampleStage
-from runtime.core.scheduler import make_policy
+from runtime.core.scheduler import StageView, StageViews, make_policy
 from runtime.executors.base import Executor
 from runtime.observability.metrics import BATCH_LOG, BatchRecord, RankMetrics
 from runtime.observability.step_timer import StepTimer
@@ -114,7 +114,8 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         options = settings.current()
         self.cfg = cfg
         self.rank = cfg.rank
-        self.executor = executor
+        # (fresh_outputs: every tensor the executor returns is a new one; runtime/transport/inproc.py)
+        self.executor, self._fresh_outputs = executor, getattr(executor, "fresh_outputs", False)
         self.transport = transport
         self.clock = clock
         self.trace = trace
@@ -129,6 +130,9 @@ class Engine(BatchChoice, AttentionStage, ExpertDispatch, SampleStage):
         self._changes = [0]
         self._idle_at = -1  # self._changes when the last decision found nothing runnable
         self._active: set[int] = set()  # ids of the non-empty queues (MuQueue keeps it)
+        # The views of every stage while all are empty (BatchChoice.views): one view shared by every empty stage
+        self._no_views = StageViews([StageView(0.0, False, 0.0)] * len(cfg.stages))
+        self._no_views.depths, self._no_views.runnable, self._no_views.active = [0.0] * len(cfg.stages), [], []
         self.queues = [MuQueue(s.id, s.kind, s.layer, s.cap, 1.0 / k if s.kind == "expert" else 1.0, self._changes,
                                self._active) for s in cfg.stages]
         self.attn_stage = {s.layer: s.id for s in cfg.stages if s.kind == "attn"}
