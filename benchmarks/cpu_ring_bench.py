@@ -1,5 +1,6 @@
-"""What one hop of a ring collective costs the barrier baselines' rank processes on this CPU (lab/barrier_mp.py), for
-the virtual clock's CPU cost profile (lab/costs/cpu_tiny.yaml):
+"""What one hop of a ring collective costs the barrier baselines' rank processes on this CPU (lab/barrier_mp.py). The
+CPU cost profile took its hop from here until session 26; since session 27 lab/costs/cpu_tiny.yaml prices a hop as a
+message of the same transport measured inside the real runs (benchmarks/sim_validation/inrun_costs.py):
 
     python benchmarks/cpu_ring_bench.py --ranks 4 --rows 23 --hidden 48 --collectives 300
 

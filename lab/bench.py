@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import random
 from array import array
 import re
 import time
@@ -196,6 +197,12 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
     wall = cfg.clock == "wall"
     # The links: each on its own (the scenario's pure schedule), or a topology whose ports queue (one per run).
     link_delay = inter.delay if cfg.network is None else Network(cfg.network.topology(), inter.link, cfg.ranks).delay
+    # A measured delivery time of the rank processes' transport (CostConfig.message_latency) takes the place of the
+    # scenario's base latency for every message, the streaming engine's and the barrier ranks' ring hops alike (the
+    # same transport in the process bench); bursts and the rest of the link model still add. (check_config: only
+    # without a `network`)
+    software = cfg.cost.message_latency if not wall else None
+    base = inter.link.latency_s if software is not None else 0.0
 
     def count(src, dst, nbytes):
         key = f"{src}->{dst}"
@@ -209,11 +216,6 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         # list: a dict's get and set per message cost more, its entries scattered over memory)
         sent_bytes: list[Optional[int]] = [None] * (cfg.ranks * cfg.ranks)
         R, row_bytes, send_cpu = cfg.ranks, cfg.row_bytes, cost.send_cpu if not wall else 0.0
-        # A measured delivery time of the streaming transport (CostConfig.message_latency) takes the place of the
-        # scenario's base latency for streaming messages; bursts and the rest of the link model still add.
-        # (check_config: only without a `network`)
-        software = cfg.cost.message_latency if not wall else None
-        base = inter.link.latency_s if software is not None else 0.0
 
         def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock; called
             # for every message: no call or tuple it can do without)
@@ -234,9 +236,10 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
                 d = (depart - now) + link_delay(src, dst, nbytes, depart)
             return d if software is None or src == dst else d + software.draw(rng) - base
 
-        scaled = _ScaledCost(cost, inter)
+        scaled = _ScaledCost(cost, _compute_scale(inter, cfg.cost.batch_sigma, cell.repeat) if not wall else None)
+        # delay_seed: each round of a virtual-clock matrix draws its own jitter, spreads and misses (round 0: seed 0)
         opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks, delay=delay,
-                          trace=cfg.trace_dir is not None,
+                          delay_seed=cell.repeat, trace=cfg.trace_dir is not None,
                           engine_setup=_setups(decode_only if cfg.workload.decode_only else None,
                                                StaticCopies() if cell.system.endswith("s") else None),
                           batch_log=None)  # the report reads every batch
@@ -267,10 +270,16 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         max_q = res.metrics.get("max_queue_delay_s")
     else:
         from lab.barrier import run_barrier
+        sigma = cfg.cost.batch_sigma if cfg.cost.barrier_batch_sigma is None else cfg.cost.barrier_batch_sigma
+        scale = (None if wall else _compute_scale(inter, sigma, cell.repeat)) or inter.compute_scale
+        if software is not None:
+            hop, rng = link_delay, random.Random(f"latency {cell.repeat}")
+
+            def link_delay(src, dst, nbytes, now):
+                return hop(src, dst, nbytes, now) + (software.draw(rng) - base if src != dst else 0.0)
         res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[system], clock=cfg.clock,
-                          cost_model=cfg.cost.model(barrier=True),
-                          router=router, link_delay=link_delay, compute_scale=inter.compute_scale,
-                          kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
+                          cost_model=cfg.cost.model(barrier=True), router=router, link_delay=link_delay,
+                          compute_scale=scale, kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
         probe.link_bytes = res.link_bytes
         ranks = res.ranks
         max_q = None
@@ -298,22 +307,35 @@ class _Chain:
 
 
 class _ScaledCost:
-    """The cost model seen by the streaming cluster, times the scenario's compute scale of the rank
-    whose batch is being timed (set by the engine's execute wrapper just before the cluster asks)."""
+    """The cost model seen by the streaming cluster, times `scale(rank, now)` (_compute_scale) for the rank whose
+    batch is being timed (set by the engine's execute wrapper just before the cluster asks, with slow ranks)."""
 
-    def __init__(self, inner: CostModel, inter: Interference):
-        self.inner, self.inter = inner, inter
+    def __init__(self, inner: CostModel, scale: Optional[Callable[[int, float], float]]):
+        self.inner, self.scale = inner, scale
         self.rank, self.now = 0, 0.0
         self.with_sends = inner.with_sends  # (read at every batch end: an attribute, not a __getattr__ call)
-        if not inter.slow:  # nothing to scale: the cost model's own duration, without a call of this one per batch
+        if scale is None:  # nothing to scale: the cost model's own duration, without a call of this one per batch
             self.duration = inner.duration
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
-        d = self.inner.duration(kind, rows, experts)
-        return d * self.inter.compute_scale(self.rank, self.now) if self.inter.slow else d
+        return self.inner.duration(kind, rows, experts) * self.scale(self.rank, self.now)
 
     def __getattr__(self, name):   # send_cpu, with_sends, collective_*: not scaled (not compute)
         return getattr(self.inner, name)
+
+
+def _compute_scale(inter: Interference, sigma: float, seed: int) -> Optional[Callable[[int, float], float]]:
+    """The factor on a batch's cost on the virtual clock, per (rank, time), for every system: the scenario's slow
+    ranks, times a mean-1 lognormal of shape `sigma` drawn per batch from the round's seeded stream (cost.batch_sigma:
+    the spread of rank processes time-sharing cores). None: neither."""
+    if not sigma:
+        return inter.compute_scale if inter.slow else None
+    gauss, slow = random.Random(f"batch {seed}").gauss, inter.compute_scale if inter.slow else None
+
+    def scale(rank: int, now: float) -> float:
+        f = math.exp(sigma * gauss(0.0, 1.0) - sigma * sigma / 2)
+        return f * slow(rank, now) if slow is not None else f
+    return scale
 
 
 def _slow_rank(engine, scaled: _ScaledCost, inter: Interference, wall: bool) -> None:

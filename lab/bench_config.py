@@ -14,6 +14,7 @@ from runtime.executors.cost_model import CostModel
 STREAMING = "streaming"
 BARRIER_SYSTEMS = {"ag-ep": "ag", "a2a-ep": "a2a"}
 SYSTEMS = (STREAMING,) + tuple(BARRIER_SYSTEMS)
+KINDS = ("attn", "expert", "sample")  # a batch's kinds, as the cost fields name them
 
 
 class _Strict(BaseModel):
@@ -38,18 +39,18 @@ class RoutingConfig(_Strict):
     path: Optional[str] = None           # kind = trace
 
 
-class HostCost(_Strict):
-    """Host seconds one batch of a kind spends outside its math (the engine's or the barrier rank's own Python: queues,
-    scheduler, bookkeeping, launches): fixed + per_row x rows, in us."""
+class BatchCost(_Strict):
+    """One batch of a kind: fixed + per_row x rows, in us. Its host time outside the math (`host`, `barrier_host`: the
+    engine's or the barrier rank's own Python: queues, scheduler, bookkeeping, launches) or its math (`barrier_math`)."""
     fixed_us: float = Field(0.0, ge=0)
     per_row_us: float = Field(0.0, ge=0)
 
 
 class MessageLatency(_Strict):
-    """The streaming transport's own time to hand a message to an idle receiver, beyond the link's (the header and
-    payload through the rank processes' send, receive and wake-up; lab/message_log.py measures it in a real run):
-    floor_us + a lognormal of median median_us and shape sigma, drawn per message from the run's seeded stream. The
-    barrier baselines' collectives have theirs in collective_send_cpu_us and the scenario's link latency."""
+    """The rank processes' transport's own time to hand a message to an idle receiver, beyond the link's (the header
+    and payload through the send, receive and wake-up; lab/message_log.py measures it in a real run): floor_us + a
+    lognormal of median median_us and shape sigma, drawn per message from the run's seeded stream, for every system's
+    messages (the streaming engine's; the barrier ranks' ring hops, which pay collective_send_cpu_us each too)."""
     floor_us: float = Field(0.0, ge=0)
     median_us: float = Field(0.0, ge=0)
     sigma: float = Field(0.0, ge=0)
@@ -70,6 +71,14 @@ class CostConfig(_Strict):
     sample_per_row_us: float = 0.5
     # communication (runtime/executors/cost_model.py): defaults = free for the sender, direct collectives
     send_cpu_us: float = 0.0
+    # True: a streaming message landing while its rank runs a batch is received after the batch, a message_latency
+    # later (runtime/executors/cost_model.py busy_receive: CPU rank processes, whose receive threads wait for the GIL)
+    receive_after_batch: bool = False
+    # every batch's cost times a mean-1 lognormal factor of this shape, drawn per batch: rank processes that
+    # time-share cores run a batch at its mean cost only on average, and a layer waits for its slowest path (a merge
+    # for its top-k experts, a collective for every rank). 0: every batch its mean (lab/bench.py _compute_scale)
+    batch_sigma: float = Field(0.0, ge=0, le=3)
+    barrier_batch_sigma: Optional[float] = Field(None, ge=0, le=3)  # the barrier ranks' own; None: batch_sigma
     overlap_host: bool = True
     collective_fixed_us: dict[str, float] = Field(default_factory=lambda: {"ag": 0.0, "ar": 0.0, "a2a": 0.0})
     collective_send_cpu_us: float = 0.0
@@ -78,31 +87,37 @@ class CostConfig(_Strict):
     # max(compute, host) with overlap_host (a GPU runs the math while the host works), compute + host without (CPU
     # ranks). Empty: none (the compute numbers are the whole batch). `barrier_host`: the barrier baselines' ranks, whose
     # host code per batch is their own (lab/barrier_rank.py); None: the same as `host`.
-    host: dict[str, HostCost] = Field(default_factory=dict)
-    barrier_host: Optional[dict[str, HostCost]] = None
-    message_latency: Optional[MessageLatency] = None  # streaming messages only; None: the link's latency alone
+    host: dict[str, BatchCost] = Field(default_factory=dict)
+    barrier_host: Optional[dict[str, BatchCost]] = None
+    # The barrier ranks' math per kind, where it differs from the fields above (rank processes time-sharing a CPU's
+    # cores: a batch's wall time depends on how many ranks run at once, all of them at a barrier; each system's from
+    # its own ranks' timers, benchmarks/sim_validation/inrun_costs.py). None: the same math for every system.
+    barrier_math: Optional[dict[str, BatchCost]] = None
+    message_latency: Optional[MessageLatency] = None  # every message; None: the link's latency alone
 
     def model(self, barrier: bool = False) -> CostModel:
         bad = set(self.collective_fixed_us) - {"ag", "ar", "a2a"}
         if bad:
             raise UserError(f"cost.collective_fixed_us: unknown collective(s) {sorted(bad)}; valid: ag, ar, a2a")
         host = self.barrier_host if barrier and self.barrier_host is not None else self.host
-        bad = set(host) - {"attn", "expert", "sample"}
-        if bad:
-            raise UserError(f"cost.host: unknown kind(s) {sorted(bad)}; valid: attn, expert, sample")
+        own = self.barrier_math if barrier and self.barrier_math is not None else {}
+        for name, kinds in (("host", host), ("barrier_math", own)):
+            if bad := set(kinds) - set(KINDS):
+                raise UserError(f"cost.{name}: unknown kind(s) {sorted(bad)}; valid: {', '.join(KINDS)}")
+        math = {k: (getattr(self, f"{k}_fixed_us"), getattr(self, f"{k}_per_row_us")) for k in KINDS}
+        math |= {k: (c.fixed_us, c.per_row_us) for k, c in own.items()}
         from lab.barrier import BarrierCostModel
         cls = BarrierCostModel
         extra = {}
         if host:
             cls = HostCostModel
             extra = {"host": tuple((k, h.fixed_us * 1e-6, h.per_row_us * 1e-6) for k, h in sorted(host.items()))}
-        return cls(self.attn_fixed_us * 1e-6, self.attn_per_row_us * 1e-6, self.expert_fixed_us * 1e-6,
-                         self.expert_per_row_us * 1e-6, self.sample_fixed_us * 1e-6, self.sample_per_row_us * 1e-6,
-                         expert_per_expert=self.expert_per_expert_us * 1e-6,
-                         send_cpu=self.send_cpu_us * 1e-6, overlap_host=self.overlap_host,
-                         collective_fixed={k: v * 1e-6 for k, v in self.collective_fixed_us.items()},
-                         collective_send_cpu=self.collective_send_cpu_us * 1e-6,
-                         collective_algo=self.collective_algo, **extra)
+        return cls(*(v * 1e-6 for k in KINDS for v in math[k]), expert_per_expert=self.expert_per_expert_us * 1e-6,
+                   send_cpu=self.send_cpu_us * 1e-6, overlap_host=self.overlap_host,
+                   busy_receive=self.message_latency.draw if self.receive_after_batch else None,
+                   collective_fixed={k: v * 1e-6 for k, v in self.collective_fixed_us.items()},
+                   collective_send_cpu=self.collective_send_cpu_us * 1e-6,
+                   collective_algo=self.collective_algo, **extra)
 
 
 def _host_cost_model():
@@ -230,6 +245,9 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.cost.message_latency is not None and cfg.network is not None:
         raise UserError("cost.message_latency is a host's own delivery time, for a config without `network` (a "
                         "topology prices its links' latency itself)")
+    if cfg.cost.receive_after_batch and cfg.cost.message_latency is None:
+        raise UserError("cost.receive_after_batch: a message's receive after the batch takes cost.message_latency; "
+                        "set it (floor_us, median_us, sigma)")
     if cfg.network is not None:
         if cfg.clock != "virtual":
             raise UserError(f"network: a topology with queues is modelled on the virtual clock only (clock is "

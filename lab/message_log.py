@@ -8,6 +8,8 @@ transport `send` and `poll` and appends one line per event to DIR/rank{rank}.tsv
     S <dst> <t>                     a send to another rank, at its call
     R <src> <t> <poll_start>        a message from another rank handed to the engine by a poll that started at
                                     poll_start (a blocking idle poll starts before the message exists)
+    B <kind> <rows> <t>             a batch's start (its execute called)
+    X <t>                           its execute's return (the math: B to X)
     E <t>                           a batch's end (its complete returned): a message that reached a busy rank is
                                     handed over after it, at once or after more batches
 Times are time.perf_counter() (CLOCK_MONOTONIC: one time base for every process on a Linux host). The transport
@@ -33,7 +35,8 @@ class MessageLog:
             f.flush()
             lines.clear()
         atexit.register(flush)
-        inner_send, inner_poll, inner_complete, clock = tr.send, tr.poll, engine.complete, time.perf_counter
+        inner_send, inner_poll, clock = tr.send, tr.poll, time.perf_counter
+        inner_execute, inner_complete = engine.execute, engine.complete
 
         def send(dst, meta, tensor=None):
             if dst != rank:
@@ -49,8 +52,15 @@ class MessageLog:
                 if len(lines) > 4096:
                     flush()
             return out
+
+        def execute(batch):
+            lines.append(f"B {batch.stage.kind} {batch.rows} {clock():.7f}\n")
+            out = inner_execute(batch)
+            lines.append(f"X {clock():.7f}\n")
+            return out
+
         def complete(batch):
             out = inner_complete(batch)
             lines.append(f"E {clock():.7f}\n")
             return out
-        tr.send, tr.poll, engine.complete = send, poll, complete
+        tr.send, tr.poll, engine.execute, engine.complete = send, poll, execute, complete

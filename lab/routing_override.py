@@ -132,6 +132,13 @@ class ZipfRouting:
         self._seed64 = np.uint64(self.seed & 0xFFFFFFFFFFFFFFFF)
         warm_up_kernel()
 
+    def __setstate__(self, state: dict) -> None:
+        # A rank process gets the router pickled: load its kernel there too, before the run's clock starts (without
+        # this the barrier ranks paid the ~0.3 s load inside their first timed attention batch, ~5% of a CPU bench
+        # cell; session 27, benchmarks/results/sim_validation.md).
+        self.__dict__.update(state)
+        warm_up_kernel()
+
     def _order(self, layer: int) -> np.ndarray:
         """Experts sorted from hottest to coldest on `layer` before any drift (seeded per layer)."""
         if layer not in self._orders:

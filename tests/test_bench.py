@@ -221,35 +221,78 @@ def test_row_bytes_prices_every_row_a_message_carries(tmp_path):
     assert real["link_bytes"] == priced["link_bytes"] and sum(real["link_bytes"].values()) > 24 * 5 * 8
     assert real["tokens_per_s"] == priced["tokens_per_s"]
 
-def test_message_latency_takes_the_place_of_the_links_latency_for_streaming_messages_only(tmp_path):
-    """cost.message_latency (a measured delivery time of the streaming transport, lab/message_log.py): a fixed one
-    (sigma 0) in place of the scenario's latency_us gives streaming the run where the scenario says that latency
-    (to rounding); the barrier's collectives keep the scenario's. With a `network` (a topology pricing its own
-    links) it is refused."""
-    from graph_ir.errors import UserError
+def _tiny_cell_runs(tmp_path):
+    """run(latency_us, cost, name, **extra) -> {system: result} of a 3-rank decode-only tiny bench on the virtual
+    clock, streaming and ag-ep."""
     from graph_ir.spec import load_spec
     from lab.bench import run_bench
     from lab.bench_config import BenchConfig
+    spec = load_spec("models/specs/tiny.yaml")
 
-    def run(latency_us, message_latency, name, **extra):
+    def run(latency_us, cost, name, **extra):
         cfg = BenchConfig.model_validate({
             "ranks": 3, "clock": "virtual", "executor": "sim", "peak_window_s": 0.05,
             "workload": {"lengths": "fixed:6:5", "requests": 24, "rate": 1e6, "decode_only": True},
             "routing": {"kind": "zipf", "s": 1.0}, "policies": ["defrag"], "systems": ["streaming", "ag-ep"],
-            "baseline": "ag-ep", "cost": {"message_latency": message_latency} if message_latency else {},
-            "scenarios": {"clean": {"latency_us": latency_us}}, **extra})
+            "baseline": "ag-ep", "cost": cost or {}, "scenarios": {"clean": {"latency_us": latency_us}}, **extra})
         return {r["system"]: r for r in run_bench(cfg, spec, tmp_path / name)["results"]}
-    spec = load_spec("models/specs/tiny.yaml")
+    return run
+
+
+def test_message_latency_takes_the_place_of_the_links_latency_for_every_message(tmp_path):
+    """cost.message_latency (a measured delivery time of the rank processes' transport, lab/message_log.py): a fixed
+    one (sigma 0) in place of the scenario's latency_us gives both systems the run where the scenario says that
+    latency (to rounding); drawn (sigma > 0) it is seeded. With a `network` (a topology pricing its own links) it is
+    refused."""
+    from graph_ir.errors import UserError
+    run = _tiny_cell_runs(tmp_path)
     near, far = run(50, None, "near"), run(3000, None, "far")
-    measured = run(3000, {"floor_us": 30, "median_us": 20}, "measured")
-    assert measured["streaming"]["tokens_per_s"] == pytest.approx(near["streaming"]["tokens_per_s"], rel=1e-12)
-    assert measured["ag-ep"]["tokens_per_s"] == far["ag-ep"]["tokens_per_s"] != near["ag-ep"]["tokens_per_s"]
-    noisy = run(3000, {"floor_us": 30, "median_us": 20, "sigma": 1.0}, "noisy")
-    assert noisy["streaming"]["tokens_per_s"] != near["streaming"]["tokens_per_s"]
-    assert noisy["streaming"]["tokens_per_s"] == run(3000, {"floor_us": 30, "median_us": 20, "sigma": 1.0},
-                                                     "again")["streaming"]["tokens_per_s"]  # seeded: a rerun is equal
+    measured = run(3000, {"message_latency": {"floor_us": 30, "median_us": 20}}, "measured")
+    for system in ("streaming", "ag-ep"):
+        assert measured[system]["tokens_per_s"] == pytest.approx(near[system]["tokens_per_s"], rel=1e-9)
+        assert far[system]["tokens_per_s"] < near[system]["tokens_per_s"]
+    noisy = run(3000, {"message_latency": {"floor_us": 30, "median_us": 20, "sigma": 1.0}}, "noisy")
+    again = run(3000, {"message_latency": {"floor_us": 30, "median_us": 20, "sigma": 1.0}}, "again")
+    for system in ("streaming", "ag-ep"):  # seeded: a rerun is equal
+        assert noisy[system]["tokens_per_s"] == again[system]["tokens_per_s"] != near[system]["tokens_per_s"]
     with pytest.raises(UserError, match="message_latency .* without `network`"):
-        run(3000, {"floor_us": 30}, "net", network={"gpus_per_node": 1})
+        run(3000, {"message_latency": {"floor_us": 30}}, "net", network={"gpus_per_node": 1})
+
+
+def test_receive_after_batch_and_batch_sigma_slow_a_cell_seeded_per_round(tmp_path):
+    """cost.receive_after_batch (a message landing while its rank runs a batch is received after it, a
+    message_latency later) costs streaming throughput and leaves the barrier's alone; cost.batch_sigma (a mean-1
+    lognormal spread per batch) costs both systems throughput (a layer waits for its slowest path); each round of
+    the matrix draws its own (round 0 reruns equal)."""
+    from graph_ir.errors import UserError
+    run = _tiny_cell_runs(tmp_path)
+    lat = {"floor_us": 300, "median_us": 200}
+    base = run(50, {"message_latency": lat, "attn_fixed_us": 400, "expert_fixed_us": 400}, "base")
+    deferred = run(50, {"message_latency": lat, "attn_fixed_us": 400, "expert_fixed_us": 400,
+                        "receive_after_batch": True}, "deferred")
+    assert deferred["streaming"]["tokens_per_s"] < base["streaming"]["tokens_per_s"]
+    assert deferred["ag-ep"]["tokens_per_s"] == base["ag-ep"]["tokens_per_s"]
+    spread = run(50, {"message_latency": lat, "attn_fixed_us": 400, "expert_fixed_us": 400, "batch_sigma": 1.0},
+                 "spread", repeats=2)
+    for system in ("streaming", "ag-ep"):
+        assert spread[system]["tokens_per_s"] < base[system]["tokens_per_s"]
+        rounds = spread[system]["tokens_per_s_repeats"]
+        assert len(rounds) == 2 and rounds[0] != rounds[1]
+    with pytest.raises(UserError, match="receive_after_batch"):
+        run(50, {"receive_after_batch": True}, "no-latency")
+
+
+def test_barrier_math_prices_the_barrier_ranks_batches_only(tmp_path):
+    """cost.barrier_math (each system's math from its own ranks' timers): a dearer barrier attention slows all-gather
+    EP and leaves streaming's run as it was; an unknown kind is refused by name."""
+    from graph_ir.errors import UserError
+    run = _tiny_cell_runs(tmp_path)
+    same = run(50, {"attn_fixed_us": 400}, "same")
+    dear = run(50, {"attn_fixed_us": 400, "barrier_math": {"attn": {"fixed_us": 900}}}, "dear")
+    assert dear["streaming"]["tokens_per_s"] == same["streaming"]["tokens_per_s"]
+    assert dear["ag-ep"]["tokens_per_s"] < same["ag-ep"]["tokens_per_s"]
+    with pytest.raises(UserError, match="barrier_math: unknown kind.*'atn'"):
+        run(50, {"barrier_math": {"atn": {"fixed_us": 900}}}, "typo")
 
 
 def test_defrag_history_weight_stage_in_front_of_a_steady_queue():

@@ -6,9 +6,14 @@ profile's streaming inputs, lab/costs/cpu_tiny.yaml): one streaming cell of a `c
    lognormal fitted to it (cost.message_latency);
 2. the serving loop's phase timers (the profile_ranks option, no cProfile): CPU per send call (cost.send_cpu_us) and
    the host per batch outside execute and sends (complete, feed of arrivals, next_batch, poll, tick, finish notices:
-   cost.host, the same for every kind).
+   cost.host, the same for every kind);
+3. every batch's math (execute) by rows as affine costs per kind (the math fields), and the spread of its whole time
+   (execute + complete) around its size's mean (cost.batch_sigma).
+`--system ag-ep`: the barrier baseline's cell instead: its batches' math (the barrier ranks' own timers) as affine
+costs per kind (cost.barrier_math) and their spread.
 
     python benchmarks/sim_validation/inrun_costs.py benchmarks/cpu_bench_process_slowrank.yaml [SCENARIO] [-o DIR]
+    python benchmarks/sim_validation/inrun_costs.py benchmarks/cpu_bench_process_slowrank.yaml --system ag-ep
 """
 import argparse
 import json
@@ -33,6 +38,8 @@ def read_logs(log_dir: Path) -> tuple[dict, dict, dict]:
         me = int(path.stem[4:])
         for line in path.read_text().splitlines():
             f = line.split()
+            if f[0] in "BX":
+                continue  # (a batch's start and its math's end: batch_costs reads them)
             if f[0] == "S":
                 sends[(me, int(f[1]))].append(float(f[2]))
             elif f[0] == "R":
@@ -73,6 +80,99 @@ def busy_receivers(log_dir: Path, floor_s: float) -> dict:
     c = np.array(counts)
     return {"n": int(len(c)), "batch_ends_between": {str(k): int((c == k).sum()) for k in range(4)} | {"4+": int((c >= 4).sum())},
             "after_last_end": describe(np.array(after))}
+
+
+def logged_batches(log_dir: Path) -> list[tuple[str, int, float, float]]:
+    """Every streaming batch of the logs: (kind, rows, its math: execute's seconds, the whole: execute + complete with
+    its sends)."""
+    out = []
+    for path in sorted(log_dir.glob("rank*.tsv")):
+        start = math_end = None
+        for line in path.read_text().splitlines():
+            f = line.split()
+            if f[0] == "B":
+                start, math_end = (f[1], int(f[2]), float(f[3])), None
+            elif f[0] == "X" and start is not None:
+                math_end = float(f[1])
+            elif f[0] == "E" and start is not None and math_end is not None:
+                out.append((start[0], start[1], math_end - start[2], float(f[1]) - start[2]))
+                start = None
+    return out
+
+
+def _row_groups(batches, column: int, rows: bool = False) -> dict:
+    """The batches' seconds (`column` of each) by (kind, rows within a power of 2); with `rows`, each group's (mean
+    rows, mean seconds, count) instead."""
+    groups: dict[tuple[str, int], list] = defaultdict(list)
+    for b in batches:
+        groups[(b[0], b[1].bit_length())].append((b[1], b[column]))
+    if rows:
+        return {k: (float(np.mean([r for r, _ in v])), float(np.mean([t for _, t in v])), len(v))
+                for k, v in groups.items()}
+    return {k: np.array([t for _, t in v]) for k, v in groups.items()}
+
+
+def affine_costs(batches, column: int = 2, max_rows: int = 128) -> dict:
+    """Per kind, fixed_us + per_row_us x rows through its batches' mean seconds (`column`): a least-squares line
+    through the means of its row groups (rows within a power of 2), each weighted by its count (a cost profile's math
+    fields). Batches of no rows (a barrier rank with none in a step: ~1 us) are left out. Where no line with both
+    parts >= 0 fits every group (the barrier's attention: its prompt batches at the run's start, all ranks at once and
+    the first calls' warm-up in them, take 5x what its decode batches' line gives), the line through the groups of up
+    to `max_rows` rows. Each group's measured mean and the line's value are reported beside it ("groups")."""
+    out = {}
+    for kind in sorted({b[0] for b in batches}):
+        groups = sorted(_row_groups([b for b in batches if b[0] == kind and b[1] > 0], column, rows=True).values())
+        for fit in (groups, [g for g in groups if g[0] <= max_rows]):
+            x, y, n = (np.array(v, dtype=float) for v in zip(*fit))
+            per_row, fixed = np.polyfit(x, y, 1, w=np.sqrt(n)) if len(fit) > 1 else (0.0, y[0])
+            if per_row >= 0 and fixed >= 0:
+                break
+        else:  # (a cost is never negative: the count-weighted mean, flat)
+            per_row, fixed = 0.0, float(np.average(y, weights=n))
+        out[kind] = {"fixed_us": round(float(fixed) * 1e6, 1), "per_row_us": round(float(per_row) * 1e6, 3),
+                     "fitted_rows": f"1-{int(max(x))}", "groups": [
+                         {"rows": round(gx, 1), "batches": gn, "mean_us": round(gy * 1e6),
+                          "line_us": round((fixed + per_row * gx) * 1e6)} for gx, gy, gn in groups]}
+    return out
+
+
+def batch_spread(batches, column: int = 3) -> dict:
+    """How far a batch's wall time (`column`) strays from the mean of its kind's batches of about its size (rows within
+    a power of 2): the ratio's quantiles over every batch (groups of 20 or more), and the mean-1 lognormal with its
+    median (cost.batch_sigma = sqrt(-2 ln median)): the spread that rank processes time-sharing the cores add, which
+    a profile of mean costs leaves out."""
+    ratios = np.concatenate([v / v.mean() for v in _row_groups(batches, column).values() if len(v) >= 20])
+    q = np.percentile(ratios, [10, 50, 90, 99])
+    sigma = float(np.sqrt(-2 * np.log(q[1]))) if q[1] < 1 else 0.0
+    lognormal = np.exp(sigma * np.array([-1.2816, 0.0, 1.2816, 2.3263]) - sigma * sigma / 2)
+    return {"batches": int(len(ratios)), "ratio_p10_p50_p90_p99": [round(float(v), 3) for v in q],
+            "batch_sigma": round(sigma, 3), "its_p10_p50_p90_p99": [round(float(v), 3) for v in lognormal]}
+
+
+def barrier_costs(config: str, scenario=None, system: str = "ag-ep", repeats: int = 3) -> dict:
+    """A barrier baseline's cell of the config in real rank processes (lab/bench.py _process_barrier), `repeats`
+    times: its batches' math (each batch record's start to end, timed by the barrier ranks), pooled over the runs, as
+    affine costs and their spread (a run has few large prompt batches: one run's line through them is noisy)."""
+    from dataflow.cmd_compile import resolve_model
+    from lab.bench import _process_barrier, _requests, _router
+    from lab.bench_config import load_config
+    from lab.interference import from_config
+    from lab.report import summarize
+    from lowering.plan import compile_plan
+    cfg = load_config(config)
+    scenario = scenario or cfg.clean_scenario
+    spec, _ = resolve_model(cfg.model)
+    plan = compile_plan(spec, cfg.ranks)
+    inter = from_config(cfg.scenarios[scenario] or {}, scenario, None)
+    names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
+    batches, tokens_per_s = [], []
+    for _ in range(repeats):
+        run = _process_barrier(cfg, plan, _requests(cfg, spec, None), system, scenario, inter, names,
+                               _router(cfg, spec))
+        batches += [(b.kind, b.size, b.t_end - b.t_start, b.t_end - b.t_start) for b in run.batches]
+        tokens_per_s.append(round(summarize(run, cfg.peak_window_s)["tokens_per_s"], 1))
+    return {"system": system, "scenario": scenario, "tokens_per_s": tokens_per_s,
+            "math": affine_costs(batches), "batch_spread": batch_spread(batches)}
 
 
 def describe(x: np.ndarray) -> dict:
@@ -122,7 +222,12 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("scenario", nargs="?")
     ap.add_argument("-o", "--out", type=Path, help="keep the per-rank logs here (default: a temporary directory)")
+    ap.add_argument("--system", default="streaming", help="streaming (default) or a barrier baseline (ag-ep): its "
+                    "batches' math and spread only")
     args = ap.parse_args()
+    if args.system != "streaming":
+        print(json.dumps(barrier_costs(args.config, args.scenario, args.system), indent=1))
+        return
     from lab.message_log import MessageLog
     from process_metrics import run_streaming_cell
     out = args.out or Path(tempfile.mkdtemp(prefix="inrun-"))
@@ -137,6 +242,7 @@ def main() -> None:
                       "wall_s": time.perf_counter() - t0, "messages": res.metrics["messages"], "logs": str(out),
                       "idle_receiver": describe(idle), "every": describe(every),
                       "fit_idle_receiver": fit(idle), "phases": phases(out),
+                      "math": affine_costs(batches := logged_batches(out)), "batch_spread": batch_spread(batches),
                       "busy_receiver": busy_receivers(out, float(np.percentile(idle, 5)) if len(idle) else 0.0)},
                      indent=1))
 

@@ -13,6 +13,7 @@ Two loops over the same engines:
 from __future__ import annotations
 
 import math
+import random
 import time
 from heapq import heappop, heappush
 from dataclasses import dataclass, field
@@ -228,6 +229,7 @@ class Cluster:
         settled: dict[int, int] = {}             # idle rank -> the event at which it last found nothing to do
         restless, touched, carry, it, finishing = set(range(R)), [], set(), 0, False
         send_cpu, per_expert, duration = getattr(cost, "send_cpu", 0.0), getattr(cost, "expert_per_expert", 0.0), cost.duration
+        receive, rng = getattr(cost, "busy_receive", None), random.Random(f"receive {self.options.delay_seed}")
         while True:
             it += 1
             now = clock.now()
@@ -252,6 +254,8 @@ class Cluster:
                             heappush(ends, (now + tail, r))
                             continue
                 for m in held[r]:  # (due now: straight to its visit this pass, as the mail loop would put it)
+                    if receive is not None and m[0] <= now and m[3] != r:  # landed during the batch: received from
+                        m = (now + receive(rng),) + m[1:]                    # now on (cost.busy_receive)
                     due[r].append(m) if m[0] <= now else heappush(mail, m)
                 held[r].clear()
             if finishing:  # some rank this event freed or the last one visited has finished requests

@@ -9,6 +9,10 @@ is the scenario's link model in lab/interference.py, not this file):
 - `send_cpu`: host seconds the *sender* spends per point-to-point message it issues (torch
   `dist.isend` ~30 us on the H200 pair; ZeroMQ + gloo on the CPU machines ~230 us per message).
   Messages leave one after the other, `send_cpu` apart.
+- `busy_receive`: where a message that lands while its rank runs a batch has its receive (header, payload,
+  completion) done only after the batch, the seconds from the batch's end until it is ready, drawn per message
+  (rng -> s); the rank takes it at its next loop turn. CPU rank processes: their receive threads wait for the engine
+  thread's GIL and a core (benchmarks/results/sim_validation.md, session 27). None: ready at the batch's end.
 - `overlap_host`: True when host work pipelines with device work (a GPU: the CPU issues batch i's
   sends while the device runs batch i+1), so a streaming batch occupies its rank for
   max(device time, host time); False when both share the same cores (CPU-only runs): the sum.
@@ -20,7 +24,8 @@ free for the sender): they are what the unit tests use. Measured profiles are th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 
 _FIELDS = {k: (f"{k}_fixed", f"{k}_per_row") for k in ("attn", "expert", "sample")}
@@ -38,6 +43,7 @@ class CostModel:
     # replicas put more distinct experts in a rank's batches); 0 keeps a batch's cost independent of its experts
     expert_per_expert: float = 0.0
     send_cpu: float = 0.0
+    busy_receive: Optional[Callable[[object], float]] = field(default=None, compare=False)  # (a random.Random) -> s
     overlap_host: bool = True
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
