@@ -48,7 +48,7 @@ from lab.network import Network
 SIM_DEVICE_MEMORY_GIB = 141.0   # an H200: a simulated rank's memory unless the config says otherwise
 from lab.lengths import length_distribution
 from lab.static_replicas import StaticCopies
-from lab.report import BatchRecord, QueueDepths, RequestRecord, RunRecord, environment, write_report
+from lab.report import QueueDepths, RequestRecord, RunRecord, environment, write_report
 from runtime.core.requests import Request
 
 
@@ -283,7 +283,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         probe.link_bytes = res.link_bytes
         ranks = res.ranks
         max_q = None
-    batches = [BatchRecord(b.rank, b.kind, b.layer, b.rows, b.t_start, b.t_end) for m in ranks for b in m.batches]
+    batches = [b for m in ranks for b in m.batches]  # (the ranks' own records: the report reads them as they are)
     records = [RequestRecord(q.name, q.arrival, list(q.token_times), len(q.prompt), admit=q.t_admit) for q in reqs]
     stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
     return RunRecord(cell.system, cell.policy if system == STREAMING else "-", cell.scenario, records, batches,
@@ -522,8 +522,7 @@ def _process_barrier(cfg: BenchConfig, plan, requests: list[Request], system: st
     done = {q.rid: q for q in out["requests"]}
     records = [RequestRecord(q.name, q.arrival, list(done[q.rid].token_times) if q.rid in done else [], len(q.prompt),
                              admit=done[q.rid].t_admit if q.rid in done else None) for q in reqs]
-    batches = [BatchRecord(b.rank, b.kind, b.layer, b.rows, b.t_start, b.t_end)
-               for r in res.results for b in r["metrics"].batches]
+    batches = [b for r in res.results for b in r["metrics"].batches]
     return RunRecord(system, "-", scenario, records, batches, [], {}, None, stage_names,
                      extra={"unfinished": len(reqs) - len(done), "bench_wall_s": time.perf_counter() - t0,
                             "processes": cfg.ranks})

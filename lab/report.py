@@ -32,6 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from runtime.observability.metrics import BatchRecord  # the runs' own batch records (rank, kind, rows, times)
+
 
 @dataclass
 class RequestRecord:
@@ -40,16 +42,6 @@ class RequestRecord:
     token_times: list[float]            # one per output token, in order
     prompt_len: int = 0
     admit: Optional[float] = None       # when it got its KV (home rank); None if unknown
-
-
-@dataclass
-class BatchRecord:
-    rank: int
-    kind: str                           # "attn", "expert", "sample", ...
-    layer: int
-    size: int                           # rows (tokens; routed copies for experts)
-    t_start: float
-    t_end: float
 
 
 @dataclass
@@ -160,7 +152,7 @@ def summarize(run: RunRecord, peak_window_s: float = 60.0) -> dict:
     out["busy_fraction"] = float(busy / (dur * ranks)) if dur > 0 and ranks else None
     kinds = sorted({b.kind for b in run.batches})
     for k in kinds:
-        sizes = np.array([b.size for b in run.batches if b.kind == k], dtype=np.float64)
+        sizes = np.array([b.rows for b in run.batches if b.kind == k], dtype=np.float64)
         out["batches"][k] = {"count": int(sizes.size), "mean_size": float(sizes.mean()), "max_size": int(sizes.max())}
     out.update(run.extra)
     return out

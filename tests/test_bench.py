@@ -11,8 +11,8 @@ from lab.report import (BatchRecord, QueueSample, RequestRecord, RunRecord, comp
 def _run(system, scenario, gap, policy="-", n_req=4, n_tok=10):
     reqs = [RequestRecord(f"r{i}", arrival=0.1 * i, token_times=[0.1 * i + 0.5 + gap * j for j in range(n_tok)])
             for i in range(n_req)]
-    batches = [BatchRecord(0, "attn", 0, 4, 0.0, 0.01), BatchRecord(1, "attn", 0, 2, 0.0, 0.01),
-               BatchRecord(0, "expert", 0, 8, 0.01, 0.02)]
+    batches = [BatchRecord(0, 0, "attn", 0, 4, 0.0, 0.01, 0.0), BatchRecord(1, 0, "attn", 0, 2, 0.0, 0.01, 0.0),
+               BatchRecord(0, 1, "expert", 0, 8, 0.01, 0.02, 0.0)]
     qs = [QueueSample(t=0.01 * i, rank=i % 2, stage=i % 4, depth=i % 5) for i in range(200)]
     return RunRecord(system, policy, scenario, reqs, batches, qs, {"0->1": 100, "1->0": 50}, max_queue_delay_s=0.003)
 

@@ -169,7 +169,7 @@ def barrier_costs(config: str, scenario=None, system: str = "ag-ep", repeats: in
     for _ in range(repeats):
         run = _process_barrier(cfg, plan, _requests(cfg, spec, None), system, scenario, inter, names,
                                _router(cfg, spec))
-        batches += [(b.kind, b.size, b.t_end - b.t_start, b.t_end - b.t_start) for b in run.batches]
+        batches += [(b.kind, b.rows, b.t_end - b.t_start, b.t_end - b.t_start) for b in run.batches]
         tokens_per_s.append(round(summarize(run, cfg.peak_window_s)["tokens_per_s"], 1))
     return {"system": system, "scenario": scenario, "tokens_per_s": tokens_per_s,
             "math": affine_costs(batches), "batch_spread": batch_spread(batches)}
