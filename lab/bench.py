@@ -237,7 +237,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
             return d if software is None or src == dst else d + software.draw(rng) - base
 
         scaled = _ScaledCost(cost, _compute_scale(inter, cfg.cost.batch_sigma, cell.repeat) if not wall else None)
-        # delay_seed: each round of a virtual-clock matrix draws its own jitter, spreads and misses (round 0: seed 0)
+        # delay_seed: each round of a virtual-clock matrix draws its own jitter, message latencies and batch spreads
+        # (round 0: seed 0, as before rounds drew apart)
         opts = RunOptions(policy=cell.policy, clock=cfg.clock, cost_model=scaled, kv_blocks=cfg.kv_blocks, delay=delay,
                           delay_seed=cell.repeat, trace=cfg.trace_dir is not None,
                           engine_setup=_setups(decode_only if cfg.workload.decode_only else None,
@@ -279,7 +280,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
                 return hop(src, dst, nbytes, now) + (software.draw(rng) - base if src != dst else 0.0)
         res = run_barrier(plan, executor, reqs, BARRIER_SYSTEMS[system], clock=cfg.clock,
                           cost_model=cfg.cost.model(barrier=True), router=router, link_delay=link_delay,
-                          compute_scale=scale, kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only, row_bytes=cfg.row_bytes)
+                          compute_scale=scale, kv_blocks=cfg.kv_blocks, decode_only=cfg.workload.decode_only,
+                          row_bytes=cfg.row_bytes)
         probe.link_bytes = res.link_bytes
         ranks = res.ranks
         max_q = None

@@ -255,7 +255,7 @@ class Cluster:
                             continue
                 for m in held[r]:  # (due now: straight to its visit this pass, as the mail loop would put it)
                     if receive is not None and m[0] <= now and m[3] != r:  # landed during the batch: received from
-                        m = (now + receive(rng),) + m[1:]                    # now on (cost.busy_receive)
+                        m = (now + receive(rng),) + m[1:]  # now on (cost.busy_receive; again if a batch starts first)
                     due[r].append(m) if m[0] <= now else heappush(mail, m)
                 held[r].clear()
             if finishing:  # some rank this event freed or the last one visited has finished requests

@@ -11,8 +11,9 @@ is the scenario's link model in lab/interference.py, not this file):
   Messages leave one after the other, `send_cpu` apart.
 - `busy_receive`: where a message that lands while its rank runs a batch has its receive (header, payload,
   completion) done only after the batch, the seconds from the batch's end until it is ready, drawn per message
-  (rng -> s); the rank takes it at its next loop turn. CPU rank processes: their receive threads wait for the engine
-  thread's GIL and a core (benchmarks/results/sim_validation.md, session 27). None: ready at the batch's end.
+  (rng -> s); the rank takes it at its next loop turn, and if it starts another batch before then, the receive
+  starts over at that batch's end. CPU rank processes: their receive threads wait for the engine thread's GIL
+  (benchmarks/results/sim_validation.md, session 27). None: ready at the batch's end.
 - `overlap_host`: True when host work pipelines with device work (a GPU: the CPU issues batch i's
   sends while the device runs batch i+1), so a streaming batch occupies its rank for
   max(device time, host time); False when both share the same cores (CPU-only runs): the sum.
