@@ -116,9 +116,9 @@ def affine_costs(batches, column: int = 2, max_rows: int = 128) -> dict:
     """Per kind, fixed_us + per_row_us x rows through its batches' mean seconds (`column`): a least-squares line
     through the means of its row groups (rows within a power of 2), each weighted by its count (a cost profile's math
     fields). Batches of no rows (a barrier rank with none in a step: ~1 us) are left out. Where no line with both
-    parts >= 0 fits every group (the barrier's attention: its prompt batches at the run's start, all ranks at once and
-    the first calls' warm-up in them, take 5x what its decode batches' line gives), the line through the groups of up
-    to `max_rows` rows. Each group's measured mean and the line's value are reported beside it ("groups")."""
+    parts >= 0 fits every group, the line through the groups of up to `max_rows` rows (so far only while the barrier
+    ranks' first prompt batches held a cold kernel load, 5x their line: fixed in session 27, `fitted_rows` says which
+    groups a line went through). Each group's measured mean and the line's value are reported beside it ("groups")."""
     out = {}
     for kind in sorted({b[0] for b in batches}):
         groups = sorted(_row_groups([b for b in batches if b[0] == kind and b[1] > 0], column, rows=True).values())
