@@ -100,16 +100,12 @@ def logged_batches(log_dir: Path) -> list[tuple[str, int, float, float]]:
     return out
 
 
-def _row_groups(batches, column: int, rows: bool = False) -> dict:
-    """The batches' seconds (`column` of each) by (kind, rows within a power of 2); with `rows`, each group's (mean
-    rows, mean seconds, count) instead."""
+def _row_groups(batches, column: int) -> list[np.ndarray]:
+    """The batches by (kind, rows within a power of 2): per group an array of (rows, seconds: `column`) pairs."""
     groups: dict[tuple[str, int], list] = defaultdict(list)
     for b in batches:
         groups[(b[0], b[1].bit_length())].append((b[1], b[column]))
-    if rows:
-        return {k: (float(np.mean([r for r, _ in v])), float(np.mean([t for _, t in v])), len(v))
-                for k, v in groups.items()}
-    return {k: np.array([t for _, t in v]) for k, v in groups.items()}
+    return [np.array(v, dtype=float) for v in groups.values()]
 
 
 def affine_costs(batches, column: int = 2, max_rows: int = 128) -> dict:
@@ -121,7 +117,8 @@ def affine_costs(batches, column: int = 2, max_rows: int = 128) -> dict:
     groups a line went through). Each group's measured mean and the line's value are reported beside it ("groups")."""
     out = {}
     for kind in sorted({b[0] for b in batches}):
-        groups = sorted(_row_groups([b for b in batches if b[0] == kind and b[1] > 0], column, rows=True).values())
+        groups = sorted((float(g[:, 0].mean()), float(g[:, 1].mean()), len(g))
+                        for g in _row_groups([b for b in batches if b[0] == kind and b[1] > 0], column))
         for fit in (groups, [g for g in groups if g[0] <= max_rows]):
             x, y, n = (np.array(v, dtype=float) for v in zip(*fit))
             per_row, fixed = np.polyfit(x, y, 1, w=np.sqrt(n)) if len(fit) > 1 else (0.0, y[0])
@@ -141,7 +138,7 @@ def batch_spread(batches, column: int = 3) -> dict:
     a power of 2): the ratio's quantiles over every batch (groups of 20 or more), and the mean-1 lognormal with its
     median (cost.batch_sigma = sqrt(-2 ln median)): the spread that rank processes time-sharing the cores add, which
     a profile of mean costs leaves out."""
-    ratios = np.concatenate([v / v.mean() for v in _row_groups(batches, column).values() if len(v) >= 20])
+    ratios = np.concatenate([g[:, 1] / g[:, 1].mean() for g in _row_groups(batches, column) if len(g) >= 20])
     q = np.percentile(ratios, [10, 50, 90, 99])
     sigma = float(np.sqrt(-2 * np.log(q[1]))) if q[1] < 1 else 0.0
     lognormal = np.exp(sigma * np.array([-1.2816, 0.0, 1.2816, 2.3263]) - sigma * sigma / 2)
