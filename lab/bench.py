@@ -93,6 +93,38 @@ class SparseDepths(QueueDepths):
     def __len__(self) -> int:
         return len(self._time) * self._stages
 
+    def mark(self) -> tuple[int, int]:
+        """Where the decisions recorded from now on start (a split run's fork: those before are every process's)."""
+        return len(self._time), len(self._stage)
+
+    def since(self, mark: tuple[int, int]) -> tuple:
+        """The decisions recorded after `mark`, as plain arrays (what a child process of a split run hands back)."""
+        d, s = mark
+        return (self._time[d:], self._who[d:], self._count[d:], self._stage[s:], self._depth[s:], self._stages)
+
+    def fold(self, mark: tuple[int, int], parts: list[tuple]) -> None:
+        """Other processes' decisions after `mark` (`since`) into this one's, in the order one process records them:
+        by time, then rank (a rank decides once at a time; ranks are visited in order)."""
+        mine = self.since(mark)
+        pieces = [mine, *parts]
+        t = np.concatenate([np.frombuffer(p[0]) for p in pieces])
+        who = np.concatenate([np.frombuffer(p[1], dtype=np.int64) for p in pieces])
+        count = np.concatenate([np.frombuffer(p[2], dtype=np.int64) for p in pieces])
+        stage = np.concatenate([np.frombuffer(p[3], dtype=np.int64) for p in pieces])
+        depth = np.concatenate([np.frombuffer(p[4]) for p in pieces])
+        order = np.lexsort((who, t))
+        start = np.cumsum(count) - count  # each decision's first stage entry
+        take = np.repeat(start[order], count[order]) + (np.arange(int(count.sum())) -
+                                                        np.repeat(np.cumsum(count[order]) - count[order], count[order]))
+        d, s = mark
+        del self._time[d:], self._who[d:], self._count[d:], self._stage[s:], self._depth[s:]
+        self._time.extend(t[order].tolist())
+        self._who.extend(who[order].tolist())
+        self._count.extend(count[order].tolist())
+        self._stage.extend(stage[take].tolist())
+        self._depth.extend(depth[take].tolist())
+        self._stages = max([self._stages] + [p[5] for p in parts])
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         t, rk = np.frombuffer(self._time), np.frombuffer(self._who, dtype=np.int64)
         if not len(t):
@@ -125,10 +157,26 @@ class SparseDepths(QueueDepths):
 
 @dataclass
 class _Probe:
-    """What the bench observes of a run from outside: bytes per link, queue depths over time."""
+    """What the bench observes of a run from outside: bytes per link, queue depths over time. Also the cluster's
+    `split_state` (RunOptions): a split run's processes each observe their own ranks, and the parent folds their
+    observations into its own (runtime/drivers/partitions.py)."""
     clock: object = None
     link_bytes: dict = field(default_factory=dict)
     queue: QueueDepths = field(default_factory=SparseDepths)
+    sent_bytes: Optional[list] = None  # src * ranks + dst -> bytes sent (a streaming cell's, counted by its link hook)
+    ranks: int = 0
+    _mark: tuple = (0, 0)
+
+    def split(self) -> None:
+        self._mark = self.queue.mark()
+
+    def export(self, own: range) -> tuple:
+        return self.queue.since(self._mark), own, self.sent_bytes[own.start * self.ranks:own.stop * self.ranks]
+
+    def merge(self, parts: list[tuple]) -> None:
+        self.queue.fold(self._mark, [p[0] for p in parts])
+        for _, own, sent in parts:  # (a source's bytes are counted where it sends: in its own process)
+            self.sent_bytes[own.start * self.ranks:own.stop * self.ranks] = sent
 
 
 class _DepthRecorder:
@@ -196,7 +244,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
     cost = cfg.cost.model()
     wall = cfg.clock == "wall"
     # The links: each on its own (the scenario's pure schedule), or a topology whose ports queue (one per run).
-    link_delay = inter.delay if cfg.network is None else Network(cfg.network.topology(), inter.link, cfg.ranks).delay
+    network = None if cfg.network is None else Network(cfg.network.topology(), inter.link, cfg.ranks)
+    link_delay = inter.delay if network is None else network.delay
     # A measured delivery time of the rank processes' transport (CostConfig.message_latency) takes the place of the
     # scenario's base latency for every message, the streaming engine's and the barrier ranks' ring hops alike (the
     # same transport in the process bench); bursts and the rest of the link model still add. (check_config: only
@@ -215,10 +264,13 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         # src * ranks + dst -> bytes, None where nothing was sent (probe.link_bytes's keys made once, at the end; a
         # list: a dict's get and set per message cost more, its entries scattered over memory)
         sent_bytes: list[Optional[int]] = [None] * (cfg.ranks * cfg.ranks)
+        probe.sent_bytes, probe.ranks = sent_bytes, cfg.ranks
         R, row_bytes, send_cpu = cfg.ranks, cfg.row_bytes, cost.send_cpu if not wall else 0.0
 
-        def delay(src, dst, meta, nbytes, rng):  # (the in-process transport's hook, on the cluster's clock; called
-            # for every message: no call or tuple it can do without)
+        link_depart = inter.delay if network is None else network.depart
+
+        def depart(src, dst, meta, nbytes, rng):  # (the sender's half of the in-process transport's hook, on the
+            # cluster's clock; called for every message: no call or tuple it can do without)
             if row_bytes is not None:   # rows: merge tags, (first, count) or an array (runtime/core/expert_wire.py)
                 rows = meta.get("rows", ())
                 nbytes = (rows[1] if type(rows) is tuple else len(rows)) * row_bytes
@@ -226,15 +278,28 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
             sent_bytes[key] = nbytes if sent is None else sent + nbytes
             now = clock.now()
             if not send_cpu:
-                d = 0.0 + link_delay(src, dst, nbytes, now)  # ((depart - now) + ..., depart = now)
+                lead, at = 0.0, now  # ((depart - now) + ..., depart = now)
             else:  # A batch's messages leave one after the other, send_cpu apart (the cluster charges the same host
                 # time to the sender's rank; runtime/executors/cost_model.py).
-                depart = host_free[src]
-                if now >= depart:  # (max(now, host_free[src]))
-                    depart = now
-                host_free[src] = depart + send_cpu
-                d = (depart - now) + link_delay(src, dst, nbytes, depart)
+                at = host_free[src]
+                if now >= at:  # (max(now, host_free[src]))
+                    at = now
+                host_free[src] = at + send_cpu
+                lead = at - now
+            d = link_depart(src, dst, nbytes, at)
+            if type(d) is tuple:  # between two nodes: the receiving node's port is booked by `land`
+                return d, lead, at
+            d = lead + d
             return d if software is None or src == dst else d + software.draw(rng) - base
+
+        def land(departed):  # the receiver's half (runtime/transport/inproc.py DelayFn): seconds from the send
+            port, lead, at = departed
+            return lead + (network.land(*port) - at)
+
+        def delay(src, dst, meta, nbytes, rng):
+            d = depart(src, dst, meta, nbytes, rng)
+            return land(d) if type(d) is tuple else d
+        delay.depart, delay.land = depart, land
 
         scaled = _ScaledCost(cost, _compute_scale(inter, cfg.cost.batch_sigma, cell.repeat) if not wall else None)
         # delay_seed: each round of a virtual-clock matrix draws its own jitter, message latencies and batch spreads
@@ -243,7 +308,9 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
                           delay_seed=cell.repeat, trace=cfg.trace_dir is not None,
                           engine_setup=_setups(decode_only if cfg.workload.decode_only else None,
                                                StaticCopies() if cell.system.endswith("s") else None),
-                          batch_log=None)  # the report reads every batch
+                          batch_log=None,  # the report reads every batch
+                          partitions=cfg.processes, split_state=probe,
+                          partition_align=cfg.network.gpus_per_node if cfg.network is not None else 1)
         cluster = Cluster(plan, executor, opts)
         probe.clock = clock = cluster.clock
         for e in cluster.engines:
@@ -268,7 +335,7 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
             Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
             res.trace.write(Path(cfg.trace_dir) / f"trace-{name}.json", cfg.ranks)
         ranks = [e.metrics for e in cluster.engines]
-        max_q = res.metrics.get("max_queue_delay_s")
+        max_q, split = res.metrics.get("max_queue_delay_s"), {"processes": res.metrics["partitions"]}
     else:
         from lab.barrier import run_barrier
         sigma = cfg.cost.batch_sigma if cfg.cost.barrier_batch_sigma is None else cfg.cost.barrier_batch_sigma
@@ -284,13 +351,13 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
                           row_bytes=cfg.row_bytes)
         probe.link_bytes = res.link_bytes
         ranks = res.ranks
-        max_q = None
+        max_q, split = None, {}
     batches = [b for m in ranks for b in m.batches]  # (the ranks' own records: the report reads them as they are)
     records = [RequestRecord(q.name, q.arrival, list(q.token_times), len(q.prompt), admit=q.t_admit) for q in reqs]
     stage_names = [f"{s.kind}({s.layer})" if s.kind != "sample" else "sample" for s in plan.stages]
     return RunRecord(cell.system, cell.policy if system == STREAMING else "-", cell.scenario, records, batches,
                      probe.queue, probe.link_bytes, max_q, stage_names,
-                     extra={"unfinished": sum(1 for q in reqs if not q.done)})
+                     extra={"unfinished": sum(1 for q in reqs if not q.done), **split})
 
 
 def _setups(*hooks):
@@ -318,6 +385,7 @@ class _ScaledCost:
         self.with_sends = inner.with_sends  # (read at every batch end: an attribute, not a __getattr__ call)
         if scale is None:  # nothing to scale: the cost model's own duration, without a call of this one per batch
             self.duration = inner.duration
+        self.min_duration = inner.min_duration if scale is None else lambda: 0.0  # (a drawn scale has no floor)
 
     def duration(self, kind: str, rows: int, experts: int = 1) -> float:
         return self.inner.duration(kind, rows, experts) * self.scale(self.rank, self.now)

@@ -186,6 +186,9 @@ class BenchConfig(_Strict):
     # A folder for a Chrome/Perfetto trace of every in-process streaming cell (trace-POLICY-SCENARIO-rN.json: each
     # rank's batches and scheduler decisions, the run's latest TRACE_BATCHES per rank). None: no traces.
     trace_dir: Optional[str] = None
+    # Virtual clock: split each streaming simulation over this many processes once everything is admitted (the same
+    # report, up to ~P x faster where the run allows it: runtime/drivers/partitions.py says where).
+    processes: int = Field(1, gt=0)
     clean_scenario: str = "clean"
     peak_window_s: float = Field(60.0, gt=0)
     heatmap_policies: list[str] = Field(default_factory=lambda: ["mtfs", "defrag"])

@@ -17,6 +17,7 @@ It is a bench config built from a few flags (`simulate_config`): for more contro
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,8 @@ from lowering.sizes import dtype_bytes
 # recorded 2 x H200 runs (benchmarks/results/sim_validation.md, session 25). h200.yaml (device costs only) predicted
 # those runs 6-154% fast, all-gather EP most: it stays as `--costs lab/costs/h200.yaml`, the ranks' device floor.
 COSTS = Path(__file__).parent / "costs" / "h200_host.yaml"
+# --processes' default: a split simulation gives the same report (runtime/drivers/partitions.py), so use the cores
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 NAMED_SCENARIOS = ("clean", "slow-nic", "slow-rank")
 
 
@@ -63,7 +66,7 @@ def _scenarios(names: list[str], ranks: int, gpus_per_node: int) -> dict:
 
 
 def simulate_config(model: str, spec, ranks: int, gpus_per_node: int, scenarios: list[str], costs: Path,
-                    requests_per_rank: int, new_tokens: int, systems: list[str], seed: int = 0):
+                    requests_per_rank: int, new_tokens: int, systems: list[str], seed: int = 0, processes: int = 1):
     """The bench config `simulate` runs."""
     from lab.bench_config import BenchConfig, CostConfig, validated
     if not costs.is_file():
@@ -81,7 +84,7 @@ def simulate_config(model: str, spec, ranks: int, gpus_per_node: int, scenarios:
         "routing": {"kind": "zipf", "s": 1.2, "drift_every": 32},
         "cost": cost.model_dump(), "systems": systems, "policies": ["defrag"], "baseline": "ag-ep" if "ag-ep" in systems
         else systems[0], "scenarios": named, "clean_scenario": clean, "peak_window_s": 0.05,
-        "heatmap_policies": ["defrag"],
+        "heatmap_policies": ["defrag"], "processes": processes,
     }, "simulate")
 
 
@@ -102,6 +105,9 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("simulate-out"), "-o", "--out", help="report directory"),
         trace: bool = typer.Option(False, "--trace", help="also write streaming's predicted schedule as Perfetto "
                                                           "traces (OUT/traces/trace-POLICY-SCENARIO-r0.json)"),
+        processes: int = typer.Option(CORES, "--processes", "-j", min=1,
+                                      help="split each streaming simulation over this many processes (the same "
+                                           "report, faster; default: one per CPU core this process may use)"),
     ) -> None:
         """Streaming vs barrier EP on a virtual cluster of N GPUs, clean and disturbed; write a report."""
         import torch
@@ -114,7 +120,8 @@ def register(app: typer.Typer) -> None:
         torch.set_num_threads(1)
         spec, _ = resolve_model(model)
         cfg = simulate_config(model, spec, ranks, gpus_per_node, scenario or ["clean", "slow-nic"], costs,
-                              requests_per_rank, new_tokens, [s.strip() for s in systems.split(",") if s.strip()])
+                              requests_per_rank, new_tokens, [s.strip() for s in systems.split(",") if s.strip()],
+                              processes=processes)
         if trace:
             cfg = cfg.model_copy(update={"trace_dir": str(out / "traces")})
         run_and_print(cfg, spec, out)

@@ -68,8 +68,16 @@ class Network:
             self._quiet = [r not in touched for r in range(ranks)]
 
     def delay(self, src: int, dst: int, nbytes: int, t: float) -> float:
-        """Seconds from `send` at time `t` until the message is fully at `dst`; books the ports it crosses. (Called
-        for every message of a simulation: transfer_s inlined, max() as comparisons, the same float operations.)"""
+        """Seconds from `send` at time `t` until the message is fully at `dst`; books the ports it crosses."""
+        d = self.depart(src, dst, nbytes, t)
+        return self.land(*d) - t if type(d) is tuple else d
+
+    def depart(self, src: int, dst: int, nbytes: int, t: float):
+        """The sender's half of `delay`: the seconds of a message that crosses no receive port, or, for one between
+        two nodes, its send port booked and `(receiving node, arrival at its port, tx, extra)` for `land`, which the
+        receiver's side calls in send order (a simulation split over processes lands each message in the process
+        of its receiver: runtime/drivers/partitions.py). (Called for every message of a simulation: transfer_s
+        inlined, max() as comparisons, the same float operations as one call.)"""
         if src == dst:
             return 0.0
         topo, quiet = self.topology, self._quiet
@@ -87,9 +95,13 @@ class Network:
         if t > start:
             start = t
         self.send_free[ns] = start + tx
-        first, arrive = self.recv_free[nd], start + topo.nic_latency_s
+        return nd, start + topo.nic_latency_s, tx, extra
+
+    def land(self, nd: int, arrive: float, tx: float, extra: float) -> float:
+        """The receiver's half of `delay`: the message books node `nd`'s receive port from `arrive`; the time it is
+        fully there."""
+        first = self.recv_free[nd]
         if arrive > first:
             first = arrive
         self.recv_free[nd] = first + tx
-        return first + tx + extra - t
-
+        return first + tx + extra

@@ -13,9 +13,10 @@ Two loops over the same engines:
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -30,6 +31,7 @@ from runtime.drivers.admission import Admission
 from runtime.core.scheduler import Defrag, Policy, make_policy
 from runtime.observability.trace import TRACE_BATCHES, TraceRecorder
 from runtime.transport.inproc import DelayFn, InprocHub
+from runtime.drivers.partitions import from_wire, to_wire
 
 
 @dataclass
@@ -67,6 +69,13 @@ class RunOptions:
     # rank 0 however many requests a long run serves. Needs output_path.
     keep_outputs: bool = True
     batch_log: Optional[int] = BATCH_LOG  # per-batch records an engine keeps (runtime/observability/metrics.py); None: every one
+    # Virtual clock: split the run over this many processes once everything is admitted, each a block of whole nodes
+    # of `partition_align` ranks (runtime/drivers/partitions.py; where it cannot, one process: metrics["partitions"]).
+    # `split_state`: what the caller observes of the run outside the engines (the lab's probes), folded back into this
+    # process at the end: split() at the fork in every process, export(ranks) in each child, merge(parts) here.
+    partitions: int = 1
+    partition_align: int = 1
+    split_state: Optional[object] = None
 
 
 @dataclass
@@ -138,10 +147,70 @@ class Cluster:
         return RuntimeError(f"run stalled ({why}) at t={self.clock.now():.6f}; admission waiting="
                             f"{self.admission.waiting}\n  {states}")
 
+    # ------------------------------------------------------------------ a split run (runtime/drivers/partitions.py)
+    def _why_not_split(self) -> Optional[str]:
+        from runtime.drivers.partitions import why_not
+        return why_not(self)
+
+    def _split(self, busy, ends, mail, restless, carry):
+        """Fork the run's processes; this one keeps its own ranks' events (every process holds the whole state as it
+        was: the others' ranks are left behind, idle forever here)."""
+        from runtime.drivers.partitions import split
+        o = self.options
+        part = split(self.world_size, o.partitions, o.partition_align, o.cost_model.min_duration())
+        own = part.own
+        ends[:] = [x for x in ends if x[1] in own]
+        heapify(ends)
+        mail[:] = [m for m in mail if m[2] in own]
+        heapify(mail)
+        restless.intersection_update(own)
+        carry.intersection_update(own)
+        self.hub.departures, self._sent_at_split, self._parts, self._part = [], self.hub.messages, len(part.ranks), part
+        if part.index:
+            o.progress = None  # (the parent reports; this is the child's copy of the options)
+        if o.split_state is not None:
+            o.split_state.split()
+        return part
+
+    def _join(self, part, done: list[Request], n_done: int) -> None:
+        """The end of a split run: each child hands the parent what the run's result needs of its ranks (their metrics,
+        the requests they finished, the messages they sent, the caller's `split_state`) and exits; the parent folds it
+        in, so that run() goes on as after a run in one process."""
+        from runtime.drivers.partitions import child_exit, copy_request
+        engines, own, o = self.engines, part.own, self.options
+        self._collect(done, len(self._requests), list(own))
+        if part.index:
+            for r in own:  # (run() does this for the parent's ranks)
+                engines[r].metrics.max_queue_delay = max(engines[r].metrics.max_queue_delay, engines[r].oldest_wait())
+            child_exit(part, (done[n_done:], {r: engines[r].metrics for r in own}, self.hub.messages - self._sent_at_split,
+                              o.split_state.export(own) if o.split_state is not None else None))
+        parts = part.exchange({}, self.clock.now())
+        for pid in part.children:
+            os.waitpid(pid, 0)
+        part.children = []
+        by_rid = {q.rid: q for q in self._requests}
+        states = []
+        for i in sorted(parts):
+            finished, metrics, sent, state = parts[i]
+            for q in finished:
+                copy_request(by_rid[q.rid], q)
+                done.append(by_rid[q.rid])
+            for r, m in metrics.items():
+                engines[r].metrics = m
+            self.hub.messages += sent
+            states.append(state)
+            self._remote.update(part.ranks[i])
+        done[n_done:] = sorted(done[n_done:], key=lambda q: (q.t_finish, q.rid))  # (finish order, across processes)
+        if o.split_state is not None:
+            o.split_state.merge(states)
+
     # ------------------------------------------------------------------ run
     def run(self, requests: list[Request]) -> RunResult:
         if len({r.rid for r in requests}) != len(requests):
             raise ValueError("request ids (rid) must be unique")
+        # a split run's share of this process (runtime/drivers/partitions.py), its process count, the ranks another
+        # process of it had
+        self._requests, self._part, self._parts, self._remote = requests, None, 1, set()
         # Latest arrival first so the next due request is pop()-ed from the end.
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid), reverse=True)
         done: list[Request] = []
@@ -153,7 +222,12 @@ class Cluster:
                 self._run_virtual(pending, done, len(requests))
             else:
                 self._run_wall(pending, done, len(requests))
-        except Exception as err:
+        except BaseException as err:
+            if self._part is not None:  # a split run: a child never returns into the caller; the parent ends them
+                from runtime.drivers.partitions import abandon
+                abandon(self._part)
+            if not isinstance(err, Exception):
+                raise
             # The work done so far goes with the error: `err.finished` (finish order; each already on its line of
             # options.output_path), as RunFailed.finished does for the multi-process runner.
             err.finished = list(done)
@@ -170,10 +244,12 @@ class Cluster:
         for e in self.engines:
             # Items still queued when a run stops (an `until` horizon) count with their wait so far:
             # a starved item must show up in the max queueing delay, not vanish from it.
-            e.metrics.max_queue_delay = max(e.metrics.max_queue_delay, e.oldest_wait())
+            if e.rank not in self._remote:
+                e.metrics.max_queue_delay = max(e.metrics.max_queue_delay, e.oldest_wait())
         metrics = summarize(requests, [e.metrics for e in self.engines], elapsed, policy=self.options.policy,
                             ranks=self.world_size, dispatch=self.engines[0].dispatch_name if self.engines else None,
                             messages=self.hub.messages)
+        metrics["partitions"] = self._parts  # processes the run used (RunOptions.partitions)
         return RunResult(list(requests), metrics, self.trace, self.world_size)
 
     def _run_wall(self, pending: list[Request], done: list[Request], total: int) -> None:
@@ -212,13 +288,16 @@ class Cluster:
         """Events in time order; at each: (1) batches ending now complete, in rank order; (2) arrivals are admitted;
         (3) idle ranks receive and start their next batch, in rank order; (4) the clock jumps to the next batch end,
         delivery to an idle rank, wave-hold expiry or arrival. Step 3 visits only the idle ranks something happened
-        to (a batch ended, mail is due, a request admitted, a hold or deferred batch pending, not yet visited): an
-        idle rank whose last decision found nothing runnable and whose state has not changed since would decide
-        nothing again (Engine.next_batch's idle skip), so its skipped visits are owed to its policy's repeat_idle
-        and paid when next visited (`_repeat_idle`). Same events, same order, same results as visiting every idle
-        rank at every event, which cost O(ranks) per event: 4.5M next_batch calls (49 of 120 s under cProfile) for
-        147k events in a 64-rank, 1-request-per-rank simulation (benchmarks/results/session22_sim_scaling.md, session
-        24), where this driver takes 0.14M."""
+        to (a batch ended, mail is due, a request admitted, a hold or deferred batch pending, not yet visited), not
+        every idle rank at every event (O(ranks) per event: 4.5M next_batch calls, 49 of 120 s under cProfile, for 147k
+        events in a 64-rank, 1-request-per-rank simulation; benchmarks/results/session22_sim_scaling.md, session 24).
+
+        An idle rank whose last decision found nothing runnable ("settled") spins until something changes, as a real
+        rank's serving loop does, deciding nothing again and again: when next visited, its policy has taken enough of
+        those idle decisions for its history to hold only its idle state (`_spin`: Defrag's ring of `history`
+        snapshots). Until session 28 it was owed one idle decision per event of the whole cluster since, so a rank's
+        history depended on how many other ranks the cluster has and how busy they were, and a simulation split over
+        processes (each seeing only its ranks' events) could not reproduce it."""
         clock, engines, hub, cost = self.clock, self.engines, self.hub, self.options.cost_model
         until, R, in_flight = self.options.until, self.world_size, hub._in_flight
         busy: list[Optional[tuple[float, Optional[Batch]]]] = [None] * R
@@ -226,33 +305,76 @@ class Cluster:
         mail = hub.mail = []                     # heap: (delivery, seq, dst, src, meta, tensor): every message sent
         held: list[list] = [[] for _ in range(R)]  # mail of a busy rank, not an event until it is idle
         due: list[list] = [[] for _ in range(R)]  # mail delivered, handed to the rank's engine at its next visit
-        settled: dict[int, int] = {}             # idle rank -> the event at which it last found nothing to do
-        restless, touched, carry, it, finishing = set(range(R)), [], set(), 0, False
+        settled: set[int] = set()                # idle ranks whose last decision found nothing to do
+        restless, touched, carry, finishing = set(range(R)), [], set(), False
         send_cpu, per_expert, duration = getattr(cost, "send_cpu", 0.0), getattr(cost, "expert_per_expert", 0.0), cost.duration
         receive, rng = getattr(cost, "busy_receive", None), random.Random(f"receive {self.options.delay_seed}")
+
+        def completed(r: int, b: tuple) -> float:
+            """Rank r's batch b ends now: complete it; the seconds its sends keep the rank busy after it (cost.send_cpu
+            each: the rank stays busy for what its device time did not hide)."""
+            sent = hub.messages
+            engines[r].complete(b[1])
+            sent = hub.messages - sent
+            if sent and send_cpu:
+                device = b[0] - b[1].t_start
+                return cost.with_sends(device, sent) - device
+            return 0.0
+
+        # A split run (runtime/drivers/partitions.py): this process's share once everything is admitted, the window
+        # whose batches are completed, the time the run ends (its last request's finish, learnt at a window's exchange)
+        split = self.options.partitions > 1 and self._why_not_split() is None
+        part, window_end, stop_at, finished = None, math.inf, math.inf, 0
+
+        def open_window(T: float) -> tuple[float, float]:
+            """The window [T, T + W): this process's batches ending in it completed, each at its end (the module
+            doc's why), their messages exchanged and landed here in send order; (its end, the run's end or inf)."""
+            nonlocal finished
+            W, fin, last = part.window, 0, -math.inf
+            for t_c, r in sorted(x for x in ends if x[0] < T + W and busy[x[1]][1] is not None):
+                clock.at(t_c)
+                n = len(engines[r].finished)
+                busy[r] = (t_c, None, completed(r, busy[r]))
+                if len(engines[r].finished) > n:
+                    fin, last = fin + len(engines[r].finished) - n, t_c
+            clock.at(T)
+            mine, out = [], {j: [] for j in range(len(part.ranks)) if j != part.index}
+            for m in hub.departures:
+                (mine if part.owner[m[3]] == part.index else out[part.owner[m[3]]]).append(m)
+            hub.departures = []
+            for wire, f, t_f in part.exchange({j: (to_wire(v), fin, last) for j, v in out.items()}, T).values():
+                mine += from_wire(wire)
+                fin, last = fin + f, max(last, t_f)
+            mine.sort(key=lambda m: (m[0], m[1], m[2]))  # (send time, source, its count): one process's send order
+            for m in mine:
+                hub.deliver(*m)
+            finished += fin
+            return T + W, (last if finished == total else math.inf)
+
         while True:
-            it += 1
             now = clock.now()
+            if split and part is None and not pending and not self.admission.waiting:
+                part = self._split(busy, ends, mail, restless, carry)
+                finished, window_end = len(done) + sum(len(e.finished) for e in engines), now
+                n_done = len(done)
+            if now >= window_end:
+                window_end, stop_at = open_window(now)
+            if now >= stop_at:  # the last request finished at this time: no visit at it (as in one process)
+                return self._join(part, done, n_done)
             freed = []
             while ends and ends[0][0] <= now:
                 freed.append(heappop(ends)[1])
             freed.sort()  # (a rank is in `ends` once at most: no duplicates)
             for r in freed:
                 b, busy[r] = busy[r], None
+                tail = b[2] if len(b) > 2 else 0.0  # (completed at its window's start)
                 if b[1] is not None:
-                    sent = hub.messages
-                    engines[r].complete(b[1])
-                    sent = hub.messages - sent
+                    tail = completed(r, b)
                     finishing = finishing or bool(engines[r].finished)  # (requests finish in a complete or a visit)
-                    # The sender's host cost of the messages this batch issued (cost.send_cpu each):
-                    # the rank stays busy for what its device time did not hide.
-                    if sent and send_cpu:
-                        device = b[0] - b[1].t_start
-                        tail = cost.with_sends(device, sent) - device
-                        if tail > 0:
-                            busy[r] = (now + tail, None)
-                            heappush(ends, (now + tail, r))
-                            continue
+                if tail > 0:
+                    busy[r] = (now + tail, None)
+                    heappush(ends, (now + tail, r))
+                    continue
                 for m in held[r]:  # (due now: straight to its visit this pass, as the mail loop would put it)
                     if receive is not None and m[0] <= now and m[3] != r:  # landed during the batch: received from
                         m = (now + receive(rng),) + m[1:]  # now on (cost.busy_receive; again if a batch starts first)
@@ -280,8 +402,9 @@ class Cluster:
                     continue
                 touched.append(r)
                 e = engines[r]
-                if (at := settled.pop(r, None)) is not None and it - at > 1:
-                    _repeat_idle(e.policy, it - at - 1)  # (none owed when it decided at the last event)
+                if r in settled:
+                    settled.discard(r)
+                    _spin(e.policy)
                 if box := due[r]:  # what Engine.poll would get, in delivery order (a busy rank's held mail, pushed
                     due[r] = []       # back when it finished, may be earlier than some that came due while it ran)
                     for _, _, _, src, meta, tensor in (sorted(box) if len(box) > 1 else box):
@@ -292,16 +415,19 @@ class Cluster:
                 if batch is not None:
                     e.execute(batch)
                     busy[r] = (now + duration(batch.stage.kind, batch.rows, _experts(batch) if per_expert else 1), batch)
+                    if part is not None and busy[r][0] < window_end:  # (a split run's windows rely on it: min_duration)
+                        raise RuntimeError(f"rank {r}: a {batch.stage.name} batch of {busy[r][0] - now:.3g} s, shorter "
+                                           f"than the split run's window ({part.window:.3g} s)")
                     heappush(ends, (busy[r][0], r))
                 elif e._idle_at == e._changes[0] and not e.hold_s and not e.deferred:
-                    settled[r] = it
+                    settled.add(r)
                 else:
                     restless.add(r)
                 finishing = finishing or bool(e.finished)
             while mail and busy[mail[0][2]] is not None:
                 held[mail[0][2]].append(heappop(mail))
             t_next = min(ends[0][0] if ends else math.inf, mail[0][0] if mail else math.inf,
-                         pending[-1].arrival if pending else math.inf,
+                         pending[-1].arrival if pending else math.inf, window_end, stop_at,
                          *([now + engines[r].hold_s for r in restless if engines[r].hold_s > 0] if restless else ()))
             if t_next == math.inf:
                 raise self._stalled("no batch running, nothing in flight, no arrival due")
@@ -310,16 +436,16 @@ class Cluster:
             clock.advance_to(max(t_next, now))
 
 
-def _repeat_idle(policy, n: int) -> None:
-    """`n` skipped idle decisions' policy updates at once: Defrag's (and Aging's) repeat_idle takes the count (its
-    state after n of them in one step); the base policy's is a no-op; any other is called n times."""
+def _spin(policy) -> None:
+    """The idle decisions of a settled rank between two visits (Cluster._run_virtual): as many as the policy's history
+    holds (Defrag's and Aging's `history`, in one step: repeat_idle takes the count); the base policy's is a no-op; any
+    other policy's repeat_idle is called once."""
     rep = policy.repeat_idle
     fn = getattr(rep, "__func__", None)
     if fn is Defrag.repeat_idle:
-        rep(n)
+        rep(policy.history)
     elif fn is not Policy.repeat_idle:
-        for _ in range(n):
-            rep()
+        rep()
 
 
 def build_executor(plan, options: RunOptions, weights=None):

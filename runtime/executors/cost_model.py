@@ -53,6 +53,10 @@ class CostModel:
         more = self.expert_per_expert * (experts - 1) if kind == "expert" and experts > 1 else 0.0
         return getattr(self, fixed) + getattr(self, per_row) * rows + more
 
+    def min_duration(self) -> float:
+        """No batch is shorter (per-row and per-expert costs are never negative): the shortest empty batch's."""
+        return min(self.duration(k, 0) for k in _FIELDS)
+
     def with_sends(self, device: float, messages: int) -> float:
         """How long a batch of `device` seconds that then issues `messages` sends holds its rank."""
         host = messages * self.send_cpu
