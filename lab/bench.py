@@ -299,7 +299,8 @@ def run_cell(cell: Cell, cfg: BenchConfig, plan, executor, requests: list[Reques
         def delay(src, dst, meta, nbytes, rng):
             d = depart(src, dst, meta, nbytes, rng)
             return land(d) if type(d) is tuple else d
-        delay.depart, delay.land = depart, land
+        if software is None:  # (a drawn latency is drawn in one process's send order: such a run is not split)
+            delay.depart, delay.land = depart, land
 
         scaled = _ScaledCost(cost, _compute_scale(inter, cfg.cost.batch_sigma, cell.repeat) if not wall else None)
         # delay_seed: each round of a virtual-clock matrix draws its own jitter, message latencies and batch spreads

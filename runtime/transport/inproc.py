@@ -68,7 +68,8 @@ class InprocHub:
         self.messages += 1
         if self.departures is not None:
             nbytes = tensor.nbytes if tensor is not None else 0
-            self.departures.append((now, src, k, dst, meta, tensor, self.delay.depart(src, dst, meta, nbytes, self.rng)))
+            self.departures.append((now, src, k, dst, meta, tensor, 0.0 if self.delay is None else
+                                    self.delay.depart(src, dst, meta, nbytes, self.rng)))
             return
         self.deliver(now, src, k, dst, meta, tensor,
                      self.delay(src, dst, meta, tensor.nbytes if tensor is not None else 0, self.rng)
