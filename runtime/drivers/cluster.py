@@ -176,13 +176,14 @@ class Cluster:
         """The end of a split run: each child hands the parent what the run's result needs of its ranks (their metrics,
         the requests they finished, the messages they sent, the caller's `split_state`) and exits; the parent folds it
         in, so that run() goes on as after a run in one process."""
-        from runtime.drivers.partitions import child_exit, copy_request
+        from runtime.drivers.partitions import child_exit, copy_request, pack_metrics, unpack_metrics
         engines, own, o = self.engines, part.own, self.options
         self._collect(done, len(self._requests), list(own))
         if part.index:
             for r in own:  # (run() does this for the parent's ranks)
                 engines[r].metrics.max_queue_delay = max(engines[r].metrics.max_queue_delay, engines[r].oldest_wait())
-            child_exit(part, (done[n_done:], {r: engines[r].metrics for r in own}, self.hub.messages - self._sent_at_split,
+            child_exit(part, (done[n_done:], pack_metrics({r: engines[r].metrics for r in own}),
+                              self.hub.messages - self._sent_at_split,
                               o.split_state.export(own) if o.split_state is not None else None))
         parts = part.exchange({}, self.clock.now())
         for pid in part.children:
@@ -195,7 +196,7 @@ class Cluster:
             for q in finished:
                 copy_request(by_rid[q.rid], q)
                 done.append(by_rid[q.rid])
-            for r, m in metrics.items():
+            for r, m in unpack_metrics(metrics).items():
                 engines[r].metrics = m
             self.hub.messages += sent
             states.append(state)
@@ -331,7 +332,7 @@ class Cluster:
             doc's why), their messages exchanged and landed here in send order; (its end, the run's end or inf)."""
             nonlocal finished
             W, fin, last = part.window, 0, -math.inf
-            for t_c, r in sorted(x for x in ends if x[0] < T + W and busy[x[1]][1] is not None):
+            for t_c, r in sorted(x for x in _heap_below(ends, T + W) if busy[x[1]][1] is not None):
                 clock.at(t_c)
                 n = len(engines[r].finished)
                 busy[r] = (t_c, None, completed(r, busy[r]))
@@ -345,7 +346,7 @@ class Cluster:
             for wire, f, t_f in part.exchange({j: (to_wire(v), fin, last) for j, v in out.items()}, T).values():
                 mine += from_wire(wire)
                 fin, last = fin + f, max(last, t_f)
-            mine.sort(key=lambda m: (m[0], m[1], m[2]))  # (send time, source, its count): one process's send order
+            mine.sort()  # (send time, source, its count: unique), one process's send order
             for m in mine:
                 hub.deliver(*m)
             finished += fin
@@ -434,6 +435,18 @@ class Cluster:
             if until is not None and t_next > until:
                 return
             clock.advance_to(max(t_next, now))
+
+
+def _heap_below(heap: list, limit) -> list:
+    """The entries of `heap` less than `limit` (a walk down from the root that stops where the heap does: the few
+    batches ending in a split run's window, not every busy rank's)."""
+    out, todo, n = [], [0], len(heap)
+    while todo:
+        i = todo.pop()
+        if i < n and heap[i] < (limit,):
+            out.append(heap[i])
+            todo += (2 * i + 1, 2 * i + 2)
+    return out
 
 
 def _spin(policy) -> None:

@@ -23,6 +23,7 @@ pipes, not sockets: what crosses is pickled by one fork of this program and unpi
 """
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 import select
@@ -36,6 +37,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from runtime.observability.metrics import BatchRecord
+
+_RECORD = tuple(f.name for f in fields(BatchRecord))
 EXCHANGE_TIMEOUT_S = 600.0  # a peer silent this long is dead or stuck: the run fails naming it
 
 
@@ -165,6 +169,25 @@ def from_wire(wire: tuple) -> list:
     msgs, stacked, rows = wire
     parts = iter(torch.from_numpy(stacked).split(rows) if rows else ())
     return [m[:5] + (next(parts) if m[5] else None, m[6]) for m in msgs]
+
+
+def pack_metrics(metrics: dict) -> dict:
+    """Ranks' metrics as a child hands them back, their batch records as columns (2.7M records pickled one by one took
+    ~20 s at 1,024 ranks x 100 tokens, the parent waiting)."""
+    get = operator.attrgetter(*_RECORD)
+    out = {}
+    for r, m in metrics.items():
+        batches, m.batches = m.batches, []
+        out[r] = m, [list(c) for c in zip(*map(get, batches))]
+    return out
+
+
+def unpack_metrics(packed: dict) -> dict:
+    out = {}
+    for r, (m, cols) in packed.items():
+        m.batches = list(map(BatchRecord, *cols)) if cols else []
+        out[r] = m
+    return out
 
 
 def copy_request(into, got) -> None:
