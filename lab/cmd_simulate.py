@@ -12,8 +12,9 @@ Named scenarios (`--scenario`, repeatable; or a YAML file of bench scenarios, na
 - slow-nic: the last node's NIC in on/off bursts, +2 ms for 30% of every 20 ms, both ways (the recorded benches'
   link bursts, on one node's every link);
 - slow-rank: the last GPU computes 1.5x slower.
-It is a bench config built from a few flags (`simulate_config`): for more control, write the config and run
-`python -m lab bench`. Lives in the lab: it compares the product with the lab's barrier baselines.
+Each streaming simulation runs split over `--processes` (default: one per CPU core this process may use), the same
+report as in one process (runtime/drivers/partitions.py: why, and where it applies). It is a bench config built from
+a few flags (`simulate_config`): for more control, write the config and run `python -m lab bench`. Lives in the lab: it compares the product with the lab's barrier baselines.
 """
 from __future__ import annotations
 
