@@ -31,7 +31,7 @@ from runtime.drivers.admission import Admission
 from runtime.core.scheduler import Defrag, Policy, make_policy
 from runtime.observability.trace import TRACE_BATCHES, TraceRecorder
 from runtime.transport.inproc import DelayFn, InprocHub
-from runtime.drivers.partitions import from_wire, to_wire
+from runtime.drivers.partitions import from_wire, heap_below, to_wire
 
 
 @dataclass
@@ -332,7 +332,7 @@ class Cluster:
             doc's why), their messages exchanged and landed here in send order; (its end, the run's end or inf)."""
             nonlocal finished
             W, fin, last = part.window, 0, -math.inf
-            for t_c, r in sorted(x for x in _heap_below(ends, T + W) if busy[x[1]][1] is not None):
+            for t_c, r in sorted(x for x in heap_below(ends, T + W) if busy[x[1]][1] is not None):
                 clock.at(t_c)
                 n = len(engines[r].finished)
                 busy[r] = (t_c, None, completed(r, busy[r]))
@@ -435,18 +435,6 @@ class Cluster:
             if until is not None and t_next > until:
                 return
             clock.advance_to(max(t_next, now))
-
-
-def _heap_below(heap: list, limit) -> list:
-    """The entries of `heap` less than `limit` (a walk down from the root that stops where the heap does: the few
-    batches ending in a split run's window, not every busy rank's)."""
-    out, todo, n = [], [0], len(heap)
-    while todo:
-        i = todo.pop()
-        if i < n and heap[i] < (limit,):
-            out.append(heap[i])
-            todo += (2 * i + 1, 2 * i + 2)
-    return out
 
 
 def _spin(policy) -> None:

@@ -156,6 +156,18 @@ def split(world: int, parts: int, align: int, window: float) -> Partition:
     return Partition(index, ranks, pipes, window, children)
 
 
+def heap_below(heap: list, limit) -> list:
+    """The entries of `heap` less than `limit` (a walk down from the root that stops where the heap does: the few
+    batches ending in a split run's window, not every busy rank's)."""
+    out, todo, n = [], [0], len(heap)
+    while todo:
+        i = todo.pop()
+        if i < n and heap[i] < (limit,):
+            out.append(heap[i])
+            todo += (2 * i + 1, 2 * i + 2)
+    return out
+
+
 def to_wire(departures: list) -> tuple:
     """Departed messages as they cross: their tensors' rows stacked in one array (pickling a torch tensor costs ~90 us,
     a small array ~5 us to load; one array for all, ~0.5 us a message), the rest as it is."""
