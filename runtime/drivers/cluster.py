@@ -13,7 +13,6 @@ Two loops over the same engines:
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from heapq import heapify, heappop, heappush
@@ -176,7 +175,7 @@ class Cluster:
         """The end of a split run: each child hands the parent what the run's result needs of its ranks (their metrics,
         the requests they finished, the messages they sent, the caller's `split_state`) and exits; the parent folds it
         in, so that run() goes on as after a run in one process."""
-        from runtime.drivers.partitions import child_exit, copy_request, pack_metrics, unpack_metrics
+        from runtime.drivers.partitions import child_exit, copy_request, pack_metrics, reap, unpack_metrics
         engines, own, o = self.engines, part.own, self.options
         self._collect(done, len(self._requests), list(own))
         if part.index:
@@ -186,9 +185,7 @@ class Cluster:
                               self.hub.messages - self._sent_at_split,
                               o.split_state.export(own) if o.split_state is not None else None))
         parts = part.exchange({}, self.clock.now())
-        for pid in part.children:
-            os.waitpid(pid, 0)
-        part.children = []
+        reap(part)
         by_rid = {q.rid: q for q in self._requests}
         states = []
         for i in sorted(parts):

@@ -195,11 +195,9 @@ def pack_metrics(metrics: dict) -> dict:
 
 
 def unpack_metrics(packed: dict) -> dict:
-    out = {}
-    for r, (m, cols) in packed.items():
+    for m, cols in packed.values():
         m.batches = list(map(BatchRecord, *cols)) if cols else []
-        out[r] = m
-    return out
+    return {r: m for r, (m, _) in packed.items()}
 
 
 def copy_request(into, got) -> None:
@@ -227,10 +225,19 @@ def abandon(part: Partition) -> None:
             part.exchange({j: Failed(traceback.format_exc()) for j in part._out}, float("nan"), timeout=10.0)
         finally:
             os._exit(1)
+    reap(part, 0.0)
+
+
+def reap(part: Partition, grace_s: float = 10.0) -> None:
+    """The parent waits for its children to exit (each exits right after handing its part back), at most `grace_s`;
+    one still there is killed (a wait that cannot hang)."""
+    deadline = time.monotonic() + grace_s
     for pid in part.children:
         try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):  # (after the kill: until it is reaped)
+                if time.monotonic() >= deadline:
+                    os.kill(pid, signal.SIGKILL)
+                time.sleep(0.01)
+        except OSError:  # (gone already)
             pass
     part.children = []

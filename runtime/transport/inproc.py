@@ -66,14 +66,13 @@ class InprocHub:
         tensor = tensor.clone() if tensor is not None and self.copy else tensor
         self._in_flight[src] += 1
         self.messages += 1
+        nbytes = tensor.nbytes if tensor is not None else 0
         if self.departures is not None:
-            nbytes = tensor.nbytes if tensor is not None else 0
             self.departures.append((now, src, k, dst, meta, tensor, 0.0 if self.delay is None else
                                     self.delay.depart(src, dst, meta, nbytes, self.rng)))
             return
         self.deliver(now, src, k, dst, meta, tensor,
-                     self.delay(src, dst, meta, tensor.nbytes if tensor is not None else 0, self.rng)
-                     if self.delay is not None else 0.0)
+                     self.delay(src, dst, meta, nbytes, self.rng) if self.delay is not None else 0.0)
 
     def deliver(self, now: float, src: int, k: int, dst: int, meta: dict, tensor: Optional[torch.Tensor],
                 d) -> None:
